@@ -1,0 +1,29 @@
+# Two targets a newcomer needs: `make demo` and `make test`. Both set themselves up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mcp-stream-exporter demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check exporter tests bench
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/hooks_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

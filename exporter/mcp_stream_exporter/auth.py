@@ -1,0 +1,247 @@
+"""What a bearer token grants, without ever keeping the token: ``AuthView`` and ``ToolPolicy``.
+
+The invariant this project watches compares two sets: the resource indicators (RFC 8707) and scopes a
+token grants, and the ones a tool call needs. ``AuthView`` is the first set, read from a JWT (verified
+when keys are configured, read unverified for observation otherwise); ``ToolPolicy`` gives the second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+import tomllib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import jwt
+
+Verification = Literal["verified", "unverified", "failed", "opaque", "absent"]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_FINGERPRINT_CHARS = 16
+_PROCESS_SALT = os.environ.get("MCP_STREAM_SUBJECT_SALT", "").encode() or os.urandom(16)
+
+
+def canonical_resource(uri: str) -> str:
+    """Canonical form of a resource URI, so that equal resources compare equal.
+
+    Lower-cases scheme and host, drops a default port, the fragment, and one trailing slash of the
+    path (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
+    servers and clients disagree on that slash, see failure-modes.md section I). Only one slash goes:
+    ``rstrip('/')`` would make ``/tools//`` equal ``/tools``.
+    """
+    parts = urlsplit(uri.strip())
+    scheme = parts.scheme.lower()
+    if not scheme or not parts.netloc:
+        return uri.strip()
+    host = (parts.hostname or "").lower()
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = host if port is None or _DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
+    if parts.username is not None:
+        userinfo = parts.username + (f":{parts.password}" if parts.password is not None else "")
+        netloc = f"{userinfo}@{netloc}"
+    path = parts.path[:-1] if parts.path.endswith("/") else parts.path
+    return urlunsplit((scheme, netloc, path, parts.query, ""))
+
+
+def canonical_resources(uris: Iterable[str]) -> frozenset[str]:
+    return frozenset(canonical_resource(u) for u in uris if u)
+
+
+def token_fingerprint(token: str) -> str:
+    """A short, stable, irreversible id for a token: the same on every process and side."""
+    return hashlib.sha256(token.encode()).hexdigest()[:_FINGERPRINT_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class AuthView:
+    """The part of a bearer token this project may record: sets, hashes and how it was read."""
+
+    audience: frozenset[str] = frozenset()
+    scopes: frozenset[str] = frozenset()
+    subject_hash: str | None = None
+    fingerprint: str | None = None
+    verification: Verification = "absent"
+    expires_at: float | None = None
+
+    def missing_resources(self, required: Iterable[str]) -> frozenset[str]:
+        """The required resource indicators this token's ``aud`` does not grant (canonical form)."""
+        return canonical_resources(required) - self.audience
+
+    def missing_scopes(self, required: Iterable[str]) -> frozenset[str]:
+        return frozenset(required) - self.scopes
+
+    def grants(self, requirement: Requirement) -> bool:
+        return not self.missing_resources(requirement.resources) and not self.missing_scopes(
+            requirement.scopes
+        )
+
+
+ABSENT = AuthView()
+
+
+def _as_set(value: Any, *, split: bool) -> frozenset[str]:
+    if isinstance(value, str):
+        return frozenset(value.split()) if split else frozenset({value})
+    if isinstance(value, list | tuple):
+        return frozenset(str(v) for v in value)
+    return frozenset()
+
+
+@dataclass(slots=True)
+class TokenReader:
+    """Turns a bearer token into an ``AuthView``; verifies signatures when a key or JWKS URL is set.
+
+    Without a key the claims are read unverified and the view says ``unverified``: good enough to
+    observe an audience gap, never to grant access. ``subject_salt`` keys the subject hash so that a
+    hash cannot be reversed by hashing candidate user names; by default it comes from
+    ``MCP_STREAM_SUBJECT_SALT``, or is random per process (set it to correlate across processes).
+    """
+
+    key: Any = None
+    jwks_url: str | None = None
+    algorithms: tuple[str, ...] = ("RS256", "ES256", "PS256", "EdDSA", "HS256")
+    subject_salt: bytes = _PROCESS_SALT
+    cache_size: int = 1024
+    clock: Callable[[], float] = time.time
+    _cache: OrderedDict[str, AuthView] = field(default_factory=OrderedDict, init=False, repr=False)
+    _jwks: jwt.PyJWKClient | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.jwks_url:
+            self._jwks = jwt.PyJWKClient(self.jwks_url, cache_keys=True)
+
+    @property
+    def verifies(self) -> bool:
+        return self.key is not None or self._jwks is not None
+
+    def from_authorization(self, header: str | None) -> AuthView:
+        """The view of an ``Authorization`` header value; ``absent`` when there is no bearer."""
+        if not header:
+            return ABSENT
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return ABSENT
+        return self.read(token.strip())
+
+    def read(self, token: str) -> AuthView:
+        fingerprint = token_fingerprint(token)
+        cached = self._cache.get(fingerprint)
+        if cached is not None and (cached.expires_at is None or cached.expires_at > self.clock()):
+            self._cache.move_to_end(fingerprint)
+            return cached
+        view = self._read(token, fingerprint)
+        self._cache[fingerprint] = view
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return view
+
+    def _read(self, token: str, fingerprint: str) -> AuthView:
+        if token.count(".") != 2:
+            return AuthView(fingerprint=fingerprint, verification="opaque")
+        try:
+            claims = jwt.decode(token, options={"verify_signature": False})
+        except jwt.InvalidTokenError:
+            return AuthView(fingerprint=fingerprint, verification="opaque")
+        verification: Verification = "unverified"
+        if self.verifies:
+            verification = "verified" if self._verify(token) else "failed"
+        subject = claims.get("sub")
+        exp = claims.get("exp")
+        return AuthView(
+            audience=canonical_resources(_as_set(claims.get("aud"), split=False)),
+            scopes=_as_set(claims.get("scope"), split=True) | _as_set(claims.get("scp"), split=True),
+            subject_hash=self._hash_subject(subject) if isinstance(subject, str) else None,
+            fingerprint=fingerprint,
+            verification=verification,
+            expires_at=float(exp) if isinstance(exp, int | float) else None,
+        )
+
+    def _verify(self, token: str) -> bool:
+        try:
+            key = self._jwks.get_signing_key_from_jwt(token).key if self._jwks else self.key
+            jwt.decode(token, key, algorithms=list(self.algorithms), options={"verify_aud": False})
+        except (jwt.PyJWTError, ValueError):
+            return False
+        return True
+
+    def _hash_subject(self, subject: str) -> str:
+        return hmac.new(self.subject_salt, subject.encode(), hashlib.sha256).hexdigest()[:_FINGERPRINT_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """What one tool call needs from the token: resource indicators (canonical) and scopes."""
+
+    resources: frozenset[str] = frozenset()
+    scopes: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, resources: Iterable[str] = (), scopes: Iterable[str] = ()) -> Requirement:
+        return cls(canonical_resources(resources), frozenset(scopes))
+
+    def __or__(self, other: Requirement) -> Requirement:
+        return Requirement(self.resources | other.resources, self.scopes | other.scopes)
+
+
+NO_REQUIREMENT = Requirement()
+
+
+class ToolPolicy:
+    """Tool name -> the resource indicators and scopes a ``tools/call`` of it requires.
+
+    Per-tool resource indicators are not in any MCP version; this is the project's model of the
+    deployments that use them (DESIGN.md section 1).
+    """
+
+    def __init__(self, tools: Mapping[str, Requirement] | None = None) -> None:
+        self._tools: dict[str, Requirement] = dict(tools or {})
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ToolPolicy:
+        """``{"tools": {"fetch": {"resources": [...], "scopes": [...]}}}``; a bare tool map works too."""
+        tools = data.get("tools", data)
+        if not isinstance(tools, Mapping):
+            raise ValueError("tool policy: 'tools' must be a mapping of tool name to requirement")
+        out: dict[str, Requirement] = {}
+        for name, spec in tools.items():
+            if isinstance(spec, str | list):
+                out[str(name)] = Requirement.of(_as_set(spec, split=False))
+            elif isinstance(spec, Mapping):
+                out[str(name)] = Requirement.of(
+                    _as_set(spec.get("resources", spec.get("resource", [])), split=False),
+                    _as_set(spec.get("scopes", []), split=True),
+                )
+            else:
+                raise ValueError(f"tool policy: requirement of {name!r} must be a mapping or a list")
+        return cls(out)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ToolPolicy:
+        """Load a policy from a ``.json`` or ``.toml`` file."""
+        p = Path(path)
+        text = p.read_text(encoding="utf-8")
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"tool policy {p}: top level must be a mapping")
+        return cls.from_mapping(data)
+
+    @property
+    def tools(self) -> frozenset[str]:
+        return frozenset(self._tools)
+
+    def requirement(self, tool: str | None) -> Requirement | None:
+        """The tool's requirement, or None when the policy does not name it."""
+        return self._tools.get(tool) if tool is not None else None

@@ -1,0 +1,283 @@
+"""Calls and streams as both hooks see them: one tracker per side, spans per the span model.
+
+A ``tools/call`` is tracked from its request until its terminal event (a response or error) is seen
+on any stream; a stream is tracked from its response headers until its end. Each side feeds the
+tracker what it sees on the wire; the tracker turns that into call, stream and frame spans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import AuthView, Requirement
+from mcp_stream_exporter.sse import SSEFrame
+from mcp_stream_exporter.wire import WireMessage
+
+CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
+_PROPAGATOR = TraceContextTextMapPropagator()
+_ERROR_FRAME_DATA_CHARS = 1024
+_STATELESS_FROM = "2026-07-28"
+
+
+def era_of(protocol_version: str | None) -> str:
+    """2026-07-28 and later have no sessions and no resumption; earlier versions do."""
+    if protocol_version is not None and protocol_version >= _STATELESS_FROM:
+        return sc.ERA_STATELESS
+    return sc.ERA_RESUMABLE
+
+
+def auth_attributes(view: AuthView) -> dict[str, AttributeValue]:
+    attrs: dict[str, AttributeValue] = {sc.AUTH_VERIFICATION: view.verification}
+    if view.fingerprint is not None:
+        attrs[sc.AUTH_FINGERPRINT] = view.fingerprint
+        attrs[sc.AUTH_AUDIENCE] = sorted(view.audience)
+        attrs[sc.AUTH_SCOPES] = sorted(view.scopes)
+    if view.subject_hash is not None:
+        attrs[sc.AUTH_SUBJECT_HASH] = view.subject_hash
+    return attrs
+
+
+def _sdk_parent(traceparent: str | None) -> Context | None:
+    """The SDK's own request span, from the ``traceparent`` it injects into ``params._meta``."""
+    if traceparent is None:
+        return None
+    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    key: CallKey
+    tool: str | None
+    span: Span
+    stateless: bool
+    requirement: Requirement | None = None
+    streams: int = 0
+    done: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Stream:
+    """One HTTP response on the MCP endpoint, and the calls it carries."""
+
+    span: Span
+    session_id: str | None
+    kind: str
+    calls: list[Call] = field(default_factory=list)
+    terminal_ids: list[str] = field(default_factory=list)
+    events: int = 0
+    error_frames: int = 0
+    first_event_id: str | None = None
+    last_event_id: str | None = None
+    ended: bool = False
+
+    def pending(self) -> list[Call]:
+        return [c for c in self.calls if not c.done]
+
+
+class Tracker:
+    """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
+
+    def __init__(self, tracer: trace.Tracer, role: str, *, max_calls: int = 10_000,
+                 max_event_index: int = 50_000) -> None:
+        self._tracer = tracer
+        self._role = role
+        self._max_calls = max_calls
+        self._max_event_index = max_event_index
+        self._calls: OrderedDict[CallKey, Call] = OrderedDict()
+        self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
+
+    # --- calls ---
+
+    def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
+                   *, stateless: bool) -> Call:
+        """A ``tools/call`` request was seen; its span is a child of the SDK's request span."""
+        assert msg.id is not None
+        attrs: dict[str, AttributeValue] = {
+            sc.SPAN: sc.SPAN_CALL,
+            sc.ROLE: self._role,
+            sc.MCP_METHOD_NAME: msg.method or "",
+            sc.JSONRPC_REQUEST_ID: msg.id,
+            sc.ERA: sc.ERA_STATELESS if stateless else sc.ERA_RESUMABLE,
+        }
+        if msg.tool is not None:
+            attrs[sc.GEN_AI_TOOL_NAME] = msg.tool
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        if protocol_version is not None:
+            attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
+        name = f"MCP call {msg.method} {msg.tool}" if msg.tool else f"MCP call {msg.method}"
+        span = self._tracer.start_span(name, context=_sdk_parent(msg.traceparent),
+                                       kind=SpanKind.INTERNAL, attributes=attrs)
+        call = Call((session_id, msg.id), msg.tool, span, stateless)
+        if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
+            previous = self._calls.pop(call.key, None)
+            if previous is not None:
+                self._finish(previous, sc.OUTCOME_EVICTED)
+            self._calls[call.key] = call
+            while len(self._calls) > self._max_calls:
+                self._finish(self._calls.popitem(last=False)[1], sc.OUTCOME_EVICTED)
+        return call
+
+    def call(self, key: CallKey) -> Call | None:
+        return self._calls.get(key)
+
+    def cancel(self, key: CallKey) -> None:
+        call = self._calls.get(key)
+        if call is not None:
+            self._finish(call, sc.OUTCOME_CANCELLED)
+
+    def _finish(self, call: Call, outcome: str) -> None:
+        if call.done:
+            return
+        call.done = True
+        call.span.set_attribute(sc.CALL_OUTCOME, outcome)
+        call.span.set_attribute(sc.CALL_STREAMS, call.streams)
+        call.span.end()
+        if self._calls.get(call.key) is call:
+            del self._calls[call.key]
+
+    # --- streams ---
+
+    def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
+                    attributes: dict[str, AttributeValue], start_time: int | None = None) -> Stream:
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self._role,
+                                            sc.STREAM_KIND: kind, **attributes}
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        if calls:
+            attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in calls]
+        parent = trace.set_span_in_context(calls[0].span) if len(calls) == 1 else None
+        span = self._tracer.start_span(f"MCP stream {kind}", context=parent,
+                                       kind=SpanKind.SERVER if self._role == sc.ROLE_SERVER else SpanKind.CLIENT,
+                                       attributes=attrs, start_time=start_time)
+        stream = Stream(span, session_id, kind, list(calls))
+        for call in calls:
+            call.streams += 1
+            call.span.add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
+        return stream
+
+    def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
+        """The calls whose stream carried event ``event_id``: what a resume from it continues."""
+        ids = self._event_index.get((session_id, event_id), ())
+        return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
+
+    def frame(self, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
+        """One SSE frame (or, with ``frame=None``, a JSON body) sent on ``stream``."""
+        event_id = frame.id if frame is not None else None
+        event_type = frame.type if frame is not None else None
+        if event_id is not None:
+            stream.first_event_id = stream.first_event_id or event_id
+            stream.last_event_id = event_id
+            if stream.calls:
+                self._index(stream.session_id, event_id, tuple(c.key[1] for c in stream.calls))
+        if frame is not None and frame.type == "error":
+            self._error_frame(stream, frame)
+            return
+        if frame is not None and frame.type != "message":
+            self._frame_event(stream, event_id, event_type, sc.FRAME_OTHER, None, None)
+            return
+        if frame is not None and not frame.data:
+            stream.events += 1
+            self._frame_event(stream, event_id, event_type, sc.FRAME_PRIMING, None, None)
+            return
+        for msg in messages:
+            stream.events += 1
+            self._frame_event(stream, event_id, event_type, msg.kind, msg.id, msg.method)
+            if msg.is_terminal and msg.id is not None:
+                self._terminal(stream, msg, event_id)
+
+    def _frame_event(self, stream: Stream, event_id: str | None, event_type: str | None, kind: str,
+                     request_id: str | None, method: str | None) -> None:
+        attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: kind}
+        if event_id is not None:
+            attrs[sc.EVENT_ID] = event_id
+        if event_type is not None:
+            attrs[sc.EVENT_TYPE] = event_type
+        if request_id is not None:
+            attrs[sc.JSONRPC_REQUEST_ID] = request_id
+        if method is not None:
+            attrs[sc.MCP_METHOD_NAME] = method
+        stream.span.add_event(sc.EVENT_FRAME, attrs)
+
+    def _error_frame(self, stream: Stream, frame: SSEFrame | None) -> None:
+        assert frame is not None
+        stream.error_frames += 1
+        attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: sc.FRAME_ERROR_FRAME, sc.EVENT_TYPE: frame.type,
+                                            sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
+        if frame.id is not None:
+            attrs[sc.EVENT_ID] = frame.id
+        stream.span.add_event(sc.EVENT_ERROR_FRAME, attrs)
+
+    def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
+        assert msg.id is not None
+        stream.terminal_ids.append(msg.id)
+        key = (stream.session_id, msg.id)
+        call = next((c for c in stream.calls if c.key == key), None) or self._calls.get(key)
+        if call is None or call.done:
+            return
+        if event_id is not None:
+            call.span.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
+        call.span.set_attribute(sc.TERMINAL_STREAM_KIND, stream.kind)
+        call.span.add_link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
+        if msg.kind == sc.FRAME_ERROR:
+            outcome = sc.OUTCOME_ERROR
+        else:
+            outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
+        self._finish(call, outcome)
+
+    def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
+        if stream.ended:
+            return
+        stream.ended = True
+        span = stream.span
+        span.set_attribute(sc.END_REASON, reason)
+        if status is not None:
+            span.set_attribute(sc.HTTP_RESPONSE_STATUS_CODE, status)
+        span.set_attribute(sc.EVENTS_COUNT, stream.events)
+        if stream.error_frames:
+            span.set_attribute(sc.ERROR_FRAMES_COUNT, stream.error_frames)
+        if stream.first_event_id is not None:
+            span.set_attribute(sc.EVENT_FIRST_ID, stream.first_event_id)
+            span.set_attribute(sc.EVENT_LAST_ID, stream.last_event_id or stream.first_event_id)
+        if stream.terminal_ids:
+            span.set_attribute(sc.TERMINAL_REQUEST_IDS, stream.terminal_ids)
+        pending = stream.pending()
+        if pending:
+            span.set_attribute(sc.PENDING_REQUEST_IDS, [c.key[1] for c in pending])
+        span.end()
+        for call in pending:
+            if call.stateless:  # no resumption in this era: nothing else can deliver it
+                self._finish(call, sc.OUTCOME_NO_TERMINAL)
+
+    def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
+        self._event_index[(session_id, event_id)] = request_ids
+        if len(self._event_index) > self._max_event_index:
+            self._event_index.popitem(last=False)
+
+    def shutdown(self) -> None:
+        """End every pending call span (as evicted) so nothing is left open at exit."""
+        for call in list(self._calls.values()):
+            self._finish(call, sc.OUTCOME_EVICTED)
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def link_sdk_span(call: Call) -> None:
+    """Link a call to the SDK's span that is current now (the server's ``tools/call`` span)."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        call.span.add_link(ctx, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
+

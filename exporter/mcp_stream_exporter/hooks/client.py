@@ -1,0 +1,209 @@
+"""Client hooks: what an MCP client on the SDK sends and receives, as spans.
+
+A tap on the ``httpx2`` transport sees the final request (the ``Authorization`` an auth flow set, the
+``Last-Event-ID`` of a resume) and every byte of every response before the SDK parses it: each SSE
+frame, ``event: error`` frames the SDK drops with a warning, the wire JSON-RPC id the SDK rewrites,
+and how each stream ended (the server ended it, the connection broke, or the client closed it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2
+from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.hooks._tracking import Call, Stream, Tracker, auth_attributes, era_of, now_ns
+from mcp_stream_exporter.sse import SSEParser
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify
+
+_MAX_BODY = 4 * 1024 * 1024
+
+
+class ClientInstrumentation:
+    """The client side of the span model, shared by every request of one ``httpx2`` client."""
+
+    def __init__(
+        self,
+        *,
+        policy: ToolPolicy | None = None,
+        token_reader: TokenReader | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        max_calls: int = 10_000,
+    ) -> None:
+        self.policy = policy
+        self.tokens = token_reader or TokenReader()
+        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
+        self._protocol_version: str | None = None
+
+    def _request_calls(self, request: httpx2.Request, session_id: str | None,
+                       protocol_version: str | None, auth: dict[str, AttributeValue]) -> list[Call]:
+        try:
+            body = request.content
+        except httpx2.RequestNotRead:
+            return []
+        if not body or len(body) > _MAX_BODY:
+            return []
+        calls: list[Call] = []
+        for msg in classify(body):
+            if msg.method == INITIALIZE and msg.protocol_version is not None:
+                self._protocol_version = msg.protocol_version
+            elif msg.method == TOOLS_CALL and msg.id is not None:
+                stateless = era_of(protocol_version) == sc.ERA_STATELESS
+                call = self.tracker.start_call(session_id, msg, protocol_version, stateless=stateless)
+                call.span.set_attributes(auth)
+                self._annotate_requirement(call, msg.tool, auth)
+                calls.append(call)
+            elif msg.method == CANCELLED and msg.cancelled_id is not None:
+                self.tracker.cancel((session_id, msg.cancelled_id))
+        return calls
+
+    def _annotate_requirement(self, call: Call, tool: str | None, auth: dict[str, AttributeValue]) -> None:
+        requirement = self.policy.requirement(tool) if self.policy is not None else None
+        if requirement is None:
+            return
+        call.requirement = requirement
+        audience = auth.get(sc.AUTH_AUDIENCE)
+        held = frozenset(audience) if isinstance(audience, list | tuple) else frozenset()
+        call.span.set_attribute(sc.REQUIRED_RESOURCES, sorted(requirement.resources))
+        call.span.set_attribute(sc.REQUIRED_SCOPES, sorted(requirement.scopes))
+        missing = requirement.resources - {str(a) for a in held}
+        if missing:
+            call.span.set_attribute(sc.AUTH_MISSING_RESOURCES, sorted(missing))
+
+    async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
+        start = now_ns()
+        headers = request.headers
+        session_id = headers.get("mcp-session-id")
+        protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
+        auth = auth_attributes(self.tokens.from_authorization(headers.get("authorization")))
+        calls = self._request_calls(request, session_id, protocol_version, auth)
+        cursor = headers.get("last-event-id")
+        if cursor:
+            calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
+        try:
+            response = await inner.handle_async_request(request)
+        except BaseException:
+            stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start, None, "none")
+            self.tracker.end_stream(stream, sc.END_DROPPED)
+            raise
+        if session_id is None:
+            session_id = response.headers.get("mcp-session-id")
+        content_type = response.headers.get("content-type", "")
+        content = "sse" if content_type.startswith("text/event-stream") else (
+            "json" if content_type.startswith("application/json") else "none")
+        stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start,
+                            response.status_code, content)
+        if content == "none" or response.status_code >= 400:
+            self.tracker.end_stream(stream, sc.END_HTTP_ERROR if response.status_code >= 400 else sc.END_CLEAN,
+                                    response.status_code)
+            return response
+        assert isinstance(response.stream, httpx2.AsyncByteStream)
+        return httpx2.Response(
+            status_code=response.status_code,
+            headers=response.headers,
+            stream=_TapStream(response.stream, self.tracker, stream, sse=content == "sse",
+                              status=response.status_code),
+            extensions=response.extensions,
+            request=request,
+        )
+
+    def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
+              calls: list[Call], auth: dict[str, AttributeValue], cursor: str | None, start: int,
+              status: int | None, content: str) -> Stream:
+        method = request.method
+        kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(
+            method, sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET)
+        attrs: dict[str, AttributeValue] = {sc.HTTP_REQUEST_METHOD: method, sc.STREAM_CONTENT: content,
+                                            sc.ERA: era_of(protocol_version), **auth}
+        if status is not None:
+            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
+        if protocol_version is not None:
+            attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
+        if cursor:
+            attrs[sc.RESUME_CURSOR] = cursor
+        return self.tracker.open_stream(kind, session_id, calls, attrs, start_time=start)
+
+
+class _TapStream(httpx2.AsyncByteStream):
+    """Passes every chunk through unchanged, parsing a copy; notes how the stream ended."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
+                 status: int) -> None:
+        self._inner = inner
+        self._tracker = tracker
+        self._stream = stream
+        self._parser = SSEParser() if sse else None
+        self._json = bytearray()
+        self._status = status
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._inner:
+                self._feed(chunk)
+                yield chunk
+        except Exception:
+            self._tracker.end_stream(self._stream, sc.END_DROPPED, self._status)
+            raise
+        except BaseException:  # cancelled while reading: the client gave up on it
+            self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+            raise
+        if self._json:
+            self._tracker.frame(self._stream, None, classify(bytes(self._json)))
+        self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
+
+    def _feed(self, chunk: bytes) -> None:
+        if self._stream.ended:
+            return
+        if self._parser is not None:
+            for frame in self._parser.feed(chunk):
+                self._tracker.frame(self._stream, frame, classify(frame.data) if frame.data else ())
+        elif len(self._json) <= _MAX_BODY:
+            self._json += chunk
+
+    async def aclose(self) -> None:
+        self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+        await self._inner.aclose()
+
+
+class ClientTap(httpx2.AsyncBaseTransport):
+    """An ``httpx2`` transport that observes the MCP exchanges going through ``inner``."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, instrumentation: ClientInstrumentation) -> None:
+        self._inner = inner
+        self.instrumentation = instrumentation
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        return await self.instrumentation.handle(self._inner, request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def instrument_client(
+    client: httpx2.AsyncClient | None = None,
+    *,
+    policy: ToolPolicy | None = None,
+    token_reader: TokenReader | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    **client_options: Any,
+) -> httpx2.AsyncClient:
+    """An ``httpx2.AsyncClient`` for ``streamable_http_client(url, http_client=...)``, with the tap.
+
+    Without ``client``, builds one with the MCP SDK's default timeouts (``client_options`` go to
+    ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
+    touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
+    """
+    instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
+    if client is not None:
+        client._transport = ClientTap(client._transport, instr)
+        return client
+    client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
+    inner = httpx2.AsyncHTTPTransport()
+    return httpx2.AsyncClient(transport=ClientTap(inner, instr), **client_options)

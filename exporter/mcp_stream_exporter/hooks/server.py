@@ -1,0 +1,426 @@
+"""Server hooks: what an MCP server on the SDK sends, stores and replays, as spans.
+
+Three seams, all public API of the SDK: an ASGI observer around the app from ``streamable_http_app()``
+(every request, status and SSE frame, a client disconnect told apart from a server end), a delegating
+``EventStore`` (event-id assignment and what a replay sent against what was stored), and a
+``ServerMiddleware`` (the requirement of each ``tools/call`` from the ``ToolPolicy``, and refusal when
+``enforce=True``). ``instrument_server`` installs all three in one call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.mcpserver import MCPServer
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.shared.exceptions import MCPError
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
+
+from mcp_stream_exporter import scope as request_scope
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.hooks._tracking import (
+    Call,
+    CallKey,
+    Stream,
+    Tracker,
+    auth_attributes,
+    era_of,
+    link_sdk_span,
+    now_ns,
+)
+from mcp_stream_exporter.sse import SSEParser
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, WireMessage, classify
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server error range
+_MAX_BODY = 4 * 1024 * 1024  # bodies beyond this are passed through unparsed
+_GET_STREAM = "_GET_stream"  # the SDK's key of the standalone stream (streamable_http.py:62)
+_PRIMING = "priming"
+_EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+
+
+@dataclass(slots=True, eq=False)
+class _Exchange:
+    """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
+
+    method: str
+    start_ns: int
+    headers: dict[str, str]
+    scope: request_scope.RequestScope
+    protocol_version: str | None
+    body: bytearray = field(default_factory=bytearray)
+    calls: list[Call] = field(default_factory=list)
+    stream: Stream | None = None
+    parser: SSEParser | None = None
+    json_body: bytearray | None = None
+    status: int = 0
+    disconnected: bool = False
+
+
+@dataclass(slots=True)
+class _Stored:
+    event_id: str
+    kind: str
+    request_id: str | None
+
+
+class ServerInstrumentation:
+    """The server side of the span model. Build one per app; ``instrument_server`` does it for you."""
+
+    def __init__(
+        self,
+        *,
+        policy: ToolPolicy | None = None,
+        enforce: bool = False,
+        token_reader: TokenReader | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        path: str = "/mcp",
+        max_calls: int = 10_000,
+        max_events_per_stream: int = 1_000,
+        max_streams: int = 10_000,
+    ) -> None:
+        self.policy = policy or ToolPolicy()
+        self.enforce = enforce
+        self.tokens = token_reader or TokenReader()
+        self.path = path.rstrip("/") or "/"
+        self._tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self.tracker = Tracker(self._tracer, sc.ROLE_SERVER, max_calls=max_calls)
+        self._requirements: OrderedDict[CallKey, Requirement] = OrderedDict()
+        self._stored: OrderedDict[tuple[str | None, str], deque[_Stored]] = OrderedDict()
+        self._stream_of_event: OrderedDict[tuple[str | None, str], str] = OrderedDict()
+        self._max_calls = max_calls
+        self._max_events_per_stream = max_events_per_stream
+        self._max_streams = max_streams
+
+    # --- ASGI observer ---
+
+    def asgi(self, app: ASGIApp) -> ASGIApp:
+        """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
+
+        async def observed(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path.rstrip("/"):
+                await app(scope, receive, send)
+                return
+            await self._observe(app, scope, receive, send)
+
+        return observed
+
+    async def _observe(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = _headers(scope.get("headers", []))
+        rs = request_scope.RequestScope(headers.get("mcp-session-id"),
+                                        self.tokens.from_authorization(headers.get("authorization")))
+        ex = _Exchange(scope.get("method", ""), now_ns(), headers, rs, headers.get("mcp-protocol-version"))
+        token = request_scope.bind(rs)
+        scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
+
+        async def observed_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                self._on_body(ex, message)
+            elif message["type"] == "http.disconnect":
+                ex.disconnected = True
+                if ex.stream is not None:
+                    self.tracker.end_stream(ex.stream, sc.END_DROPPED, ex.status)
+            return message
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._on_response_start(ex, message)
+            elif message["type"] == "http.response.body":
+                self._on_response_body(ex, message)
+            await send(message)
+
+        try:
+            await app(scope, observed_receive, observed_send)
+        finally:
+            request_scope.unbind(token)
+            if ex.stream is not None:
+                self.tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN,
+                                        ex.status)
+
+    def _on_body(self, ex: _Exchange, message: Message) -> None:
+        if ex.method != "POST" or len(ex.body) > _MAX_BODY:
+            return
+        ex.body += message.get("body", b"")
+        if message.get("more_body", False) or len(ex.body) > _MAX_BODY:
+            return
+        for msg in classify(bytes(ex.body)):
+            self._on_request_message(ex, msg)
+        ex.body.clear()
+
+    def _on_request_message(self, ex: _Exchange, msg: WireMessage) -> None:
+        if msg.method == INITIALIZE and msg.protocol_version is not None:
+            ex.protocol_version = msg.protocol_version
+        elif msg.method == TOOLS_CALL and msg.id is not None:
+            stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+            call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, stateless=stateless)
+            call.span.set_attributes(auth_attributes(ex.scope.auth))
+            ex.calls.append(call)
+        elif msg.method == CANCELLED and msg.cancelled_id is not None:
+            self.tracker.cancel((ex.scope.session_id, msg.cancelled_id))
+
+    def _on_response_start(self, ex: _Exchange, message: Message) -> None:
+        ex.status = int(message.get("status", 0))
+        headers = _headers(message.get("headers", []))
+        if ex.scope.session_id is None and "mcp-session-id" in headers:
+            ex.scope.session_id = headers["mcp-session-id"]  # the initialize response: the session's scope
+        content_type = headers.get("content-type", "")
+        content = "sse" if content_type.startswith("text/event-stream") else (
+            "json" if content_type.startswith("application/json") else "none")
+        if content == "sse":
+            ex.parser = SSEParser()
+        elif content == "json":
+            ex.json_body = bytearray()
+        cursor = ex.headers.get("last-event-id")
+        kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(
+            ex.method, sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET)
+        calls: list[Call] = list(ex.calls)
+        if cursor:
+            calls.extend(self.tracker.calls_of_cursor(ex.scope.session_id, cursor))
+        attrs: dict[str, AttributeValue] = {
+            sc.HTTP_REQUEST_METHOD: ex.method,
+            sc.HTTP_RESPONSE_STATUS_CODE: ex.status,
+            sc.STREAM_CONTENT: content,
+            sc.ERA: era_of(ex.protocol_version),
+            **auth_attributes(ex.scope.auth),
+        }
+        if ex.protocol_version is not None:
+            attrs[sc.MCP_PROTOCOL_VERSION] = ex.protocol_version
+        if cursor:
+            attrs[sc.RESUME_CURSOR] = cursor
+        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, start_time=ex.start_ns)
+
+    def _on_response_body(self, ex: _Exchange, message: Message) -> None:
+        stream = ex.stream
+        if stream is None or stream.ended:
+            return
+        chunk = message.get("body", b"")
+        if ex.parser is not None:
+            for frame in ex.parser.feed(chunk):
+                self.tracker.frame(stream, frame, classify(frame.data) if frame.data else ())
+        elif ex.json_body is not None and len(ex.json_body) <= _MAX_BODY:
+            ex.json_body += chunk
+        if message.get("more_body", False):
+            return
+        if ex.json_body:
+            self.tracker.frame(stream, None, classify(bytes(ex.json_body)))
+        self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
+
+    # --- ServerMiddleware ---
+
+    async def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        """Records each ``tools/call``'s requirement; with ``enforce``, refuses a token that lacks it."""
+        if ctx.method != TOOLS_CALL or ctx.request_id is None:
+            return await call_next(ctx)
+        tool = (ctx.params or {}).get("name")
+        tool = tool if isinstance(tool, str) else None
+        request = ctx.request
+        headers = getattr(request, "headers", None)
+        session_id = headers.get("mcp-session-id") if headers is not None else None
+        view = self.tokens.from_authorization(headers.get("authorization") if headers is not None else None)
+        key: CallKey = (session_id, str(ctx.request_id))
+        call = self._call_of(request, key)
+        requirement = self.policy.requirement(tool)
+        missing_resources = view.missing_resources(requirement.resources) if requirement else frozenset()
+        missing_scopes = view.missing_scopes(requirement.scopes) if requirement else frozenset()
+        refused = self.enforce and bool(missing_resources or missing_scopes)
+        if requirement is not None:
+            self._remember(key, requirement)
+        if call is not None:
+            link_sdk_span(call)
+            call.requirement = requirement
+            attrs: dict[str, AttributeValue] = {
+                sc.POLICY_DECISION: "unknown_tool" if requirement is None else ("refused" if refused else "allowed")
+            }
+            if requirement is not None:
+                attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
+                attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+                if missing_resources:
+                    attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
+                if missing_scopes:
+                    attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+            call.span.set_attributes(attrs)
+        if refused:
+            raise MCPError(
+                code=INSUFFICIENT_AUDIENCE,
+                message=f"token does not grant what tool {tool!r} requires: resource indicators "
+                f"{sorted(missing_resources)}, scopes {sorted(missing_scopes)}",
+                data={"tool": tool, "required_resources": sorted(requirement.resources if requirement else ()),
+                      "missing_resources": sorted(missing_resources), "missing_scopes": sorted(missing_scopes)},
+            )
+        return await call_next(ctx)
+
+    def _call_of(self, request: Any, key: CallKey) -> Call | None:
+        """The call's record: stateless calls are found only through their own exchange."""
+        ex = getattr(request, "scope", {}).get(_EXCHANGE)
+        if isinstance(ex, _Exchange):
+            for call in ex.calls:
+                if call.key[1] == key[1]:
+                    return call
+        return self.tracker.call(key)
+
+    def _remember(self, key: CallKey, requirement: Requirement) -> None:
+        self._requirements[key] = requirement
+        if len(self._requirements) > self._max_calls:
+            self._requirements.popitem(last=False)
+
+    def requirement_of(self, session_id: str | None, stream_id: str) -> Requirement | None:
+        return self._requirements.get((session_id, stream_id))
+
+    # --- EventStore wrapper ---
+
+    def event_store(self, inner: EventStore) -> EventStore:
+        return _ObservedEventStore(inner, self)
+
+    def _on_stored(self, session_id: str | None, stream_id: str, event_id: str,
+                   message: JSONRPCMessage | None) -> None:
+        kind, request_id = _PRIMING, None
+        if isinstance(message, JSONRPCResponse | JSONRPCError):
+            kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
+                                None if message.id is None else str(message.id))
+        elif message is not None:
+            kind = sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
+        key = (session_id, stream_id)
+        events = self._stored.get(key)
+        if events is None:
+            events = self._stored[key] = deque(maxlen=self._max_events_per_stream)
+            while len(self._stored) > self._max_streams:
+                self._stored.popitem(last=False)
+        events.append(_Stored(event_id, kind, request_id))
+        self._stream_of_event[(session_id, event_id)] = stream_id
+        while len(self._stream_of_event) > self._max_streams * 10:
+            self._stream_of_event.popitem(last=False)
+        if request_id is not None and stream_id != _GET_STREAM:
+            call = self.tracker.call((session_id, stream_id))
+            if call is not None:
+                call.span.add_event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+
+    def _buffered_after(self, session_id: str | None, stream_id: str, cursor: str) -> list[str]:
+        events = list(self._stored.get((session_id, stream_id), ()))
+        ids = [e.event_id for e in events]
+        after = events[ids.index(cursor) + 1:] if cursor in ids else []
+        return [e.event_id for e in after if e.kind != _PRIMING]
+
+
+class _ObservedEventStore(EventStore):
+    """Delegates to the author's store; records what was stored and what each replay sent."""
+
+    def __init__(self, inner: EventStore, instrumentation: ServerInstrumentation) -> None:
+        self._inner = inner
+        self._instr = instrumentation
+
+    async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        event_id = await self._inner.store_event(stream_id, message)
+        rs = request_scope.current()
+        self._instr._on_stored(rs.session_id if rs else None, stream_id, event_id, message)
+        return event_id
+
+    async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        instr = self._instr
+        rs = request_scope.current() or request_scope.RequestScope()
+        session_id = rs.session_id
+        stream_id = instr._stream_of_event.get((session_id, last_event_id))
+        buffered = instr._buffered_after(session_id, stream_id, last_event_id) if stream_id else []
+        call = instr.tracker.call((session_id, stream_id)) if stream_id else None
+        sent: list[str] = []
+        foreign: list[str] = []
+        refusals = 0
+
+        async def observed_send(event: EventMessage) -> None:
+            nonlocal refusals
+            if event.event_id is None:
+                refusals += 1  # a frame without an id cannot be a replayed event: a refusal
+            else:
+                sent.append(event.event_id)
+                if instr._stream_of_event.get((session_id, event.event_id)) != stream_id:
+                    foreign.append(event.event_id)
+            await send_callback(event)
+
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
+                                            sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        parent = trace.set_span_in_context(call.span) if call is not None else None
+        with instr._tracer.start_as_current_span("MCP replay", context=parent, kind=SpanKind.INTERNAL,
+                                                 attributes=attrs) as span:
+            result = await self._inner.replay_events_after(last_event_id, observed_send)
+            unsent = [e for e in buffered if e not in sent]
+            if stream_id is None:
+                decision = sc.REPLAY_UNKNOWN_CURSOR
+            elif refusals:
+                decision = sc.REPLAY_REFUSED
+            elif unsent:
+                decision = sc.REPLAY_TRUNCATED
+            else:
+                decision = sc.REPLAY_COMPLETE
+            out: dict[str, AttributeValue] = {
+                sc.REPLAY_DECISION: decision,
+                sc.REPLAY_BUFFERED: len(buffered),
+                sc.REPLAY_SENT: len(sent),
+            }
+            if stream_id is not None:
+                out[sc.REPLAY_STREAM_ID] = stream_id
+                if stream_id != _GET_STREAM:
+                    out[sc.JSONRPC_REQUEST_ID] = stream_id
+            if sent:
+                out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
+            if unsent:
+                out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
+            if foreign:
+                out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
+            requirement = instr.requirement_of(session_id, stream_id) if stream_id else None
+            if requirement is not None:
+                out[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
+                out[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+                missing = rs.auth.missing_resources(requirement.resources)
+                if missing:
+                    out[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
+                missing_scopes = rs.auth.missing_scopes(requirement.scopes)
+                if missing_scopes:
+                    out[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+            span.set_attributes(out)
+        return result
+
+
+def instrument_server(
+    target: MCPServer | ASGIApp,
+    *,
+    policy: ToolPolicy | None = None,
+    enforce: bool = False,
+    event_store: EventStore | None = None,
+    token_reader: TokenReader | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    streamable_http_path: str = "/mcp",
+    **app_options: Any,
+) -> ASGIApp:
+    """The one call a server author adds: returns the instrumented ASGI app to serve.
+
+    Given an ``MCPServer``, builds its Streamable HTTP app (``app_options`` go to
+    ``streamable_http_app``) with the event store wrapped and the policy middleware installed. Given
+    an ASGI app already built, only the wire is observed: pass the server to get the rest.
+    """
+    instr = ServerInstrumentation(policy=policy, enforce=enforce, token_reader=token_reader,
+                                  tracer_provider=tracer_provider, path=streamable_http_path)
+    if not isinstance(target, MCPServer):
+        return instr.asgi(target)
+    target.middleware.append(instr.middleware)
+    store = instr.event_store(event_store) if event_store is not None else None
+    app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
+    return instr.asgi(app)

@@ -1,0 +1,138 @@
+"""The incident's server (incident.md, "What Was Observed"), on the real SDK.
+
+Two tools, ``search`` and ``fetch``, each requiring its own resource indicator, and the replay store
+the incident describes: the SDK example's per-stream store plus a per-event audience check that, at
+the first buffered event the resuming token is not authorised for, stops the replay and lets the
+stream end cleanly. Nothing in it is wrong on its own; composed with a narrowed refresh it loses a
+result with no signal. The guard (guard.py) is the fix; this is the reproduction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp_types import JSONRPCMessage
+
+from mcp_stream_exporter.auth import Requirement, ToolPolicy, canonical_resources
+from mcp_stream_exporter.lab.tokens import ISSUER, TokenIssuer
+
+BASE_RESOURCE = "https://mcp.example.com"
+SEARCH_RESOURCE = f"{BASE_RESOURCE}/tools/search"
+FETCH_RESOURCE = f"{BASE_RESOURCE}/tools/fetch"
+
+
+def incident_policy() -> ToolPolicy:
+    return ToolPolicy({"search": Requirement.of([SEARCH_RESOURCE]), "fetch": Requirement.of([FETCH_RESOURCE]),
+                       "poll": Requirement.of([SEARCH_RESOURCE])})
+
+
+@dataclass(slots=True)
+class _Entry:
+    event_id: str
+    stream_id: StreamId
+    message: JSONRPCMessage | None
+
+
+class IncidentEventStore(EventStore):
+    """The incident's replay store: sequential event ids, per-stream buffers, a per-event audience check
+    that ends the replay silently at the first event the resuming token may not see."""
+
+    def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000) -> None:
+        self._policy = policy
+        self._ids = itertools.count(1)
+        self._streams: dict[StreamId, deque[_Entry]] = {}
+        self._index: dict[EventId, _Entry] = {}
+        self._tool_of: dict[StreamId, str] = {}
+        self._max = max_events_per_stream
+
+    async def record_tool(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        """ServerMiddleware: which tool each stream (request id) belongs to."""
+        if ctx.method == "tools/call" and ctx.request_id is not None:
+            name = (ctx.params or {}).get("name")
+            if isinstance(name, str):
+                self._tool_of[str(ctx.request_id)] = name
+        return await call_next(ctx)
+
+    async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        entry = _Entry(str(next(self._ids)), stream_id, message)
+        buf = self._streams.setdefault(stream_id, deque(maxlen=self._max))
+        if len(buf) == buf.maxlen:
+            self._index.pop(buf[0].event_id, None)
+        buf.append(entry)
+        self._index[entry.event_id] = entry
+        return entry.event_id
+
+    async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        cursor = self._index.get(last_event_id)
+        if cursor is None:
+            return None
+        token = get_access_token()
+        claims = (token.claims or {}) if token is not None else {}
+        aud = claims.get("aud", [])
+        audience = canonical_resources([aud] if isinstance(aud, str) else aud)
+        requirement = self._policy.requirement(self._tool_of.get(cursor.stream_id))
+        after = False
+        for entry in self._streams.get(cursor.stream_id, ()):
+            if entry.event_id == last_event_id:
+                after = True
+                continue
+            if not after or entry.message is None:
+                continue
+            if requirement is not None and not requirement.resources <= audience:
+                return None  # the incident: stop here, send nothing more, end the stream cleanly
+            await send_callback(EventMessage(entry.message, entry.event_id))
+        if requirement is not None and not requirement.resources <= audience:
+            return None
+        return cursor.stream_id
+
+
+def build_incident_server(issuer: TokenIssuer | None = None, *, step_delay: float = 0.05,
+                          store: IncidentEventStore | None = None) -> MCPServer:
+    """``search`` and ``fetch`` (``steps`` progress notifications, ``step_delay`` apart, then a
+    result) and ``poll`` (closes its SSE stream after the first step: a server-initiated end).
+    With an ``issuer`` the server requires its tokens."""
+    auth: dict[str, Any] = {}
+    if issuer is not None:
+        auth = {"token_verifier": issuer, "auth": AuthSettings(issuer_url=ISSUER, resource_server_url=None,
+                                                                  required_scopes=["mcp"])}
+    mcp = MCPServer("incident", **auth)
+
+    async def work(tool: str, steps: int, ctx: Context) -> None:
+        for i in range(steps):
+            await asyncio.sleep(step_delay)
+            await ctx.report_progress(i + 1, steps, f"{tool} step {i + 1}")
+
+    @mcp.tool()
+    async def search(query: str, ctx: Context, steps: int = 0) -> str:
+        """Search the index."""
+        await work("search", steps, ctx)
+        return f"search results for {query!r}"
+
+    @mcp.tool()
+    async def fetch(url: str, ctx: Context, steps: int = 0) -> str:
+        """Fetch a document."""
+        await work("fetch", steps, ctx)
+        return f"contents of {url}"
+
+    @mcp.tool()
+    async def poll(steps: int, ctx: Context) -> str:
+        """A long job that tells the client to poll: it closes its stream after the first step."""
+        for i in range(steps):
+            await asyncio.sleep(step_delay)
+            await ctx.report_progress(i + 1, steps, f"poll step {i + 1}")
+            if i == 0:
+                await ctx.close_sse_stream()
+        return f"poll done after {steps} steps"
+
+    if store is not None:
+        mcp.middleware.append(store.record_tool)
+    return mcp

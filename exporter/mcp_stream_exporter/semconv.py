@@ -1,0 +1,116 @@
+"""Every span name, attribute key and value that hooks emit and the detector reads.
+
+This module is the code half of the contract in ``docs/span-model.md``: OpenTelemetry
+semantic-convention names where they exist, this project's own keys under ``mcp_stream.``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+INSTRUMENTATION_NAME: Final = "mcp_stream_exporter"
+
+# --- OpenTelemetry semantic conventions (MCP, JSON-RPC, GenAI, HTTP, errors) ---
+MCP_METHOD_NAME: Final = "mcp.method.name"
+MCP_SESSION_ID: Final = "mcp.session.id"
+MCP_PROTOCOL_VERSION: Final = "mcp.protocol.version"
+JSONRPC_REQUEST_ID: Final = "jsonrpc.request.id"
+GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+ERROR_TYPE: Final = "error.type"
+HTTP_REQUEST_METHOD: Final = "http.request.method"
+HTTP_RESPONSE_STATUS_CODE: Final = "http.response.status_code"
+NETWORK_PROTOCOL_NAME: Final = "network.protocol.name"
+NETWORK_TRANSPORT: Final = "network.transport"
+RPC_RESPONSE_STATUS_CODE: Final = "rpc.response.status_code"
+
+# --- which span of the model a span is (names are for humans, this is for machines) ---
+SPAN: Final = "mcp_stream.span"
+SPAN_STREAM: Final = "stream"
+SPAN_CALL: Final = "call"
+SPAN_REPLAY: Final = "replay"
+
+ROLE: Final = "mcp_stream.role"
+ROLE_CLIENT: Final = "client"
+ROLE_SERVER: Final = "server"
+
+ERA: Final = "mcp_stream.era"
+ERA_RESUMABLE: Final = "resumable"  # 2025-03-26 .. 2025-11-25: sessions, event ids, Last-Event-ID
+ERA_STATELESS: Final = "stateless"  # 2026-07-28: no session, no event ids, re-issue on a broken stream
+
+# --- stream spans ---
+STREAM_KIND: Final = "mcp_stream.stream.kind"
+STREAM_KIND_POST: Final = "post"
+STREAM_KIND_GET: Final = "get"  # the standalone server->client stream
+STREAM_KIND_RESUME: Final = "resume"  # a GET with Last-Event-ID
+STREAM_KIND_DELETE: Final = "delete"
+STREAM_CONTENT: Final = "mcp_stream.stream.content"  # sse | json | none
+STREAM_REQUEST_IDS: Final = "mcp_stream.stream.request_ids"
+RESUME_CURSOR: Final = "mcp_stream.resume.cursor"
+END_REASON: Final = "mcp_stream.end.reason"
+END_CLEAN: Final = "clean"  # the server ended the response body
+END_DROPPED: Final = "dropped"  # the connection broke before the server ended it
+END_CLOSED: Final = "closed"  # the client closed the response before the server ended it
+END_HTTP_ERROR: Final = "http_error"  # status >= 400, no stream
+PENDING_REQUEST_IDS: Final = "mcp_stream.pending.request_ids"
+TERMINAL_REQUEST_IDS: Final = "mcp_stream.terminal.request_ids"
+EVENTS_COUNT: Final = "mcp_stream.events.count"
+EVENT_FIRST_ID: Final = "mcp_stream.event.first_id"
+EVENT_LAST_ID: Final = "mcp_stream.event.last_id"
+ERROR_FRAMES_COUNT: Final = "mcp_stream.error_frames.count"
+
+# --- span events on stream spans ---
+EVENT_FRAME: Final = "mcp_stream.frame"
+EVENT_ERROR_FRAME: Final = "mcp_stream.error_frame"
+EVENT_ID: Final = "mcp_stream.event.id"
+EVENT_TYPE: Final = "mcp_stream.event.type"
+FRAME_KIND: Final = "mcp_stream.frame.kind"
+FRAME_PRIMING: Final = "priming"
+FRAME_REQUEST: Final = "request"
+FRAME_NOTIFICATION: Final = "notification"
+FRAME_RESPONSE: Final = "response"
+FRAME_ERROR: Final = "error"  # a JSON-RPC error response
+FRAME_ERROR_FRAME: Final = "error_frame"  # an SSE `event: error` frame
+FRAME_OTHER: Final = "other"
+ERROR_FRAME_DATA: Final = "mcp_stream.error_frame.data"  # the frame's data, truncated
+
+# --- call spans ---
+CALL_OUTCOME: Final = "mcp_stream.call.outcome"
+OUTCOME_RESULT: Final = "result"
+OUTCOME_TOOL_ERROR: Final = "tool_error"  # a result with isError: true
+OUTCOME_ERROR: Final = "error"  # a JSON-RPC error response
+OUTCOME_CANCELLED: Final = "cancelled"  # the client sent notifications/cancelled
+OUTCOME_NO_TERMINAL: Final = "no_terminal"  # stateless era: its only stream ended without a terminal event
+OUTCOME_EVICTED: Final = "evicted"  # dropped from the bounded tracker while still pending
+TERMINAL_EVENT_ID: Final = "mcp_stream.terminal.event_id"
+TERMINAL_STREAM_KIND: Final = "mcp_stream.terminal.stream_kind"
+CALL_STREAMS: Final = "mcp_stream.call.streams"
+REQUIRED_RESOURCES: Final = "mcp_stream.required.resources"
+REQUIRED_SCOPES: Final = "mcp_stream.required.scopes"
+POLICY_DECISION: Final = "mcp_stream.policy.decision"  # allowed | refused | unknown_tool
+EVENT_STORED: Final = "mcp_stream.event.stored"  # span event: the server stored an event of this call
+LINK_TYPE: Final = "mcp_stream.link"
+LINK_SDK_REQUEST: Final = "sdk_request"  # the SDK's own span for this request (from params._meta)
+LINK_STREAM: Final = "stream"  # a stream that carried this call
+LINK_TERMINAL_STREAM: Final = "terminal_stream"  # the stream that delivered the terminal event
+
+# --- replay spans (server: one per resume, from the EventStore wrapper) ---
+REPLAY_STREAM_ID: Final = "mcp_stream.replay.stream_id"
+REPLAY_BUFFERED: Final = "mcp_stream.replay.buffered"  # events stored after the cursor on that stream
+REPLAY_SENT: Final = "mcp_stream.replay.sent"
+REPLAY_SENT_LAST_ID: Final = "mcp_stream.replay.sent.last_id"
+REPLAY_DECISION: Final = "mcp_stream.replay.decision"
+REPLAY_COMPLETE: Final = "complete"  # every buffered event was sent
+REPLAY_TRUNCATED: Final = "truncated"  # the store sent fewer events than it held, without an error frame
+REPLAY_REFUSED: Final = "refused"  # the store answered with an `event: error` frame
+REPLAY_UNKNOWN_CURSOR: Final = "unknown_cursor"  # the cursor was never seen (or evicted)
+REPLAY_OFFENDING_EVENT_ID: Final = "mcp_stream.replay.offending_event_id"
+REPLAY_FOREIGN_EVENT_IDS: Final = "mcp_stream.replay.foreign_event_ids"  # sent, but stored on another stream or session
+
+# --- the token, never raw ---
+AUTH_AUDIENCE: Final = "mcp_stream.auth.audience"
+AUTH_SCOPES: Final = "mcp_stream.auth.scopes"
+AUTH_SUBJECT_HASH: Final = "mcp_stream.auth.subject_hash"
+AUTH_FINGERPRINT: Final = "mcp_stream.auth.fingerprint"
+AUTH_VERIFICATION: Final = "mcp_stream.auth.verification"
+AUTH_MISSING_RESOURCES: Final = "mcp_stream.auth.missing_resources"
+AUTH_MISSING_SCOPES: Final = "mcp_stream.auth.missing_scopes"

@@ -1,0 +1,95 @@
+"""What a JSON-RPC payload on the wire is: request, notification, response or error, and its ids.
+
+Both hooks read POST bodies and SSE ``data:`` with this; only the fields the span model needs are
+pulled out, and nothing of a payload is kept beyond them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from mcp_stream_exporter import semconv as sc
+
+TOOLS_CALL: Final = "tools/call"
+CANCELLED: Final = "notifications/cancelled"
+INITIALIZE: Final = "initialize"
+
+
+@dataclass(frozen=True, slots=True)
+class WireMessage:
+    kind: str  # one of semconv.FRAME_*
+    id: str | None = None  # JSON-RPC id as a string (the semconv form), None for notifications
+    method: str | None = None
+    tool: str | None = None  # params.name of a tools/call
+    is_tool_error: bool = False  # a result with isError: true
+    traceparent: str | None = None  # params._meta.traceparent of a request
+    cancelled_id: str | None = None  # params.requestId of notifications/cancelled
+    protocol_version: str | None = None  # params.protocolVersion of initialize / its result
+
+    @property
+    def is_terminal(self) -> bool:
+        """A response or error: the event that completes its request."""
+        return self.kind in (sc.FRAME_RESPONSE, sc.FRAME_ERROR)
+
+
+UNPARSEABLE = WireMessage(sc.FRAME_OTHER)
+
+
+def _id(value: Any) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None
+    return str(value) if isinstance(value, int | str) else None
+
+
+def _classify(obj: Any) -> WireMessage:
+    if not isinstance(obj, dict):
+        return UNPARSEABLE
+    params = obj.get("params")
+    params = params if isinstance(params, dict) else {}
+    method = obj.get("method")
+    if isinstance(method, str):
+        meta = params.get("_meta")
+        meta = meta if isinstance(meta, dict) else {}
+        tp = meta.get("traceparent")
+        pv = params.get("protocolVersion")
+        if "id" in obj:
+            name = params.get("name") if method == TOOLS_CALL else None
+            return WireMessage(
+                sc.FRAME_REQUEST,
+                _id(obj.get("id")),
+                method,
+                tool=name if isinstance(name, str) else None,
+                traceparent=tp if isinstance(tp, str) else None,
+                protocol_version=pv if isinstance(pv, str) else None,
+            )
+        return WireMessage(
+            sc.FRAME_NOTIFICATION,
+            method=method,
+            cancelled_id=_id(params.get("requestId")) if method == CANCELLED else None,
+        )
+    if "error" in obj:
+        return WireMessage(sc.FRAME_ERROR, _id(obj.get("id")))
+    if "result" in obj:
+        result = obj["result"]
+        result = result if isinstance(result, dict) else {}
+        pv = result.get("protocolVersion")
+        return WireMessage(
+            sc.FRAME_RESPONSE,
+            _id(obj.get("id")),
+            is_tool_error=result.get("isError") is True,
+            protocol_version=pv if isinstance(pv, str) else None,
+        )
+    return UNPARSEABLE
+
+
+def classify(payload: str | bytes) -> list[WireMessage]:
+    """Every JSON-RPC message in a payload (a 2025-03-26 batch gives several); [] for non-JSON."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return []
+    if isinstance(obj, list):
+        return [_classify(o) for o in obj]
+    return [_classify(obj)]
