@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from harness import serve, span_exporter
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
@@ -26,6 +25,8 @@ from mcp_stream_exporter.lab import (
     build_incident_server,
     incident_policy,
 )
+
+from harness import serve, span_exporter
 
 
 @dataclass

@@ -6,12 +6,13 @@ import asyncio
 import logging
 
 import pytest
-from harness import ours
 from mcp.shared.exceptions import MCPError
-from scenario import Scenario, incident
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
+
+from harness import ours
+from scenario import Scenario, incident
 
 pytestmark = pytest.mark.anyio
 

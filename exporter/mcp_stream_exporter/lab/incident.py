@@ -21,6 +21,7 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import JSONRPCMessage
+from pydantic import AnyHttpUrl
 
 from mcp_stream_exporter.auth import Requirement, ToolPolicy, canonical_resources
 from mcp_stream_exporter.lab.tokens import ISSUER, TokenIssuer
@@ -102,7 +103,7 @@ def build_incident_server(issuer: TokenIssuer | None = None, *, step_delay: floa
     With an ``issuer`` the server requires its tokens."""
     auth: dict[str, Any] = {}
     if issuer is not None:
-        auth = {"token_verifier": issuer, "auth": AuthSettings(issuer_url=ISSUER, resource_server_url=None,
+        auth = {"token_verifier": issuer, "auth": AuthSettings(issuer_url=AnyHttpUrl(ISSUER), resource_server_url=None,
                                                                   required_scopes=["mcp"])}
     mcp = MCPServer("incident", **auth)
 

@@ -1,0 +1,150 @@
+"""AuthView, resource canonicalisation, token verification and ToolPolicy loading."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import jwt
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcp_stream_exporter.auth import (
+    Requirement,
+    TokenReader,
+    ToolPolicy,
+    canonical_resource,
+    token_fingerprint,
+)
+from mcp_stream_exporter.lab import TokenIssuer
+
+
+@pytest.mark.parametrize(
+    ("raw", "canonical"),
+    [
+        ("HTTPS://MCP.Example.COM/tools/fetch", "https://mcp.example.com/tools/fetch"),
+        ("https://mcp.example.com:443/tools/fetch", "https://mcp.example.com/tools/fetch"),
+        ("http://mcp.example.com:80/", "http://mcp.example.com"),
+        ("https://mcp.example.com/", "https://mcp.example.com"),
+        ("https://mcp.example.com/tools/fetch/", "https://mcp.example.com/tools/fetch"),
+        ("https://mcp.example.com:8443/x", "https://mcp.example.com:8443/x"),
+        ("https://mcp.example.com/x#frag", "https://mcp.example.com/x"),
+        ("https://mcp.example.com/Tools", "https://mcp.example.com/Tools"),  # paths keep their case
+        ("https://[::1]:443/mcp", "https://[::1]/mcp"),
+    ],
+)
+def test_canonical_resource_normalises_case_default_ports_and_one_trailing_slash(raw, canonical):
+    assert canonical_resource(raw) == canonical
+
+
+def test_canonical_resource_removes_only_one_trailing_slash():
+    assert canonical_resource("https://a.example/tools//") == "https://a.example/tools/"
+    assert canonical_resource("https://a.example/tools//") != canonical_resource("https://a.example/tools")
+
+
+@given(st.sampled_from(["http", "https", "HTTPS"]), st.from_regex(r"[a-z]{1,8}\.example", fullmatch=True),
+       st.lists(st.from_regex(r"[a-z0-9]{1,5}", fullmatch=True), max_size=3))
+def test_canonical_resource_is_idempotent(scheme, host, segments):
+    uri = f"{scheme}://{host}/" + "/".join(segments)
+    once = canonical_resource(uri)
+    assert canonical_resource(once) == once
+
+
+def _unsigned(claims: dict) -> str:
+    return jwt.encode(claims, "k" * 32, algorithm="HS256")
+
+
+def test_audience_string_or_list_and_scope_or_scp_give_sets():
+    reader = TokenReader()
+    a = reader.read(_unsigned({"aud": "https://A.example/x/", "scope": "read write", "sub": "alice"}))
+    b = reader.read(_unsigned({"aud": ["https://a.example/x", "https://b.example"], "scp": ["read"]}))
+    assert a.audience == {"https://a.example/x"}
+    assert a.scopes == {"read", "write"}
+    assert b.audience == {"https://a.example/x", "https://b.example"}
+    assert b.scopes == {"read"}
+    assert a.verification == "unverified"
+    assert a.subject_hash is not None and "alice" not in a.subject_hash
+    assert a.missing_resources(["https://a.example/x", "https://b.example/"]) == {"https://b.example"}
+    assert b.grants(Requirement.of(["https://b.example/"], ["read"]))
+    assert not b.grants(Requirement.of(["https://b.example"], ["write"]))
+
+
+def test_opaque_and_absent_tokens_give_a_fingerprint_only():
+    reader = TokenReader()
+    opaque = reader.read("opaque-token-value")
+    assert opaque.verification == "opaque"
+    assert opaque.fingerprint == token_fingerprint("opaque-token-value")
+    assert opaque.audience == frozenset()
+    assert reader.from_authorization(None).verification == "absent"
+    assert reader.from_authorization("Basic dXNlcjpwdw==").verification == "absent"
+    assert reader.from_authorization("Bearer opaque-token-value") == opaque
+
+
+def test_subject_hash_depends_on_the_salt():
+    token = _unsigned({"sub": "alice"})
+    assert TokenReader(subject_salt=b"one").read(token).subject_hash != \
+        TokenReader(subject_salt=b"two").read(token).subject_hash
+
+
+def test_signature_verified_with_a_key_and_failed_with_the_wrong_one():
+    issuer, other = TokenIssuer(), TokenIssuer()
+    token = issuer.mint(["https://a.example"])
+    assert TokenReader(key=issuer.public_key).read(token).verification == "verified"
+    assert TokenReader(key=other.public_key).read(token).verification == "failed"
+
+
+def test_expired_token_fails_verification_but_keeps_its_claims_for_observation():
+    issuer = TokenIssuer()
+    token = issuer.mint(["https://a.example"], ttl=-60)
+    view = TokenReader(key=issuer.public_key).read(token)
+    assert view.verification == "failed"
+    assert view.audience == {"https://a.example"}
+
+
+def test_signature_verified_against_a_jwks_url_on_loopback():
+    issuer, other = TokenIssuer(), TokenIssuer(kid="lab-1")
+    body = json.dumps(issuer.jwks()).encode()
+
+    class JWKS(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), JWKS)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks")
+        assert reader.read(issuer.mint(["https://a.example"])).verification == "verified"
+        assert reader.read(other.mint(["https://a.example"])).verification == "failed"
+    finally:
+        httpd.shutdown()
+
+
+def test_tool_policy_from_mapping_json_and_toml(tmp_path):
+    data = {"tools": {"fetch": {"resources": ["https://MCP.example.com/tools/fetch/"], "scopes": "read"},
+                      "search": ["https://mcp.example.com/tools/search"]}}
+    from_json = tmp_path / "policy.json"
+    from_json.write_text(json.dumps(data))
+    from_toml = tmp_path / "policy.toml"
+    from_toml.write_text('[tools.fetch]\nresources = ["https://MCP.example.com/tools/fetch/"]\nscopes = ["read"]\n'
+                         '[tools.search]\nresources = ["https://mcp.example.com/tools/search"]\n')
+    for policy in (ToolPolicy.from_mapping(data), ToolPolicy.from_file(from_json), ToolPolicy.from_file(from_toml)):
+        assert policy.tools == {"fetch", "search"}
+        assert policy.requirement("fetch") == Requirement.of(["https://mcp.example.com/tools/fetch"], ["read"])
+        assert policy.requirement("search") == Requirement.of(["https://mcp.example.com/tools/search"])
+        assert policy.requirement("other") is None
+
+
+def test_tool_policy_rejects_a_malformed_file(tmp_path):
+    bad = tmp_path / "policy.json"
+    bad.write_text(json.dumps({"tools": {"fetch": 3}}))
+    with pytest.raises(ValueError, match="fetch"):
+        ToolPolicy.from_file(bad)

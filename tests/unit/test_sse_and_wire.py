@@ -1,0 +1,66 @@
+"""SSE frames parse the same however the bytes are split; JSON-RPC payloads classify by kind."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
+from mcp_stream_exporter.wire import classify
+
+WIRE = (b"id: ev-3\r\ndata: \r\nretry: 750\r\n\r\n"
+        b": ping - 2026-11-30\r\n\r\n"
+        b'id: ev-4\r\nevent: message\r\ndata: {"jsonrpc":"2.0","id":2,"result":{}}\r\n\r\n'
+        b'event: error\ndata: {"error":"insufficient_audience"}\n\n'
+        b"data: a\rdata: b\r\r")
+
+
+def _parse(chunks):
+    parser = SSEParser()
+    frames = [f for c in chunks for f in parser.feed(c)]
+    frames.extend(parser.close())
+    return frames, parser.comments
+
+
+def test_parses_priming_message_error_and_cr_only_frames():
+    frames, comments = _parse([WIRE])
+    assert frames == [
+        SSEFrame("", None, "ev-3", 750),
+        SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', "message", "ev-4"),
+        SSEFrame('{"error":"insufficient_audience"}', "error"),
+        SSEFrame("a\nb"),
+    ]
+    assert comments == 1
+    assert frames[0].type == "message" and frames[2].type == "error"
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(WIRE)), max_size=12))
+def test_any_split_of_the_bytes_gives_the_same_frames(cuts):
+    points = sorted(set(cuts))
+    chunks = [WIRE[a:b] for a, b in zip([0, *points], [*points, len(WIRE)], strict=True)]
+    assert _parse(chunks) == _parse([WIRE])
+
+
+def test_render_round_trips():
+    frame = SSEFrame('{"a":1}\n{"b":2}', "error", None, None)
+    assert _parse([render(frame)])[0] == [frame]
+    assert b"id:" not in render(frame)
+
+
+def test_classify_by_kind():
+    (req,) = classify(b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"fetch",'
+                      b'"_meta":{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}}')
+    assert (req.kind, req.id, req.method, req.tool) == (sc.FRAME_REQUEST, "7", "tools/call", "fetch")
+    assert req.traceparent is not None and not req.is_terminal
+    (res,) = classify('{"jsonrpc":"2.0","id":7,"result":{"isError":true}}')
+    assert res.kind == sc.FRAME_RESPONSE and res.is_tool_error and res.is_terminal
+    (err,) = classify('{"jsonrpc":"2.0","id":"a","error":{"code":-32003,"message":"no"}}')
+    assert err.kind == sc.FRAME_ERROR and err.id == "a" and err.is_terminal
+    (cancel,) = classify('{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":7}}')
+    assert cancel.kind == sc.FRAME_NOTIFICATION and cancel.cancelled_id == "7"
+    batch = classify('[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"a"}},'
+                     '{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"b"}}]')
+    assert [m.tool for m in batch] == ["a", "b"]
+    assert classify(b"\xff\xfe not json") == []
+    assert classify("[1, true]")[0].kind == sc.FRAME_OTHER

@@ -1,0 +1,99 @@
+"""The call/stream tracker both hooks share: outcomes, pending lists, bounds."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks._tracking import Tracker
+from mcp_stream_exporter.sse import SSEFrame
+from mcp_stream_exporter.wire import classify
+
+
+def _tracker(**kw):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracker(provider.get_tracer("t"), sc.ROLE_CLIENT, **kw), exporter
+
+
+def _request(rid, tool="fetch"):
+    return classify(f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"{tool}"}}}}')[0]
+
+
+def _response(rid):
+    return classify(f'{{"jsonrpc":"2.0","id":{rid},"result":{{}}}}')
+
+
+def _by(exporter, kind):
+    return [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == kind]
+
+
+def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {})
+    tracker.frame(stream, SSEFrame("", id="e1"), [])
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert span.attributes[sc.END_REASON] == sc.END_CLEAN
+    assert _by(exporter, sc.SPAN_CALL) == []  # resumable: a resume may still deliver it
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {})
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    (call_span,) = _by(exporter, sc.SPAN_CALL)
+    assert call_span.attributes[sc.TERMINAL_EVENT_ID] == "e2"
+    assert call_span.attributes[sc.TERMINAL_STREAM_KIND] == sc.STREAM_KIND_RESUME
+    assert call_span.attributes[sc.CALL_STREAMS] == 2
+    assert tracker.calls_of_cursor("s", "e1") == ()
+
+
+def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", stateless=True)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {})
+    tracker.end_stream(stream, sc.END_DROPPED)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert tracker.call((None, "1")) is None
+
+
+def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there():
+    tracker, exporter = _tracker()
+    mine = tracker.start_call("s", _request(1), None, stateless=False)
+    other = tracker.start_call("s", _request(2), None, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {})
+    tracker.frame(stream, SSEFrame("x", id="e9"), _response(2))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.STREAM_REQUEST_IDS] == ("1",)
+    assert span.attributes[sc.TERMINAL_REQUEST_IDS] == ("2",)
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert other.done and not mine.done
+
+
+def test_error_frames_are_recorded_and_do_not_complete_the_call():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {})
+    tracker.frame(stream, SSEFrame('{"error":"insufficient_audience"}', event="error"), [])
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.ERROR_FRAMES_COUNT] == 1
+    assert [e.name for e in span.events] == [sc.EVENT_ERROR_FRAME]
+    assert not call.done
+
+
+def test_cancel_and_eviction_end_pending_calls():
+    tracker, exporter = _tracker(max_calls=2)
+    for rid in (1, 2, 3):
+        tracker.start_call("s", _request(rid), None, stateless=False)
+    tracker.cancel(("s", "3"))
+    outcomes = {s.attributes[sc.JSONRPC_REQUEST_ID]: s.attributes[sc.CALL_OUTCOME]
+                for s in _by(exporter, sc.SPAN_CALL)}
+    assert outcomes == {"1": sc.OUTCOME_EVICTED, "3": sc.OUTCOME_CANCELLED}
+    tracker.shutdown()
+    assert len(_by(exporter, sc.SPAN_CALL)) == 3
