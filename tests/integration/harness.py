@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import uvicorn
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from mcp_stream_exporter import lab
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.lab import Incident
 
 _EXPORTER: InMemorySpanExporter | None = None
 
@@ -29,24 +29,6 @@ def span_exporter() -> InMemorySpanExporter:
     return _EXPORTER
 
 
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[int]:
-    """Serve ``app`` with uvicorn on an ephemeral 127.0.0.1 port; yields the port."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        await task
-
-
 def ours(spans: Sequence[ReadableSpan], kind: str, role: str | None = None, **attrs: Any) -> list[ReadableSpan]:
     """Spans of the span model of one kind (stream, call, replay), filtered by role and attributes."""
     out = []
@@ -57,3 +39,15 @@ def ours(spans: Sequence[ReadableSpan], kind: str, role: str | None = None, **at
         if all(a.get(k.replace("__", ".")) == v for k, v in attrs.items()):
             out.append(s)
     return out
+
+
+@contextlib.asynccontextmanager
+async def incident(mode: str | None = "legacy", **options: Any) -> AsyncIterator[Incident]:
+    """The lab incident with spans going to the in-memory exporter, cleared first."""
+    span_exporter().clear()
+    async with lab.incident(mode, **options) as scenario:
+        yield scenario
+
+
+def spans() -> list[ReadableSpan]:
+    return list(span_exporter().get_finished_spans())

@@ -11,8 +11,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 
-from harness import ours
-from scenario import Scenario, incident
+from harness import incident, ours, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -27,8 +26,8 @@ def _terminal_link(call_span):
     return links[0].context.span_id
 
 
-def _call(spans, role, tool):
-    found = ours(spans, sc.SPAN_CALL, role, gen_ai__tool__name=tool)
+def _call(found, role, tool):
+    found = ours(found, sc.SPAN_CALL, role, gen_ai__tool__name=tool)
     assert len(found) == 1, found
     return found[0]
 
@@ -38,13 +37,13 @@ async def test_clean_call_is_linked_to_its_terminal_event_and_stream(mode, era):
     async with incident(mode) as s:
         result = await s.call("search", {"query": "q", "steps": 2})
     assert "search results" in result.content[0].text
-    spans = Scenario.spans()
+    found = spans()
     for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
-        call = _call(spans, role, "search")
+        call = _call(found, role, "search")
         assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
         assert _attr(call, sc.ERA) == era
         request_id = _attr(call, sc.JSONRPC_REQUEST_ID)
-        (stream,) = [sp for sp in ours(spans, sc.SPAN_STREAM, role)
+        (stream,) = [sp for sp in ours(found, sc.SPAN_STREAM, role)
                      if request_id in (_attr(sp, sc.STREAM_REQUEST_IDS) or ())]
         assert _terminal_link(call) == stream.context.span_id
         assert stream.parent is not None and stream.parent.span_id == call.context.span_id
@@ -59,8 +58,8 @@ async def test_clean_call_is_linked_to_its_terminal_event_and_stream(mode, era):
             assert _attr(call, sc.TERMINAL_EVENT_ID) is None  # no event ids in 2026-07-28
             assert _attr(stream, sc.MCP_SESSION_ID) is None
     # the client call span is a child of the SDK's own request span, not a copy of it
-    client_call = _call(spans, sc.ROLE_CLIENT, "search")
-    sdk = [sp for sp in spans if sp.name == "MCP send tools/call search"]
+    client_call = _call(found, sc.ROLE_CLIENT, "search")
+    sdk = [sp for sp in found if sp.name == "MCP send tools/call search"]
     assert client_call.parent is not None and client_call.parent.span_id == sdk[0].context.span_id
 
 
@@ -70,22 +69,22 @@ async def test_dropped_connection_then_resume_links_the_call_to_the_resume_strea
         result = await s.call("fetch", {"url": "u", "steps": 4})
     assert "contents of u" in result.content[0].text
     assert s.proxy.cuts == 1
-    spans = Scenario.spans()
+    found = spans()
     for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
-        call = _call(spans, role, "fetch")
+        call = _call(found, role, "fetch")
         request_id = _attr(call, sc.JSONRPC_REQUEST_ID)
         assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
         assert _attr(call, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_RESUME
-        (post,) = ours(spans, sc.SPAN_STREAM, role, mcp_stream__stream__kind=sc.STREAM_KIND_POST,
+        (post,) = ours(found, sc.SPAN_STREAM, role, mcp_stream__stream__kind=sc.STREAM_KIND_POST,
                        mcp_stream__stream__request_ids=(request_id,))
         assert _attr(post, sc.END_REASON) == sc.END_DROPPED
         assert _attr(post, sc.PENDING_REQUEST_IDS) == (request_id,)
-        resumes = ours(spans, sc.SPAN_STREAM, role, mcp_stream__stream__kind=sc.STREAM_KIND_RESUME)
+        resumes = ours(found, sc.SPAN_STREAM, role, mcp_stream__stream__kind=sc.STREAM_KIND_RESUME)
         delivering = [r for r in resumes if request_id in (_attr(r, sc.TERMINAL_REQUEST_IDS) or ())]
         assert len(delivering) == 1
         assert _terminal_link(call) == delivering[0].context.span_id
         assert _attr(delivering[0], sc.RESUME_CURSOR) == _attr(post, sc.EVENT_LAST_ID) or role == sc.ROLE_SERVER
-    (replay,) = ours(spans, sc.SPAN_REPLAY, sc.ROLE_SERVER)
+    (replay,) = ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER)
     assert _attr(replay, sc.REPLAY_DECISION) == sc.REPLAY_COMPLETE
 
 
@@ -93,10 +92,10 @@ async def test_server_closed_stream_ends_clean_with_the_call_pending_then_resume
     async with incident("legacy") as s:
         result = await s.call("poll", {"steps": 3})
     assert "poll done" in result.content[0].text
-    spans = Scenario.spans()
-    call = _call(spans, sc.ROLE_CLIENT, "poll")
+    found = spans()
+    call = _call(found, sc.ROLE_CLIENT, "poll")
     request_id = _attr(call, sc.JSONRPC_REQUEST_ID)
-    (post,) = ours(spans, sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST,
+    (post,) = ours(found, sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST,
                    mcp_stream__stream__request_ids=(request_id,))
     assert _attr(post, sc.END_REASON) == sc.END_CLEAN
     assert _attr(post, sc.PENDING_REQUEST_IDS) == (request_id,)
@@ -107,10 +106,7 @@ async def test_server_closed_stream_ends_clean_with_the_call_pending_then_resume
 async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_gap_recorded(caplog):
     caplog.set_level(logging.DEBUG)
     async with incident("legacy") as s:
-        def refresh_narrows() -> None:
-            s.auth.token = s.narrow  # the least-privilege refresh: aud = search only
-
-        s.proxy.arm(b"fetch step 1", on_cut=refresh_narrows)
+        s.proxy.arm(b"fetch step 1", on_cut=s.refresh_narrows)  # least privilege: aud = search only
         search, fetch = await asyncio.gather(
             s.call("search", {"query": "q", "steps": 4}, timeout=10.0),
             s.call("fetch", {"url": "u", "steps": 4}, timeout=2.5),
@@ -119,19 +115,19 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
         tokens = (s.broad, s.narrow)
     assert not isinstance(search, BaseException) and "search results" in search.content[0].text
     assert isinstance(fetch, MCPError)  # only an unrelated timeout ends it: the incident
-    spans = Scenario.spans()
+    found = spans()
 
-    client_fetch = _call(spans, sc.ROLE_CLIENT, "fetch")
+    client_fetch = _call(found, sc.ROLE_CLIENT, "fetch")
     assert _attr(client_fetch, sc.CALL_OUTCOME) == sc.OUTCOME_CANCELLED  # the SDK gave up at its timeout
     assert _attr(client_fetch, sc.TERMINAL_EVENT_ID) is None
     assert _attr(client_fetch, sc.CALL_STREAMS) > 2  # the POST, then resume after resume
-    clean_pending = [sp for sp in ours(spans, sc.SPAN_STREAM, sc.ROLE_CLIENT,
+    clean_pending = [sp for sp in ours(found, sc.SPAN_STREAM, sc.ROLE_CLIENT,
                                        mcp_stream__stream__kind=sc.STREAM_KIND_RESUME)
                      if _attr(sp, sc.END_REASON) == sc.END_CLEAN and _attr(sp, sc.PENDING_REQUEST_IDS)]
     assert clean_pending, "the client's resume of fetch must end clean with the call pending"
     assert all(_attr(sp, sc.AUTH_AUDIENCE) == (SEARCH_RESOURCE,) for sp in clean_pending)
 
-    truncated = ours(spans, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_TRUNCATED)
+    truncated = ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_TRUNCATED)
     assert truncated
     gap = truncated[0]
     assert _attr(gap, sc.AUTH_AUDIENCE) == (SEARCH_RESOURCE,)
@@ -141,8 +137,8 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
     assert _attr(gap, sc.REPLAY_SENT) == 0
     assert _attr(clean_pending[0], sc.PENDING_REQUEST_IDS) == (_attr(gap, sc.JSONRPC_REQUEST_ID),)
     # the search resume was authorised and completed
-    assert ours(spans, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_COMPLETE)
-    _assert_no_raw_token(spans, caplog.records, tokens)
+    assert ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_COMPLETE)
+    _assert_no_raw_token(found, caplog.records, tokens)
 
 
 def _assert_no_raw_token(spans, records, tokens):
@@ -165,7 +161,7 @@ async def test_enforce_refuses_a_call_whose_token_lacks_the_tools_resource():
         ok = await s.call("search", {"query": "q"})
     assert FETCH_RESOURCE in refused.value.message
     assert "search results" in ok.content[0].text
-    (call,) = ours(Scenario.spans(), sc.SPAN_CALL, sc.ROLE_SERVER, gen_ai__tool__name="fetch")
+    (call,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_SERVER, gen_ai__tool__name="fetch")
     assert _attr(call, sc.POLICY_DECISION) == "refused"
     assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_ERROR
     assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)

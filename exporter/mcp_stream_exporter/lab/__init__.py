@@ -14,6 +14,7 @@ from mcp_stream_exporter.lab.incident import (
     incident_policy,
 )
 from mcp_stream_exporter.lab.proxy import CutProxy
+from mcp_stream_exporter.lab.scenario import Incident, incident, serve
 from mcp_stream_exporter.lab.tokens import BearerAuth, TokenIssuer
 
 __all__ = [
@@ -22,8 +23,11 @@ __all__ = [
     "SEARCH_RESOURCE",
     "BearerAuth",
     "CutProxy",
+    "Incident",
     "IncidentEventStore",
     "TokenIssuer",
     "build_incident_server",
+    "incident",
     "incident_policy",
+    "serve",
 ]

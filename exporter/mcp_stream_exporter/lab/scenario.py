@@ -1,0 +1,101 @@
+"""The incident's parts wired together: the instrumented incident server behind a cutting proxy,
+and an instrumented SDK client whose bearer token can change (a refresh), all on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+from opentelemetry import trace
+
+from mcp_stream_exporter.hooks import instrument_client, instrument_server
+from mcp_stream_exporter.lab.incident import (
+    BASE_RESOURCE,
+    FETCH_RESOURCE,
+    SEARCH_RESOURCE,
+    IncidentEventStore,
+    build_incident_server,
+    incident_policy,
+)
+from mcp_stream_exporter.lab.proxy import CutProxy
+from mcp_stream_exporter.lab.tokens import BearerAuth, TokenIssuer
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[int]:
+    """Serve an ASGI app with uvicorn (which sets TCP_NODELAY itself); yields the bound port."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(1000):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if not server.started:
+        await task
+        raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+@dataclass
+class Incident:
+    client: Client
+    proxy: CutProxy
+    auth: BearerAuth
+    issuer: TokenIssuer
+    broad: str  # aud: the aggregate resource and both tools
+    narrow: str  # aud: search only, as a least-privilege refresh mints it
+    progress: list[str] = field(default_factory=list)
+
+    def refresh_narrows(self) -> None:
+        self.auth.token = self.narrow
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float = 10.0) -> CallToolResult:
+        """A ``tools/call`` with a progress callback, so the server streams progress events."""
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            self.progress.append(message or "")
+
+        return await self.client.session.send_request(
+            CallToolRequest(params=CallToolRequestParams(name=name, arguments=arguments)),
+            CallToolResult,
+            request_read_timeout_seconds=timeout,
+            progress_callback=on_progress,
+        )
+
+
+@contextlib.asynccontextmanager
+async def incident(mode: str | None = "legacy", *, enforce: bool = False, retry_interval: int = 200,
+                   step_delay: float = 0.05, tracer_provider: trace.TracerProvider | None = None,
+                   ) -> AsyncIterator[Incident]:
+    """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28)."""
+    issuer = TokenIssuer()
+    policy = incident_policy()
+    store = IncidentEventStore(policy)
+    server = build_incident_server(issuer, store=store, step_delay=step_delay)
+    app = instrument_server(server, policy=policy, enforce=enforce, event_store=store,
+                            retry_interval=retry_interval, tracer_provider=tracer_provider)
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    async with serve(app) as port:
+        proxy = CutProxy(port)
+        await proxy.start()
+        auth = BearerAuth(broad)
+        http = instrument_client(auth=auth, policy=policy, tracer_provider=tracer_provider)
+        options: dict[str, Any] = {"mode": mode} if mode else {}
+        try:
+            async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
+                                    **options) as client:
+                yield Incident(client, proxy, auth, issuer, broad, narrow)
+        finally:
+            await proxy.stop()
