@@ -1,0 +1,28 @@
+"""``mcp-stream-exporter``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mcp_stream_exporter import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mcp-stream-exporter",
+                                     description="Catch MCP tool results lost on resumable SSE streams.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="replay the incident on 127.0.0.1 and show what the hooks saw")
+    demo.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from mcp_stream_exporter import demo as demo_module
+
+        return demo_module.main(as_json=args.json)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
