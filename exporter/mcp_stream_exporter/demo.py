@@ -83,7 +83,7 @@ def _timeline(spans: list[ReadableSpan], request_id: str) -> list[str]:
     for span in mine:
         if _a(span, sc.STREAM_KIND) == sc.STREAM_KIND_RESUME and _a(span, sc.ROLE) == sc.ROLE_CLIENT:
             resumes += 1
-        if resumes > 2 and _a(span, sc.STREAM_KIND) == sc.STREAM_KIND_RESUME or (
+        if (resumes > 2 and _a(span, sc.STREAM_KIND) == sc.STREAM_KIND_RESUME) or (
                 resumes > 2 and _a(span, sc.SPAN) == sc.SPAN_REPLAY):
             continue
         lines.append(_line(t0, span))
@@ -127,12 +127,13 @@ async def run_incident(*, fetch_timeout: float = 2.5) -> IncidentOutcome:
 
 
 def _print_human(outcome: IncidentOutcome, seconds: float) -> None:
-    print("\nTimeline of the lost call (fetch, request id %s):" % outcome.fetch_request_id)
+    print(f"\nTimeline of the lost call (fetch, request id {outcome.fetch_request_id}):")
     for line in outcome.timeline:
         print("  " + line)
     print("\nOutcome:")
     print(f"  search: {'delivered: ' + outcome.search_result if outcome.search_result else 'NOT delivered'}")
-    print(f"  fetch:  {'lost; the caller only saw its own timeout: ' + outcome.fetch_error if outcome.fetch_error else 'delivered'}")
+    fetch = f"lost; the caller only saw its own timeout: {outcome.fetch_error}" if outcome.fetch_error else "delivered"
+    print(f"  fetch:  {fetch}")
     if outcome.replay_truncated:
         print(f"  the server's replay stopped at event {outcome.offending_event_id} without an error frame: "
               f"token aud {outcome.token_audience} lacks {outcome.missing_resources}")

@@ -7,10 +7,12 @@ tracker what it sees on the wire; the tracker turns that into call, stream and f
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -36,15 +38,17 @@ def era_of(protocol_version: str | None) -> str:
     return sc.ERA_RESUMABLE
 
 
-def auth_attributes(view: AuthView) -> dict[str, AttributeValue]:
+@functools.lru_cache(maxsize=1024)
+def auth_attributes(view: AuthView) -> Mapping[str, AttributeValue]:
+    """The ``mcp_stream.auth.*`` attributes of a token; cached, tokens repeat on every request."""
     attrs: dict[str, AttributeValue] = {sc.AUTH_VERIFICATION: view.verification}
     if view.fingerprint is not None:
         attrs[sc.AUTH_FINGERPRINT] = view.fingerprint
-        attrs[sc.AUTH_AUDIENCE] = sorted(view.audience)
-        attrs[sc.AUTH_SCOPES] = sorted(view.scopes)
+        attrs[sc.AUTH_AUDIENCE] = tuple(sorted(view.audience))
+        attrs[sc.AUTH_SCOPES] = tuple(sorted(view.scopes))
     if view.subject_hash is not None:
         attrs[sc.AUTH_SUBJECT_HASH] = view.subject_hash
-    return attrs
+    return MappingProxyType(attrs)
 
 
 def _sdk_parent(traceparent: str | None) -> Context | None:
@@ -137,12 +141,11 @@ class Tracker:
         if call is not None:
             self._finish(call, sc.OUTCOME_CANCELLED)
 
-    def _finish(self, call: Call, outcome: str) -> None:
+    def _finish(self, call: Call, outcome: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
         if call.done:
             return
         call.done = True
-        call.span.set_attribute(sc.CALL_OUTCOME, outcome)
-        call.span.set_attribute(sc.CALL_STREAMS, call.streams)
+        call.span.set_attributes({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
         call.span.end()
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
@@ -150,9 +153,20 @@ class Tracker:
     # --- streams ---
 
     def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
-                    attributes: dict[str, AttributeValue], start_time: int | None = None) -> Stream:
+                    attributes: dict[str, AttributeValue], auth: Mapping[str, AttributeValue],
+                    status: int | None, start_time: int | None = None) -> Stream | None:
+        """A stream span, or None for a POST that carries no ``tools/call`` and did not fail: those
+        (initialize, notifications, other requests) tell nothing about a call's fate.
+
+        The token goes on the call spans of a POST, and on the stream span of every other kind."""
+        if kind == sc.STREAM_KIND_POST and not calls and (status is None or status < 400):
+            return None
         attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self._role,
                                             sc.STREAM_KIND: kind, **attributes}
+        if kind != sc.STREAM_KIND_POST:
+            attrs.update(auth)
+        if status is not None:
+            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
         if session_id is not None:
             attrs[sc.MCP_SESSION_ID] = session_id
         if calls:
@@ -226,36 +240,35 @@ class Tracker:
         call = next((c for c in stream.calls if c.key == key), None) or self._calls.get(key)
         if call is None or call.done:
             return
+        attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream.kind}
         if event_id is not None:
-            call.span.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
-        call.span.set_attribute(sc.TERMINAL_STREAM_KIND, stream.kind)
+            attrs[sc.TERMINAL_EVENT_ID] = event_id
         call.span.add_link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         if msg.kind == sc.FRAME_ERROR:
             outcome = sc.OUTCOME_ERROR
         else:
             outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
-        self._finish(call, outcome)
+        self._finish(call, outcome, attrs)
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
         if stream.ended:
             return
         stream.ended = True
-        span = stream.span
-        span.set_attribute(sc.END_REASON, reason)
-        if status is not None:
-            span.set_attribute(sc.HTTP_RESPONSE_STATUS_CODE, status)
-        span.set_attribute(sc.EVENTS_COUNT, stream.events)
+        attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events}
+        if status:
+            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
         if stream.error_frames:
-            span.set_attribute(sc.ERROR_FRAMES_COUNT, stream.error_frames)
+            attrs[sc.ERROR_FRAMES_COUNT] = stream.error_frames
         if stream.first_event_id is not None:
-            span.set_attribute(sc.EVENT_FIRST_ID, stream.first_event_id)
-            span.set_attribute(sc.EVENT_LAST_ID, stream.last_event_id or stream.first_event_id)
+            attrs[sc.EVENT_FIRST_ID] = stream.first_event_id
+            attrs[sc.EVENT_LAST_ID] = stream.last_event_id or stream.first_event_id
         if stream.terminal_ids:
-            span.set_attribute(sc.TERMINAL_REQUEST_IDS, stream.terminal_ids)
+            attrs[sc.TERMINAL_REQUEST_IDS] = stream.terminal_ids
         pending = stream.pending()
         if pending:
-            span.set_attribute(sc.PENDING_REQUEST_IDS, [c.key[1] for c in pending])
-        span.end()
+            attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
+        stream.span.set_attributes(attrs)
+        stream.span.end()
         for call in pending:
             if call.stateless:  # no resumption in this era: nothing else can deliver it
                 self._finish(call, sc.OUTCOME_NO_TERMINAL)

@@ -8,7 +8,7 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx2
@@ -43,7 +43,7 @@ class ClientInstrumentation:
         self._protocol_version: str | None = None
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
-                       protocol_version: str | None, auth: dict[str, AttributeValue]) -> list[Call]:
+                       protocol_version: str | None, auth: Mapping[str, AttributeValue]) -> list[Call]:
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -64,7 +64,7 @@ class ClientInstrumentation:
                 self.tracker.cancel((session_id, msg.cancelled_id))
         return calls
 
-    def _annotate_requirement(self, call: Call, tool: str | None, auth: dict[str, AttributeValue]) -> None:
+    def _annotate_requirement(self, call: Call, tool: str | None, auth: Mapping[str, AttributeValue]) -> None:
         requirement = self.policy.requirement(tool) if self.policy is not None else None
         if requirement is None:
             return
@@ -91,7 +91,8 @@ class ClientInstrumentation:
             response = await inner.handle_async_request(request)
         except BaseException:
             stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start, None, "none")
-            self.tracker.end_stream(stream, sc.END_DROPPED)
+            if stream is not None:
+                self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
         if session_id is None:
             session_id = response.headers.get("mcp-session-id")
@@ -100,6 +101,8 @@ class ClientInstrumentation:
             "json" if content_type.startswith("application/json") else "none")
         stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start,
                             response.status_code, content)
+        if stream is None:
+            return response
         if content == "none" or response.status_code >= 400:
             self.tracker.end_stream(stream, sc.END_HTTP_ERROR if response.status_code >= 400 else sc.END_CLEAN,
                                     response.status_code)
@@ -115,20 +118,18 @@ class ClientInstrumentation:
         )
 
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
-              calls: list[Call], auth: dict[str, AttributeValue], cursor: str | None, start: int,
-              status: int | None, content: str) -> Stream:
+              calls: list[Call], auth: Mapping[str, AttributeValue], cursor: str | None, start: int,
+              status: int | None, content: str) -> Stream | None:
         method = request.method
         kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(
             method, sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET)
         attrs: dict[str, AttributeValue] = {sc.HTTP_REQUEST_METHOD: method, sc.STREAM_CONTENT: content,
-                                            sc.ERA: era_of(protocol_version), **auth}
-        if status is not None:
-            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
+                                            sc.ERA: era_of(protocol_version)}
         if protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
         if cursor:
             attrs[sc.RESUME_CURSOR] = cursor
-        return self.tracker.open_stream(kind, session_id, calls, attrs, start_time=start)
+        return self.tracker.open_stream(kind, session_id, calls, attrs, auth, status, start_time=start)
 
 
 class _TapStream(httpx2.AsyncByteStream):

@@ -196,16 +196,15 @@ class ServerInstrumentation:
             calls.extend(self.tracker.calls_of_cursor(ex.scope.session_id, cursor))
         attrs: dict[str, AttributeValue] = {
             sc.HTTP_REQUEST_METHOD: ex.method,
-            sc.HTTP_RESPONSE_STATUS_CODE: ex.status,
             sc.STREAM_CONTENT: content,
             sc.ERA: era_of(ex.protocol_version),
-            **auth_attributes(ex.scope.auth),
         }
         if ex.protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = ex.protocol_version
         if cursor:
             attrs[sc.RESUME_CURSOR] = cursor
-        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, start_time=ex.start_ns)
+        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, auth_attributes(ex.scope.auth),
+                                             ex.status, start_time=ex.start_ns)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
         stream = ex.stream
