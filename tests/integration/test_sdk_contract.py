@@ -1,0 +1,35 @@
+"""The SDK and httpx2 internals the hooks rely on. If an SDK 2.x or httpx2 release changes one of
+them, this fails loudly here instead of the hooks going quiet in production."""
+
+from __future__ import annotations
+
+import inspect
+
+import httpx2
+from mcp.server.mcpserver import MCPServer
+from mcp.server.streamable_http import EventStore
+
+from mcp_stream_exporter import instrument_client, instrument_server
+
+
+def test_httpx2_async_client_keeps_its_transport_in_underscore_transport():
+    client = httpx2.AsyncClient()
+    assert isinstance(client._transport, httpx2.AsyncBaseTransport)
+    tapped = instrument_client(client)
+    assert tapped is client
+    assert type(client._transport).__name__ == "ClientTap"
+
+
+def test_event_store_interface_is_the_two_methods_the_wrapper_delegates():
+    assert set(EventStore.__abstractmethods__) == {"store_event", "replay_events_after"}
+    assert list(inspect.signature(EventStore.store_event).parameters) == ["self", "stream_id", "message"]
+    assert list(inspect.signature(EventStore.replay_events_after).parameters) == [
+        "self", "last_event_id", "send_callback"]
+
+
+def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store():
+    server = MCPServer("contract")
+    before = len(server.middleware)
+    instrument_server(server)
+    assert len(server.middleware) == before + 1
+    assert "event_store" in inspect.signature(MCPServer.streamable_http_app).parameters
