@@ -16,6 +16,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.lab import Incident
 
 _EXPORTER: InMemorySpanExporter | None = None
+TOKENS_USED: list[str] = []  # every bearer a scenario minted; conftest checks none leaked
 
 
 def span_exporter() -> InMemorySpanExporter:
@@ -46,6 +47,7 @@ async def incident(mode: str | None = "legacy", **options: Any) -> AsyncIterator
     """The lab incident with spans going to the in-memory exporter, cleared first."""
     span_exporter().clear()
     async with lab.incident(mode, **options) as scenario:
+        TOKENS_USED.extend((scenario.broad, scenario.narrow))
         yield scenario
 
 

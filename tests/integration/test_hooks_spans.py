@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import pytest
 from mcp.shared.exceptions import MCPError
@@ -103,8 +102,7 @@ async def test_server_closed_stream_ends_clean_with_the_call_pending_then_resume
     assert _attr(call, sc.CALL_STREAMS) >= 2
 
 
-async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_gap_recorded(caplog):
-    caplog.set_level(logging.DEBUG)
+async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_gap_recorded():
     async with incident("legacy") as s:
         s.proxy.arm(b"fetch step 1", on_cut=s.refresh_narrows)  # least privilege: aud = search only
         search, fetch = await asyncio.gather(
@@ -112,7 +110,6 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
             s.call("fetch", {"url": "u", "steps": 4}, timeout=2.5),
             return_exceptions=True,
         )
-        tokens = (s.broad, s.narrow)
     assert not isinstance(search, BaseException) and "search results" in search.content[0].text
     assert isinstance(fetch, MCPError)  # only an unrelated timeout ends it: the incident
     found = spans()
@@ -138,19 +135,6 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
     assert _attr(clean_pending[0], sc.PENDING_REQUEST_IDS) == (_attr(gap, sc.JSONRPC_REQUEST_ID),)
     # the search resume was authorised and completed
     assert ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_COMPLETE)
-    _assert_no_raw_token(found, caplog.records, tokens)
-
-
-def _assert_no_raw_token(spans, records, tokens):
-    """No raw bearer token in any exported span (attributes, events, links) or log record."""
-    texts = []
-    for sp in spans:
-        texts.append(sp.to_json())
-    texts.extend(r.getMessage() + repr(r.args) for r in records)
-    blob = "\n".join(texts)
-    for token in tokens:
-        for part in (token, token.split(".")[2]):  # the whole token, and its signature alone
-            assert part not in blob
 
 
 async def test_enforce_refuses_a_call_whose_token_lacks_the_tools_resource():
