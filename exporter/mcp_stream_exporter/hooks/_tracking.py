@@ -104,10 +104,11 @@ class Tracker:
     # --- calls ---
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
-                   *, stateless: bool) -> Call:
+                   auth: Mapping[str, AttributeValue], *, stateless: bool) -> Call:
         """A ``tools/call`` request was seen; its span is a child of the SDK's request span."""
         assert msg.id is not None
         attrs: dict[str, AttributeValue] = {
+            **auth,
             sc.SPAN: sc.SPAN_CALL,
             sc.ROLE: self._role,
             sc.MCP_METHOD_NAME: msg.method or "",

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._tracking import Call, Stream, Tracker, auth_attributes, era_of, now_ns
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify
@@ -43,7 +43,7 @@ class ClientInstrumentation:
         self._protocol_version: str | None = None
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
-                       protocol_version: str | None, auth: Mapping[str, AttributeValue]) -> list[Call]:
+                       protocol_version: str | None, view: AuthView) -> list[Call]:
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -56,34 +56,34 @@ class ClientInstrumentation:
                 self._protocol_version = msg.protocol_version
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
-                call = self.tracker.start_call(session_id, msg, protocol_version, stateless=stateless)
-                call.span.set_attributes(auth)
-                self._annotate_requirement(call, msg.tool, auth)
+                call = self.tracker.start_call(session_id, msg, protocol_version, auth_attributes(view),
+                                               stateless=stateless)
+                self._annotate_requirement(call, msg.tool, view)
                 calls.append(call)
             elif msg.method == CANCELLED and msg.cancelled_id is not None:
                 self.tracker.cancel((session_id, msg.cancelled_id))
         return calls
 
-    def _annotate_requirement(self, call: Call, tool: str | None, auth: Mapping[str, AttributeValue]) -> None:
+    def _annotate_requirement(self, call: Call, tool: str | None, view: AuthView) -> None:
         requirement = self.policy.requirement(tool) if self.policy is not None else None
         if requirement is None:
             return
         call.requirement = requirement
-        audience = auth.get(sc.AUTH_AUDIENCE)
-        held = frozenset(audience) if isinstance(audience, list | tuple) else frozenset()
-        call.span.set_attribute(sc.REQUIRED_RESOURCES, sorted(requirement.resources))
-        call.span.set_attribute(sc.REQUIRED_SCOPES, sorted(requirement.scopes))
-        missing = requirement.resources - {str(a) for a in held}
+        attrs: dict[str, AttributeValue] = {sc.REQUIRED_RESOURCES: sorted(requirement.resources),
+                                            sc.REQUIRED_SCOPES: sorted(requirement.scopes)}
+        missing = view.missing_resources(requirement.resources)
         if missing:
-            call.span.set_attribute(sc.AUTH_MISSING_RESOURCES, sorted(missing))
+            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
+        call.span.set_attributes(attrs)
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = now_ns()
         headers = request.headers
         session_id = headers.get("mcp-session-id")
         protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
-        auth = auth_attributes(self.tokens.from_authorization(headers.get("authorization")))
-        calls = self._request_calls(request, session_id, protocol_version, auth)
+        view = self.tokens.from_authorization(headers.get("authorization"))
+        auth = auth_attributes(view)
+        calls = self._request_calls(request, session_id, protocol_version, view)
         cursor = headers.get("last-event-id")
         if cursor:
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))

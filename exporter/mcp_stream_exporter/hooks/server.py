@@ -72,6 +72,7 @@ class _Exchange:
     json_body: bytearray | None = None
     status: int = 0
     disconnected: bool = False
+    oversized: bool = False
 
 
 @dataclass(slots=True)
@@ -99,7 +100,7 @@ class ServerInstrumentation:
         self.policy = policy or ToolPolicy()
         self.enforce = enforce
         self.tokens = token_reader or TokenReader()
-        self.path = path.rstrip("/") or "/"
+        self.path = path.rstrip("/")
         self._tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         self.tracker = Tracker(self._tracer, sc.ROLE_SERVER, max_calls=max_calls)
         self._requirements: OrderedDict[CallKey, Requirement] = OrderedDict()
@@ -115,7 +116,7 @@ class ServerInstrumentation:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
 
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path.rstrip("/"):
+            if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
             await self._observe(app, scope, receive, send)
@@ -156,10 +157,14 @@ class ServerInstrumentation:
                                         ex.status)
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
-        if ex.method != "POST" or len(ex.body) > _MAX_BODY:
+        if ex.method != "POST" or ex.oversized:
             return
         ex.body += message.get("body", b"")
-        if message.get("more_body", False) or len(ex.body) > _MAX_BODY:
+        if len(ex.body) > _MAX_BODY:  # too large to parse: observe the exchange without its calls
+            ex.oversized = True
+            ex.body.clear()
+            return
+        if message.get("more_body", False):
             return
         for msg in classify(bytes(ex.body)):
             self._on_request_message(ex, msg)
@@ -170,9 +175,8 @@ class ServerInstrumentation:
             ex.protocol_version = msg.protocol_version
         elif msg.method == TOOLS_CALL and msg.id is not None:
             stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
-            call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, stateless=stateless)
-            call.span.set_attributes(auth_attributes(ex.scope.auth))
-            ex.calls.append(call)
+            ex.calls.append(self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version,
+                                                    auth_attributes(ex.scope.auth), stateless=stateless))
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             self.tracker.cancel((ex.scope.session_id, msg.cancelled_id))
 
