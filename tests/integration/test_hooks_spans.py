@@ -32,34 +32,52 @@ def _call(found, role, tool):
 
 
 @pytest.mark.parametrize(("mode", "era"), [("legacy", sc.ERA_RESUMABLE), (None, sc.ERA_STATELESS)])
-async def test_clean_call_is_linked_to_its_terminal_event_and_stream(mode, era):
+async def test_clean_call_ends_with_its_terminal_event_on_its_post_and_costs_one_span_a_side(mode, era):
     async with incident(mode) as s:
         result = await s.call("search", {"query": "q", "steps": 2})
     assert "search results" in result.content[0].text
+    assert s.progress == ["search step 1", "search step 2"]
     found = spans()
-    for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
-        call = _call(found, role, "search")
+    calls = {role: _call(found, role, "search") for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER)}
+    for role, call in calls.items():
         assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
         assert _attr(call, sc.ERA) == era
+        assert _attr(call, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_POST
+        assert _attr(call, sc.CALL_STREAMS) == 1
+        # the healthy path: the POST delivered its call's terminal event, so it emits no span of its own
         request_id = _attr(call, sc.JSONRPC_REQUEST_ID)
-        (stream,) = [sp for sp in ours(found, sc.SPAN_STREAM, role)
-                     if request_id in (_attr(sp, sc.STREAM_REQUEST_IDS) or ())]
-        assert _terminal_link(call) == stream.context.span_id
-        assert stream.parent is not None and stream.parent.span_id == call.context.span_id
-        assert _attr(stream, sc.TERMINAL_REQUEST_IDS) == (request_id,)
-        assert _attr(stream, sc.PENDING_REQUEST_IDS) is None
-        frames = [e for e in stream.events if e.name == sc.EVENT_FRAME]
-        assert sum(1 for e in frames if (e.attributes or {}).get(sc.FRAME_KIND) == sc.FRAME_NOTIFICATION) == 2
-        if era == sc.ERA_RESUMABLE:
-            response = [e for e in frames if (e.attributes or {}).get(sc.FRAME_KIND) == sc.FRAME_RESPONSE]
-            assert _attr(call, sc.TERMINAL_EVENT_ID) == response[0].attributes[sc.EVENT_ID]
-        else:
-            assert _attr(call, sc.TERMINAL_EVENT_ID) is None  # no event ids in 2026-07-28
-            assert _attr(stream, sc.MCP_SESSION_ID) is None
+        assert [sp for sp in ours(found, sc.SPAN_STREAM, role)
+                if request_id in (_attr(sp, sc.STREAM_REQUEST_IDS) or ())] == []
+    if era == sc.ERA_RESUMABLE:
+        stored = [e for e in calls[sc.ROLE_SERVER].events if e.name == sc.EVENT_STORED]
+        assert stored[0].attributes[sc.FRAME_KIND] == sc.FRAME_RESPONSE
+        event_id = stored[0].attributes[sc.EVENT_ID]
+        assert _attr(calls[sc.ROLE_SERVER], sc.TERMINAL_EVENT_ID) == event_id
+        assert _attr(calls[sc.ROLE_CLIENT], sc.TERMINAL_EVENT_ID) == event_id  # the same event on both sides
+    else:
+        assert _attr(calls[sc.ROLE_CLIENT], sc.TERMINAL_EVENT_ID) is None  # no event ids in 2026-07-28
+        assert _attr(calls[sc.ROLE_CLIENT], sc.MCP_SESSION_ID) is None
     # the client call span is a child of the SDK's own request span, not a copy of it
-    client_call = _call(found, sc.ROLE_CLIENT, "search")
     sdk = [sp for sp in found if sp.name == "MCP send tools/call search"]
-    assert client_call.parent is not None and client_call.parent.span_id == sdk[0].context.span_id
+    assert calls[sc.ROLE_CLIENT].parent.span_id == sdk[0].context.span_id
+
+
+async def test_a_post_that_fails_is_a_stream_span_linked_from_its_call():
+    async with incident(None) as s:  # 2026-07-28: a broken response stream ends the call
+        s.proxy.arm(b"fetch step 1")
+        with pytest.raises(MCPError):
+            await s.call("fetch", {"url": "u", "steps": 4})
+    found = spans()
+    call = _call(found, sc.ROLE_CLIENT, "fetch")
+    assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_NO_TERMINAL
+    (post,) = ours(found, sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+    assert _attr(post, sc.END_REASON) == sc.END_DROPPED
+    assert _attr(post, sc.PENDING_REQUEST_IDS) == (_attr(call, sc.JSONRPC_REQUEST_ID),)
+    assert post.parent.span_id == call.context.span_id
+    assert [lk.context.span_id for lk in call.links] == [post.context.span_id]
+    kinds = [(e.attributes or {}).get(sc.FRAME_KIND) for e in post.events]
+    assert kinds == [sc.FRAME_NOTIFICATION]  # the progress event it saw before the cut, kept
+    assert post.events[0].timestamp >= post.start_time
 
 
 async def test_dropped_connection_then_resume_links_the_call_to_the_resume_stream():

@@ -72,12 +72,18 @@ class Call:
 
 @dataclass(slots=True, eq=False)
 class Stream:
-    """One HTTP response on the MCP endpoint, and the calls it carries."""
+    """One HTTP response on the MCP endpoint, and the calls it carries.
 
-    span: Span
+    A POST's span is created only when the stream ends, and only if something happened on it worth
+    a span (see ``Tracker.end_stream``); until then its frames wait in ``buffered``."""
+
+    span: Span | None
     session_id: str | None
     kind: str
+    attributes: dict[str, AttributeValue]
+    start_time: int
     calls: list[Call] = field(default_factory=list)
+    buffered: list[tuple[str, dict[str, AttributeValue], int]] = field(default_factory=list)
     terminal_ids: list[str] = field(default_factory=list)
     events: int = 0
     error_frames: int = 0
@@ -172,15 +178,34 @@ class Tracker:
             attrs[sc.MCP_SESSION_ID] = session_id
         if calls:
             attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in calls]
-        parent = trace.set_span_in_context(calls[0].span) if len(calls) == 1 else None
-        span = self._tracer.start_span(f"MCP stream {kind}", context=parent,
-                                       kind=SpanKind.SERVER if self._role == sc.ROLE_SERVER else SpanKind.CLIENT,
-                                       attributes=attrs, start_time=start_time)
-        stream = Stream(span, session_id, kind, list(calls))
+        stream = Stream(None, session_id, kind, attrs, start_time or time.time_ns(), list(calls))
         for call in calls:
             call.streams += 1
-            call.span.add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
+        if kind != sc.STREAM_KIND_POST:
+            self._materialize(stream)
         return stream
+
+    def _materialize(self, stream: Stream) -> Span:
+        """Start the stream's span (backdated to the stream's start) and replay its buffered frames."""
+        calls = stream.calls
+        parent = trace.set_span_in_context(calls[0].span) if len(calls) == 1 else None
+        span = self._tracer.start_span(f"MCP stream {stream.kind}", context=parent,
+                                       kind=SpanKind.SERVER if self._role == sc.ROLE_SERVER else SpanKind.CLIENT,
+                                       attributes=stream.attributes, start_time=stream.start_time)
+        stream.span = span
+        for name, attrs, timestamp in stream.buffered:
+            span.add_event(name, attrs, timestamp)
+        stream.buffered.clear()
+        for call in calls:
+            if not call.done:
+                call.span.add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
+        return span
+
+    def _event(self, stream: Stream, name: str, attrs: dict[str, AttributeValue]) -> None:
+        if stream.span is not None:
+            stream.span.add_event(name, attrs)
+        else:
+            stream.buffered.append((name, attrs, time.time_ns()))
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
@@ -223,7 +248,7 @@ class Tracker:
             attrs[sc.JSONRPC_REQUEST_ID] = request_id
         if method is not None:
             attrs[sc.MCP_METHOD_NAME] = method
-        stream.span.add_event(sc.EVENT_FRAME, attrs)
+        self._event(stream, sc.EVENT_FRAME, attrs)
 
     def _error_frame(self, stream: Stream, frame: SSEFrame | None) -> None:
         assert frame is not None
@@ -232,7 +257,7 @@ class Tracker:
                                             sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
-        stream.span.add_event(sc.EVENT_ERROR_FRAME, attrs)
+        self._event(stream, sc.EVENT_ERROR_FRAME, attrs)
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
@@ -244,7 +269,8 @@ class Tracker:
         attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream.kind}
         if event_id is not None:
             attrs[sc.TERMINAL_EVENT_ID] = event_id
-        call.span.add_link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
+        if stream.span is not None:  # a POST delivering its own call's terminal gets no span of its own
+            call.span.add_link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         if msg.kind == sc.FRAME_ERROR:
             outcome = sc.OUTCOME_ERROR
         else:
@@ -252,9 +278,20 @@ class Tracker:
         self._finish(call, outcome, attrs)
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
+        """End a stream. A POST that delivered the terminal event of every call it carried, and
+        nothing else, is the healthy path: it emits no span (its call spans say ``terminal.stream_kind
+        = post``), which keeps the hooks' cost per round trip to one span a side."""
         if stream.ended:
             return
         stream.ended = True
+        pending = stream.pending()
+        if stream.span is None:
+            own = {c.key[1] for c in stream.calls}
+            if (not pending and not stream.error_frames and (status or 0) < 400
+                    and all(i in own for i in stream.terminal_ids)):
+                return
+            self._materialize(stream)
+        assert stream.span is not None
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events}
         if status:
             attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
@@ -265,7 +302,6 @@ class Tracker:
             attrs[sc.EVENT_LAST_ID] = stream.last_event_id or stream.first_event_id
         if stream.terminal_ids:
             attrs[sc.TERMINAL_REQUEST_IDS] = stream.terminal_ids
-        pending = stream.pending()
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
         stream.span.set_attributes(attrs)
