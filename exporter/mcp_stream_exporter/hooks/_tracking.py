@@ -16,8 +16,7 @@ from types import MappingProxyType
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
@@ -26,7 +25,6 @@ from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import WireMessage
 
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
-_PROPAGATOR = TraceContextTextMapPropagator()
 _ERROR_FRAME_DATA_CHARS = 1024
 _STATELESS_FROM = "2026-07-28"
 
@@ -45,18 +43,28 @@ def auth_attributes(view: AuthView) -> Mapping[str, AttributeValue]:
     if view.fingerprint is not None:
         attrs[sc.AUTH_FINGERPRINT] = view.fingerprint
         attrs[sc.AUTH_AUDIENCE] = tuple(sorted(view.audience))
-        attrs[sc.AUTH_SCOPES] = tuple(sorted(view.scopes))
+        if view.scopes:
+            attrs[sc.AUTH_SCOPES] = tuple(sorted(view.scopes))
     if view.subject_hash is not None:
         attrs[sc.AUTH_SUBJECT_HASH] = view.subject_hash
     return MappingProxyType(attrs)
 
 
 def _sdk_parent(traceparent: str | None) -> Context | None:
-    """The SDK's own request span, from the ``traceparent`` it injects into ``params._meta``."""
-    if traceparent is None:
+    """The SDK's own request span, from the W3C ``traceparent`` it injects into ``params._meta``.
+
+    Parsed here rather than through the propagator API: this runs once per call on the hot path."""
+    if traceparent is None or len(traceparent) < 55:
         return None
-    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
-    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+    version, trace_id, span_id, flags = traceparent[:55].split("-")
+    try:
+        ctx = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
+                          trace_flags=TraceFlags(int(flags, 16)))
+    except ValueError:
+        return None
+    if version == "ff" or not ctx.is_valid:
+        return None
+    return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
 @dataclass(slots=True, eq=False)

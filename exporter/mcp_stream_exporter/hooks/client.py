@@ -69,8 +69,9 @@ class ClientInstrumentation:
         if requirement is None:
             return
         call.requirement = requirement
-        attrs: dict[str, AttributeValue] = {sc.REQUIRED_RESOURCES: sorted(requirement.resources),
-                                            sc.REQUIRED_SCOPES: sorted(requirement.scopes)}
+        attrs: dict[str, AttributeValue] = {sc.REQUIRED_RESOURCES: sorted(requirement.resources)}
+        if requirement.scopes:
+            attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
         missing = view.missing_resources(requirement.resources)
         if missing:
             attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)

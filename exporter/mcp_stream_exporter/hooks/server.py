@@ -254,7 +254,8 @@ class ServerInstrumentation:
             }
             if requirement is not None:
                 attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
-                attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+                if requirement.scopes:
+                    attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
                 if missing_resources:
                     attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
                 if missing_scopes:
@@ -391,7 +392,8 @@ class _ObservedEventStore(EventStore):
             requirement = instr.requirement_of(session_id, stream_id) if stream_id else None
             if requirement is not None:
                 out[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
-                out[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+                if requirement.scopes:
+                    out[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
                 missing = rs.auth.missing_resources(requirement.resources)
                 if missing:
                     out[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
