@@ -8,8 +8,10 @@ scope, and ``replay_events_after`` sees the resuming GET's (mcp-sdk-2.3.md secti
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from mcp_stream_exporter.auth import ABSENT, AuthView
 
@@ -33,3 +35,15 @@ def bind(scope: RequestScope) -> Token[RequestScope | None]:
 
 def unbind(token: Token[RequestScope | None]) -> None:
     _current.reset(token)
+
+
+ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+@runtime_checkable
+class ExchangeAware(Protocol):
+    """An EventStore that must also see the HTTP exchange (the guard does): ``asgi`` wraps the app.
+    ``instrument_server`` applies it, inside the hooks' observer."""
+
+    def asgi(self, app: ASGIApp) -> ASGIApp: ...

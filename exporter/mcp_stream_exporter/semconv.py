@@ -114,3 +114,15 @@ AUTH_FINGERPRINT: Final = "mcp_stream.auth.fingerprint"
 AUTH_VERIFICATION: Final = "mcp_stream.auth.verification"
 AUTH_MISSING_RESOURCES: Final = "mcp_stream.auth.missing_resources"
 AUTH_MISSING_SCOPES: Final = "mcp_stream.auth.missing_scopes"
+
+# --- the replay guard's verdict, on the replay span it runs under (guard.py) ---
+GUARD_MODE: Final = "mcp_stream.guard.mode"  # enforce | observe
+GUARD_DECISION: Final = "mcp_stream.guard.decision"
+GUARD_ALLOW: Final = "allow"
+GUARD_REFUSE: Final = "refuse"  # an `event: error` frame was sent, the cursor did not move
+GUARD_WOULD_REFUSE: Final = "would_refuse"  # observe mode: replayed anyway, the violation recorded
+GUARD_UNKNOWN_CURSOR: Final = "unknown_cursor"  # answered with an explicit error frame
+GUARD_OFFENDING_EVENT_ID: Final = "mcp_stream.guard.offending_event_id"
+GUARD_MISSING_RESOURCES: Final = "mcp_stream.guard.missing_resources"
+GUARD_MISSING_SCOPES: Final = "mcp_stream.guard.missing_scopes"
+GUARD_CURSOR: Final = "mcp_stream.guard.cursor"  # where the client may resume from

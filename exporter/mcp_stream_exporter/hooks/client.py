@@ -8,6 +8,7 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -19,7 +20,8 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._tracking import Call, Stream, Tracker, auth_attributes, era_of, now_ns
-from mcp_stream_exporter.sse import SSEParser
+from mcp_stream_exporter.resume import RESUME_REFUSED
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify
 
 _MAX_BODY = 4 * 1024 * 1024
@@ -35,8 +37,10 @@ class ClientInstrumentation:
         token_reader: TokenReader | None = None,
         tracer_provider: trace.TracerProvider | None = None,
         max_calls: int = 10_000,
+        resolve_error_frames: bool = True,
     ) -> None:
         self.policy = policy
+        self.resolve_error_frames = resolve_error_frames
         self.tokens = token_reader or TokenReader()
         tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
@@ -113,7 +117,7 @@ class ClientInstrumentation:
             status_code=response.status_code,
             headers=response.headers,
             stream=_TapStream(response.stream, self.tracker, stream, sse=content == "sse",
-                              status=response.status_code),
+                              status=response.status_code, resolve_error_frames=self.resolve_error_frames),
             extensions=response.extensions,
             request=request,
         )
@@ -137,8 +141,9 @@ class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended."""
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
-                 status: int) -> None:
+                 status: int, resolve_error_frames: bool) -> None:
         self._inner = inner
+        self._resolve_error_frames = resolve_error_frames
         self._tracker = tracker
         self._stream = stream
         self._parser = SSEParser() if sse else None
@@ -148,8 +153,10 @@ class _TapStream(httpx2.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._inner:
-                self._feed(chunk)
+                refusals = self._feed(chunk)
                 yield chunk
+                if refusals:
+                    yield refusals
         except Exception:
             self._tracker.end_stream(self._stream, sc.END_DROPPED, self._status)
             raise
@@ -160,18 +167,44 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.frame(self._stream, None, classify(bytes(self._json)))
         self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
 
-    def _feed(self, chunk: bytes) -> None:
+    def _feed(self, chunk: bytes) -> bytes:
+        """Observe a chunk; returns the frames to add after it (see ``resolve_error_frames``)."""
         if self._stream.ended:
-            return
+            return b""
+        extra = b""
         if self._parser is not None:
             for frame in self._parser.feed(chunk):
                 self._tracker.frame(self._stream, frame, classify(frame.data) if frame.data else ())
+                if frame.type == "error" and self._resolve_error_frames:
+                    extra += b"".join(_refused(call.key[1], frame.data) for call in self._stream.pending())
         elif len(self._json) <= _MAX_BODY:
             self._json += chunk
+        return extra
 
     async def aclose(self) -> None:
         self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
         await self._inner.aclose()
+
+
+def _refused(request_id: str, data: str) -> bytes:
+    """A JSON-RPC error for a call whose resume the server refused with an ``event: error`` frame.
+
+    The SDK drops such frames and reconnects with the same cursor until its timeout (mcp-sdk-2.3.md
+    section 8); this resolves the pending call at once instead, with the frame's data (the cursor to
+    resume from, what is required, what the token held) for ``resume.decide_resume``. No ``id:``
+    line: the cursor stays where the server left it."""
+    try:
+        detail: Any = json.loads(data)
+    except ValueError:
+        detail = {"error": data}
+    reason = detail.get("error", "error") if isinstance(detail, dict) else "error"
+    message = (f"resume refused by the server ({reason}): "
+               f"required {detail.get('missing_resources', []) if isinstance(detail, dict) else []} "
+               f"not in the token's audience; re-authorise and resume from cursor "
+               f"{detail.get('cursor') if isinstance(detail, dict) else None}, or re-issue the call")
+    error = {"jsonrpc": "2.0", "id": int(request_id) if request_id.isdigit() else request_id,
+             "error": {"code": RESUME_REFUSED, "message": message, "data": detail}}
+    return render(SSEFrame(json.dumps(error), event="message"))
 
 
 class ClientTap(httpx2.AsyncBaseTransport):
@@ -194,6 +227,7 @@ def instrument_client(
     policy: ToolPolicy | None = None,
     token_reader: TokenReader | None = None,
     tracer_provider: trace.TracerProvider | None = None,
+    resolve_error_frames: bool = True,
     **client_options: Any,
 ) -> httpx2.AsyncClient:
     """An ``httpx2.AsyncClient`` for ``streamable_http_client(url, http_client=...)``, with the tap.
@@ -201,8 +235,11 @@ def instrument_client(
     Without ``client``, builds one with the MCP SDK's default timeouts (``client_options`` go to
     ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
     touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
+    ``resolve_error_frames`` (leg 3): a pending call whose stream brings an ``event: error`` frame
+    is failed at once with ``resume.RESUME_REFUSED`` instead of reconnecting until its timeout.
     """
-    instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
+    instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
+                                  resolve_error_frames=resolve_error_frames)
     if client is not None:
         client._transport = ClientTap(client._transport, instr)
         return client
