@@ -12,9 +12,12 @@ from typing import Any
 import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.streamable_http import EventStore
+from mcp.shared.message import ClientMessageMetadata
 from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
 from opentelemetry import trace
 
+from mcp_stream_exporter.guard import GuardedEventStore
 from mcp_stream_exporter.hooks import instrument_client, instrument_server
 from mcp_stream_exporter.lab.incident import (
     BASE_RESOURCE,
@@ -60,8 +63,15 @@ class Incident:
     def refresh_narrows(self) -> None:
         self.auth.token = self.narrow
 
-    async def call(self, name: str, arguments: dict[str, Any], timeout: float = 10.0) -> CallToolResult:
-        """A ``tools/call`` with a progress callback, so the server streams progress events."""
+    def widen(self) -> None:
+        """Re-authorise with a superset audience (the broad token again)."""
+        self.auth.token = self.broad
+
+    async def call(self, name: str, arguments: dict[str, Any], timeout: float = 10.0,
+                   resume_from: str | None = None) -> CallToolResult:
+        """A ``tools/call`` with a progress callback, so the server streams progress events.
+        ``resume_from``: don't send it again, resume its stream from this event id (the SDK's
+        explicit resumption: a GET with ``Last-Event-ID``)."""
 
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             self.progress.append(message or "")
@@ -71,18 +81,25 @@ class Incident:
             CallToolResult,
             request_read_timeout_seconds=timeout,
             progress_callback=on_progress,
+            metadata=ClientMessageMetadata(resumption_token=resume_from) if resume_from else None,
         )
 
 
 @contextlib.asynccontextmanager
-async def incident(mode: str | None = "legacy", *, enforce: bool = False, retry_interval: int = 200,
-                   step_delay: float = 0.05, tracer_provider: trace.TracerProvider | None = None,
-                   ) -> AsyncIterator[Incident]:
-    """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28)."""
+async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforce: bool = False,
+                   retry_interval: int = 200, step_delay: float = 0.05,
+                   tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
+    """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
+    ``guarded`` serves with the replay guard instead of the incident's naive replay store."""
     issuer = TokenIssuer()
     policy = incident_policy()
-    store = IncidentEventStore(policy)
-    server = build_incident_server(issuer, store=store, step_delay=step_delay)
+    store: EventStore
+    if guarded:
+        store = GuardedEventStore(policy)
+        server = build_incident_server(issuer, step_delay=step_delay)
+    else:
+        store = naive = IncidentEventStore(policy)
+        server = build_incident_server(issuer, store=naive, step_delay=step_delay)
     app = instrument_server(server, policy=policy, enforce=enforce, event_store=store,
                             retry_interval=retry_interval, tracer_provider=tracer_provider)
     broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])

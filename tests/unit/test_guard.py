@@ -1,0 +1,184 @@
+"""The replay guard's verdicts, driven directly (no HTTP): modes, policies, cursors, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from mcp_types import JSONRPCNotification, JSONRPCResponse
+
+from mcp_stream_exporter import scope
+from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
+from mcp_stream_exporter.guard import (
+    REFUSAL_METHOD,
+    GuardedEventStore,
+    InMemoryEventStorage,
+    _rewrite_refusal,
+)
+from mcp_stream_exporter.sse import SSEParser
+
+SEARCH = "https://mcp.example.com/tools/search"
+FETCH = "https://mcp.example.com/tools/fetch"
+POLICY = ToolPolicy({"search": Requirement.of([SEARCH]), "fetch": Requirement.of([FETCH])})
+BROAD = AuthView(audience=frozenset({SEARCH, FETCH}), fingerprint="b", verification="unverified")
+NARROW = AuthView(audience=frozenset({SEARCH}), fingerprint="n", verification="unverified")
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def progress(n):
+    return JSONRPCNotification(jsonrpc="2.0", method="notifications/progress", params={"progress": n})
+
+
+def result(rid):
+    return JSONRPCResponse(jsonrpc="2.0", id=rid, result={"content": []})
+
+
+class Session:
+    """One MCP session's view of the store, as the SDK would drive it."""
+
+    def __init__(self, store, session_id="s1"):
+        self.store = store
+        self.session_id = session_id
+
+    def store_event(self, stream_id, message):
+        token = scope.bind(scope.RequestScope(self.session_id))
+        try:
+            return run(self.store.store_event(stream_id, message))
+        finally:
+            scope.unbind(token)
+
+    def call(self, request_id, tool, n_progress=2, with_result=True):
+        self.store.record_call(self.session_id, str(request_id), tool)
+        ids = [self.store_event(str(request_id), None)]
+        ids += [self.store_event(str(request_id), progress(i)) for i in range(n_progress)]
+        if with_result:
+            ids.append(self.store_event(str(request_id), result(request_id)))
+        return ids
+
+    def resume(self, cursor, auth):
+        sent = []
+
+        async def send(event):
+            sent.append(event)
+
+        token = scope.bind(scope.RequestScope(self.session_id, auth))
+        try:
+            stream = run(self.store.replay_events_after(cursor, send))
+        finally:
+            scope.unbind(token)
+        delivered = [e.event_id for e in sent if e.event_id is not None]
+        notices = [e.message.params for e in sent if e.event_id is None]
+        assert all(e.message.method == REFUSAL_METHOD for e in sent if e.event_id is None)
+        return stream, delivered, notices
+
+
+def test_authorised_resume_replays_everything_after_the_cursor_and_keeps_the_live_tail():
+    s = Session(GuardedEventStore(POLICY))
+    ids = s.call(2, "fetch")
+    stream, delivered, notices = s.resume(ids[1], BROAD)
+    assert (stream, delivered, notices) == ("2", ids[2:], [])
+
+
+def test_narrowed_resume_is_refused_with_an_error_naming_event_requirement_audience_and_cursor():
+    s = Session(GuardedEventStore(POLICY))
+    ids = s.call(2, "fetch")
+    stream, delivered, notices = s.resume(ids[1], NARROW)
+    assert stream is None  # no live tail: the stream ends after the error frame
+    assert delivered == []
+    (notice,) = notices
+    assert notice["error"] == "insufficient_audience"
+    assert notice["event_id"] == ids[2]
+    assert notice["request_id"] == "2"
+    assert notice["required_resources"] == [FETCH]
+    assert notice["missing_resources"] == [FETCH]
+    assert notice["token_audience"] == [SEARCH]
+    assert notice["cursor"] == ids[1]  # unchanged: nothing was delivered
+
+
+def test_prefix_policy_delivers_the_authorised_prefix_then_refuses_with_the_cursor_there():
+    s = Session(GuardedEventStore(POLICY, policy_mode="prefix", replay="session"))
+    search = s.call(2, "search", with_result=False)
+    fetch = s.call(3, "fetch")
+    tail = [s.store_event("2", progress(9)), s.store_event("2", result(2))]
+    _, delivered, (notice,) = s.resume(search[1], NARROW)
+    assert delivered == search[2:]  # search's events before fetch's first
+    assert notice["event_id"] == fetch[1]
+    assert notice["cursor"] == search[-1]
+    assert tail[0] not in delivered  # nothing after an undelivered event
+
+
+def test_all_or_nothing_refuses_a_session_wide_replay_before_sending_anything():
+    s = Session(GuardedEventStore(POLICY, replay="session"))
+    search = s.call(2, "search", with_result=False)
+    s.call(3, "fetch")
+    _, delivered, (notice,) = s.resume(search[0], NARROW)
+    assert delivered == []
+    assert notice["cursor"] == search[0]
+
+
+def test_live_tail_requirement_is_checked_even_with_nothing_buffered():
+    s = Session(GuardedEventStore(POLICY))
+    ids = s.call(2, "fetch", n_progress=1, with_result=False)
+    stream, delivered, (notice,) = s.resume(ids[-1], NARROW)
+    assert stream is None
+    assert delivered == []
+    assert notice["event_id"] is None
+    assert notice["missing_resources"] == [FETCH]
+
+
+def test_observe_mode_replays_as_before():
+    s = Session(GuardedEventStore(POLICY, mode="observe"))
+    ids = s.call(2, "fetch")
+    stream, delivered, notices = s.resume(ids[1], NARROW)
+    assert (stream, delivered, notices) == ("2", ids[2:], [])
+
+
+@pytest.mark.parametrize("cursor", ["999", "not-an-id"])
+def test_unknown_cursor_gets_an_explicit_error_not_an_empty_stream(cursor):
+    s = Session(GuardedEventStore(POLICY))
+    s.call(2, "fetch")
+    stream, delivered, (notice,) = s.resume(cursor, BROAD)
+    assert stream is None
+    assert delivered == []
+    assert notice == {"error": "unknown_cursor", "cursor": cursor, "detail": notice["detail"]}
+
+
+def test_a_cursor_from_another_session_is_refused_and_nothing_of_it_leaks():
+    store = GuardedEventStore(POLICY)
+    alice, bob = Session(store, "alice"), Session(store, "bob")
+    alice_ids = alice.call(2, "fetch", with_result=False)
+    bob.call(2, "fetch")  # the same request id in another session
+    _, delivered, (notice,) = bob.resume(alice_ids[0], BROAD)
+    assert delivered == []
+    assert notice["error"] == "unknown_cursor"
+    _, delivered, _ = alice.resume(alice_ids[0], BROAD)
+    assert delivered == alice_ids[1:]  # alice's own events only, none of bob's
+
+
+def test_storage_bounds_count_evictions_and_expire_idle_sessions():
+    now = [0.0]
+    storage = InMemoryEventStorage(max_events_per_session=3, max_sessions=2, ttl=10, clock=lambda: now[0])
+    s = Session(GuardedEventStore(POLICY, storage=storage))
+    ids = s.call(2, "fetch", n_progress=3)  # 5 events, cap 3
+    assert storage.evictions == 2
+    assert s.resume(ids[0], BROAD)[2][0]["error"] == "unknown_cursor"
+    Session(s.store, "other").call(3, "search", n_progress=0, with_result=False)
+    now[0] = 11.0
+    assert storage.get("s1", ids[-1]) is None  # idle past its ttl
+    assert storage.evictions == 2 + 3 + 1
+
+
+def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
+    notice = JSONRPCNotification(jsonrpc="2.0", method=REFUSAL_METHOD, params={"error": "x", "cursor": "7"})
+    chunk = f"event: message\r\ndata: {notice.model_dump_json(by_alias=True, exclude_unset=True)}\r\n\r\n".encode()
+    (frame,) = SSEParser().feed(_rewrite_refusal(chunk))
+    assert frame.event == "error"
+    assert frame.id is None
+    assert json.loads(frame.data) == {"error": "x", "cursor": "7"}
+    other = b"id: 3\r\nevent: message\r\ndata: {}\r\n\r\n"
+    assert _rewrite_refusal(other) == other
+
