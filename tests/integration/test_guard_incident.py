@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harness import incident, ours, spans
+from harness import incident, ours, span_exporter, spans
 from mcp.shared.exceptions import MCPError
 
 from mcp_stream_exporter import semconv as sc
@@ -65,3 +65,60 @@ async def test_the_naive_store_loses_fetch_and_the_guard_refuses_then_delivers_i
     assert len(error_frames) == 1
     assert ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__guard__decision=sc.GUARD_ALLOW)
     assert not ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_TRUNCATED)
+
+
+async def test_a_resume_never_replays_another_sessions_result_with_the_same_request_id():
+    """reference/mcp_probe/leak_probe.py: the SDK example's store, keyed by stream id only, replays
+    Bob's result into Alice's session. The guard scopes every event by session."""
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    from mcp_stream_exporter import instrument_client, instrument_server
+    from mcp_stream_exporter.guard import GuardedEventStore
+    from mcp_stream_exporter.lab import (
+        BASE_RESOURCE,
+        BearerAuth,
+        CutProxy,
+        TokenIssuer,
+        build_incident_server,
+        incident_policy,
+        serve,
+    )
+    from mcp_stream_exporter.lab.scenario import Incident
+
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    policy = incident_policy()
+    audience = [BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE]
+    app = instrument_server(build_incident_server(issuer), policy=policy, event_store=GuardedEventStore(policy),
+                            retry_interval=1200)
+    async with serve(app) as port:
+        proxy = CutProxy(port)
+        await proxy.start()
+        alice_http = instrument_client(auth=BearerAuth(issuer.mint(audience, subject="alice")))
+        bob_http = instrument_client(auth=BearerAuth(issuer.mint(audience, subject="bob", client_id="bob")))
+        async with (
+            alice_http, bob_http,
+            Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=alice_http),
+                   mode="legacy") as alice_client,
+            Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=bob_http),
+                   mode="legacy") as bob_client,
+        ):
+            alice = Incident(alice_client, proxy, alice_http.auth, issuer, "", "")  # type: ignore[arg-type]
+            bob = Incident(bob_client, proxy, bob_http.auth, issuer, "", "")  # type: ignore[arg-type]
+            proxy.arm(b"fetch step 1")
+
+            async def bob_meanwhile():
+                await asyncio.sleep(0.4)  # after alice's cut, before her resume
+                return await bob.call("fetch", {"url": "bob-secret"})
+
+            alice_result, bob_result = await asyncio.gather(alice.call("fetch", {"url": "alice-doc", "steps": 16}),
+                                                            bob_meanwhile())
+        await proxy.stop()
+    assert proxy.cuts == 1
+    assert bob_result.content[0].text == "contents of bob-secret"
+    assert alice_result.content[0].text == "contents of alice-doc"
+    found = spans()
+    replays = ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER)
+    assert replays
+    assert all(sc.REPLAY_FOREIGN_EVENT_IDS not in r.attributes for r in replays)
