@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from harness import incident, ours, span_exporter, spans
 from mcp.shared.exceptions import MCPError
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import TokenReader
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 from mcp_stream_exporter.resume import RESUME_REFUSED, Action, Refusal, decide_resume
+
+from harness import incident, ours, span_exporter, spans
 
 pytestmark = pytest.mark.anyio
 

@@ -33,3 +33,22 @@ def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store(
     instrument_server(server)
     assert len(server.middleware) == before + 1
     assert "event_store" in inspect.signature(MCPServer.streamable_http_app).parameters
+
+
+def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_can_rewrite():
+    """guard.py sends its refusal through the replay callback as an EventMessage without an id, and
+    rewrites that frame into `event: error` on the wire. Pins the transport's rendering."""
+    from mcp.server.streamable_http import EventMessage, StreamableHTTPServerTransport
+
+    from mcp_stream_exporter.guard import REFUSAL_METHOD, _refusal, _rewrite_refusal
+    from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
+
+    notice = _refusal({"error": "insufficient_audience", "cursor": "6"})
+    assert isinstance(notice, EventMessage)
+    transport = StreamableHTTPServerTransport.__new__(StreamableHTTPServerTransport)
+    data = StreamableHTTPServerTransport._create_event_data(transport, notice)
+    assert data == {"event": "message", "data": data["data"]}  # no "id": the client's cursor stays
+    assert REFUSAL_METHOD in data["data"]
+    wire = render(SSEFrame(data["data"], event=data["event"]))
+    (frame,) = SSEParser().feed(_rewrite_refusal(wire))
+    assert (frame.event, frame.id) == ("error", None)
