@@ -113,14 +113,9 @@ class ClientInstrumentation:
                                     response.status_code)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        return httpx2.Response(
-            status_code=response.status_code,
-            headers=response.headers,
-            stream=_TapStream(response.stream, self.tracker, stream, sse=content == "sse",
-                              status=response.status_code, resolve_error_frames=self.resolve_error_frames),
-            extensions=response.extensions,
-            request=request,
-        )
+        response.stream = _TapStream(response.stream, self.tracker, stream, sse=content == "sse",
+                                     status=response.status_code, resolve_error_frames=self.resolve_error_frames)
+        return response
 
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
               calls: list[Call], auth: Mapping[str, AttributeValue], cursor: str | None, start: int,
