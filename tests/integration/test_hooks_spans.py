@@ -32,34 +32,47 @@ def _call(found, role, tool):
 
 
 @pytest.mark.parametrize(("mode", "era"), [("legacy", sc.ERA_RESUMABLE), (None, sc.ERA_STATELESS)])
-async def test_clean_call_ends_with_its_terminal_event_on_its_post_and_costs_one_span_a_side(mode, era):
+async def test_a_clean_call_is_recorded_on_the_sdks_own_span_with_its_terminal_event(mode, era):
     async with incident(mode) as s:
         result = await s.call("search", {"query": "q", "steps": 2})
+        store = s.store
     assert "search results" in result.content[0].text
     assert s.progress == ["search step 1", "search step 2"]
     found = spans()
-    calls = {role: _call(found, role, "search") for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER)}
-    for role, call in calls.items():
-        assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
-        assert _attr(call, sc.ERA) == era
-        assert _attr(call, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_POST
-        assert _attr(call, sc.CALL_STREAMS) == 1
-        # the healthy path: the POST delivered its call's terminal event, so it emits no span of its own
-        request_id = _attr(call, sc.JSONRPC_REQUEST_ID)
-        assert [sp for sp in ours(found, sc.SPAN_STREAM, role)
-                if request_id in (_attr(sp, sc.STREAM_REQUEST_IDS) or ())] == []
+    # the healthy path: no call, POST or resume span of ours on either side, the SDK's spans are the
+    # record (the session's standalone GET stream and its DELETE are spans: one each per session)
+    assert ours(found, sc.SPAN_CALL) == []
+    assert ours(found, sc.SPAN_REPLAY) == []
+    assert {_attr(sp, sc.STREAM_KIND) for sp in ours(found, sc.SPAN_STREAM)} <= {sc.STREAM_KIND_GET,
+                                                                               sc.STREAM_KIND_DELETE}
+    (sdk_client,) = [sp for sp in found if sp.name == "MCP send tools/call search"]
+    assert [sp for sp in found if sp.name == "tools/call search"]  # the SDK's server span
+    assert _attr(sdk_client, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_POST
     if era == sc.ERA_RESUMABLE:
-        stored = [e for e in calls[sc.ROLE_SERVER].events if e.name == sc.EVENT_STORED]
-        assert stored[0].attributes[sc.FRAME_KIND] == sc.FRAME_RESPONSE
-        event_id = stored[0].attributes[sc.EVENT_ID]
-        assert _attr(calls[sc.ROLE_SERVER], sc.TERMINAL_EVENT_ID) == event_id
-        assert _attr(calls[sc.ROLE_CLIENT], sc.TERMINAL_EVENT_ID) == event_id  # the same event on both sides
+        event_id = _attr(sdk_client, sc.TERMINAL_EVENT_ID)
+        stored = store._index[event_id].message  # the server's store: that event is this call's response
+        assert str(stored.id) == _attr(sdk_client, sc.JSONRPC_REQUEST_ID)
+        assert stored.result["content"][0]["text"] == "search results for 'q'"
     else:
-        assert _attr(calls[sc.ROLE_CLIENT], sc.TERMINAL_EVENT_ID) is None  # no event ids in 2026-07-28
-        assert _attr(calls[sc.ROLE_CLIENT], sc.MCP_SESSION_ID) is None
-    # the client call span is a child of the SDK's own request span, not a copy of it
-    sdk = [sp for sp in found if sp.name == "MCP send tools/call search"]
-    assert calls[sc.ROLE_CLIENT].parent.span_id == sdk[0].context.span_id
+        assert _attr(sdk_client, sc.TERMINAL_EVENT_ID) is None  # no event ids in 2026-07-28
+
+
+async def test_a_call_that_deviates_gets_spans_of_ours_on_both_sides_under_the_sdks_span():
+    async with incident("legacy") as s:
+        await s.call("search", {"query": "q"})  # healthy: nothing of ours
+        result = await s.call("poll", {"steps": 2})  # the server closes its stream: a deviation
+    assert "poll done" in result.content[0].text
+    found = spans()
+    calls = {role: _call(found, role, "poll") for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER)}
+    assert ours(found, sc.SPAN_CALL, gen_ai__tool__name="search") == []
+    for call in calls.values():
+        assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
+        assert _attr(call, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_RESUME
+    (sdk_client,) = [sp for sp in found if sp.name == "MCP send tools/call poll"]
+    assert calls[sc.ROLE_CLIENT].parent.span_id == sdk_client.context.span_id
+    (sdk_server,) = [sp for sp in found if sp.name == "tools/call poll"]
+    links = {(lk.attributes or {}).get(sc.LINK_TYPE): lk.context.span_id for lk in calls[sc.ROLE_SERVER].links}
+    assert links[sc.LINK_SDK_REQUEST] == sdk_server.context.span_id
 
 
 async def test_a_post_that_fails_is_a_stream_span_linked_from_its_call():

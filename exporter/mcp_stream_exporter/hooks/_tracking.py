@@ -3,12 +3,19 @@
 A ``tools/call`` is tracked from its request until its terminal event (a response or error) is seen
 on any stream; a stream is tracked from its response headers until its end. Each side feeds the
 tracker what it sees on the wire; the tracker turns that into call, stream and frame spans.
+
+Spans are deferred: a call or a POST stream becomes a span only once it deviates from the healthy
+path (a stream ends with the call pending, a resume, an error frame, a refusal, an eviction...). A
+healthy call, answered on its own POST, leaves no span of ours: the SDK's own spans already record
+it, and the hooks then cost next to nothing (docs/span-model.md, "The healthy path").
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +23,9 @@ from types import MappingProxyType
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
@@ -67,31 +76,110 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
     return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
+class _Deferred:
+    """A span's content, kept until the span is worth creating; then the span, backdated."""
+
+    __slots__ = ("attributes", "events", "kind", "links", "name", "parent", "span", "start_time")
+
+    def __init__(self, name: str, kind: SpanKind, attributes: dict[str, AttributeValue],
+                 parent: Context | None, start_time: int | None) -> None:
+        self.name = name
+        self.kind = kind
+        self.attributes = attributes
+        self.parent = parent
+        self.start_time = start_time or time.time_ns()
+        self.events: list[tuple[str, dict[str, AttributeValue], int]] = []
+        self.links: list[Link] = []
+        self.span: Span | None = None
+
+    def set(self, attrs: Mapping[str, AttributeValue]) -> None:
+        if self.span is not None:
+            self.span.set_attributes(attrs)
+        else:
+            self.attributes.update(attrs)
+
+    def event(self, name: str, attrs: dict[str, AttributeValue]) -> None:
+        if self.span is not None:
+            self.span.add_event(name, attrs)
+        else:
+            self.events.append((name, attrs, time.time_ns()))
+
+    def link(self, ctx: SpanContext, attrs: dict[str, AttributeValue]) -> None:
+        if self.span is not None:
+            self.span.add_link(ctx, attrs)
+        else:
+            self.links.append(Link(ctx, attrs))
+
+    def create(self, tracer: trace.Tracer) -> Span:
+        if self.span is None:
+            self.span = tracer.start_span(self.name, context=self.parent, kind=self.kind,
+                                          attributes=self.attributes, links=self.links,
+                                          start_time=self.start_time)
+            for name, attrs, timestamp in self.events:
+                self.span.add_event(name, attrs, timestamp)
+            self.events.clear()
+        return self.span
+
+
 @dataclass(slots=True, eq=False)
 class Call:
     key: CallKey
     tool: str | None
-    span: Span
+    record: _Deferred
     stateless: bool
     requirement: Requirement | None = None
     streams: int = 0
     done: bool = False
+    sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+
+
+class SdkSpans(SpanProcessor):
+    """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
+    recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start
+    another) instead of on a span of ours."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, Span] = {}
+
+    def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
+        if span.name.startswith(_SDK_CLIENT_CALL):
+            self._open[span.get_span_context().span_id] = span
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context is not None:
+            self._open.pop(span.context.span_id, None)
+
+    def get(self, traceparent: str | None) -> Span | None:
+        ctx = _sdk_parent(traceparent)
+        return self._open.get(trace.get_current_span(ctx).get_span_context().span_id) if ctx else None
+
+    @classmethod
+    def of_global_provider(cls) -> SdkSpans | None:
+        """The index on the global provider (where the SDK's spans are made), installed once."""
+        provider = trace.get_tracer_provider()
+        if not isinstance(provider, TracerProvider):
+            return None
+        with _INSTALL_LOCK:
+            index = _INDEXES.get(provider)
+            if index is None:
+                index = _INDEXES[provider] = cls()
+                provider.add_span_processor(index)
+        return index
+
+
+_SDK_CLIENT_CALL = "MCP send tools/call"
+_INDEXES: weakref.WeakKeyDictionary[TracerProvider, SdkSpans] = weakref.WeakKeyDictionary()
+_INSTALL_LOCK = threading.Lock()
 
 
 @dataclass(slots=True, eq=False)
 class Stream:
-    """One HTTP response on the MCP endpoint, and the calls it carries.
+    """One HTTP response on the MCP endpoint, and the calls it carries."""
 
-    A POST's span is created only when the stream ends, and only if something happened on it worth
-    a span (see ``Tracker.end_stream``); until then its frames wait in ``buffered``."""
-
-    span: Span | None
+    record: _Deferred
     session_id: str | None
     kind: str
-    attributes: dict[str, AttributeValue]
-    start_time: int
     calls: list[Call] = field(default_factory=list)
-    buffered: list[tuple[str, dict[str, AttributeValue], int]] = field(default_factory=list)
     terminal_ids: list[str] = field(default_factory=list)
     events: int = 0
     error_frames: int = 0
@@ -103,6 +191,9 @@ class Stream:
         return [c for c in self.calls if not c.done]
 
 
+_HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+
+
 class Tracker:
     """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
 
@@ -110,6 +201,7 @@ class Tracker:
                  max_event_index: int = 50_000) -> None:
         self._tracer = tracer
         self._role = role
+        self._stream_kind = SpanKind.SERVER if role == sc.ROLE_SERVER else SpanKind.CLIENT
         self._max_calls = max_calls
         self._max_event_index = max_event_index
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
@@ -118,8 +210,8 @@ class Tracker:
     # --- calls ---
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
-                   auth: Mapping[str, AttributeValue], *, stateless: bool) -> Call:
-        """A ``tools/call`` request was seen; its span is a child of the SDK's request span."""
+                   auth: Mapping[str, AttributeValue], *, stateless: bool, start_time: int | None = None) -> Call:
+        """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's."""
         assert msg.id is not None
         attrs: dict[str, AttributeValue] = {
             **auth,
@@ -136,9 +228,8 @@ class Tracker:
         if protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
         name = f"MCP call {msg.method} {msg.tool}" if msg.tool else f"MCP call {msg.method}"
-        span = self._tracer.start_span(name, context=_sdk_parent(msg.traceparent),
-                                       kind=SpanKind.INTERNAL, attributes=attrs)
-        call = Call((session_id, msg.id), msg.tool, span, stateless)
+        record = _Deferred(name, SpanKind.INTERNAL, attrs, _sdk_parent(msg.traceparent), start_time)
+        call = Call((session_id, msg.id), msg.tool, record, stateless)
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)
             if previous is not None:
@@ -151,26 +242,36 @@ class Tracker:
     def call(self, key: CallKey) -> Call | None:
         return self._calls.get(key)
 
+    def span_of(self, call: Call) -> Span:
+        """The call's span, created now if it was still deferred: the call has become worth one."""
+        return call.record.create(self._tracer)
+
     def cancel(self, key: CallKey) -> None:
         call = self._calls.get(key)
         if call is not None:
             self._finish(call, sc.OUTCOME_CANCELLED)
 
     def _finish(self, call: Call, outcome: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
+        """End a call. One answered on its only stream, never deviating, leaves no span."""
         if call.done:
             return
         call.done = True
-        call.span.set_attributes({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
-        call.span.end()
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
+        if call.record.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
+            if call.sdk_span is not None and call.sdk_span.is_recording() and attributes:
+                call.sdk_span.set_attributes(attributes)  # where its terminal event came: on the SDK's span
+            return
+        span = self.span_of(call)
+        span.set_attributes({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
+        span.end()
 
     # --- streams ---
 
     def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
                     attributes: dict[str, AttributeValue], auth: Mapping[str, AttributeValue],
                     status: int | None, start_time: int | None = None) -> Stream | None:
-        """A stream span, or None for a POST that carries no ``tools/call`` and did not fail: those
+        """A stream, or None for a POST that carries no ``tools/call`` and did not fail: those
         (initialize, notifications, other requests) tell nothing about a call's fate.
 
         The token goes on the call spans of a POST, and on the stream span of every other kind."""
@@ -186,34 +287,25 @@ class Tracker:
             attrs[sc.MCP_SESSION_ID] = session_id
         if calls:
             attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in calls]
-        stream = Stream(None, session_id, kind, attrs, start_time or time.time_ns(), list(calls))
+        record = _Deferred(f"MCP stream {kind}", self._stream_kind, attrs, None, start_time)
+        stream = Stream(record, session_id, kind, list(calls))
         for call in calls:
             call.streams += 1
-        if kind != sc.STREAM_KIND_POST:
-            self._materialize(stream)
+        if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now
+            self._create(stream)
         return stream
 
-    def _materialize(self, stream: Stream) -> Span:
-        """Start the stream's span (backdated to the stream's start) and replay its buffered frames."""
-        calls = stream.calls
-        parent = trace.set_span_in_context(calls[0].span) if len(calls) == 1 else None
-        span = self._tracer.start_span(f"MCP stream {stream.kind}", context=parent,
-                                       kind=SpanKind.SERVER if self._role == sc.ROLE_SERVER else SpanKind.CLIENT,
-                                       attributes=stream.attributes, start_time=stream.start_time)
-        stream.span = span
-        for name, attrs, timestamp in stream.buffered:
-            span.add_event(name, attrs, timestamp)
-        stream.buffered.clear()
-        for call in calls:
-            if not call.done:
-                call.span.add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
+    def _create(self, stream: Stream) -> Span:
+        """The stream's span: a child of its call when it carries one, linked from its pending calls."""
+        record = stream.record
+        if record.span is not None:
+            return record.span
+        if len(stream.calls) == 1:
+            record.parent = trace.set_span_in_context(self.span_of(stream.calls[0]))
+        span = record.create(self._tracer)
+        for call in stream.pending():
+            self.span_of(call).add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
         return span
-
-    def _event(self, stream: Stream, name: str, attrs: dict[str, AttributeValue]) -> None:
-        if stream.span is not None:
-            stream.span.add_event(name, attrs)
-        else:
-            stream.buffered.append((name, attrs, time.time_ns()))
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
@@ -256,16 +348,15 @@ class Tracker:
             attrs[sc.JSONRPC_REQUEST_ID] = request_id
         if method is not None:
             attrs[sc.MCP_METHOD_NAME] = method
-        self._event(stream, sc.EVENT_FRAME, attrs)
+        stream.record.event(sc.EVENT_FRAME, attrs)
 
-    def _error_frame(self, stream: Stream, frame: SSEFrame | None) -> None:
-        assert frame is not None
+    def _error_frame(self, stream: Stream, frame: SSEFrame) -> None:
         stream.error_frames += 1
         attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: sc.FRAME_ERROR_FRAME, sc.EVENT_TYPE: frame.type,
                                             sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
-        self._event(stream, sc.EVENT_ERROR_FRAME, attrs)
+        stream.record.event(sc.EVENT_ERROR_FRAME, attrs)
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
@@ -277,8 +368,8 @@ class Tracker:
         attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream.kind}
         if event_id is not None:
             attrs[sc.TERMINAL_EVENT_ID] = event_id
-        if stream.span is not None:  # a POST delivering its own call's terminal gets no span of its own
-            call.span.add_link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
+        if stream.record.span is not None:  # a POST delivering its own call's terminal has no span (yet)
+            call.record.link(stream.record.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         if msg.kind == sc.FRAME_ERROR:
             outcome = sc.OUTCOME_ERROR
         else:
@@ -287,19 +378,17 @@ class Tracker:
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
         """End a stream. A POST that delivered the terminal event of every call it carried, and
-        nothing else, is the healthy path: it emits no span (its call spans say ``terminal.stream_kind
-        = post``), which keeps the hooks' cost per round trip to one span a side."""
+        nothing else, is the healthy path and leaves no span."""
         if stream.ended:
             return
         stream.ended = True
         pending = stream.pending()
-        if stream.span is None:
+        if stream.record.span is None:
             own = {c.key[1] for c in stream.calls}
             if (not pending and not stream.error_frames and (status or 0) < 400
                     and all(i in own for i in stream.terminal_ids)):
                 return
-            self._materialize(stream)
-        assert stream.span is not None
+        span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events}
         if status:
             attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
@@ -312,8 +401,8 @@ class Tracker:
             attrs[sc.TERMINAL_REQUEST_IDS] = stream.terminal_ids
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
-        stream.span.set_attributes(attrs)
-        stream.span.end()
+        span.set_attributes(attrs)
+        span.end()
         for call in pending:
             if call.stateless:  # no resumption in this era: nothing else can deliver it
                 self._finish(call, sc.OUTCOME_NO_TERMINAL)
@@ -331,11 +420,3 @@ class Tracker:
 
 def now_ns() -> int:
     return time.time_ns()
-
-
-def link_sdk_span(call: Call) -> None:
-    """Link a call to the SDK's span that is current now (the server's ``tools/call`` span)."""
-    ctx = trace.get_current_span().get_span_context()
-    if ctx.is_valid:
-        call.span.add_link(ctx, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
-

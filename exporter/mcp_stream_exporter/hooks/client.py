@@ -19,7 +19,7 @@ from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
-from mcp_stream_exporter.hooks._tracking import Call, Stream, Tracker, auth_attributes, era_of, now_ns
+from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, auth_attributes, era_of, now_ns
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify
@@ -44,10 +44,11 @@ class ClientInstrumentation:
         self.tokens = token_reader or TokenReader()
         tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
         self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
+        self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
-                       protocol_version: str | None, view: AuthView) -> list[Call]:
+                       protocol_version: str | None, view: AuthView, start: int) -> list[Call]:
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -61,7 +62,9 @@ class ClientInstrumentation:
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
                 call = self.tracker.start_call(session_id, msg, protocol_version, auth_attributes(view),
-                                               stateless=stateless)
+                                               stateless=stateless, start_time=start)
+                if self._sdk_spans is not None:
+                    call.sdk_span = self._sdk_spans.get(msg.traceparent)
                 self._annotate_requirement(call, msg.tool, view)
                 calls.append(call)
             elif msg.method == CANCELLED and msg.cancelled_id is not None:
@@ -79,7 +82,9 @@ class ClientInstrumentation:
         missing = view.missing_resources(requirement.resources)
         if missing:
             attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
-        call.span.set_attributes(attrs)
+        call.record.set(attrs)
+        if missing:
+            self.tracker.span_of(call)  # calling with a token that lacks the tool's resource: a deviation
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = now_ns()
@@ -88,7 +93,7 @@ class ClientInstrumentation:
         protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
         view = self.tokens.from_authorization(headers.get("authorization"))
         auth = auth_attributes(view)
-        calls = self._request_calls(request, session_id, protocol_version, view)
+        calls = self._request_calls(request, session_id, protocol_version, view, start)
         cursor = headers.get("last-event-id")
         if cursor:
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))

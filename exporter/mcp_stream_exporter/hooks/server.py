@@ -33,7 +33,6 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     auth_attributes,
     era_of,
-    link_sdk_span,
     now_ns,
 )
 from mcp_stream_exporter.sse import SSEParser
@@ -176,7 +175,8 @@ class ServerInstrumentation:
         elif msg.method == TOOLS_CALL and msg.id is not None:
             stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
             ex.calls.append(self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version,
-                                                    auth_attributes(ex.scope.auth), stateless=stateless))
+                                                    auth_attributes(ex.scope.auth), stateless=stateless,
+                                                    start_time=ex.start_ns))
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             self.tracker.cancel((ex.scope.session_id, msg.cancelled_id))
 
@@ -247,7 +247,9 @@ class ServerInstrumentation:
         if requirement is not None:
             self._remember(key, requirement)
         if call is not None:
-            link_sdk_span(call)
+            sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
+            if sdk.is_valid:
+                call.record.link(sdk, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
             call.requirement = requirement
             attrs: dict[str, AttributeValue] = {
                 sc.POLICY_DECISION: "unknown_tool" if requirement is None else ("refused" if refused else "allowed")
@@ -260,7 +262,9 @@ class ServerInstrumentation:
                     attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
                 if missing_scopes:
                     attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
-            call.span.set_attributes(attrs)
+            call.record.set(attrs)
+            if missing_resources or missing_scopes:
+                self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
         if refused:
             raise MCPError(
                 code=INSUFFICIENT_AUDIENCE,
@@ -314,7 +318,7 @@ class ServerInstrumentation:
         if request_id is not None and stream_id != _GET_STREAM:
             call = self.tracker.call((session_id, stream_id))
             if call is not None:
-                call.span.add_event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+                call.record.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
 
     def _buffered_after(self, session_id: str | None, stream_id: str, cursor: str) -> list[str]:
         events = list(self._stored.get((session_id, stream_id), ()))
@@ -361,7 +365,7 @@ class _ObservedEventStore(EventStore):
                                             sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
         if session_id is not None:
             attrs[sc.MCP_SESSION_ID] = session_id
-        parent = trace.set_span_in_context(call.span) if call is not None else None
+        parent = trace.set_span_in_context(instr.tracker.span_of(call)) if call is not None else None
         with instr._tracer.start_as_current_span("MCP replay", context=parent, kind=SpanKind.INTERNAL,
                                                  attributes=attrs) as span:
             result = await self._inner.replay_events_after(last_event_id, observed_send)

@@ -58,6 +58,7 @@ class Incident:
     issuer: TokenIssuer
     broad: str  # aud: the aggregate resource and both tools
     narrow: str  # aud: search only, as a least-privilege refresh mints it
+    store: EventStore | None = None  # the server's replay store
     progress: list[str] = field(default_factory=list)
 
     def refresh_narrows(self) -> None:
@@ -113,6 +114,6 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforc
         try:
             async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
                                     **options) as client:
-                yield Incident(client, proxy, auth, issuer, broad, narrow)
+                yield Incident(client, proxy, auth, issuer, broad, narrow, store=store)
         finally:
             await proxy.stop()
