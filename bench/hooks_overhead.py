@@ -5,7 +5,8 @@ each with its own server and client on 127.0.0.1, with the SDK's own OpenTelemet
 provider, a dropping exporter), so the only difference is our hooks. Calls alternate in small blocks
 (A B B A ...) so that the machine slowing down hits both alike; each worker process reports the median
 round trip of each configuration and the result is the median over fresh worker processes of the
-ratio B/A. Bounded: WORKERS x 2 x CALLS calls per mode.
+ratio B/A; which configuration is set up first alternates between workers. An A-against-A control
+run measures the method's own bias. Bounded: WORKERS x 2 x CALLS calls per run.
 
     python bench/hooks_overhead.py [--workers 6] [--calls 300] [--modes legacy,default]
 """
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 _BLOCK = 10
 
 
-def _worker(mode: str, calls: int) -> tuple[float, float]:
+def _worker(mode: str, calls: int, *, b_first: bool, control: bool) -> tuple[float, float]:
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
@@ -64,6 +65,7 @@ def _worker(mode: str, calls: int) -> tuple[float, float]:
     options = {"mode": "legacy"} if mode == "legacy" else {}
 
     async def setup(stack: contextlib.AsyncExitStack, instrumented: bool) -> Client:
+        instrumented = instrumented and not control
         policy = incident_policy()
         store = IncidentEventStore(policy)
         server = build_incident_server(issuer, store=store, step_delay=0)
@@ -80,7 +82,9 @@ def _worker(mode: str, calls: int) -> tuple[float, float]:
 
     async def run() -> tuple[float, float]:
         async with contextlib.AsyncExitStack() as stack:
-            clients = {False: await setup(stack, False), True: await setup(stack, True)}
+            clients = {}
+            for flag in ((True, False) if b_first else (False, True)):  # which is set up first is balanced
+                clients[flag] = await setup(stack, flag)
             timings: dict[bool, list[float]] = {False: [], True: []}
             for client in clients.values():  # warm-up
                 for _ in range(20):
@@ -104,16 +108,21 @@ def main() -> None:
     parser.add_argument("--modes", default="legacy,default")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default="legacy")
+    parser.add_argument("--b-first", action="store_true")
+    parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
     args = parser.parse_args()
     if args.worker:
-        print(*_worker(args.mode, args.calls))
+        print(*_worker(args.mode, args.calls, b_first=args.b_first, control=args.control))
         return
     report = {}
-    for mode in args.modes.split(","):
+    runs = [(mode, False) for mode in args.modes.split(",")] + [(args.modes.split(",")[0] + " A/A control", True)]
+    for mode, control in runs:
         a_ms, b_ms, ratios = [], [], []
-        for _ in range(args.workers):
-            out = subprocess.run([sys.executable, __file__, "--worker", "--mode", mode, "--calls", str(args.calls)],
-                                 check=True, capture_output=True, text=True, timeout=600)
+        for worker in range(args.workers):
+            command = [sys.executable, __file__, "--worker", "--mode", mode.split()[0], "--calls", str(args.calls)]
+            command += ["--b-first"] if worker % 2 else []
+            command += ["--control"] if control else []
+            out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
             a, b = (float(x) for x in out.stdout.strip().splitlines()[-1].split())
             a_ms.append(a)
             b_ms.append(b)

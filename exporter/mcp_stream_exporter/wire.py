@@ -7,6 +7,7 @@ pulled out, and nothing of a payload is kept beyond them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -82,6 +83,27 @@ def _classify(obj: Any) -> WireMessage:
             protocol_version=pv if isinstance(pv, str) else None,
         )
     return UNPARSEABLE
+
+
+_FAST_RESPONSE = re.compile(r'\{"jsonrpc":"2\.0","id":(?:"([^"\\]*)"|(-?\d+)),"(result|error)":')
+_FAST_NOTIFICATION = re.compile(r'\{"jsonrpc":"2\.0","method":"([^"\\]+)"')
+_TOOL_ERROR = '"isError":true'
+
+
+def classify_frame(data: str) -> list[WireMessage]:
+    """``classify`` for an SSE ``data:`` field, without parsing the whole payload when the SDK's
+    serialisation makes that unnecessary: a tool result can be megabytes, and all we need of it is
+    its id, whether it is an error, and ``isError`` (a key, so never inside an escaped string)."""
+    m = _FAST_RESPONSE.match(data)
+    if m is not None:
+        request_id = m.group(1) if m.group(1) is not None else m.group(2)
+        if m.group(3) == "error":
+            return [WireMessage(sc.FRAME_ERROR, request_id)]
+        return [WireMessage(sc.FRAME_RESPONSE, request_id, is_tool_error=_TOOL_ERROR in data)]
+    m = _FAST_NOTIFICATION.match(data)
+    if m is not None and m.group(1) != CANCELLED:
+        return [WireMessage(sc.FRAME_NOTIFICATION, method=m.group(1))]
+    return classify(data)
 
 
 def classify(payload: str | bytes) -> list[WireMessage]:

@@ -64,3 +64,26 @@ def test_classify_by_kind():
     assert [m.tool for m in batch] == ["a", "b"]
     assert classify(b"\xff\xfe not json") == []
     assert classify("[1, true]")[0].kind == sc.FRAME_OTHER
+
+
+_ids = st.one_of(st.integers(-10**6, 10**6), st.text(max_size=8))
+_messages = st.one_of(
+    st.builds(lambda i, r: {"jsonrpc": "2.0", "id": i, "result": r}, _ids,
+              st.fixed_dictionaries({"content": st.lists(st.fixed_dictionaries({"text": st.text(max_size=20)}),
+                                                         max_size=2)},
+                                    optional={"isError": st.booleans()})),
+    st.builds(lambda i, c: {"jsonrpc": "2.0", "id": i, "error": {"code": c, "message": "m"}}, _ids, st.integers()),
+    st.builds(lambda m, p: {"jsonrpc": "2.0", "method": m, "params": p},
+              st.sampled_from(["notifications/progress", "notifications/message", "notifications/cancelled"]),
+              st.fixed_dictionaries({"requestId": _ids})),
+)
+
+
+@given(_messages)
+def test_the_fast_frame_classifier_agrees_with_the_full_parse(message):
+    import json
+
+    from mcp_stream_exporter.wire import classify_frame
+
+    data = json.dumps(message, separators=(",", ":"))  # the SDK's compact serialisation
+    assert classify_frame(data) == classify(data)

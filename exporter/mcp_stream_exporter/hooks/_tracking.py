@@ -79,14 +79,15 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
 class _Deferred:
     """A span's content, kept until the span is worth creating; then the span, backdated."""
 
-    __slots__ = ("attributes", "events", "kind", "links", "name", "parent", "span", "start_time")
+    __slots__ = ("attributes", "events", "kind", "links", "name", "parent", "span", "start_time", "traceparent")
 
     def __init__(self, name: str, kind: SpanKind, attributes: dict[str, AttributeValue],
-                 parent: Context | None, start_time: int | None) -> None:
+                 parent: Context | None, start_time: int | None, traceparent: str | None = None) -> None:
         self.name = name
         self.kind = kind
         self.attributes = attributes
         self.parent = parent
+        self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.start_time = start_time or time.time_ns()
         self.events: list[tuple[str, dict[str, AttributeValue], int]] = []
         self.links: list[Link] = []
@@ -112,6 +113,8 @@ class _Deferred:
 
     def create(self, tracer: trace.Tracer) -> Span:
         if self.span is None:
+            if self.parent is None and self.traceparent is not None:
+                self.parent = _sdk_parent(self.traceparent)
             self.span = tracer.start_span(self.name, context=self.parent, kind=self.kind,
                                           attributes=self.attributes, links=self.links,
                                           start_time=self.start_time)
@@ -228,7 +231,7 @@ class Tracker:
         if protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
         name = f"MCP call {msg.method} {msg.tool}" if msg.tool else f"MCP call {msg.method}"
-        record = _Deferred(name, SpanKind.INTERNAL, attrs, _sdk_parent(msg.traceparent), start_time)
+        record = _Deferred(name, SpanKind.INTERNAL, attrs, None, start_time, msg.traceparent)
         call = Call((session_id, msg.id), msg.tool, record, stateless)
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)

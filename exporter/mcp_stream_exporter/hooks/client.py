@@ -22,7 +22,7 @@ from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, auth_attributes, era_of, now_ns
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify, classify_frame
 
 _MAX_BODY = 4 * 1024 * 1024
 
@@ -164,7 +164,7 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
             raise
         if self._json:
-            self._tracker.frame(self._stream, None, classify(bytes(self._json)))
+            self._tracker.frame(self._stream, None, classify_frame(self._json.decode("utf-8", "replace")))
         self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
 
     def _feed(self, chunk: bytes) -> bytes:
@@ -174,7 +174,7 @@ class _TapStream(httpx2.AsyncByteStream):
         extra = b""
         if self._parser is not None:
             for frame in self._parser.feed(chunk):
-                self._tracker.frame(self._stream, frame, classify(frame.data) if frame.data else ())
+                self._tracker.frame(self._stream, frame, classify_frame(frame.data) if frame.data else ())
                 if frame.type == "error" and self._resolve_error_frames:
                     extra += b"".join(_refused(call.key[1], frame.data) for call in self._stream.pending())
         elif len(self._json) <= _MAX_BODY:

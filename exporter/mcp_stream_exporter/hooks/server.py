@@ -36,7 +36,7 @@ from mcp_stream_exporter.hooks._tracking import (
     now_ns,
 )
 from mcp_stream_exporter.sse import SSEParser
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, WireMessage, classify
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, WireMessage, classify, classify_frame
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -217,13 +217,13 @@ class ServerInstrumentation:
         chunk = message.get("body", b"")
         if ex.parser is not None:
             for frame in ex.parser.feed(chunk):
-                self.tracker.frame(stream, frame, classify(frame.data) if frame.data else ())
+                self.tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
         elif ex.json_body is not None and len(ex.json_body) <= _MAX_BODY:
             ex.json_body += chunk
         if message.get("more_body", False):
             return
         if ex.json_body:
-            self.tracker.frame(stream, None, classify(bytes(ex.json_body)))
+            self.tracker.frame(stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
     # --- ServerMiddleware ---
