@@ -83,10 +83,13 @@ class AuthView:
     def missing_scopes(self, required: Iterable[str]) -> frozenset[str]:
         return frozenset(required) - self.scopes
 
+    def missing(self, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
+        """The resources and scopes ``requirement`` needs that this token lacks (already canonical)."""
+        return requirement.resources - self.audience, requirement.scopes - self.scopes
+
     def grants(self, requirement: Requirement) -> bool:
-        return not self.missing_resources(requirement.resources) and not self.missing_scopes(
-            requirement.scopes
-        )
+        resources, scopes = self.missing(requirement)
+        return not resources and not scopes
 
 
 ABSENT = AuthView()

@@ -277,7 +277,7 @@ class GuardedEventStore(EventStore):
 
 
 def _gap(auth: AuthView, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]] | None:
-    missing = auth.missing_resources(requirement.resources), auth.missing_scopes(requirement.scopes)
+    missing = auth.missing(requirement)
     return missing if missing[0] or missing[1] else None
 
 

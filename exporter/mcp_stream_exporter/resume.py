@@ -69,8 +69,7 @@ def decide_resume(requirements: Iterable[Requirement], held: AuthView, *, cursor
     need = NO_REQUIREMENT
     for requirement in requirements:
         need = need | requirement
-    missing_resources = held.missing_resources(need.resources)
-    missing_scopes = held.missing_scopes(need.scopes)
+    missing_resources, missing_scopes = held.missing(need)
     if cursor is None:
         return ResumeDecision(Action.REISSUE, need, missing_resources, missing_scopes, None,
                               "no cursor to resume from (unknown or evicted): re-issue the calls")

@@ -153,8 +153,12 @@ class SdkSpans(SpanProcessor):
             self._open.pop(span.context.span_id, None)
 
     def get(self, traceparent: str | None) -> Span | None:
-        ctx = _sdk_parent(traceparent)
-        return self._open.get(trace.get_current_span(ctx).get_span_context().span_id) if ctx else None
+        if traceparent is None or len(traceparent) < 55:
+            return None
+        try:
+            return self._open.get(int(traceparent[36:52], 16))  # version-traceid-SPANID-flags
+        except ValueError:
+            return None
 
     @classmethod
     def of_global_provider(cls) -> SdkSpans | None:

@@ -79,7 +79,7 @@ class ClientInstrumentation:
         attrs: dict[str, AttributeValue] = {sc.REQUIRED_RESOURCES: sorted(requirement.resources)}
         if requirement.scopes:
             attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-        missing = view.missing_resources(requirement.resources)
+        missing, _ = view.missing(requirement)
         if missing:
             attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
         call.record.set(attrs)

@@ -241,8 +241,7 @@ class ServerInstrumentation:
         key: CallKey = (session_id, str(ctx.request_id))
         call = self._call_of(request, key)
         requirement = self.policy.requirement(tool)
-        missing_resources = view.missing_resources(requirement.resources) if requirement else frozenset()
-        missing_scopes = view.missing_scopes(requirement.scopes) if requirement else frozenset()
+        missing_resources, missing_scopes = view.missing(requirement) if requirement else (frozenset(), frozenset())
         refused = self.enforce and bool(missing_resources or missing_scopes)
         if requirement is not None:
             self._remember(key, requirement)
@@ -398,10 +397,9 @@ class _ObservedEventStore(EventStore):
                 out[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
                 if requirement.scopes:
                     out[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-                missing = rs.auth.missing_resources(requirement.resources)
+                missing, missing_scopes = rs.auth.missing(requirement)
                 if missing:
                     out[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
-                missing_scopes = rs.auth.missing_scopes(requirement.scopes)
                 if missing_scopes:
                     out[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
             span.set_attributes(out)
