@@ -23,7 +23,7 @@ import itertools
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -34,15 +34,10 @@ from opentelemetry import trace
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, headers_of
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import TOOLS_CALL, classify
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -235,7 +230,7 @@ class GuardedEventStore(EventStore):
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            headers = headers_of(scope.get("headers", []))
             rs = request_scope.current()
             token = None
             if rs is None:

@@ -8,11 +8,11 @@ scope, and ``replay_events_after`` sees the resuming GET's (mcp-sdk-2.3.md secti
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from mcp_stream_exporter.asgi import ASGIApp
 from mcp_stream_exporter.auth import ABSENT, AuthView
 
 
@@ -35,10 +35,6 @@ def bind(scope: RequestScope) -> Token[RequestScope | None]:
 
 def unbind(token: Token[RequestScope | None]) -> None:
     _current.reset(token)
-
-
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
 
 
 @runtime_checkable

@@ -10,7 +10,6 @@ Three seams, all public API of the SDK: an ASGI observer around the app from ``s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -25,6 +24,7 @@ from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, headers_of
 from mcp_stream_exporter.auth import Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._tracking import (
     Call,
@@ -38,21 +38,11 @@ from mcp_stream_exporter.hooks._tracking import (
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, WireMessage, classify, classify_frame
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
 INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server error range
 _MAX_BODY = 4 * 1024 * 1024  # bodies beyond this are passed through unparsed
 _GET_STREAM = "_GET_stream"  # the SDK's key of the standalone stream (streamable_http.py:62)
 _PRIMING = "priming"
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
-
-
-def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
 
 
 @dataclass(slots=True, eq=False)
@@ -123,7 +113,7 @@ class ServerInstrumentation:
         return observed
 
     async def _observe(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = _headers(scope.get("headers", []))
+        headers = headers_of(scope.get("headers", []))
         rs = request_scope.RequestScope(headers.get("mcp-session-id"),
                                         self.tokens.from_authorization(headers.get("authorization")))
         ex = _Exchange(scope.get("method", ""), now_ns(), headers, rs, headers.get("mcp-protocol-version"))
@@ -182,7 +172,7 @@ class ServerInstrumentation:
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
         ex.status = int(message.get("status", 0))
-        headers = _headers(message.get("headers", []))
+        headers = headers_of(message.get("headers", []))
         if ex.scope.session_id is None and "mcp-session-id" in headers:
             ex.scope.session_id = headers["mcp-session-id"]  # the initialize response: the session's scope
         content_type = headers.get("content-type", "")
