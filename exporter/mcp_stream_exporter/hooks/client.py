@@ -138,34 +138,47 @@ class ClientInstrumentation:
 
 
 class _TapStream(httpx2.AsyncByteStream):
-    """Passes every chunk through unchanged, parsing a copy; notes how the stream ended."""
+    """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
+
+    An iterator object rather than an async generator: the SDK stops reading at the response and
+    closes the response, and an abandoned async generator costs the event loop a finaliser task."""
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
                  status: int, resolve_error_frames: bool) -> None:
         self._inner = inner
+        self._chunks: AsyncIterator[bytes] | None = None
         self._resolve_error_frames = resolve_error_frames
         self._tracker = tracker
         self._stream = stream
         self._parser = SSEParser() if sse else None
         self._json = bytearray()
         self._status = status
+        self._extra = b""
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        self._chunks = self._inner.__aiter__()
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._extra:
+            extra, self._extra = self._extra, b""
+            return extra
+        assert self._chunks is not None
         try:
-            async for chunk in self._inner:
-                refusals = self._feed(chunk)
-                yield chunk
-                if refusals:
-                    yield refusals
+            chunk = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            if self._json:
+                self._tracker.frame(self._stream, None, classify_frame(self._json.decode("utf-8", "replace")))
+            self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
+            raise
         except Exception:
             self._tracker.end_stream(self._stream, sc.END_DROPPED, self._status)
             raise
         except BaseException:  # cancelled while reading: the client gave up on it
             self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
             raise
-        if self._json:
-            self._tracker.frame(self._stream, None, classify_frame(self._json.decode("utf-8", "replace")))
-        self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
+        self._extra = self._feed(chunk)
+        return chunk
 
     def _feed(self, chunk: bytes) -> bytes:
         """Observe a chunk; returns the frames to add after it (see ``resolve_error_frames``)."""
