@@ -80,9 +80,6 @@ class AuthView:
         """The required resource indicators this token's ``aud`` does not grant (canonical form)."""
         return canonical_resources(required) - self.audience
 
-    def missing_scopes(self, required: Iterable[str]) -> frozenset[str]:
-        return frozenset(required) - self.scopes
-
     def missing(self, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
         """The resources and scopes ``requirement`` needs that this token lacks (already canonical)."""
         return requirement.resources - self.audience, requirement.scopes - self.scopes

@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from mcp.server.mcpserver import MCPServer
-from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.server.streamable_http import (
+    GET_STREAM_KEY,
+    EventCallback,
+    EventId,
+    EventMessage,
+    EventStore,
+    StreamId,
+)
 from mcp_types import JSONRPCMessage, JSONRPCNotification
 from opentelemetry import trace
 
@@ -37,7 +44,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, headers_of
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import TOOLS_CALL, classify
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -46,8 +53,6 @@ ReplayScope = Literal["stream", "session"]
 REFUSAL_METHOD: Final = "notifications/mcp_stream/replay_refused"  # the in-process notice asgi() rewrites
 INSUFFICIENT_AUDIENCE: Final = "insufficient_audience"
 UNKNOWN_CURSOR: Final = "unknown_cursor"
-_GET_STREAM: Final = "_GET_stream"
-_MAX_BODY: Final = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +217,7 @@ class GuardedEventStore(EventStore):
                 return _Verdict(prefix, _refusal_data(event.event_id, event.stream_id, event.requirement, gap,
                                                       auth, resume_from))
             delivered = event.event_id
-        live = self._requirement(session_id, cursor.stream_id) if cursor.stream_id != _GET_STREAM else NO_REQUIREMENT
+        live = self._requirement(session_id, cursor.stream_id) if cursor.stream_id != GET_STREAM_KEY else NO_REQUIREMENT
         gap = _gap(auth, live)
         if gap is not None:  # the live tail would carry events the token may not see
             prefix = buffered if self.policy_mode == "prefix" else []
@@ -230,10 +235,10 @@ class GuardedEventStore(EventStore):
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            headers = headers_of(scope.get("headers", []))
-            rs = request_scope.current()
+            rs = request_scope.current()  # bound already when the hooks' observer is in front
             token = None
             if rs is None:
+                headers = headers_of(scope.get("headers", []))
                 rs = request_scope.RequestScope(headers.get("mcp-session-id"),
                                                 self.tokens.from_authorization(headers.get("authorization")))
                 token = request_scope.bind(rs)
@@ -241,7 +246,7 @@ class GuardedEventStore(EventStore):
 
             async def guarded_receive() -> Message:
                 message = await receive()
-                if message["type"] == "http.request" and scope.get("method") == "POST" and len(body) <= _MAX_BODY:
+                if message["type"] == "http.request" and scope.get("method") == "POST" and len(body) <= MAX_PARSED_BODY:
                     body.extend(message.get("body", b""))
                     if not message.get("more_body", False):
                         for msg in classify(bytes(body)):
@@ -281,7 +286,7 @@ def _refusal_data(event_id: str | None, stream_id: str, requirement: Requirement
     return {
         "error": INSUFFICIENT_AUDIENCE,
         "event_id": event_id,  # None: the live tail of the stream, not a buffered event
-        "request_id": None if stream_id == _GET_STREAM else stream_id,
+        "request_id": None if stream_id == GET_STREAM_KEY else stream_id,
         "required_resources": sorted(requirement.resources),
         "required_scopes": sorted(requirement.scopes),
         "missing_resources": sorted(gap[0]),

@@ -36,6 +36,7 @@ class WireMessage:
 
 
 UNPARSEABLE = WireMessage(sc.FRAME_OTHER)
+MAX_PARSED_BODY: Final = 4 * 1024 * 1024  # larger bodies pass through unparsed: observed, not read
 
 
 def _id(value: Any) -> str | None:

@@ -423,7 +423,3 @@ class Tracker:
         """End every pending call span (as evicted) so nothing is left open at exit."""
         for call in list(self._calls.values()):
             self._finish(call, sc.OUTCOME_EVICTED)
-
-
-def now_ns() -> int:
-    return time.time_ns()

@@ -9,6 +9,7 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -19,12 +20,10 @@ from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
-from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, auth_attributes, era_of, now_ns
+from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, auth_attributes, era_of
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, classify, classify_frame
-
-_MAX_BODY = 4 * 1024 * 1024
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
 
 
 class ClientInstrumentation:
@@ -53,7 +52,7 @@ class ClientInstrumentation:
             body = request.content
         except httpx2.RequestNotRead:
             return []
-        if not body or len(body) > _MAX_BODY:
+        if not body or len(body) > MAX_PARSED_BODY:
             return []
         calls: list[Call] = []
         for msg in classify(body):
@@ -87,7 +86,7 @@ class ClientInstrumentation:
             self.tracker.span_of(call)  # calling with a token that lacks the tool's resource: a deviation
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
-        start = now_ns()
+        start = time.time_ns()
         headers = request.headers
         session_id = headers.get("mcp-session-id")
         protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
@@ -190,7 +189,7 @@ class _TapStream(httpx2.AsyncByteStream):
                 self._tracker.frame(self._stream, frame, classify_frame(frame.data) if frame.data else ())
                 if frame.type == "error" and self._resolve_error_frames:
                     extra += b"".join(_refused(call.key[1], frame.data) for call in self._stream.pending())
-        elif len(self._json) <= _MAX_BODY:
+        elif len(self._json) <= MAX_PARSED_BODY:
             self._json += chunk
         return extra
 

@@ -9,13 +9,21 @@ Three seams, all public API of the SDK: an ASGI observer around the app from ``s
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
-from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp.server.streamable_http import (
+    GET_STREAM_KEY,
+    EventCallback,
+    EventId,
+    EventMessage,
+    EventStore,
+    StreamId,
+)
 from mcp.shared.exceptions import MCPError
 from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
 from opentelemetry import trace
@@ -33,15 +41,19 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     auth_attributes,
     era_of,
-    now_ns,
 )
 from mcp_stream_exporter.sse import SSEParser
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, TOOLS_CALL, WireMessage, classify, classify_frame
+from mcp_stream_exporter.wire import (
+    CANCELLED,
+    INITIALIZE,
+    MAX_PARSED_BODY,
+    TOOLS_CALL,
+    WireMessage,
+    classify,
+    classify_frame,
+)
 
 INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server error range
-_MAX_BODY = 4 * 1024 * 1024  # bodies beyond this are passed through unparsed
-_GET_STREAM = "_GET_stream"  # the SDK's key of the standalone stream (streamable_http.py:62)
-_PRIMING = "priming"
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 
 
@@ -116,7 +128,7 @@ class ServerInstrumentation:
         headers = headers_of(scope.get("headers", []))
         rs = request_scope.RequestScope(headers.get("mcp-session-id"),
                                         self.tokens.from_authorization(headers.get("authorization")))
-        ex = _Exchange(scope.get("method", ""), now_ns(), headers, rs, headers.get("mcp-protocol-version"))
+        ex = _Exchange(scope.get("method", ""), time.time_ns(), headers, rs, headers.get("mcp-protocol-version"))
         token = request_scope.bind(rs)
         scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
 
@@ -149,7 +161,7 @@ class ServerInstrumentation:
         if ex.method != "POST" or ex.oversized:
             return
         ex.body += message.get("body", b"")
-        if len(ex.body) > _MAX_BODY:  # too large to parse: observe the exchange without its calls
+        if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
             ex.oversized = True
             ex.body.clear()
             return
@@ -208,7 +220,7 @@ class ServerInstrumentation:
         if ex.parser is not None:
             for frame in ex.parser.feed(chunk):
                 self.tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
-        elif ex.json_body is not None and len(ex.json_body) <= _MAX_BODY:
+        elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:
             ex.json_body += chunk
         if message.get("more_body", False):
             return
@@ -288,7 +300,7 @@ class ServerInstrumentation:
 
     def _on_stored(self, session_id: str | None, stream_id: str, event_id: str,
                    message: JSONRPCMessage | None) -> None:
-        kind, request_id = _PRIMING, None
+        kind, request_id = sc.FRAME_PRIMING, None
         if isinstance(message, JSONRPCResponse | JSONRPCError):
             kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
                                 None if message.id is None else str(message.id))
@@ -304,7 +316,7 @@ class ServerInstrumentation:
         self._stream_of_event[(session_id, event_id)] = stream_id
         while len(self._stream_of_event) > self._max_streams * 10:
             self._stream_of_event.popitem(last=False)
-        if request_id is not None and stream_id != _GET_STREAM:
+        if request_id is not None and stream_id != GET_STREAM_KEY:
             call = self.tracker.call((session_id, stream_id))
             if call is not None:
                 call.record.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
@@ -313,7 +325,7 @@ class ServerInstrumentation:
         events = list(self._stored.get((session_id, stream_id), ()))
         ids = [e.event_id for e in events]
         after = events[ids.index(cursor) + 1:] if cursor in ids else []
-        return [e.event_id for e in after if e.kind != _PRIMING]
+        return [e.event_id for e in after if e.kind != sc.FRAME_PRIMING]
 
 
 class _ObservedEventStore(EventStore):
@@ -374,7 +386,7 @@ class _ObservedEventStore(EventStore):
             }
             if stream_id is not None:
                 out[sc.REPLAY_STREAM_ID] = stream_id
-                if stream_id != _GET_STREAM:
+                if stream_id != GET_STREAM_KEY:
                     out[sc.JSONRPC_REQUEST_ID] = stream_id
             if sent:
                 out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
