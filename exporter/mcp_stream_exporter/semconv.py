@@ -104,6 +104,7 @@ REPLAY_TRUNCATED: Final = "truncated"  # the store sent fewer events than it hel
 REPLAY_REFUSED: Final = "refused"  # the store answered with an `event: error` frame
 REPLAY_UNKNOWN_CURSOR: Final = "unknown_cursor"  # the cursor was never seen (or evicted)
 REPLAY_OFFENDING_EVENT_ID: Final = "mcp_stream.replay.offending_event_id"
+REPLAY_SKIPPED: Final = "mcp_stream.replay.skipped"  # buffered events left out before the last one sent
 REPLAY_FOREIGN_EVENT_IDS: Final = "mcp_stream.replay.foreign_event_ids"  # sent, but stored on another stream or session
 
 # --- the token, never raw ---

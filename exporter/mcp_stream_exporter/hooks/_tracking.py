@@ -29,7 +29,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanK
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import AuthView, Requirement
+from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import WireMessage
 
@@ -186,6 +186,7 @@ class Stream:
     record: _Deferred
     session_id: str | None
     kind: str
+    auth: Mapping[str, AttributeValue]
     calls: list[Call] = field(default_factory=list)
     terminal_ids: list[str] = field(default_factory=list)
     events: int = 0
@@ -199,6 +200,30 @@ class Stream:
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+
+
+def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
+    """What the calls still pending on a stream require, and, on a stream that presented its own
+    token (a resume or GET), what that token lacks of it: the audience gap, known before any call ends."""
+    requirement = NO_REQUIREMENT
+    for call in pending:
+        if call.requirement is not None:
+            requirement = requirement | call.requirement
+    attrs: dict[str, AttributeValue] = {}
+    if requirement.resources:
+        attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
+    if requirement.scopes:
+        attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+    if stream.kind != sc.STREAM_KIND_POST and requirement is not NO_REQUIREMENT:
+        audience = stream.auth.get(sc.AUTH_AUDIENCE) or ()
+        scopes = stream.auth.get(sc.AUTH_SCOPES) or ()
+        missing = requirement.resources.difference(audience)  # type: ignore[arg-type]
+        missing_scopes = requirement.scopes.difference(scopes)  # type: ignore[arg-type]
+        if missing:
+            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
+        if missing_scopes:
+            attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+    return attrs
 
 
 class Tracker:
@@ -294,8 +319,10 @@ class Tracker:
             attrs[sc.MCP_SESSION_ID] = session_id
         if calls:
             attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in calls]
+            if len(calls) == 1 and calls[0].tool is not None:
+                attrs[sc.GEN_AI_TOOL_NAME] = calls[0].tool
         record = _Deferred(f"MCP stream {kind}", self._stream_kind, attrs, None, start_time)
-        stream = Stream(record, session_id, kind, list(calls))
+        stream = Stream(record, session_id, kind, auth, list(calls))
         for call in calls:
             call.streams += 1
         if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now
@@ -408,6 +435,7 @@ class Tracker:
             attrs[sc.TERMINAL_REQUEST_IDS] = stream.terminal_ids
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
+            attrs.update(_owed(stream, pending))
         span.set_attributes(attrs)
         span.end()
         for call in pending:

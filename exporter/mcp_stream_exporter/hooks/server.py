@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -392,6 +393,9 @@ class _ObservedEventStore(EventStore):
                 out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
             if unsent:
                 out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
+                skipped = _skipped(buffered, sent)
+                if skipped:
+                    out[sc.REPLAY_SKIPPED] = skipped
             if foreign:
                 out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
             requirement = instr.requirement_of(session_id, stream_id) if stream_id else None
@@ -406,6 +410,13 @@ class _ObservedEventStore(EventStore):
                     out[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
             span.set_attributes(out)
         return result
+
+
+def _skipped(buffered: Sequence[str], sent: Sequence[str]) -> int:
+    """Buffered events left out before the last one sent: the client's cursor moves past them."""
+    delivered = set(sent)
+    last = max((i for i, event_id in enumerate(buffered) if event_id in delivered), default=0)
+    return sum(1 for event_id in buffered[:last] if event_id not in delivered)
 
 
 def instrument_server(

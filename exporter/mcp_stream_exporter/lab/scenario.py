@@ -13,10 +13,12 @@ import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.streamable_http import EventStore
+from mcp.shared.exceptions import MCPError
 from mcp.shared.message import ClientMessageMetadata
 from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
 from opentelemetry import trace
 
+from mcp_stream_exporter.auth import TokenReader
 from mcp_stream_exporter.guard import GuardedEventStore
 from mcp_stream_exporter.hooks import instrument_client, instrument_server
 from mcp_stream_exporter.lab.incident import (
@@ -29,6 +31,7 @@ from mcp_stream_exporter.lab.incident import (
 )
 from mcp_stream_exporter.lab.proxy import CutProxy
 from mcp_stream_exporter.lab.tokens import BearerAuth, TokenIssuer
+from mcp_stream_exporter.resume import Action, Refusal, decide_resume
 
 
 @contextlib.asynccontextmanager
@@ -67,6 +70,18 @@ class Incident:
     def widen(self) -> None:
         """Re-authorise with a superset audience (the broad token again)."""
         self.auth.token = self.broad
+
+    async def recover(self, refused: MCPError, name: str, arguments: dict[str, Any],
+                      timeout: float = 10.0) -> CallToolResult:
+        """Leg 3 done right: read the guard's refusal, re-authorise with a superset token and
+        resume from the cursor it names (or re-issue when the cursor is gone)."""
+        refusal = Refusal.from_data(refused.data)
+        held = TokenReader().read(self.auth.token)
+        decision = decide_resume([refusal.requirement], held, cursor=refusal.cursor, can_widen=True)
+        if decision.action is Action.REAUTHORIZE:
+            self.widen()
+        resume_from = decision.cursor if decision.action is not Action.REISSUE else None
+        return await self.call(name, arguments, timeout=timeout, resume_from=resume_from)
 
     async def call(self, name: str, arguments: dict[str, Any], timeout: float = 10.0,
                    resume_from: str | None = None) -> CallToolResult:

@@ -1,0 +1,168 @@
+"""The detector's HTTP face (FastAPI): OTLP/HTTP in, ``/metrics``, ``/api/findings``, health.
+
+The same app serves the standalone service (with an ingest queue) and embedded mode (without one:
+spans arrive through the span processor, so ``/v1/traces`` is not mounted).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+from google.protobuf import json_format
+from prometheus_client.exposition import choose_encoder
+from starlette.concurrency import run_in_threadpool
+
+from mcp_stream_exporter.detector.detector import Detector
+from mcp_stream_exporter.detector.findings import Query as FindingQuery
+from mcp_stream_exporter.detector.ingest import (
+    JSON,
+    PROTOBUF,
+    IngestError,
+    IngestQueue,
+    decode,
+    decompress,
+    partial_success,
+    receive,
+)
+from mcp_stream_exporter.detector.rules import RULES
+
+log = logging.getLogger("mcp_stream_exporter.detector")
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who may use what: a bearer token for ingest and for ``/api``, basic auth for ``/metrics``."""
+
+    ingest_token: str | None = None
+    api_token: str | None = None
+    metrics_basic_auth: tuple[str, str] | None = None  # (user, password)
+
+
+def _bearer_ok(request: Request, token: str | None) -> bool:
+    if token is None:
+        return True
+    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}")
+
+
+def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
+    if creds is None:
+        return True
+    expected = "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+    return hmac.compare_digest(request.headers.get("authorization", ""), expected)
+
+
+def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None) -> FastAPI:
+    access = access or Access()
+    app = FastAPI(title="mcp-stream-exporter detector", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = detector.metrics
+
+    def refuse(status: int, reason: str, metric_reason: str, headers: dict[str, str] | None = None) -> Response:
+        metrics.requests_rejected.labels(metric_reason).inc()
+        log.warning("ingest refused", extra={"status": status, "reason": reason})
+        return JSONResponse({"error": reason}, status_code=status, headers=headers)
+
+    if queue is not None:
+        limits = queue.limits
+
+        @app.post("/v1/traces")
+        async def ingest(request: Request) -> Response:
+            if not _bearer_ok(request, access.ingest_token):
+                return refuse(401, "a bearer token is required", "unauthorized", {"WWW-Authenticate": "Bearer"})
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+                return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+                chunks.append(chunk)
+            content_type = request.headers.get("content-type", PROTOBUF)
+            encoding = request.headers.get("content-encoding")
+
+            def process() -> Any:
+                body = decompress(b"".join(chunks), encoding, limits)
+                return receive(queue, decode(body, content_type, limits), "otlp_http")
+
+            try:
+                outcome = await run_in_threadpool(process)
+            except IngestError as exc:
+                return refuse(exc.status, exc.reason, exc.metric_reason)
+            if outcome is None:
+                return refuse(429, "ingest queue full; retry after the given delay", "queue_full",
+                              {"Retry-After": str(limits.retry_after_s)})
+            if outcome.rejected:
+                log.info("spans refused", extra={"rejected": outcome.rejected_count, "reason": outcome.message()})
+            answer = partial_success(outcome)
+            if content_type.startswith(JSON):
+                return Response(json_format.MessageToJson(answer), media_type=JSON)
+            return Response(answer.SerializeToString(), media_type=PROTOBUF)
+
+    @app.get("/metrics")
+    def scrape(request: Request) -> Response:
+        if not _basic_ok(request, access.metrics_basic_auth):
+            return Response("authentication required", status_code=401,
+                            headers={"WWW-Authenticate": 'Basic realm="metrics"'})
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(detector.registry), media_type=content_type)
+
+    def api_guard(request: Request) -> None:
+        if not _bearer_ok(request, access.api_token):
+            raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/api/findings")
+    def findings(request: Request, rule: str | None = None, tool: str | None = None, severity: str | None = None,
+                 since: Annotated[float | None, Query(description="epoch seconds")] = None,
+                 until: Annotated[float | None, Query(description="epoch seconds")] = None,
+                 offset: Annotated[int, Query(ge=0)] = 0,
+                 limit: Annotated[int, Query(ge=1, le=500)] = 50) -> dict[str, Any]:
+        api_guard(request)
+        if rule is not None and rule not in RULES:
+            raise HTTPException(400, f"unknown rule {rule!r}; see /api/rules")
+        q = FindingQuery(rule, tool, severity, int(since * 1e9) if since is not None else None,
+                         int(until * 1e9) if until is not None else None, offset, limit)
+        with detector.lock:
+            page, total = detector.findings.query(q)
+            items = [f.to_json() for f in page]
+        return {"total": total, "offset": offset, "limit": limit, "findings": items}
+
+    @app.get("/api/findings/{finding_id}")
+    def finding(request: Request, finding_id: str) -> dict[str, Any]:
+        api_guard(request)
+        with detector.lock:
+            found = detector.findings.get(finding_id)
+            if found is None:
+                raise HTTPException(404, "no such finding (it may have aged out of the store)")
+            return found.to_json()
+
+    @app.get("/api/rules")
+    def rules(request: Request) -> list[dict[str, Any]]:
+        api_guard(request)
+        return [{"id": r.id, "severity": r.severity, "eras": sorted(r.eras), "silent_loss": r.loss,
+                 "summary": r.summary} for r in RULES.values()]
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        if queue is not None and not queue.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> str:
+        return ("<html><head><title>mcp-stream-exporter</title></head><body><h1>mcp-stream-exporter detector</h1>"
+                "<ul><li><a href='/metrics'>/metrics</a></li><li><a href='/api/findings'>/api/findings</a></li>"
+                "<li><a href='/api/rules'>/api/rules</a></li><li><a href='/readyz'>/readyz</a></li></ul>"
+                "</body></html>")
+
+    return app

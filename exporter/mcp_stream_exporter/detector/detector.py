@@ -1,0 +1,118 @@
+"""The detector: spans -> lifecycle events -> ledger and rules -> findings and metrics.
+
+One instance serves every entry point (OTLP over HTTP or gRPC, the in-process span processor); they
+all call :meth:`Detector.consume`. It is safe to call from several threads: one lock guards the
+ledger, and the work under it is a few dictionary updates per span.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from mcp_stream_exporter.detector.events import CallEnd, Lifecycle, Rejected, Replay, Span, StreamEnd, lifecycle
+from mcp_stream_exporter.detector.findings import Finding, FindingStore
+from mcp_stream_exporter.detector.ledger import CallState, Ledger, LedgerLimits
+from mcp_stream_exporter.detector.metrics import DetectorMetrics, LedgerCollector, ToolLabels
+from mcp_stream_exporter.detector.rules import RuleConfig, RuleEngine
+
+Clock = Callable[[], int]  # nanoseconds since the epoch, like span timestamps
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorConfig:
+    rules: RuleConfig = field(default_factory=RuleConfig)
+    ledger: LedgerLimits = field(default_factory=LedgerLimits)
+    max_findings: int = 10_000
+    tools: tuple[str, ...] = ()  # the ToolPolicy's tools: the only tool label values besides `other`
+    max_tool_labels: int = 20  # without a policy: the first tools seen, then `other`
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What became of a batch: how many spans were taken, and why any were refused."""
+
+    accepted: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rejected_count(self) -> int:
+        return sum(self.rejected.values())
+
+    def message(self) -> str:
+        return "; ".join(f"{n} span(s): {reason}" for reason, n in sorted(self.rejected.items()))
+
+
+class Detector:
+    def __init__(self, config: DetectorConfig | None = None, *, clock: Clock = time.time_ns,
+                 registry: CollectorRegistry | None = None,
+                 on_finding: Callable[[Finding], None] | None = None) -> None:
+        self.config = config or DetectorConfig()
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.ledger = Ledger(self.config.ledger)
+        self.findings = FindingStore(self.config.max_findings)
+        self.registry = registry or CollectorRegistry()
+        self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
+        self.registry.register(LedgerCollector(self.ledger, lambda: len(self.findings)))
+        self.rules = RuleEngine(self.ledger, self.config.rules, self._found)
+        self._on_finding = on_finding
+
+    def read(self, spans: Iterable[Span], transport: str) -> tuple[list[Lifecycle], Outcome]:
+        """Spans -> lifecycle events, without touching the ledger (no lock: callers may run it on
+        their own thread). A span that breaks the span model is refused with its reason; spans
+        outside the model are taken and ignored."""
+        events: list[Lifecycle] = []
+        outcome = Outcome()
+        for span in spans:
+            try:
+                event = lifecycle(span)
+            except Rejected as rejected:
+                reason = str(rejected)
+                outcome.rejected[reason] = outcome.rejected.get(reason, 0) + 1
+                continue
+            outcome.accepted += 1
+            if event is not None:
+                events.append(event)
+        self.metrics.spans_received.labels(transport).inc(outcome.accepted + outcome.rejected_count)
+        if outcome.rejected:
+            self.metrics.spans_rejected.labels("span_model").inc(outcome.rejected_count)
+        return events, outcome
+
+    def apply(self, events: Iterable[Lifecycle]) -> None:
+        """Lifecycle events -> ledger, rules, findings and metrics."""
+        with self.lock:
+            now = self.clock()
+            for event in events:
+                if isinstance(event, StreamEnd):
+                    self.metrics.stream_end(event)
+                    self.rules.stream(event, now)
+                elif isinstance(event, CallEnd):
+                    self.rules.call(event, now)
+                elif isinstance(event, Replay):
+                    self.rules.replay(event, now)
+                else:
+                    self.metrics.operation(event)
+                    self.rules.operation(event, now)
+            self.rules.tick(now)
+
+    def consume(self, spans: Iterable[Span], transport: str = "embedded") -> Outcome:
+        """Read and apply a batch on the caller's thread."""
+        events, outcome = self.read(spans, transport)
+        self.apply(events)
+        return outcome
+
+    def tick(self) -> None:
+        """Run the grace-period rules against the clock; call it periodically when idle."""
+        with self.lock:
+            self.rules.tick(self.clock())
+
+    def _found(self, finding: Finding, call: CallState | None) -> None:
+        if self.findings.add(finding):
+            self.metrics.finding(finding)
+            if self._on_finding is not None:
+                self._on_finding(finding)

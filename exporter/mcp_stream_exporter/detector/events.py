@@ -1,0 +1,265 @@
+"""Spans -> lifecycle events: the span model (docs/span-model.md) read back, checked and typed.
+
+A :class:`Span` is what every source (OTLP protobuf or JSON, an in-process ``ReadableSpan``)
+becomes; :func:`lifecycle` turns one into the event the ledger understands, or says why it
+cannot. Spans that are not part of the model and not the SDK's MCP spans are ignored, not rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_stream_exporter import semconv as sc
+
+KIND_CLIENT = "client"
+KIND_SERVER = "server"
+KIND_INTERNAL = "internal"
+
+_SDK_CLIENT_PREFIX = "MCP send "
+_TIMEOUT_CODES = frozenset({"-32001"})  # the SDK's "Request timed out"
+
+
+@dataclass(slots=True, frozen=True)
+class Span:
+    """One finished span, from any source; ids are lower-case hex."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    name: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any]
+    event_names: tuple[str, ...] = ()
+    exception_types: tuple[str, ...] = ()
+    error: bool = False
+    origin: str = ""  # the emitting process: resource service.instance.id, else service.name
+
+
+class Rejected(ValueError):
+    """A span that claims to be part of the model but breaks it; the reason goes back to the sender."""
+
+
+@dataclass(slots=True, frozen=True)
+class Token:
+    """The ``mcp_stream.auth.*`` view of the token on a request, as the span carries it."""
+
+    audience: tuple[str, ...] = ()
+    fingerprint: str | None = None
+    missing_resources: tuple[str, ...] = ()
+    missing_scopes: tuple[str, ...] = ()
+
+    @property
+    def gap(self) -> bool:
+        return bool(self.missing_resources or self.missing_scopes)
+
+
+@dataclass(slots=True, frozen=True)
+class Common:
+    """What every event of the model has: who saw it, where it sits in a trace, whose session."""
+
+    role: str
+    era: str
+    scope: str  # the session id, or ``trace:<id>`` where there is no session (2026-07-28)
+    session_id: str | None
+    trace_id: str
+    span_id: str
+    start_ns: int
+    end_ns: int
+    origin: str
+
+
+@dataclass(slots=True, frozen=True)
+class StreamEnd:
+    at: Common
+    kind: str
+    reason: str
+    status: int | None
+    request_ids: tuple[str, ...]
+    pending_ids: tuple[str, ...]
+    terminal_ids: tuple[str, ...]
+    events: int
+    error_frames: int
+    first_event_id: str | None
+    last_event_id: str | None
+    cursor: str | None
+    tool: str | None
+    required: tuple[str, ...]
+    token: Token
+
+
+@dataclass(slots=True, frozen=True)
+class CallEnd:
+    at: Common
+    request_id: str
+    tool: str | None
+    outcome: str
+    required: tuple[str, ...]
+    token: Token
+    terminal_event_id: str | None
+    sdk_span_id: str | None  # client: the SDK's request span, this span's parent
+
+
+@dataclass(slots=True, frozen=True)
+class Replay:
+    at: Common
+    cursor: str
+    request_id: str | None
+    decision: str
+    buffered: int
+    sent: int
+    sent_last_id: str | None
+    offending_event_id: str | None
+    skipped: int
+    foreign_event_ids: tuple[str, ...]
+    guard_decision: str | None
+    required: tuple[str, ...]
+    token: Token
+
+
+@dataclass(slots=True, frozen=True)
+class Operation:
+    """The SDK's own span of an MCP request (semconv ``mcp.*``): counts, durations, timeouts."""
+
+    role: str
+    method: str
+    tool: str | None
+    trace_id: str
+    span_id: str
+    start_ns: int
+    duration_s: float
+    error_type: str | None
+    timed_out: bool
+    origin: str
+
+
+Lifecycle = StreamEnd | CallEnd | Replay | Operation
+
+
+def lifecycle(span: Span) -> Lifecycle | None:
+    """The lifecycle event a span stands for; None for a span outside the model.
+
+    Raises :class:`Rejected` for a span that claims a place in the model but cannot hold it."""
+    a = span.attributes
+    model = a.get(sc.SPAN)
+    if model is None:
+        return _operation(span) if sc.MCP_METHOD_NAME in a and span.kind != KIND_INTERNAL else None
+    if model == sc.SPAN_STREAM:
+        return _stream(span)
+    if model == sc.SPAN_CALL:
+        return _call(span)
+    if model == sc.SPAN_REPLAY:
+        return _replay(span)
+    raise Rejected(f"unknown {sc.SPAN} {str(model)[:40]!r}")
+
+
+def _required(a: Mapping[str, Any], key: str) -> str:
+    value = _str(a, key)
+    if value is None:
+        raise Rejected(f"missing {key}")
+    return value
+
+
+def _str(a: Mapping[str, Any], key: str) -> str | None:
+    value = a.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return str(value)  # request ids may arrive as ints from other SDKs
+    raise Rejected(f"{key} must be a string")
+
+
+def _int(a: Mapping[str, Any], key: str) -> int | None:
+    value = a.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+        raise Rejected(f"{key} must be an integer")
+    return value
+
+
+def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = a.get(key)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Sequence) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        return tuple(str(v) for v in value)
+    raise Rejected(f"{key} must be a list of strings")
+
+
+def _common(span: Span) -> Common:
+    a = span.attributes
+    role = _required(a, sc.ROLE)
+    if role not in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
+        raise Rejected(f"{sc.ROLE} must be client or server")
+    era = _str(a, sc.ERA) or sc.ERA_RESUMABLE
+    if era not in (sc.ERA_RESUMABLE, sc.ERA_STATELESS):
+        raise Rejected(f"{sc.ERA} must be resumable or stateless")
+    session_id = _str(a, sc.MCP_SESSION_ID)
+    if span.end_ns < span.start_ns:
+        raise Rejected("span ends before it starts")
+    return Common(role, era, session_id or f"trace:{span.trace_id}", session_id, span.trace_id, span.span_id,
+                  span.start_ns, span.end_ns, span.origin)
+
+
+def _token(a: Mapping[str, Any]) -> Token:
+    return Token(_strs(a, sc.AUTH_AUDIENCE), _str(a, sc.AUTH_FINGERPRINT),
+                 _strs(a, sc.AUTH_MISSING_RESOURCES), _strs(a, sc.AUTH_MISSING_SCOPES))
+
+
+def _stream(span: Span) -> StreamEnd:
+    a = span.attributes
+    kind = _required(a, sc.STREAM_KIND)
+    reason = _required(a, sc.END_REASON)
+    return StreamEnd(
+        _common(span), kind, reason, _int(a, sc.HTTP_RESPONSE_STATUS_CODE),
+        _strs(a, sc.STREAM_REQUEST_IDS), _strs(a, sc.PENDING_REQUEST_IDS), _strs(a, sc.TERMINAL_REQUEST_IDS),
+        _int(a, sc.EVENTS_COUNT) or 0, _int(a, sc.ERROR_FRAMES_COUNT) or 0,
+        _str(a, sc.EVENT_FIRST_ID), _str(a, sc.EVENT_LAST_ID), _str(a, sc.RESUME_CURSOR),
+        _str(a, sc.GEN_AI_TOOL_NAME), _strs(a, sc.REQUIRED_RESOURCES), _token(a),
+    )
+
+
+def _call(span: Span) -> CallEnd:
+    a = span.attributes
+    request_id = _required(a, sc.JSONRPC_REQUEST_ID)
+    outcome = _required(a, sc.CALL_OUTCOME)
+    return CallEnd(_common(span), request_id, _str(a, sc.GEN_AI_TOOL_NAME), outcome,
+                   _strs(a, sc.REQUIRED_RESOURCES), _token(a), _str(a, sc.TERMINAL_EVENT_ID), span.parent_span_id)
+
+
+def _replay(span: Span) -> Replay:
+    a = span.attributes
+    cursor = _required(a, sc.RESUME_CURSOR)
+    decision = _required(a, sc.REPLAY_DECISION)
+    return Replay(
+        _common(span), cursor, _str(a, sc.JSONRPC_REQUEST_ID), decision,
+        _int(a, sc.REPLAY_BUFFERED) or 0, _int(a, sc.REPLAY_SENT) or 0, _str(a, sc.REPLAY_SENT_LAST_ID),
+        _str(a, sc.REPLAY_OFFENDING_EVENT_ID), _int(a, sc.REPLAY_SKIPPED) or 0,
+        _strs(a, sc.REPLAY_FOREIGN_EVENT_IDS), _str(a, sc.GUARD_DECISION), _strs(a, sc.REQUIRED_RESOURCES),
+        _token(a),
+    )
+
+
+def _operation(span: Span) -> Operation:
+    a = span.attributes
+    method = _str(a, sc.MCP_METHOD_NAME) or ""
+    tool = _str(a, sc.GEN_AI_TOOL_NAME)
+    if tool is None and method == "tools/call" and span.name.startswith(_SDK_CLIENT_PREFIX):
+        tool = span.name[len(_SDK_CLIENT_PREFIX) + len(method) + 1:] or None  # the SDK names it only here
+    error_type = _str(a, sc.ERROR_TYPE)
+    code = _str(a, sc.RPC_RESPONSE_STATUS_CODE)
+    timed_out = (code in _TIMEOUT_CODES or error_type in ("timeout", "TimeoutError")
+                 or "TimeoutError" in span.exception_types)
+    if error_type is None and (span.error or span.exception_types):
+        error_type = "timeout" if timed_out else (span.exception_types[0] if span.exception_types else "error")
+    role = KIND_CLIENT if span.kind == KIND_CLIENT else KIND_SERVER
+    return Operation(role, method, tool, span.trace_id, span.span_id, span.start_ns,
+                     max(0, span.end_ns - span.start_ns) / 1e9, error_type, timed_out, span.origin)

@@ -1,0 +1,178 @@
+"""The detector's Prometheus metrics: defined once, here, with help texts an on-call reader can act on.
+
+Label values are bounded: tools by :class:`ToolLabels` (the policy's tools, else the first few seen,
+then ``other``), methods and error types by fixed sets. Session, request and trace ids never become
+labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from importlib.metadata import version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector.events import Operation, StreamEnd
+from mcp_stream_exporter.detector.findings import Finding
+from mcp_stream_exporter.detector.ledger import Ledger
+from mcp_stream_exporter.detector.rules import RULES
+
+OTHER = "other"
+# semconv mcp.{client,server}.operation.duration advisory buckets, in seconds
+SEMCONV_DURATION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_METHODS = frozenset({
+    "initialize", "ping", "tools/list", "tools/call", "resources/list", "resources/read", "resources/templates/list",
+    "resources/subscribe", "resources/unsubscribe", "prompts/list", "prompts/get", "completion/complete",
+    "logging/setLevel", "sampling/createMessage", "elicitation/create", "roots/list",
+    "notifications/initialized", "notifications/cancelled", "notifications/progress", "notifications/message",
+    "notifications/roots/list_changed", "notifications/tools/list_changed", "notifications/resources/updated",
+    "notifications/resources/list_changed", "notifications/prompts/list_changed",
+})
+_JSONRPC_CODES = frozenset(str(c) for c in (-32700, -32600, -32601, -32602, -32603, *range(-32099, -31999)))
+_ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
+
+
+class ToolLabels:
+    """Bounded ``tool`` label values: the policy's tools, or the first ``dynamic`` tools seen, then ``other``."""
+
+    def __init__(self, known: Iterable[str] | None = None, dynamic: int = 20) -> None:
+        self.known = frozenset(known or ())
+        self._fixed = bool(self.known)
+        self._seen: set[str] = set(self.known)
+        self._dynamic = dynamic
+
+    def __call__(self, tool: str | None) -> str:
+        if tool is None:
+            return OTHER
+        if tool in self._seen:
+            return tool
+        if not self._fixed and len(self._seen) < self._dynamic:
+            self._seen.add(tool)
+            return tool
+        return OTHER
+
+
+def _resume_outcome(e: StreamEnd) -> str:
+    if e.reason == sc.END_HTTP_ERROR:
+        return "http_error"
+    if e.error_frames:
+        return "refused"
+    if any(t in e.request_ids for t in e.terminal_ids):
+        return "delivered"
+    if e.reason == sc.END_DROPPED:
+        return "dropped"
+    if e.reason == sc.END_CLOSED:
+        return "closed"
+    return "progressed" if e.last_event_id is not None and e.last_event_id != e.cursor else "empty"
+
+
+class DetectorMetrics:
+    def __init__(self, registry: CollectorRegistry, tools: ToolLabels) -> None:
+        self.registry = registry
+        self.tools = tools
+        self.calls = Counter(
+            "mcp_stream_calls", "tools/call operations finished, by the side that saw them (role), tool and "
+            "outcome (result, tool_error, error, timeout), from the SDK's own request spans.",
+            ["role", "tool", "outcome"], registry=registry)
+        self.silent_losses = Counter(
+            "mcp_stream_silent_losses", "Tool calls whose result never reached the caller (or a wrong one did) "
+            "without any error, by tool and rule. Any increase is a lost result: see /api/findings?rule=<rule>.",
+            ["tool", "rule"], registry=registry)
+        self.findings = Counter(
+            "mcp_stream_findings", "Findings raised by the detector, by rule and severity; details and evidence "
+            "at /api/findings.", ["rule", "severity"], registry=registry)
+        self.resumes = Counter(
+            "mcp_stream_resumes", "Resume streams (GET with Last-Event-ID) by role and outcome: delivered, "
+            "progressed, empty (clean end, nothing sent: the incident's shape), refused (an explicit error frame), "
+            "dropped, closed, http_error.", ["role", "outcome"], registry=registry)
+        self.audience_gaps = Counter(
+            "mcp_stream_audience_gaps", "Resumes whose token lacks a resource or scope the pending call requires "
+            "(the superset-audience invariant broken), by role and tool. Fix: resume with a superset token.",
+            ["role", "tool"], registry=registry)
+        self.stream_ends = Counter(
+            "mcp_stream_stream_ends", "MCP streams that told something about a call's fate, by role, kind "
+            "(post, get, resume, delete) and end reason (clean, dropped, closed, http_error). Healthy calls "
+            "answered on their own POST are not counted here.", ["role", "kind", "reason"], registry=registry)
+        labels = ["mcp_method_name", "gen_ai_tool_name", "error_type"]
+        self.client_duration = Histogram(
+            "mcp_client_operation_duration_seconds", "Semconv mcp.client.operation.duration: an MCP request as "
+            "the client saw it, from sending to its response (including any reconnect and replay time).",
+            labels, buckets=SEMCONV_DURATION_BUCKETS, registry=registry)
+        self.server_duration = Histogram(
+            "mcp_server_operation_duration_seconds", "Semconv mcp.server.operation.duration: an MCP request as "
+            "the server handled it.", labels, buckets=SEMCONV_DURATION_BUCKETS, registry=registry)
+        self.spans_received = Counter(
+            "mcp_stream_detector_spans_received", "Spans received by the detector, by transport.",
+            ["transport"], registry=registry)
+        self.spans_rejected = Counter(
+            "mcp_stream_detector_spans_rejected", "Spans the detector refused, by reason; the sender was told "
+            "(OTLP partial success). A rising rate means a peer emits spans that break docs/span-model.md.",
+            ["reason"], registry=registry)
+        self.requests_rejected = Counter(
+            "mcp_stream_detector_ingest_requests_rejected", "Ingest requests refused whole, by reason "
+            "(too_large, bad_encoding, malformed, unauthorized, too_many_spans, queue_full). queue_full means "
+            "backpressure: scale out or raise the queue bound.", ["reason"], registry=registry)
+        self.ingest_latency = Histogram(
+            "mcp_stream_detector_ingest_duration_seconds", "Time from a batch's arrival to its spans being in "
+            "the ledger, queueing included.", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+            registry=registry)
+        Gauge("mcp_stream_detector_build_info", "The detector's version; always 1.", ["version"],
+              registry=registry).labels(version("mcp-stream-exporter")).set(1)
+        for rule in RULES.values():
+            self.findings.labels(rule.id, rule.severity)
+            if rule.loss:
+                for tool in tools.known:
+                    self.silent_losses.labels(tool, rule.id)
+
+    def finding(self, f: Finding) -> None:
+        rule = RULES[f.rule]
+        self.findings.labels(f.rule, f.severity).inc()
+        if rule.loss:
+            exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
+            self.silent_losses.labels(self.tools(f.tool), f.rule).inc(exemplar=exemplar)
+
+    def stream_end(self, e: StreamEnd) -> None:
+        self.stream_ends.labels(e.at.role, e.kind, e.reason).inc()
+        if e.kind == sc.STREAM_KIND_RESUME:
+            self.resumes.labels(e.at.role, _resume_outcome(e)).inc()
+            if e.token.gap:
+                self.audience_gaps.labels(e.at.role, self.tools(e.tool)).inc()
+
+    def operation(self, e: Operation) -> None:
+        method = e.method if e.method in _METHODS else OTHER
+        tool = self.tools(e.tool) if e.tool is not None else ""
+        error = "timeout" if e.timed_out else ("" if e.error_type is None else
+                                               e.error_type if e.error_type in _ERROR_TYPES else OTHER)
+        histogram = self.client_duration if e.role == sc.ROLE_CLIENT else self.server_duration
+        histogram.labels(method, tool, error).observe(e.duration_s)
+        if method == "tools/call":
+            outcome = "result" if not error else (error if error in ("tool_error", "timeout") else "error")
+            self.calls.labels(e.role, self.tools(e.tool), outcome).inc()
+
+
+class LedgerCollector(Collector):
+    """The ledger's size, read at scrape time (gauges can go down; evictions only up)."""
+
+    def __init__(self, ledger: Ledger, findings_retained: Callable[[], int]) -> None:
+        self._ledger = ledger
+        self._findings_retained = findings_retained
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ledger = self._ledger
+        yield GaugeMetricFamily("mcp_stream_calls_in_flight", "Calls a stream ended on without their result "
+                                "and still owed one (deviating calls only; healthy calls are never tracked).",
+                                value=ledger.in_flight)
+        yield GaugeMetricFamily("mcp_stream_detector_ledger_sessions", "Sessions (or traces, 2026-07-28) the "
+                                "ledger holds.", value=ledger.sessions)
+        yield GaugeMetricFamily("mcp_stream_detector_ledger_calls", "Calls the ledger holds.", value=ledger.calls)
+        yield GaugeMetricFamily("mcp_stream_detector_findings_retained", "Findings kept for /api/findings.",
+                                value=self._findings_retained())
+        evictions = CounterMetricFamily("mcp_stream_detector_ledger_evictions", "Sessions and calls evicted from "
+                                        "the ledger, by reason (ttl, capacity). Capacity evictions mean the "
+                                        "ledger is too small: losses there go undetected.", labels=["reason"])
+        for reason, count in sorted(ledger.evictions.items()):
+            evictions.add_metric([reason], count)
+        yield evictions

@@ -1,0 +1,309 @@
+"""The rules: the detector's vocabulary (DESIGN.md section 5, docs/rules.md), applied to the ledger.
+
+Each rule has a stable id, a severity, the eras it applies to, and the evidence it records. The
+engine updates the ledger from each lifecycle event and emits a :class:`Finding` when a rule holds;
+rules that need a grace period run from the ledger's timers on :meth:`RuleEngine.tick`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector.events import CallEnd, Common, Operation, Replay, StreamEnd, Token
+from mcp_stream_exporter.detector.findings import Finding, finding_id
+from mcp_stream_exporter.detector.ledger import CallState, Ledger
+
+CRITICAL = "critical"
+WARNING = "warning"
+_ALL = frozenset({sc.ERA_RESUMABLE, sc.ERA_STATELESS})
+_LEGACY = frozenset({sc.ERA_RESUMABLE})
+_MODERN = frozenset({sc.ERA_STATELESS})
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    id: str
+    severity: str
+    eras: frozenset[str]
+    loss: bool  # a call's result never reached its caller (or a wrong one did): counted as a silent loss
+    summary: str
+
+
+RULES: dict[str, Rule] = {r.id: r for r in (
+    Rule("clean_end_pending", CRITICAL, _ALL, True,
+         "A stream ended cleanly while a call on it had no terminal event, and none arrived in the grace period."),
+    Rule("narrowed_resume", WARNING, _LEGACY, False,
+         "A resume's token lacks a resource (or scope) its pending call requires, and no error frame said so."),
+    Rule("replay_truncated", CRITICAL, _LEGACY, False,
+         "The server ended a replay cleanly before sending every buffered event, without an error frame."),
+    Rule("cursor_past_undelivered", CRITICAL, _LEGACY, False,
+         "A replay skipped buffered events and sent later ones: the client's cursor moved past undelivered events."),
+    Rule("resume_loop", WARNING, _LEGACY, False,
+         "A stream was resumed again and again from the same cursor without progress."),
+    Rule("session_expired_in_flight", WARNING, _LEGACY, True,
+         "The session was gone (404) while a call on it was still owed its result."),
+    Rule("unknown_cursor", WARNING, _LEGACY, False,
+         "A resume to an unknown or evicted event id was answered with an empty stream, not an error."),
+    Rule("cross_stream_replay", CRITICAL, _LEGACY, False,
+         "A replay sent events stored on another stream or session."),
+    Rule("foreign_result", CRITICAL, _LEGACY, True,
+         "A stream delivered another call's result; the SDK client hands it to this stream's caller as its own."),
+    Rule("duplicate_terminal", WARNING, _ALL, False,
+         "A call's terminal event was delivered more than once."),
+    Rule("timeout_attributed", WARNING, _ALL, False,
+         "A client gave up on a call (timeout or cancel) after an earlier finding on it: that finding is the cause."),
+    Rule("not_reissued", CRITICAL, _MODERN, True,
+         "2026-07-28: a response stream broke before the response and the client did not re-issue the call."),
+)}
+
+
+@dataclass(frozen=True, slots=True)
+class RuleConfig:
+    clean_end_grace_s: float = 30.0  # keep above the server's close_sse_stream / polling interval
+    reissue_grace_s: float = 30.0
+    resume_loop_count: int = 5
+    resume_loop_window_s: float = 60.0
+
+
+_TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+_CLEAN_END = "clean_end"
+_REISSUE = "reissue"
+
+
+class RuleEngine:
+    def __init__(self, ledger: Ledger, config: RuleConfig, emit: Callable[[Finding, CallState | None], None]) -> None:
+        self.ledger = ledger
+        self.config = config
+        self._emit_to = emit
+
+    # --- events ---
+
+    def stream(self, e: StreamEnd, now_ns: int) -> None:
+        at = e.at
+        session = self.ledger.session(at.scope, now_ns)
+        single_tool = e.tool if len(e.request_ids) == 1 else None
+        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if e.status == 404 else []
+        calls = {rid: self._call(at, rid, now_ns, single_tool, e.required) for rid in (*e.request_ids, *e.pending_ids)}
+        for rid in e.terminal_ids:
+            if rid in calls:
+                self._delivered(calls[rid], at.role, e, now_ns)
+        foreign = [t for t in e.terminal_ids if t not in calls]
+        if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
+            for rid in e.request_ids:
+                self._emit("foreign_result", calls[rid], at, rid, now_ns, {
+                    "stream_kind": e.kind, "wire_ids": foreign, "stream_request_ids": list(e.request_ids),
+                    "event_ids": _event_ids(e)})
+        progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
+        if progressed:
+            for call in calls.values():
+                call.clean_since = None  # it moved: the silent-loss clock starts again at its next clean end
+        for rid in e.pending_ids:
+            self._owed(calls[rid], e, now_ns)
+        if e.kind == sc.STREAM_KIND_RESUME:
+            self._resume(e, session.resumes, calls, progressed, now_ns)
+        for call in in_flight_before:
+            self._emit("session_expired_in_flight", call, at, call.request_id, now_ns, {
+                "status": e.status, "stream_kind": e.kind, "owed_since": (call.owed_since or 0) / 1e9})
+
+    def call(self, e: CallEnd, now_ns: int) -> None:
+        at = e.at
+        self.ledger.session(at.scope, now_ns)
+        call = self._call(at, e.request_id, now_ns, e.tool, e.required)
+        if at.role == sc.ROLE_CLIENT:
+            if e.sdk_span_id is not None:
+                self.ledger.link_sdk_span(e.sdk_span_id, call)
+            if call.tool is not None:
+                self.ledger.issued(at.origin, call.tool, at.start_ns)
+        if e.outcome in _TERMINAL_OUTCOMES:
+            self.ledger.delivered(call)
+        elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
+            self._timed_out(call, now_ns)
+        elif e.outcome == sc.OUTCOME_NO_TERMINAL and at.role == sc.ROLE_CLIENT:
+            self._broken(call, at.end_ns, now_ns)
+
+    def replay(self, e: Replay, now_ns: int) -> None:
+        at = e.at
+        self.ledger.session(at.scope, now_ns)
+        subject = e.request_id or f"cursor:{e.cursor}"
+        call = self._call(at, e.request_id, now_ns, None, e.required) if e.request_id else None
+        evidence: dict[str, Any] = {"cursor": e.cursor, "buffered": e.buffered, "sent": e.sent,
+                                    "decision": e.decision}
+        if e.decision == sc.REPLAY_TRUNCATED:
+            if e.skipped:
+                self._emit("cursor_past_undelivered", call, at, subject, now_ns, {
+                    **evidence, "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
+                    "cursor_after": e.sent_last_id})
+            else:
+                self._emit("replay_truncated", call, at, subject, now_ns, {
+                    **evidence, "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
+        explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
+        if e.token.gap and not explicit:
+            self._emit("narrowed_resume", call, at, subject, now_ns, {**evidence, **_gap(e.token, e.required)})
+        if e.decision == sc.REPLAY_UNKNOWN_CURSOR and not explicit and e.sent == 0:
+            self._emit("unknown_cursor", None, at, f"cursor:{e.cursor}", now_ns, evidence)
+        if e.foreign_event_ids:
+            self._emit("cross_stream_replay", call, at, subject, now_ns, {
+                **evidence, "foreign_event_ids": list(e.foreign_event_ids)})
+
+    def operation(self, e: Operation, now_ns: int) -> None:
+        if e.role != sc.ROLE_CLIENT or e.method != "tools/call":
+            return
+        if e.tool is not None:
+            self.ledger.issued(e.origin, e.tool, e.start_ns)
+        if e.timed_out:
+            call = self.ledger.call_of_sdk_span(e.span_id)
+            if call is not None:
+                self._timed_out(call, now_ns)
+
+    def tick(self, now_ns: int) -> None:
+        """Grace periods that have run out: silent losses, calls never re-issued; idle sessions."""
+        for what, call in self.ledger.due(now_ns):
+            if what == _CLEAN_END:
+                self._check_clean_end(call, now_ns)
+            elif what == _REISSUE:
+                self._check_reissue(call, now_ns)
+        self.ledger.expire(now_ns)
+
+    # --- the ledger, updated ---
+
+    def _call(self, at: Common, request_id: str, now_ns: int, tool: str | None,
+              required: tuple[str, ...]) -> CallState:
+        call = self.ledger.call(self.ledger.session(at.scope, now_ns), request_id, now_ns)
+        call.era = at.era
+        call.tool = call.tool or tool
+        call.required = call.required or required
+        call.origin = call.origin or (at.origin if at.role == sc.ROLE_CLIENT else "")
+        call.note_span(at.trace_id, at.span_id)
+        return call
+
+    def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
+        call.deliveries[role] = call.deliveries.get(role, 0) + 1
+        self.ledger.delivered(call)
+        if call.deliveries[role] > 1:
+            self._emit("duplicate_terminal", call, e.at, call.request_id, now_ns, {
+                "deliveries": call.deliveries[role], "stream_kind": e.kind, "event_ids": _event_ids(e)})
+
+    def _owed(self, call: CallState, e: StreamEnd, now_ns: int) -> None:
+        if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
+            return  # an HTTP error is loud; a stream the client closed was its own decision
+        silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
+        self.ledger.owed(call, e.at.end_ns, e.at.role)
+        if silent and not call.terminal:
+            if call.clean_since is None:
+                call.clean_since = e.at.end_ns
+            self.ledger.schedule(now_ns + _ns(self.config.clean_end_grace_s), _CLEAN_END, call)
+        if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
+            self._broken(call, e.at.end_ns, now_ns)
+
+    def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
+        if call.broken_since is None and not call.terminal:
+            call.broken_since = at_ns
+            self.ledger.schedule(now_ns + _ns(self.config.reissue_grace_s), _REISSUE, call)
+
+    def _resume(self, e: StreamEnd, resumes: dict[tuple[str, str], deque[int]], calls: dict[str, CallState],
+                progressed: bool, now_ns: int) -> None:
+        at = e.at
+        explicit = e.error_frames > 0  # the server said why (the guard): not silent
+        if e.token.gap and not explicit:
+            for rid in e.pending_ids or e.request_ids:
+                self._emit("narrowed_resume", calls[rid], at, rid, now_ns, {
+                    "cursor": e.cursor, **_gap(e.token, e.required or calls[rid].required),
+                    "events": e.events, "end_reason": e.reason})
+        if e.cursor is None or progressed:
+            return
+        window = resumes.setdefault((at.role, e.cursor), deque(maxlen=self.config.resume_loop_count))
+        window.append(at.end_ns)
+        horizon = at.end_ns - _ns(self.config.resume_loop_window_s)
+        if len(window) >= self.config.resume_loop_count and window[0] >= horizon:
+            subjects = e.request_ids or (f"cursor:{e.cursor}",)
+            for rid in subjects:
+                self._emit("resume_loop", calls.get(rid), at, rid, now_ns, {
+                    "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
+
+    def _timed_out(self, call: CallState, now_ns: int) -> None:
+        self.ledger.given_up(call)
+        self._attribute(call, now_ns)
+
+    def _attribute(self, call: CallState, now_ns: int) -> None:
+        """A client that gave up on a call with a finding: link the give-up to its cause."""
+        if not call.timed_out or "timeout_attributed" in call.findings:
+            return
+        causes = [fid for rule, fid in call.findings.items() if rule != "timeout_attributed"]
+        if not causes:
+            return
+        finding = self._finding("timeout_attributed", call, call.era, None, call.request_id, now_ns,
+                                {"causes": causes})
+        finding.caused_by = causes[0]
+        self._record(finding, call)
+
+    def _check_clean_end(self, call: CallState, now_ns: int) -> None:
+        if call.terminal or call.clean_since is None or "clean_end_pending" in call.findings:
+            return
+        due = call.clean_since + _ns(self.config.clean_end_grace_s)
+        if now_ns < due:
+            self.ledger.schedule(due, _CLEAN_END, call)
+            return
+        self._emit("clean_end_pending", call, None, call.request_id, now_ns, {
+            "clean_end_at": call.clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
+            "required": list(call.required), "timed_out": call.timed_out})
+
+    def _check_reissue(self, call: CallState, now_ns: int) -> None:
+        if call.terminal or call.broken_since is None or call.tool is None:
+            return
+        if self.ledger.last_issued(call.origin, call.tool) > call.broken_since:
+            return
+        self._emit("not_reissued", call, None, call.request_id, now_ns, {
+            "broken_at": call.broken_since / 1e9, "grace_s": self.config.reissue_grace_s})
+
+    # --- findings ---
+
+    def _emit(self, rule: str, call: CallState | None, at: Common | None, subject: str, now_ns: int,
+              evidence: dict[str, Any]) -> None:
+        era = at.era if at is not None else (call.era if call is not None else sc.ERA_RESUMABLE)
+        if era not in RULES[rule].eras or (call is not None and rule in call.findings and at is None):
+            return
+        self._record(self._finding(rule, call, era, at, subject, now_ns, evidence), call)
+
+    def _finding(self, rule: str, call: CallState | None, era: str, at: Common | None, subject: str,
+                 now_ns: int, evidence: dict[str, Any]) -> Finding:
+        scope = at.scope if at is not None else (call.scope if call is not None else "")
+        session_id = scope if not scope.startswith("trace:") else None
+        spec = RULES[rule]
+        trace_ids = [t for t in (at.trace_id if at else None, call.trace_id if call else None) if t]
+        span_ids = ([at.span_id] if at else []) + (call.span_ids if call else [])
+        roles = [at.role] if at is not None else sorted(call.roles) if call is not None else []
+        return Finding(
+            id=finding_id(rule, scope, subject), rule=rule, severity=spec.severity, era=era,
+            tool=call.tool if call is not None else None, session_id=session_id,
+            request_id=call.request_id if call is not None else None, detected_ns=now_ns, summary=spec.summary,
+            roles=roles, evidence=evidence, trace_ids=_unique(trace_ids),
+            span_ids=_unique(span_ids))
+
+    def _record(self, finding: Finding, call: CallState | None) -> None:
+        if call is not None:
+            call.findings.setdefault(finding.rule, finding.id)
+        self._emit_to(finding, call)
+        if call is not None and finding.rule != "timeout_attributed":
+            self._attribute(call, finding.detected_ns)
+
+
+def _gap(token: Token, required: Iterable[str]) -> dict[str, Any]:
+    return {"audience_held": list(token.audience), "required": list(required),
+            "missing_resources": list(token.missing_resources), "missing_scopes": list(token.missing_scopes),
+            "token_fingerprint": token.fingerprint}
+
+
+def _event_ids(e: StreamEnd) -> dict[str, str | None]:
+    return {"first": e.first_event_id, "last": e.last_event_id, "cursor": e.cursor}
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
