@@ -1,0 +1,186 @@
+"""Each rule fires on its scenario and stays silent on the healthy twin (spans as the hooks emit them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, Span
+
+C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def run(spans: Sequence[Span], *, after_s: float = 0.0) -> Detector:
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5, resume_loop_count=3,
+                                                        resume_loop_window_s=10)), clock=clock)
+    for span in spans:
+        detector.consume([span])
+        clock.now += S // 10
+    clock.now += int(after_s * S)
+    detector.tick()
+    return detector
+
+
+def rules(detector: Detector) -> list[str]:
+    return sorted(f.rule for f in detector.findings)
+
+
+def test_clean_end_pending_fires_after_the_grace_period_and_not_before():
+    spans = [stream(C, "resume", "clean", pending=("3",), cursor="6")]
+    assert rules(run(spans, after_s=1)) == []
+    (finding,) = run(spans, after_s=6).findings
+    assert (finding.rule, finding.tool, finding.request_id, finding.severity) == ("clean_end_pending", "fetch", "3",
+                                                                                  "critical")
+
+
+def test_clean_end_pending_is_silent_when_the_result_arrives_on_a_later_resume():
+    spans = [stream(C, "post", "clean", pending=("3",)),  # the server closed the stream (polling)
+             stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9")]
+    assert rules(run(spans, after_s=60)) == []
+
+
+def test_a_clean_end_with_an_error_frame_is_an_explicit_answer_not_a_silent_loss():
+    spans = [stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,))]
+    assert rules(run(spans, after_s=60)) == []
+
+
+def test_client_and_server_views_of_one_loss_make_one_finding_with_both_roles():
+    spans = [stream(C, "resume", "clean", pending=("3",), cursor="6"),
+             stream(SV, "resume", "clean", pending=("3",), cursor="6")]
+    detector = run(spans, after_s=6)
+    (finding,) = detector.findings
+    assert sorted(finding.roles) == [C, SV]
+    sample = detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                                {"tool": "fetch", "rule": "clean_end_pending"})
+    assert sample == 1.0
+
+
+def test_narrowed_resume_records_the_audience_gap_and_is_silent_with_a_superset_token():
+    narrowed = run([stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])
+    (finding,) = narrowed.findings
+    assert finding.rule == "narrowed_resume"
+    assert finding.evidence["audience_held"] == [SEARCH]
+    assert finding.evidence["missing_resources"] == [FETCH]
+    assert rules(run([stream(C, "resume", "clean", pending=("3",), cursor="6")])) == []
+
+
+def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():
+    detector = run([replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)),
+                    stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])
+    assert rules(detector) == ["narrowed_resume", "replay_truncated"]
+
+
+def test_a_refused_replay_is_the_guard_working_not_a_narrowed_resume():
+    detector = run([replay(sc.REPLAY_REFUSED, missing=(FETCH,), guard=sc.GUARD_REFUSE)])
+    assert rules(detector) == []
+
+
+def test_replay_truncated_fires_on_a_truncated_replay_and_not_on_a_complete_one():
+    (finding,) = run([replay(sc.REPLAY_TRUNCATED)]).findings
+    assert (finding.rule, finding.evidence["offending_event_id"]) == ("replay_truncated", "8")
+    assert rules(run([replay(sc.REPLAY_COMPLETE, sent=4)])) == []
+
+
+def test_cursor_past_undelivered_fires_when_a_replay_skips_events_then_sends_later_ones():
+    detector = run([replay(sc.REPLAY_TRUNCATED, sent=2, skipped=2)])
+    assert rules(detector) == ["cursor_past_undelivered"]
+    assert rules(run([replay(sc.REPLAY_TRUNCATED, sent=2, skipped=0)])) == ["replay_truncated"]
+
+
+def test_resume_loop_fires_on_repeated_resumes_without_progress_within_the_window():
+    loop = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 1.2, 1.4)]
+    assert "resume_loop" in rules(run(loop))
+    progressing = [stream(C, "resume", "clean", pending=("3",), cursor=c, last=n, events=1, at=t)
+                   for t, c, n in ((1.0, "6", "8"), (1.2, "8", "10"), (1.4, "10", "12"))]
+    assert "resume_loop" not in rules(run(progressing))
+    spread = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 20.0, 40.0)]
+    assert "resume_loop" not in rules(run(spread))
+
+
+def test_session_expired_in_flight_fires_on_a_404_while_a_call_is_owed():
+    owed = stream(C, "post", "dropped", pending=("3",))
+    expired = stream(C, "resume", "http_error", ids=("3",), cursor="6", status=404)
+    assert rules(run([owed, expired])) == ["session_expired_in_flight"]
+    delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9")
+    assert rules(run([owed, delivered, expired])) == []
+
+
+def test_unknown_cursor_fires_on_an_empty_answer_and_not_on_the_guards_explicit_error():
+    assert rules(run([replay(sc.REPLAY_UNKNOWN_CURSOR, request_id=None, buffered=0)])) == ["unknown_cursor"]
+    assert rules(run([replay(sc.REPLAY_UNKNOWN_CURSOR, request_id=None, buffered=0,
+                             guard=sc.GUARD_UNKNOWN_CURSOR)])) == []
+
+
+def test_cross_stream_replay_fires_on_foreign_events():
+    assert "cross_stream_replay" in rules(run([replay(sc.REPLAY_COMPLETE, sent=4, foreign=("7", "9"))]))
+    assert rules(run([replay(sc.REPLAY_COMPLETE, sent=4)])) == []
+
+
+def test_foreign_result_fires_when_a_stream_delivers_another_calls_id():
+    (finding,) = run([stream(C, "resume", "clean", cursor="6", terminal=("2",), last="12")]).findings
+    assert (finding.rule, finding.request_id, finding.evidence["wire_ids"]) == ("foreign_result", "3", ["2"])
+    assert rules(run([stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12")])) == []
+
+
+def test_duplicate_terminal_fires_when_one_side_sees_the_terminal_twice():
+    twice = [stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12"),
+             stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12")]
+    assert rules(run(twice)) == ["duplicate_terminal"]
+    both_sides = [stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12"),
+                  stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="12")]
+    assert rules(run(both_sides)) == []
+
+
+def test_timeout_attributed_links_a_client_timeout_to_the_finding_that_caused_it():
+    lost = [stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,)),
+            call(C, sc.OUTCOME_CANCELLED, at=3.0)]
+    detector = run(lost, after_s=6)
+    by_rule = {f.rule: f for f in detector.findings}
+    assert by_rule["timeout_attributed"].caused_by == by_rule["narrowed_resume"].id
+    assert rules(run([call(C, sc.OUTCOME_CANCELLED)])) == []  # a timeout with no finding: a slow tool
+
+
+def test_timeout_attributed_also_from_the_sdks_own_span_timing_out():
+    sdk_id = "00000000000000aa"
+    spans = [stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,)),
+             call(C, sc.OUTCOME_RESULT, parent=sdk_id, request_id="3"),
+             sdk_call(C, "fetch", timed_out=True, span_id=sdk_id)]
+    assert "timeout_attributed" in rules(run(spans))
+
+
+def test_not_reissued_fires_when_a_broken_stateless_call_is_not_sent_again():
+    broken = stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS)
+    (finding,) = run([broken], after_s=6).findings
+    assert (finding.rule, finding.era, finding.session_id) == ("not_reissued", sc.ERA_STATELESS, None)
+    reissued = sdk_call(C, "fetch", at=2.0, request_id="4")
+    assert rules(run([broken, reissued], after_s=6)) == []
+
+
+def test_a_healthy_call_leaves_nothing_in_the_ledger():
+    detector = run([sdk_call(C, "fetch"), sdk_call(SV, "fetch")], after_s=120)
+    assert rules(detector) == []
+    assert detector.ledger.calls == 0
+    assert detector.registry.get_sample_value("mcp_stream_calls_total",
+                                              {"role": C, "tool": "fetch", "outcome": "result"}) == 1.0
+
+
+def test_a_span_that_breaks_the_model_is_refused_and_the_rest_of_its_batch_is_kept():
+    good = stream(C, "resume", "clean", pending=("3",), cursor="6")
+    bad = Span(**{**{f: getattr(good, f) for f in good.__slots__}, "attributes": {
+        **good.attributes, sc.PENDING_REQUEST_IDS: {"not": "a list"}}})  # type: ignore[arg-type]
+    detector = Detector()
+    outcome = detector.consume([bad, good])
+    assert outcome.accepted == 1
+    assert outcome.rejected == {f"{sc.PENDING_REQUEST_IDS} must be a list of strings": 1}
+    assert detector.ledger.calls == 1
