@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mcp_stream_exporter import lab
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, Finding, RuleConfig
+from mcp_stream_exporter.detector.embedded import DetectorSpanProcessor
 from mcp_stream_exporter.lab import Incident
 
 _EXPORTER: InMemorySpanExporter | None = None
+_DETECTORS: list[SpanProcessor] = []  # the current test's detectors, fed from the global provider
 TOKENS_USED: list[str] = []  # every bearer a scenario minted; conftest checks none leaked
 
 
@@ -26,8 +30,49 @@ def span_exporter() -> InMemorySpanExporter:
         _EXPORTER = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        provider.add_span_processor(_Forward())
         trace.set_tracer_provider(provider)
     return _EXPORTER
+
+
+class _Forward(SpanProcessor):
+    def on_end(self, span: ReadableSpan) -> None:
+        for processor in list(_DETECTORS):
+            processor.on_end(span)
+
+
+class Clock:
+    """Real time plus an offset a test moves forward: grace periods pass without sleeping."""
+
+    def __init__(self) -> None:
+        self.offset_ns = 0
+
+    def __call__(self) -> int:
+        return time.time_ns() + self.offset_ns
+
+    def advance(self, seconds: float) -> None:
+        self.offset_ns += int(seconds * 1e9)
+
+
+@contextlib.contextmanager
+def detector(grace_s: float = 5.0, processor: SpanProcessor | None = None) -> Iterator[tuple[Detector, Clock]]:
+    """A fresh detector fed every span of the scenarios run inside (or ``processor``, e.g. an OTLP exporter)."""
+    span_exporter()
+    clock = Clock()
+    found = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=grace_s, reissue_grace_s=grace_s)),
+                     clock=clock)
+    feed = processor or DetectorSpanProcessor(found)
+    _DETECTORS.append(feed)
+    try:
+        yield found, clock
+    finally:
+        _DETECTORS.remove(feed)
+
+
+def after_grace(found: Detector, clock: Clock, grace_s: float = 5.0) -> list[Finding]:
+    clock.advance(grace_s + 1)
+    found.tick()
+    return list(found.findings)
 
 
 def ours(spans: Sequence[ReadableSpan], kind: str, role: str | None = None, **attrs: Any) -> list[ReadableSpan]:

@@ -107,7 +107,9 @@ class ServerInstrumentation:
         self.tracker = Tracker(self._tracer, sc.ROLE_SERVER, max_calls=max_calls)
         self._requirements: OrderedDict[CallKey, Requirement] = OrderedDict()
         self._stored: OrderedDict[tuple[str | None, str], deque[_Stored]] = OrderedDict()
-        self._stream_of_event: OrderedDict[tuple[str | None, str], str] = OrderedDict()
+        # (session, event id) -> (stream id, store order): whose event it is, and what came before it
+        self._stream_of_event: OrderedDict[tuple[str | None, str], tuple[str, int]] = OrderedDict()
+        self._store_order = 0
         self._max_calls = max_calls
         self._max_events_per_stream = max_events_per_stream
         self._max_streams = max_streams
@@ -314,13 +316,29 @@ class ServerInstrumentation:
             while len(self._stored) > self._max_streams:
                 self._stored.popitem(last=False)
         events.append(_Stored(event_id, kind, request_id))
-        self._stream_of_event[(session_id, event_id)] = stream_id
+        self._store_order += 1
+        self._stream_of_event[(session_id, event_id)] = (stream_id, self._store_order)
         while len(self._stream_of_event) > self._max_streams * 10:
             self._stream_of_event.popitem(last=False)
         if request_id is not None and stream_id != GET_STREAM_KEY:
             call = self.tracker.call((session_id, stream_id))
             if call is not None:
                 call.record.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+
+    def stream_of(self, session_id: str | None, event_id: str) -> str | None:
+        known = self._stream_of_event.get((session_id, event_id))
+        return known[0] if known is not None else None
+
+    def skipped(self, session_id: str | None, buffered: Sequence[str], sent: Sequence[str]) -> int:
+        """Buffered events not sent that were stored before the last event sent: a client that takes
+        that event's id as its cursor has moved past them."""
+        def order(event_id: str) -> int:
+            known = self._stream_of_event.get((session_id, event_id))
+            return known[1] if known is not None else 0
+
+        last = max((order(e) for e in sent), default=0)
+        delivered = set(sent)
+        return sum(1 for e in buffered if e not in delivered and order(e) < last)
 
     def _buffered_after(self, session_id: str | None, stream_id: str, cursor: str) -> list[str]:
         events = list(self._stored.get((session_id, stream_id), ()))
@@ -346,7 +364,7 @@ class _ObservedEventStore(EventStore):
         instr = self._instr
         rs = request_scope.current() or request_scope.RequestScope()
         session_id = rs.session_id
-        stream_id = instr._stream_of_event.get((session_id, last_event_id))
+        stream_id = instr.stream_of(session_id, last_event_id)
         buffered = instr._buffered_after(session_id, stream_id, last_event_id) if stream_id else []
         call = instr.tracker.call((session_id, stream_id)) if stream_id else None
         sent: list[str] = []
@@ -359,7 +377,7 @@ class _ObservedEventStore(EventStore):
                 refusals += 1  # a frame without an id cannot be a replayed event: a refusal
             else:
                 sent.append(event.event_id)
-                if instr._stream_of_event.get((session_id, event.event_id)) != stream_id:
+                if instr.stream_of(session_id, event.event_id) != stream_id:
                     foreign.append(event.event_id)
             await send_callback(event)
 
@@ -393,7 +411,7 @@ class _ObservedEventStore(EventStore):
                 out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
             if unsent:
                 out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
-                skipped = _skipped(buffered, sent)
+                skipped = instr.skipped(session_id, buffered, sent)
                 if skipped:
                     out[sc.REPLAY_SKIPPED] = skipped
             if foreign:
@@ -410,13 +428,6 @@ class _ObservedEventStore(EventStore):
                     out[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
             span.set_attributes(out)
         return result
-
-
-def _skipped(buffered: Sequence[str], sent: Sequence[str]) -> int:
-    """Buffered events left out before the last one sent: the client's cursor moves past them."""
-    delivered = set(sent)
-    last = max((i for i, event_id in enumerate(buffered) if event_id in delivered), default=0)
-    return sum(1 for event_id in buffered[:last] if event_id not in delivered)
 
 
 def instrument_server(

@@ -45,10 +45,17 @@ class _Entry:
 
 class IncidentEventStore(EventStore):
     """The incident's replay store: sequential event ids, per-stream buffers, a per-event audience check
-    that ends the replay silently at the first event the resuming token may not see."""
+    that ends the replay silently at the first event the resuming token may not see.
 
-    def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000) -> None:
+    ``session_wide_filter=True`` is the other naive store in the wild (the mercure bug in
+    failure-modes.md): it replays every event stored after the cursor, on any stream, and skips the
+    ones the token may not see, so the cursor moves past them and another call's result can arrive
+    on this stream."""
+
+    def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000,
+                 session_wide_filter: bool = False) -> None:
         self._policy = policy
+        self._session_wide_filter = session_wide_filter
         self._ids = itertools.count(1)
         self._streams: dict[StreamId, deque[_Entry]] = {}
         self._index: dict[EventId, _Entry] = {}
@@ -80,6 +87,9 @@ class IncidentEventStore(EventStore):
         claims = (token.claims or {}) if token is not None else {}
         aud = claims.get("aud", [])
         audience = canonical_resources([aud] if isinstance(aud, str) else aud)
+        if self._session_wide_filter:
+            await self._replay_filtered(last_event_id, audience, send_callback)
+            return cursor.stream_id
         requirement = self._policy.requirement(self._tool_of.get(cursor.stream_id))
         after = False
         for entry in self._streams.get(cursor.stream_id, ()):
@@ -94,6 +104,17 @@ class IncidentEventStore(EventStore):
         if requirement is not None and not requirement.resources <= audience:
             return None
         return cursor.stream_id
+
+
+    async def _replay_filtered(self, last_event_id: EventId, audience: frozenset[str],
+                               send_callback: EventCallback) -> None:
+        later = sorted((e for e in self._index.values() if int(e.event_id) > int(last_event_id)),
+                       key=lambda e: int(e.event_id))
+        for entry in later:
+            requirement = self._policy.requirement(self._tool_of.get(entry.stream_id))
+            if entry.message is None or (requirement is not None and not requirement.resources <= audience):
+                continue
+            await send_callback(EventMessage(entry.message, entry.event_id))
 
 
 def build_incident_server(issuer: TokenIssuer | None = None, *, step_delay: float = 0.05,

@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import ClientMessageMetadata
@@ -62,10 +63,18 @@ class Incident:
     broad: str  # aud: the aggregate resource and both tools
     narrow: str  # aud: search only, as a least-privilege refresh mints it
     store: EventStore | None = None  # the server's replay store
+    server: MCPServer | None = None
     progress: list[str] = field(default_factory=list)
 
     def refresh_narrows(self) -> None:
         self.auth.token = self.narrow
+
+    async def expire_sessions(self) -> None:
+        """End every session on the server, as an idle timeout or a restart would: the next request
+        with the old session id gets 404."""
+        assert self.server is not None
+        for transport in list(self.server.session_manager._server_instances.values()):  # lab only: no public API
+            await transport.terminate()
 
     def widen(self) -> None:
         """Re-authorise with a superset audience (the broad token again)."""
@@ -103,10 +112,13 @@ class Incident:
 
 @contextlib.asynccontextmanager
 async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforce: bool = False,
+                   session_wide_filter: bool = False,
                    retry_interval: int = 200, step_delay: float = 0.05,
                    tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
     """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
-    ``guarded`` serves with the replay guard instead of the incident's naive replay store."""
+    ``guarded`` serves with the replay guard instead of the incident's naive replay store;
+    ``session_wide_filter`` makes the naive store skip what the token may not see and replay the rest
+    of the session (``IncidentEventStore``)."""
     issuer = TokenIssuer()
     policy = incident_policy()
     store: EventStore
@@ -114,7 +126,7 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforc
         store = GuardedEventStore(policy)
         server = build_incident_server(issuer, step_delay=step_delay)
     else:
-        store = naive = IncidentEventStore(policy)
+        store = naive = IncidentEventStore(policy, session_wide_filter=session_wide_filter)
         server = build_incident_server(issuer, store=naive, step_delay=step_delay)
     app = instrument_server(server, policy=policy, enforce=enforce, event_store=store,
                             retry_interval=retry_interval, tracer_provider=tracer_provider)
@@ -129,6 +141,6 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforc
         try:
             async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
                                     **options) as client:
-                yield Incident(client, proxy, auth, issuer, broad, narrow, store=store)
+                yield Incident(client, proxy, auth, issuer, broad, narrow, store=store, server=server)
         finally:
             await proxy.stop()

@@ -1,0 +1,135 @@
+"""The detector fed by the real hooks over the real SDK: the incident, its guarded twin, and the
+failure modes the lab's servers can produce for real."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mcp.shared.exceptions import MCPError
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector
+from mcp_stream_exporter.detector.embedded import span_of
+from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
+
+from harness import Clock, after_grace, detector, incident, spans
+
+pytestmark = pytest.mark.anyio
+
+
+async def _incident(lab, fetch_timeout=2.5):
+    lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows)  # the drop, then the narrowing refresh
+    return await asyncio.gather(lab.call("search", {"query": "q", "steps": 4}),
+                                lab.call("fetch", {"url": "u", "steps": 4}, timeout=fetch_timeout),
+                                return_exceptions=True)
+
+
+def _by_rule(findings):
+    out = {}
+    for f in findings:
+        out.setdefault(f.rule, []).append(f)
+    return out
+
+
+async def test_the_incident_gives_one_narrowed_resume_and_one_clean_end_pending_for_fetch_with_the_gap():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            await _incident(lab)
+        findings = _by_rule(after_grace(found, clock))
+    (narrowed,) = findings["narrowed_resume"]
+    (lost,) = findings["clean_end_pending"]
+    assert narrowed.tool == lost.tool == "fetch"
+    assert narrowed.request_id == lost.request_id
+    assert narrowed.evidence["missing_resources"] == [FETCH_RESOURCE]
+    assert narrowed.evidence["audience_held"] == [SEARCH_RESOURCE]
+    assert sorted(narrowed.roles) == sorted(lost.roles) == [sc.ROLE_CLIENT, sc.ROLE_SERVER]
+    assert lost.trace_ids and lost.session_id
+    (truncated,) = findings["replay_truncated"]
+    assert truncated.evidence["offending_event_id"]
+    (attributed,) = findings["timeout_attributed"]
+    assert attributed.caused_by in {narrowed.id, lost.id, truncated.id, findings["resume_loop"][0].id}
+    assert set(findings) == {"narrowed_resume", "clean_end_pending", "replay_truncated", "resume_loop",
+                             "timeout_attributed"}
+    assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                           {"tool": "fetch", "rule": "clean_end_pending"}) == 1.0
+
+
+async def test_the_guarded_incident_with_reauthorisation_produces_no_finding():
+    with detector() as (found, clock):
+        async with incident("legacy", guarded=True) as lab:
+            _, fetch = await _incident(lab, fetch_timeout=20)
+            assert isinstance(fetch, MCPError)
+            recovered = await lab.recover(fetch, "fetch", {"url": "u", "steps": 4})
+        assert recovered.content[0].text == "contents of u"
+        assert after_grace(found, clock) == []
+    assert found.registry.get_sample_value("mcp_stream_resumes_total", {"role": "client", "outcome": "refused"}) == 1
+
+
+async def test_client_spans_only_server_spans_only_or_both_each_see_the_loss_once():
+    async with incident("legacy") as lab:
+        await _incident(lab)
+    recorded = [span_of(s) for s in spans()]
+    client_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_SERVER and s.kind != "server"]
+    server_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_CLIENT and s.kind != "client"]
+    clock = Clock()
+    for subset in (client_side, server_side, recorded):
+        alone = Detector(clock=clock)
+        alone.consume(subset)
+        clock.advance(60)
+        alone.tick()
+        rules = sorted(f.rule for f in alone.findings)
+        assert rules.count("clean_end_pending") == 1
+        assert rules.count("narrowed_resume") == 1
+
+
+async def test_a_session_wide_filtering_replay_is_a_foreign_result_a_skipped_cursor_and_a_cross_stream_replay():
+    with detector() as (found, clock):
+        async with incident("legacy", session_wide_filter=True) as lab:
+            _, fetch = await _incident(lab)
+        findings = _by_rule(after_grace(found, clock))
+    assert "search results" in fetch.content[0].text  # the SDK gave fetch's caller search's result
+    (foreign,) = findings["foreign_result"]
+    assert foreign.tool == "fetch"
+    assert foreign.evidence["wire_ids"] != [foreign.request_id]
+    assert "cursor_past_undelivered" in findings
+    assert "cross_stream_replay" in findings
+
+
+async def test_a_resume_to_an_unknown_cursor_answered_with_an_empty_stream_is_flagged():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u"}, timeout=1.0, resume_from="999999")
+        findings = _by_rule(after_grace(found, clock))
+    assert "unknown_cursor" in findings
+
+
+async def test_a_session_that_expires_while_a_call_is_owed_is_flagged():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            expiry = []
+            lab.proxy.arm(b"fetch step 1", on_cut=lambda: expiry.append(asyncio.ensure_future(lab.expire_sessions())))
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4}, timeout=3)
+        findings = _by_rule(after_grace(found, clock))
+    (expired,) = findings["session_expired_in_flight"]
+    assert expired.tool == "fetch"
+
+
+async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_reissues_it():
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+        (finding,) = after_grace(found, clock)
+    assert (finding.rule, finding.tool, finding.era) == ("not_reissued", "fetch", sc.ERA_STATELESS)
+
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+            await lab.call("fetch", {"url": "u", "steps": 1})  # re-issued, as the 2026-07-28 spec requires
+        assert after_grace(found, clock) == []
