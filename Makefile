@@ -4,7 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean system-deps
+
+# promtool (and, for the end-to-end alert tests, prometheus) come from Debian's package when missing
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +25,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check exporter tests bench
 	$(PY) -m mypy
 
-test: lint
+test: lint system-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -9,12 +9,18 @@ from mcp_stream_exporter import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the service parses its own flags (they mirror its config file and env)
+        from mcp_stream_exporter.detector import service
+
+        return service.main(argv[1:])
     parser = argparse.ArgumentParser(prog="mcp-stream-exporter",
                                      description="Catch MCP tool results lost on resumable SSE streams.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay the incident on 127.0.0.1 and show what the hooks saw")
     demo.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    commands.add_parser("serve", help="run the detector service (OTLP in, /metrics and /api out); serve --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from mcp_stream_exporter import demo as demo_module

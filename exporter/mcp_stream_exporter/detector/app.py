@@ -59,7 +59,10 @@ def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
 
 def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None) -> FastAPI:
     access = access or Access()
-    app = FastAPI(title="mcp-stream-exporter detector", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own telemetry off: the detector tracing its own requests would feed itself (embedded
+    # mode) or export spans about its ingest back into its ingest, a loop that never drains.
+    app = FastAPI(title="mcp-stream-exporter detector", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     metrics = detector.metrics
 
     def refuse(status: int, reason: str, metric_reason: str, headers: dict[str, str] | None = None) -> Response:

@@ -1,0 +1,161 @@
+"""``mcp-stream-exporter serve``: the standalone detector, configured by flags, environment and a file.
+
+Precedence: a flag beats ``MCP_STREAM_<NAME>`` in the environment, which beats the TOML file
+(``--config``), which beats the defaults. Logs are JSON lines on stderr. SIGTERM stops taking
+traffic, lets in-flight requests finish, applies every batch already accepted, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from mcp_stream_exporter.auth import ToolPolicy
+from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
+from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
+from mcp_stream_exporter.detector.ledger import LedgerLimits
+from mcp_stream_exporter.detector.rules import RuleConfig
+
+ENV_PREFIX = "MCP_STREAM_"
+log = logging.getLogger("mcp_stream_exporter.detector")
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 9464  # HTTP: OTLP/HTTP /v1/traces, /metrics, /api
+    grpc_port: int = 4317  # OTLP/gRPC; 0 picks a free port, -1 disables it
+    policy: str | None = None  # a ToolPolicy file: its tools are the tool label values
+    ingest_token: str | None = None
+    api_token: str | None = None
+    metrics_user: str | None = None
+    metrics_password: str | None = None
+    tls_cert: str | None = None  # PEM files; both set: HTTPS and gRPC over TLS
+    tls_key: str | None = None
+    clean_end_grace_s: float = 30.0
+    reissue_grace_s: float = 30.0
+    resume_loop_count: int = 5
+    resume_loop_window_s: float = 60.0
+    max_sessions: int = 20_000
+    max_calls_per_session: int = 1_000
+    session_ttl_s: float = 3600.0
+    max_findings: int = 10_000
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_decompressed_bytes: int = 16 * 1024 * 1024
+    max_spans_per_request: int = 10_000
+    max_queued_spans: int = 200_000
+    log_level: str = "info"
+
+    def detector_config(self) -> DetectorConfig:
+        tools = tuple(ToolPolicy.from_file(self.policy).tools) if self.policy else ()
+        return DetectorConfig(
+            rules=RuleConfig(self.clean_end_grace_s, self.reissue_grace_s, self.resume_loop_count,
+                             self.resume_loop_window_s),
+            ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s),
+            max_findings=self.max_findings, tools=tools)
+
+    def ingest_limits(self) -> IngestLimits:
+        return IngestLimits(self.max_body_bytes, self.max_decompressed_bytes, self.max_spans_per_request,
+                            self.max_queued_spans)
+
+    def access(self) -> Access:
+        basic = (self.metrics_user, self.metrics_password) if self.metrics_user and self.metrics_password else None
+        return Access(self.ingest_token, self.api_token, basic)
+
+
+def _coerce(name: str, raw: Any, kind: type) -> Any:
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise SystemExit(f"configuration: {name} must be {kind.__name__}, got {raw!r}") from None
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="mcp-stream-exporter serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a TOML file with any of the settings below")
+    kinds = {"int": int, "float": float}
+    types = {f.name: kinds.get(str(f.type), str) for f in fields(ServiceConfig)}
+    for f in fields(ServiceConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                            help=f"env {ENV_PREFIX}{f.name.upper()} (default {f.default!r})")
+    args = parser.parse_args(argv)
+    config = ServiceConfig()
+    layers: list[Mapping[str, Any]] = []
+    path = args.config or environ.get(f"{ENV_PREFIX}CONFIG")
+    if path:
+        with Path(path).open("rb") as fh:
+            data = tomllib.load(fh)
+        unknown = set(data) - set(types)
+        if unknown:
+            raise SystemExit(f"configuration: unknown settings in {path}: {sorted(unknown)}")
+        layers.append(data)
+    layers.append({n: environ[f"{ENV_PREFIX}{n.upper()}"] for n in types if f"{ENV_PREFIX}{n.upper()}" in environ})
+    layers.append({n: v for n, v in vars(args).items() if n in types and v is not None})
+    for layer in layers:
+        for name, raw in layer.items():
+            setattr(config, name, _coerce(name, raw, types[name]) if raw is not None else None)
+    return config
+
+
+class _JsonLogs(logging.Formatter):
+    _STANDARD = frozenset(vars(logging.makeLogRecord({})))
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname.lower(),
+                                 "logger": record.name, "message": record.getMessage()}
+        entry.update({k: v for k, v in vars(record).items() if k not in self._STANDARD and k != "message"})
+        return json.dumps(entry, default=str)
+
+
+def _configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLogs())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def run(config: ServiceConfig) -> int:
+    _configure_logging(config.log_level)
+    detector = Detector(config.detector_config())
+    queue = IngestQueue(detector, config.ingest_limits())
+    tls: tuple[bytes, bytes] | None = None
+    if config.tls_cert and config.tls_key:
+        tls = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
+    grpc_server = None
+    if config.grpc_port >= 0:
+        grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls)
+        log.info("otlp grpc listening", extra={"host": config.host, "port": grpc_port})
+    app = create_app(detector, queue, config.access())
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                                           access_log=False, ssl_certfile=config.tls_cert,
+                                           ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
+    log.info("detector starting", extra={"host": config.host, "port": config.port,
+                                         "tools": list(detector.config.tools)})
+    # uvicorn handles SIGTERM/SIGINT (stops listening, finishes in-flight requests), then re-raises the
+    # signal to the handler it found: make that one a no-op so the drain below still runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server.run()
+    if grpc_server is not None:
+        grpc_server.stop(grace=5).wait()
+    queue.close()  # drain what was accepted before exiting
+    log.info("detector stopped", extra={"findings": len(detector.findings)})
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    return run(load_config(argv))

@@ -1,0 +1,228 @@
+"""The detector service over real loopback: OTLP/HTTP from the real OpenTelemetry exporter, OTLP/gRPC,
+the limits and their answers, the findings API, /metrics, and the `serve` command itself."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
+from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
+from mcp_stream_exporter.lab import serve
+
+from harness import Clock, detector, incident
+
+pytestmark = pytest.mark.anyio
+TOKEN = "ingest-token-for-tests"
+
+
+def _request(*attrs: tuple[str, object]) -> trace_service_pb2.ExportTraceServiceRequest:
+    """One span of the model (a resume stream ending clean with a call pending), plus ``attrs``."""
+    doc = {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "t"}}]},
+                              "scopeSpans": [{"spans": [_span(dict(attrs))]}]}]}
+    return json_format.ParseDict(_b64(doc), trace_service_pb2.ExportTraceServiceRequest())
+
+
+def _span(extra: dict[str, object]) -> dict:
+    values = {sc.SPAN: "stream", sc.ROLE: "client", sc.STREAM_KIND: "resume", sc.END_REASON: "clean",
+              sc.MCP_SESSION_ID: "s1", sc.RESUME_CURSOR: "6", **extra}
+    attrs = []
+    for k, v in values.items():
+        attrs.append({"key": k, "value": {"arrayValue": {"values": [{"stringValue": x} for x in v]}}
+                      if isinstance(v, list) else {"stringValue": v}})
+    return {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "name": "MCP stream resume",
+            "kind": 3, "startTimeUnixNano": str(time.time_ns()), "endTimeUnixNano": str(time.time_ns() + 1000),
+            "attributes": attrs}
+
+
+def _b64(doc: dict) -> dict:
+    import base64
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    for key in ("traceId", "spanId"):
+        span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return doc
+
+
+class Service:
+    def __init__(self, limits: IngestLimits | None = None, access: Access | None = None) -> None:
+        self.clock = Clock()
+        self.detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=self.clock)
+        self.queue = IngestQueue(self.detector, limits or IngestLimits())
+        self.app = create_app(self.detector, self.queue, access)
+
+    def drain(self) -> None:
+        for _ in range(500):
+            if self.queue.queued == 0:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the ingest queue did not drain")
+
+
+async def test_the_incident_over_otlp_http_from_the_real_exporter_reaches_the_findings_api():
+    svc = Service()
+    async with serve(svc.app) as port:
+        exporter = BatchSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces"),
+                                      schedule_delay_millis=100)
+        with detector(processor=exporter):
+            async with incident("legacy") as lab:
+                lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows)
+                await asyncio.gather(lab.call("search", {"query": "q", "steps": 4}),
+                                     lab.call("fetch", {"url": "u", "steps": 4}, timeout=2.5),
+                                     return_exceptions=True)
+            await asyncio.to_thread(exporter.force_flush)
+        await asyncio.to_thread(svc.drain)
+        svc.clock.advance(6)
+        svc.detector.tick()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            page = (await http.get("/api/findings", params={"rule": "clean_end_pending", "tool": "fetch"})).json()
+            assert page["total"] == 1
+            one = (await http.get(f"/api/findings/{page['findings'][0]['id']}")).json()
+            assert one["rule"] == "clean_end_pending" and one["session_id"] and one["trace_ids"]
+            narrowed = (await http.get("/api/findings", params={"rule": "narrowed_resume"})).json()["findings"]
+            assert narrowed[0]["evidence"]["missing_resources"] == ["https://mcp.example.com/tools/fetch"]
+            assert (await http.get("/api/findings", params={"rule": "nonsense"})).status_code == 400
+            assert (await http.get("/api/findings/nope")).status_code == 404
+            paged = (await http.get("/api/findings", params={"limit": 2, "offset": 1})).json()
+            assert len(paged["findings"]) == 2 and paged["total"] >= 4
+            metrics = (await http.get("/metrics", headers={"Accept": "application/openmetrics-text"})).text
+    assert 'mcp_stream_silent_losses_total{rule="clean_end_pending",tool="fetch"} 1.0 # {trace_id="' in metrics
+
+
+async def test_otlp_http_takes_protobuf_json_and_gzip_and_answers_partial_success_for_broken_spans():
+    svc = Service()
+    good = _request((sc.PENDING_REQUEST_IDS, ["3"]))
+    broken = _request((sc.ROLE, "martian"))
+    async with serve(svc.app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        r = await http.post("/v1/traces", content=good.SerializeToString(),
+                            headers={"Content-Type": "application/x-protobuf"})
+        assert r.status_code == 200
+        assert not trace_service_pb2.ExportTraceServiceResponse.FromString(r.content).HasField("partial_success")
+        body = json_format.MessageToJson(broken)
+        doc = json.loads(body)
+        span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        span["traceId"], span["spanId"] = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"  # OTLP/JSON: hex
+        r = await http.post("/v1/traces", content=gzip.compress(json.dumps(doc).encode()),
+                            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert r.status_code == 200
+        assert r.json()["partialSuccess"]["rejectedSpans"] == "1"
+        assert "mcp_stream.role must be client or server" in r.json()["partialSuccess"]["errorMessage"]
+        await asyncio.to_thread(svc.drain)
+    assert svc.detector.ledger.calls == 1
+
+
+async def test_otlp_http_limits_answer_clearly_and_the_service_keeps_serving():
+    limits = IngestLimits(max_body_bytes=64 * 1024, max_decompressed_bytes=256 * 1024, max_spans_per_request=2,
+                          max_queued_spans=1)
+    svc = Service(limits, Access(ingest_token=TOKEN))
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/x-protobuf"}
+    body = _request((sc.PENDING_REQUEST_IDS, ["3"])).SerializeToString()
+    async with serve(svc.app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        assert (await http.post("/v1/traces", content=body)).status_code == 401
+        assert (await http.post("/v1/traces", content=b"\x00" * 70_000, headers=auth)).status_code == 413
+        bomb = gzip.compress(b"\x00" * 10_000_000)
+        r = await http.post("/v1/traces", content=bomb, headers={**auth, "Content-Encoding": "gzip"})
+        assert r.status_code == 413 and "decompressed" in r.json()["error"]
+        assert (await http.post("/v1/traces", content=b"\xff\xfe garbage", headers=auth)).status_code == 400
+        r = await http.post("/v1/traces", content=body, headers={**auth, "Content-Type": "text/plain"})
+        assert r.status_code == 415
+        many = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+        spans = many.resource_spans[0].scope_spans[0].spans
+        spans.extend([spans[0], spans[0]])
+        assert (await http.post("/v1/traces", content=many.SerializeToString(), headers=auth)).status_code == 413
+        with svc.detector.lock:  # the worker is stuck applying: the queue fills up
+            assert (await http.post("/v1/traces", content=body, headers=auth)).status_code == 200
+            r = await http.post("/v1/traces", content=body, headers=auth)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "2"
+        await asyncio.to_thread(svc.drain)
+        assert (await http.post("/v1/traces", content=body, headers=auth)).status_code == 200
+        assert (await http.get("/healthz")).status_code == 200
+        assert (await http.get("/readyz")).status_code == 200
+    rejected = {r: svc.detector.registry.get_sample_value("mcp_stream_detector_ingest_requests_rejected_total",
+                                                           {"reason": r})
+                for r in ("unauthorized", "too_large", "malformed", "bad_encoding", "too_many_spans", "queue_full")}
+    assert rejected == {"unauthorized": 1, "too_large": 2, "malformed": 1, "bad_encoding": 1, "too_many_spans": 1,
+                        "queue_full": 1}
+
+
+def test_otlp_grpc_takes_spans_and_refuses_without_the_token():
+    svc = Service(access=Access(ingest_token=TOKEN))
+    server, port = serve_grpc(svc.queue, "127.0.0.1", 0, TOKEN)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+            request = _request((sc.PENDING_REQUEST_IDS, ["3"]))
+            request.resource_spans[0].scope_spans[0].spans.append(_request((sc.ROLE, "martian"))
+                                                                   .resource_spans[0].scope_spans[0].spans[0])
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Export(request)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            answer = stub.Export(request, metadata=[("authorization", f"Bearer {TOKEN}")])
+            assert answer.partial_success.rejected_spans == 1
+        svc.drain()
+    finally:
+        server.stop(None)
+    assert svc.detector.ledger.calls == 1
+    assert svc.detector.registry.get_sample_value("mcp_stream_detector_spans_received_total",
+                                                  {"transport": "otlp_grpc"}) == 2
+
+
+async def test_metrics_pass_promtool_and_can_require_basic_auth():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is installed by `make test` (Debian package prometheus)"
+    svc = Service(access=Access(metrics_basic_auth=("prom", "secret")))
+    svc.detector.consume([])
+    async with serve(svc.app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        assert (await http.get("/metrics")).status_code == 401
+        text = (await http.get("/metrics", auth=("prom", "secret"))).text
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
+    config = tmp_path / "detector.toml"
+    port = _free_port()
+    config.write_text(f'port = {port}\ngrpc_port = -1\nclean_end_grace_s = 2.5\n')
+    env = {**os.environ, "MCP_STREAM_API_TOKEN": "api-secret"}
+    proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--config", str(config),
+                             "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert httpx.get(f"http://127.0.0.1:{port}/api/findings").status_code == 401
+        ok = httpx.get(f"http://127.0.0.1:{port}/api/findings", headers={"Authorization": "Bearer api-secret"})
+        assert ok.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+    logs = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+    assert any(entry["message"] == "detector stopped" for entry in logs)
+    assert all("api-secret" not in json.dumps(entry) for entry in logs)
