@@ -59,7 +59,7 @@ class Detector:
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
         self.registry.register(LedgerCollector(self.ledger, lambda: len(self.findings)))
-        self.rules = RuleEngine(self.ledger, self.config.rules, self._found)
+        self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
         self._on_finding = on_finding
 
     def read(self, spans: Iterable[Span], transport: str) -> tuple[list[Lifecycle], Outcome]:

@@ -119,17 +119,16 @@ def _rewrite(obj: Any) -> None:
 
 def _value(v: AnyValue) -> Any:
     which = v.WhichOneof("value")
-    if which == "string_value":
+    if which == "string_value":  # nearly every attribute of the span model
         return v.string_value
-    if which == "int_value":
-        return v.int_value
-    if which == "bool_value":
-        return v.bool_value
-    if which == "double_value":
-        return v.double_value
     if which == "array_value":
         return tuple(_value(x) for x in v.array_value.values[:_MAX_ARRAY])
+    if which in _SCALARS:
+        return getattr(v, which)
     return None  # kvlist and bytes: not in the span model
+
+
+_SCALARS = frozenset({"int_value", "bool_value", "double_value"})
 
 
 def _attributes(kvs: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-_MAX_SPAN_REFS = 8
+_MAX_SPAN_REFS = 4
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -33,18 +33,35 @@ class CallState:
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
     terminal: bool = False
     timed_out: bool = False  # the client gave up on it (timeout or cancel)
-    roles: set[str] = field(default_factory=set)  # sides that saw a stream end with it owed
-    deliveries: dict[str, int] = field(default_factory=dict)  # role -> terminal deliveries seen
+    roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
+    client_deliveries: int = 0  # terminal deliveries seen, per side
+    server_deliveries: int = 0
     trace_id: str | None = None
-    span_ids: list[str] = field(default_factory=list)  # stream and call spans that carried it
+    span_ids: tuple[str, ...] = ()  # the first stream and call spans that carried it
     origin: str = ""
-    findings: dict[str, str] = field(default_factory=dict)  # rule -> finding id
+    findings: dict[str, str] | None = None  # rule -> finding id; most calls never get one
 
     def note_span(self, trace_id: str, span_id: str) -> None:
         if self.trace_id is None:
             self.trace_id = trace_id
         if len(self.span_ids) < _MAX_SPAN_REFS and span_id not in self.span_ids:
-            self.span_ids.append(span_id)
+            self.span_ids += (span_id,)
+
+    def finding(self, rule: str) -> str | None:
+        return self.findings.get(rule) if self.findings is not None else None
+
+    def add_finding(self, rule: str, finding_id: str) -> None:
+        if self.findings is None:
+            self.findings = {}
+        self.findings.setdefault(rule, finding_id)
+
+    def delivered_to(self, role: str) -> int:
+        """Count one more terminal delivery seen by ``role``; returns that side's count."""
+        if role == "client":
+            self.client_deliveries += 1
+            return self.client_deliveries
+        self.server_deliveries += 1
+        return self.server_deliveries
 
     @property
     def in_flight(self) -> bool:
@@ -55,8 +72,8 @@ class CallState:
 class SessionState:
     scope: str
     last_ns: int
-    calls: OrderedDict[str, CallState] = field(default_factory=OrderedDict)
-    resumes: dict[tuple[str, str], deque[int]] = field(default_factory=dict)  # (role, cursor) -> times
+    calls: dict[str, CallState] = field(default_factory=dict)  # insertion order: oldest first
+    resumes: dict[tuple[str, str], deque[int]] | None = None  # (role, cursor) -> times, once there is one
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +115,7 @@ class Ledger:
             call = session.calls[request_id] = CallState(session.scope, request_id, now_ns)
             self._calls += 1
             if len(session.calls) > self.limits.max_calls_per_session:
-                self._forget(session.calls.popitem(last=False)[1])
+                self._forget(session.calls.pop(next(iter(session.calls))))
                 self.evictions["capacity"] += 1
         return call
 
@@ -108,7 +125,8 @@ class Ledger:
 
     def owed(self, call: CallState, since_ns: int, role: str) -> None:
         """A stream ended with the call pending: it is in flight until delivered or given up."""
-        call.roles.add(role)
+        if role not in call.roles:
+            call.roles += (role,)
         if call.owed_since is None:
             was = call.in_flight
             call.owed_since = since_ns

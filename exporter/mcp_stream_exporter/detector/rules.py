@@ -75,10 +75,12 @@ _REISSUE = "reissue"
 
 
 class RuleEngine:
-    def __init__(self, ledger: Ledger, config: RuleConfig, emit: Callable[[Finding, CallState | None], None]) -> None:
+    def __init__(self, ledger: Ledger, config: RuleConfig, emit: Callable[[Finding, CallState | None], None],
+                 lookup: Callable[[str], Finding | None]) -> None:
         self.ledger = ledger
         self.config = config
         self._emit_to = emit
+        self._lookup = lookup
 
     # --- events ---
 
@@ -104,6 +106,8 @@ class RuleEngine:
         for rid in e.pending_ids:
             self._owed(calls[rid], e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
+            if session.resumes is None:
+                session.resumes = {}
             self._resume(e, session.resumes, calls, progressed, now_ns)
         for call in in_flight_before:
             self._emit("session_expired_in_flight", call, at, call.request_id, now_ns, {
@@ -181,11 +185,11 @@ class RuleEngine:
         return call
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
-        call.deliveries[role] = call.deliveries.get(role, 0) + 1
+        deliveries = call.delivered_to(role)
         self.ledger.delivered(call)
-        if call.deliveries[role] > 1:
+        if deliveries > 1:
             self._emit("duplicate_terminal", call, e.at, call.request_id, now_ns, {
-                "deliveries": call.deliveries[role], "stream_kind": e.kind, "event_ids": _event_ids(e)})
+                "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
     def _owed(self, call: CallState, e: StreamEnd, now_ns: int) -> None:
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
@@ -230,7 +234,7 @@ class RuleEngine:
 
     def _attribute(self, call: CallState, now_ns: int) -> None:
         """A client that gave up on a call with a finding: link the give-up to its cause."""
-        if not call.timed_out or "timeout_attributed" in call.findings:
+        if not call.timed_out or call.findings is None or "timeout_attributed" in call.findings:
             return
         causes = [fid for rule, fid in call.findings.items() if rule != "timeout_attributed"]
         if not causes:
@@ -241,7 +245,7 @@ class RuleEngine:
         self._record(finding, call)
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.clean_since is None or "clean_end_pending" in call.findings:
+        if call.terminal or call.clean_since is None or call.finding("clean_end_pending"):
             return
         due = call.clean_since + _ns(self.config.clean_end_grace_s)
         if now_ns < due:
@@ -264,7 +268,13 @@ class RuleEngine:
     def _emit(self, rule: str, call: CallState | None, at: Common | None, subject: str, now_ns: int,
               evidence: dict[str, Any]) -> None:
         era = at.era if at is not None else (call.era if call is not None else sc.ERA_RESUMABLE)
-        if era not in RULES[rule].eras or (call is not None and rule in call.findings and at is None):
+        if era not in RULES[rule].eras:
+            return
+        known = call.finding(rule) if call is not None else None
+        if known is not None:  # seen already (a resume loop, the other side): at most a role to add
+            existing = self._lookup(known)
+            if existing is not None and at is not None and at.role not in existing.roles:
+                existing.roles.append(at.role)
             return
         self._record(self._finding(rule, call, era, at, subject, now_ns, evidence), call)
 
@@ -274,7 +284,7 @@ class RuleEngine:
         session_id = scope if not scope.startswith("trace:") else None
         spec = RULES[rule]
         trace_ids = [t for t in (at.trace_id if at else None, call.trace_id if call else None) if t]
-        span_ids = ([at.span_id] if at else []) + (call.span_ids if call else [])
+        span_ids = ([at.span_id] if at else []) + (list(call.span_ids) if call else [])
         roles = [at.role] if at is not None else sorted(call.roles) if call is not None else []
         return Finding(
             id=finding_id(rule, scope, subject), rule=rule, severity=spec.severity, era=era,
@@ -285,7 +295,7 @@ class RuleEngine:
 
     def _record(self, finding: Finding, call: CallState | None) -> None:
         if call is not None:
-            call.findings.setdefault(finding.rule, finding.id)
+            call.add_finding(finding.rule, finding.id)
         self._emit_to(finding, call)
         if call is not None and finding.rule != "timeout_attributed":
             self._attribute(call, finding.detected_ns)
