@@ -18,14 +18,17 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Catch MCP tool results lost on resumable SSE streams.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="replay the incident on 127.0.0.1 and show what the hooks saw")
-    demo.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    demo = commands.add_parser("demo", help="replay the incident on 127.0.0.1, naive and guarded, with the "
+                               "embedded detector")
+    demo.add_argument("--json", action="store_true", help="print the outcome of both runs as JSON")
+    demo.add_argument("--serve", type=int, metavar="PORT", nargs="?", const=9464, default=None,
+                      help="then keep /metrics and /api up on 127.0.0.1:PORT (default 9464) for Prometheus")
     commands.add_parser("serve", help="run the detector service (OTLP in, /metrics and /api out); serve --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from mcp_stream_exporter import demo as demo_module
 
-        return demo_module.main(as_json=args.json)
+        return demo_module.main(as_json=args.json, serve_port=args.serve)
     parser.error(f"unknown command {args.command}")
     return 2
 

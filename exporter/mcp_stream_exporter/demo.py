@@ -1,48 +1,62 @@
-"""The incident, end to end on 127.0.0.1, and what the hooks saw of it.
+"""The incident, end to end on 127.0.0.1, with the embedded detector watching.
 
-Runs the incident server (naive replay store) behind a proxy that cuts the connection mid-call, an
-SDK client in legacy mode whose token refresh narrows ``aud`` to ``search``, and the resume. Then
-reads the spans the hooks emitted and prints the lost call's timeline.
+Two runs of the incident (``../shared/incident.md``): the SDK's server behind a proxy that cuts the
+connection mid-call, an SDK client in legacy mode whose token refresh narrows ``aud`` to ``search``,
+and the resume. The naive server loses ``fetch``'s result silently and the detector says so; the
+guarded server answers with an error frame, the client re-authorises and resumes, nothing is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mcp.shared.exceptions import MCPError
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
+from mcp_stream_exporter.detector.embedded import DetectorSpanProcessor, EmbeddedDetector
 from mcp_stream_exporter.lab import incident
 
 
 @dataclass
-class IncidentOutcome:
+class RunOutcome:
+    """One run of the incident: what the caller got, and what the embedded detector found."""
+
+    server: str  # "naive" or "guarded"
     search_result: str | None
+    fetch_result: str | None
     fetch_error: str | None
     fetch_request_id: str | None
-    client_resumes_clean_pending: int
-    replay_truncated: bool
-    token_audience: list[str] = field(default_factory=list)
-    missing_resources: list[str] = field(default_factory=list)
-    offending_event_id: str | None = None
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    metric_lines: list[str] = field(default_factory=list)
     timeline: list[str] = field(default_factory=list)
 
+    def rules(self, tool: str = "fetch") -> list[str]:
+        return sorted(f["rule"] for f in self.findings if f["tool"] == tool)
+
     @property
-    def reproduced(self) -> bool:
-        """The incident as written: search delivered, fetch lost silently, the gap on record."""
-        return (self.search_result is not None and self.fetch_error is not None
-                and self.client_resumes_clean_pending > 0 and self.replay_truncated
-                and bool(self.missing_resources))
+    def as_expected(self) -> bool:
+        """Naive: fetch lost silently, one narrowed_resume and one clean_end_pending for it, with the
+        gap in evidence. Guarded: fetch delivered after the error frame, and nothing found."""
+        if self.server == "guarded":
+            return self.fetch_result is not None and not self.findings
+        rules = self.rules()
+        gap = any(f["rule"] == "narrowed_resume" and f["evidence"].get("missing_resources") for f in self.findings)
+        return (self.search_result is not None and self.fetch_result is None and self.fetch_error is not None
+                and rules.count("narrowed_resume") == 1 and rules.count("clean_end_pending") == 1 and gap)
 
 
 def _a(span: ReadableSpan, key: str) -> Any:
@@ -66,7 +80,8 @@ def _line(t0: int, span: ReadableSpan) -> str:
     events = f"events {_a(span, sc.EVENT_FIRST_ID)}..{_a(span, sc.EVENT_LAST_ID)}" if _a(span, sc.EVENT_FIRST_ID) \
         else "no events"
     pending = _a(span, sc.PENDING_REQUEST_IDS)
-    return (f"{at} {role:6} {kind:6}{cursor}  aud {list(_a(span, sc.AUTH_AUDIENCE) or ())}  {events}  "
+    aud = f"  aud {list(_a(span, sc.AUTH_AUDIENCE))}" if _a(span, sc.AUTH_AUDIENCE) else ""
+    return (f"{at} {role:6} {kind:6}{cursor}{aud}  {events}  "
             f"ended {_a(span, sc.END_REASON)}" + (f"  pending {list(pending)}" if pending else ""))
 
 
@@ -93,71 +108,138 @@ def _timeline(spans: list[ReadableSpan], request_id: str) -> list[str]:
     return lines
 
 
-async def run_incident(*, fetch_timeout: float = 2.5) -> IncidentOutcome:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    async with incident("legacy", tracer_provider=provider) as lab:
+_PAGING_METRICS = ("mcp_stream_silent_losses_total", "mcp_stream_findings_total", "mcp_stream_audience_gaps_total",
+                   "mcp_stream_resumes_total", "mcp_stream_calls_in_flight")
+
+
+def _metric_lines(detector: Detector) -> list[str]:
+    text = generate_latest(detector.registry).decode()
+    return [line for line in text.splitlines()
+            if line.startswith(_PAGING_METRICS) and not line.endswith(" 0.0")]
+
+
+def _text(result: Any) -> str | None:
+    return None if isinstance(result, BaseException) else str(result.content[0].model_dump().get("text"))
+
+
+class _Feed(DetectorSpanProcessor):
+    """The embedded detector's processor, pointed at each run's own detector, and a recorder of the
+    run's spans for the timeline."""
+
+    recorder: InMemorySpanExporter | None = None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        super().on_end(span)
+        if self.recorder is not None:
+            self.recorder.export([span])
+
+
+async def run_incident(feed: _Feed, *, guarded: bool, grace_s: float,
+                       fetch_timeout: float = 2.5) -> RunOutcome:
+    """Play the incident against the naive or the guarded server, with a fresh detector fed the spans."""
+    detector = feed.detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=grace_s),
+                                                       tools=("search", "fetch")))
+    spans = InMemorySpanExporter()
+    feed.recorder = spans
+    fetch_result: Any
+    async with incident("legacy", guarded=guarded) as lab:
         lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows)
         search, fetch = await asyncio.gather(
             lab.call("search", {"query": "incident", "steps": 4}),
-            lab.call("fetch", {"url": "https://example.com/doc", "steps": 4}, timeout=fetch_timeout),
-            return_exceptions=True,
-        )
-    spans = list(exporter.get_finished_spans())
-    replays = [s for s in spans if _a(s, sc.SPAN) == sc.SPAN_REPLAY
-               and _a(s, sc.REPLAY_DECISION) == sc.REPLAY_TRUNCATED]
-    fetch_id = next((_a(s, sc.JSONRPC_REQUEST_ID) for s in spans
+            lab.call("fetch", {"url": "https://example.com/doc", "steps": 4},
+                     timeout=20 if guarded else fetch_timeout),
+            return_exceptions=True)
+        fetch_result = fetch
+        if guarded and isinstance(fetch, MCPError):  # the error frame, as -32003: re-authorise and resume
+            _say(f"  guarded: fetch answered with an explicit error ({fetch.code}): re-authorising and resuming")
+            fetch_result = await lab.recover(fetch, "fetch", {"url": "https://example.com/doc", "steps": 4})
+    await asyncio.sleep(grace_s + 0.2)  # let the silent-loss grace period run out, then look
+    detector.tick()
+    recorded = list(spans.get_finished_spans())
+    fetch_id = next((_a(s, sc.JSONRPC_REQUEST_ID) for s in recorded
                      if _a(s, sc.SPAN) == sc.SPAN_CALL and _a(s, sc.GEN_AI_TOOL_NAME) == "fetch"), None)
-    clean_pending = [s for s in spans if _a(s, sc.ROLE) == sc.ROLE_CLIENT
-                     and _a(s, sc.STREAM_KIND) == sc.STREAM_KIND_RESUME and _a(s, sc.END_REASON) == sc.END_CLEAN
-                     and fetch_id in (_a(s, sc.PENDING_REQUEST_IDS) or ())]
-    gap = replays[0] if replays else None
-    return IncidentOutcome(
-        search_result=None if isinstance(search, BaseException) else str(search.content[0].model_dump().get("text")),
+    with detector.lock:
+        findings = [f.to_json() for f in detector.findings]
+    return RunOutcome(
+        server="guarded" if guarded else "naive", search_result=_text(search),
+        fetch_result=None if isinstance(fetch_result, BaseException) else _text(fetch_result),
         fetch_error=f"{fetch.error.code} {fetch.error.message}" if isinstance(fetch, MCPError) else None,
-        fetch_request_id=fetch_id,
-        client_resumes_clean_pending=len(clean_pending),
-        replay_truncated=gap is not None,
-        token_audience=list(_a(gap, sc.AUTH_AUDIENCE) or ()) if gap else [],
-        missing_resources=list(_a(gap, sc.AUTH_MISSING_RESOURCES) or ()) if gap else [],
-        offending_event_id=_a(gap, sc.REPLAY_OFFENDING_EVENT_ID) if gap else None,
-        timeline=_timeline(spans, fetch_id) if fetch_id else [],
-    )
+        fetch_request_id=fetch_id, findings=findings, metric_lines=_metric_lines(detector),
+        timeline=_timeline(recorded, fetch_id) if fetch_id and not guarded else [])
 
 
-def _print_human(outcome: IncidentOutcome, seconds: float) -> None:
-    print(f"\nTimeline of the lost call (fetch, request id {outcome.fetch_request_id}):")
-    for line in outcome.timeline:
-        print("  " + line)
-    print("\nOutcome:")
-    print(f"  search: {'delivered: ' + outcome.search_result if outcome.search_result else 'NOT delivered'}")
-    fetch = f"lost; the caller only saw its own timeout: {outcome.fetch_error}" if outcome.fetch_error else "delivered"
-    print(f"  fetch:  {fetch}")
-    if outcome.replay_truncated:
-        print(f"  the server's replay stopped at event {outcome.offending_event_id} without an error frame: "
-              f"token aud {outcome.token_audience} lacks {outcome.missing_resources}")
-    print(f"  client resumes that ended clean with fetch pending: {outcome.client_resumes_clean_pending}")
-    verdict = "reproduced" if outcome.reproduced else "NOT reproduced"
-    print(f"\nIncident {verdict} in {seconds:.1f}s; every fact above comes from the hooks' spans.")
+_QUIET = False
 
 
-def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
-    """Run the incident; exit 0 when it ran as expected (the loss reproduced and recorded)."""
+def _say(line: str) -> None:
+    if not _QUIET:
+        print(line, flush=True)
+
+
+def _print_run(run: RunOutcome) -> None:
+    if run.server == "naive":
+        print(f"\nTimeline of the lost call (fetch, request id {run.fetch_request_id}), from the hooks' spans:")
+        for line in run.timeline:
+            print("  " + line)
+        print("\n  search: " + ("delivered" if run.search_result else "NOT delivered"))
+        print(f"  fetch:  lost; the caller only saw its own timeout: {run.fetch_error}")
+    else:
+        print(f"  fetch:  {'delivered: ' + run.fetch_result if run.fetch_result else 'NOT delivered'}")
+    print(f"\n  Findings of the embedded detector ({run.server} server): {len(run.findings) or 'none'}")
+    for f in sorted(run.findings, key=lambda f: f["rule"]):
+        gap = ""
+        if f["evidence"].get("missing_resources"):
+            gap = (f"  token aud {f['evidence'].get('audience_held')} lacks {f['evidence']['missing_resources']}")
+        print(f"    [{f['severity']:8}] {f['rule']:20} tool={f['tool']} request={f['request_id']} "
+              f"roles={','.join(f['roles'])}{gap}")
+    if run.metric_lines:
+        print("\n  Metric lines an alert pages on (GET /metrics):")
+        for line in run.metric_lines:
+            print("    " + line)
+
+
+def main(argv: list[str] | None = None, *, as_json: bool = False, serve_port: int | None = None,
+         grace_s: float = 1.0) -> int:
+    """Run the incident twice (naive, then guarded); exit 0 when both ended as expected."""
+    global _QUIET
+    _QUIET = as_json
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("mcp", "httpx2", "uvicorn", "sse_starlette"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
-    if not as_json:
-        print("Replaying the incident on 127.0.0.1: search and fetch, a dropped connection after fetch's first "
-              "progress event,\na refresh that narrows aud to search only, and the resume ...", flush=True)
+    provider = TracerProvider()
+    trace.set_tracer_provider(provider)  # the SDK's own spans go here too: the detector reads both
+    feed = _Feed(Detector())
+    provider.add_span_processor(feed)
     started = time.monotonic()
-    outcome = asyncio.run(run_incident())
+    _say("Run 1/2, the naive server: search and fetch, a dropped connection after fetch's first progress event,\n"
+         "a refresh that narrows aud to search only, and the resume ...")
+    naive = asyncio.run(run_incident(feed, guarded=False, grace_s=grace_s))
+    naive_detector = feed.detector
+    if not as_json:
+        _print_run(naive)
+    _say("\nRun 2/2, the same with the replay guard (guard.py) on the server ...")
+    guarded = asyncio.run(run_incident(feed, guarded=True, grace_s=grace_s))
+    if not as_json:
+        _print_run(guarded)
+    ok = naive.as_expected and guarded.as_expected
     if as_json:
-        print(json.dumps({**asdict(outcome), "reproduced": outcome.reproduced}, indent=2))
+        print(json.dumps({"naive": asdict(naive), "guarded": asdict(guarded),
+                          "naive_as_expected": naive.as_expected, "guarded_as_expected": guarded.as_expected,
+                          "ok": ok}, indent=2))
     else:
-        _print_human(outcome, time.monotonic() - started)
-    return 0 if outcome.reproduced else 1
+        print(f"\nSummary ({time.monotonic() - started:.1f}s): naive server "
+              f"{'lost fetch silently, and the detector said so' if naive.as_expected else 'NOT as expected'}; "
+              f"guarded server {'delivered fetch, no finding' if guarded.as_expected else 'NOT as expected'}.")
+    if serve_port is not None:
+        embedded = EmbeddedDetector(naive_detector, feed)
+        port = embedded.serve(port=serve_port)
+        _say(f"\nServing the naive run's detector: http://127.0.0.1:{port}/metrics and /api/findings "
+             "(Ctrl-C to stop)")
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+        embedded.close()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
