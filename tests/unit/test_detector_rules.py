@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, Span
+from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 
@@ -184,3 +184,17 @@ def test_a_span_that_breaks_the_model_is_refused_and_the_rest_of_its_batch_is_ke
     assert outcome.accepted == 1
     assert outcome.rejected == {f"{sc.PENDING_REQUEST_IDS} must be a list of strings": 1}
     assert detector.ledger.calls == 1
+
+
+def test_the_ledger_is_bounded_and_counts_what_it_evicts():
+    clock = Clock()
+    detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=2, max_calls_per_session=2,
+                                                           session_ttl_s=60)), clock=clock)
+    detector.consume([stream(C, "post", "dropped", pending=(rid,), ids=(rid,), session="a") for rid in "123"])
+    detector.consume([stream(C, "post", "dropped", pending=("1",), ids=("1",), session=s) for s in "bc"])
+    assert (detector.ledger.sessions, detector.ledger.calls) == (2, 2)
+    assert detector.ledger.evictions == {"capacity": 2, "ttl": 0}
+    clock.now += 61 * S
+    detector.tick()
+    assert (detector.ledger.sessions, detector.ledger.calls, detector.ledger.in_flight) == (0, 0, 0)
+    assert detector.registry.get_sample_value("mcp_stream_detector_ledger_evictions_total", {"reason": "ttl"}) == 2
