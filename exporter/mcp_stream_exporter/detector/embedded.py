@@ -39,7 +39,6 @@ def span_of(readable: ReadableSpan) -> Span | None:
         start_ns=readable.start_time or 0,
         end_ns=readable.end_time or readable.start_time or 0,
         attributes=readable.attributes or {},
-        event_names=tuple(e.name for e in readable.events),
         exception_types=tuple(str((e.attributes or {}).get("exception.type", "")) for e in readable.events
                               if e.name == "exception"),
         error=readable.status.status_code == StatusCode.ERROR,

@@ -33,7 +33,6 @@ class Span:
     start_ns: int
     end_ns: int
     attributes: Mapping[str, Any]
-    event_names: tuple[str, ...] = ()
     exception_types: tuple[str, ...] = ()
     error: bool = False
     origin: str = ""  # the emitting process: resource service.instance.id, else service.name

@@ -149,7 +149,7 @@ def spans_of(request: Any) -> Iterator[Span]:
                     parent_span_id=s.parent_span_id.hex() or None, name=s.name,
                     kind=_KINDS.get(s.kind, KIND_INTERNAL), start_ns=s.start_time_unix_nano,
                     end_ns=s.end_time_unix_nano, attributes=_attributes(s.attributes),
-                    event_names=tuple(e.name for e in s.events), exception_types=exceptions,
+                    exception_types=exceptions,
                     error=s.status.code == Status.STATUS_CODE_ERROR, origin=origin)
 
 

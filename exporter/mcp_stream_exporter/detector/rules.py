@@ -115,7 +115,6 @@ class RuleEngine:
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
-        self.ledger.session(at.scope, now_ns)
         call = self._call(at, e.request_id, now_ns, e.tool, e.required)
         if at.role == sc.ROLE_CLIENT:
             if e.sdk_span_id is not None:
