@@ -7,6 +7,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import ABSENT
 from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import classify
@@ -34,7 +35,7 @@ def _by(exporter, kind):
 def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending():
     tracker, exporter = _tracker()
     call = tracker.start_call("s", _request(1), "2025-11-25", {}, stateless=False)
-    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, {}, 200)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("", id="e1"), [])
     tracker.end_stream(stream, sc.END_CLEAN, 200)
     (span,) = _by(exporter, sc.SPAN_STREAM)
@@ -42,7 +43,7 @@ def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending(
     assert span.attributes[sc.END_REASON] == sc.END_CLEAN
     assert _by(exporter, sc.SPAN_CALL) == []  # resumable: a resume may still deliver it
     assert tracker.calls_of_cursor("s", "e1") == (call,)
-    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, {}, 200)
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
     tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
     (call_span,) = _by(exporter, sc.SPAN_CALL)
     assert call_span.attributes[sc.TERMINAL_EVENT_ID] == "e2"
@@ -54,7 +55,7 @@ def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending(
 def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
     tracker, exporter = _tracker()
     call = tracker.start_call(None, _request(1), "2026-07-28", {}, stateless=True)
-    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, {}, 200)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
     tracker.end_stream(stream, sc.END_DROPPED)
     (span,) = _by(exporter, sc.SPAN_CALL)
     assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
@@ -65,7 +66,7 @@ def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there(
     tracker, exporter = _tracker()
     mine = tracker.start_call("s", _request(1), None, {}, stateless=False)
     other = tracker.start_call("s", _request(2), None, {}, stateless=False)
-    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {}, {}, 200)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("x", id="e9"), _response(2))
     tracker.end_stream(stream, sc.END_CLEAN)
     (span,) = _by(exporter, sc.SPAN_STREAM)
@@ -78,7 +79,7 @@ def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there(
 def test_error_frames_are_recorded_and_do_not_complete_the_call():
     tracker, exporter = _tracker()
     call = tracker.start_call("s", _request(1), None, {}, stateless=False)
-    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, {}, 200)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame('{"error":"insufficient_audience"}', event="error"), [])
     tracker.end_stream(stream, sc.END_CLEAN)
     (span,) = _by(exporter, sc.SPAN_STREAM)
@@ -102,7 +103,7 @@ def test_cancel_and_eviction_end_pending_calls():
 def test_a_post_that_delivers_its_calls_terminal_emits_no_span():
     tracker, exporter = _tracker()
     call = tracker.start_call("s", _request(1), None, {}, stateless=False)
-    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, {}, 200)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("", id="e1"), [])
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
     tracker.end_stream(stream, sc.END_CLOSED, 200)

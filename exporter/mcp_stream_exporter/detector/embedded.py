@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
 from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
-from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Span
+from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Span, origin_of
 
 _KINDS = {SpanKind.CLIENT: KIND_CLIENT, SpanKind.SERVER: KIND_SERVER}
 
@@ -29,7 +29,7 @@ def span_of(readable: ReadableSpan) -> Span | None:
     if ctx is None:
         return None
     resource = readable.resource.attributes if readable.resource is not None else {}
-    origin = str(resource.get("service.instance.id") or resource.get("service.name") or "")
+    origin = origin_of(resource)
     return Span(
         trace_id=format(ctx.trace_id, "032x"),
         span_id=format(ctx.span_id, "016x"),

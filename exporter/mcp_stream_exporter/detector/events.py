@@ -38,6 +38,11 @@ class Span:
     origin: str = ""  # the emitting process: resource service.instance.id, else service.name
 
 
+def origin_of(resource: Mapping[str, Any]) -> str:
+    """Which process emitted a span, from its resource: ``service.instance.id``, else ``service.name``."""
+    return str(resource.get("service.instance.id") or resource.get("service.name") or "")
+
+
 class Rejected(ValueError):
     """A span that claims to be part of the model but breaks it; the reason goes back to the sender."""
 

@@ -30,7 +30,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from mcp_stream_exporter.detector.detector import Detector, Outcome
-from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Lifecycle, Span
+from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Lifecycle, Span, origin_of
 
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 ExportResponse = trace_service_pb2.ExportTraceServiceResponse
@@ -138,8 +138,7 @@ def _attributes(kvs: Any) -> dict[str, Any]:
 def spans_of(request: Any) -> Iterator[Span]:
     """Every span of a request, read as the detector reads it."""
     for resource_spans in request.resource_spans:
-        resource = _attributes(resource_spans.resource.attributes)
-        origin = str(resource.get("service.instance.id") or resource.get("service.name") or "")
+        origin = origin_of(_attributes(resource_spans.resource.attributes))
         for scope_spans in resource_spans.scope_spans:
             for s in scope_spans.spans:
                 exceptions = tuple(str(_attributes(e.attributes).get("exception.type", ""))

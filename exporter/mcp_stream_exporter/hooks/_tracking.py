@@ -186,7 +186,7 @@ class Stream:
     record: _Deferred
     session_id: str | None
     kind: str
-    auth: Mapping[str, AttributeValue]
+    auth: AuthView  # the token this request presented
     calls: list[Call] = field(default_factory=list)
     terminal_ids: list[str] = field(default_factory=list)
     events: int = 0
@@ -215,10 +215,7 @@ def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
     if requirement.scopes:
         attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
     if stream.kind != sc.STREAM_KIND_POST and requirement is not NO_REQUIREMENT:
-        audience = stream.auth.get(sc.AUTH_AUDIENCE) or ()
-        scopes = stream.auth.get(sc.AUTH_SCOPES) or ()
-        missing = requirement.resources.difference(audience)  # type: ignore[arg-type]
-        missing_scopes = requirement.scopes.difference(scopes)  # type: ignore[arg-type]
+        missing, missing_scopes = stream.auth.missing(requirement)
         if missing:
             attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
         if missing_scopes:
@@ -301,7 +298,7 @@ class Tracker:
     # --- streams ---
 
     def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
-                    attributes: dict[str, AttributeValue], auth: Mapping[str, AttributeValue],
+                    attributes: dict[str, AttributeValue], auth: AuthView,
                     status: int | None, start_time: int | None = None) -> Stream | None:
         """A stream, or None for a POST that carries no ``tools/call`` and did not fail: those
         (initialize, notifications, other requests) tell nothing about a call's fate.
@@ -312,7 +309,7 @@ class Tracker:
         attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self._role,
                                             sc.STREAM_KIND: kind, **attributes}
         if kind != sc.STREAM_KIND_POST:
-            attrs.update(auth)
+            attrs.update(auth_attributes(auth))
         if status is not None:
             attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
         if session_id is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2
@@ -91,7 +91,6 @@ class ClientInstrumentation:
         session_id = headers.get("mcp-session-id")
         protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
         view = self.tokens.from_authorization(headers.get("authorization"))
-        auth = auth_attributes(view)
         calls = self._request_calls(request, session_id, protocol_version, view, start)
         cursor = headers.get("last-event-id")
         if cursor:
@@ -99,7 +98,7 @@ class ClientInstrumentation:
         try:
             response = await inner.handle_async_request(request)
         except BaseException:
-            stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start, None, "none")
+            stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, "none")
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
@@ -108,7 +107,7 @@ class ClientInstrumentation:
         content_type = response.headers.get("content-type", "")
         content = "sse" if content_type.startswith("text/event-stream") else (
             "json" if content_type.startswith("application/json") else "none")
-        stream = self._open(request, session_id, protocol_version, calls, auth, cursor, start,
+        stream = self._open(request, session_id, protocol_version, calls, view, cursor, start,
                             response.status_code, content)
         if stream is None:
             return response
@@ -122,7 +121,7 @@ class ClientInstrumentation:
         return response
 
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
-              calls: list[Call], auth: Mapping[str, AttributeValue], cursor: str | None, start: int,
+              calls: list[Call], auth: AuthView, cursor: str | None, start: int,
               status: int | None, content: str) -> Stream | None:
         method = request.method
         kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(

@@ -212,7 +212,7 @@ class ServerInstrumentation:
             attrs[sc.MCP_PROTOCOL_VERSION] = ex.protocol_version
         if cursor:
             attrs[sc.RESUME_CURSOR] = cursor
-        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, auth_attributes(ex.scope.auth),
+        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, ex.scope.auth,
                                              ex.status, start_time=ex.start_ns)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:

@@ -98,13 +98,12 @@ class IncidentEventStore(EventStore):
                 continue
             if not after or entry.message is None:
                 continue
-            if requirement is not None and not requirement.resources <= audience:
+            if not _may_see(requirement, audience):
                 return None  # the incident: stop here, send nothing more, end the stream cleanly
             await send_callback(EventMessage(entry.message, entry.event_id))
-        if requirement is not None and not requirement.resources <= audience:
+        if not _may_see(requirement, audience):
             return None
         return cursor.stream_id
-
 
     async def _replay_filtered(self, last_event_id: EventId, audience: frozenset[str],
                                send_callback: EventCallback) -> None:
@@ -112,9 +111,14 @@ class IncidentEventStore(EventStore):
                        key=lambda e: int(e.event_id))
         for entry in later:
             requirement = self._policy.requirement(self._tool_of.get(entry.stream_id))
-            if entry.message is None or (requirement is not None and not requirement.resources <= audience):
+            if entry.message is None or not _may_see(requirement, audience):
                 continue
             await send_callback(EventMessage(entry.message, entry.event_id))
+
+
+def _may_see(requirement: Requirement | None, audience: frozenset[str]) -> bool:
+    """This store's check: the token's ``aud`` covers the resources of the event's tool."""
+    return requirement is None or requirement.resources <= audience
 
 
 def build_incident_server(issuer: TokenIssuer | None = None, *, step_delay: float = 0.05,
