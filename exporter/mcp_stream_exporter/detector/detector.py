@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from mcp_stream_exporter.detector.events import CallEnd, Lifecycle, Rejected, Replay, Span, StreamEnd, lifecycle
 from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import CallState, Ledger, LedgerLimits
-from mcp_stream_exporter.detector.metrics import DetectorMetrics, LedgerCollector, ToolLabels
+from mcp_stream_exporter.detector.metrics import SPAN_REJECTIONS, DetectorMetrics, LedgerCollector, ToolLabels
 from mcp_stream_exporter.detector.rules import RuleConfig, RuleEngine
 
 Clock = Callable[[], int]  # nanoseconds since the epoch, like span timestamps
@@ -80,7 +80,7 @@ class Detector:
                 events.append(event)
         self.metrics.spans_received.labels(transport).inc(outcome.accepted + outcome.rejected_count)
         if outcome.rejected:
-            self.metrics.spans_rejected.labels("span_model").inc(outcome.rejected_count)
+            self.metrics.spans_rejected.labels(SPAN_REJECTIONS[0]).inc(outcome.rejected_count)
         return events, outcome
 
     def apply(self, events: Iterable[Lifecycle]) -> None:

@@ -33,15 +33,19 @@ _METHODS = frozenset({
 })
 _JSONRPC_CODES = frozenset(str(c) for c in (-32700, -32600, -32601, -32602, -32603, *range(-32099, -31999)))
 _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
+# every label value known up front is exported at 0 from the start, so that increase() and rate()
+# see the first event (a series born at 1 has no increase) and dashboards show 0, not "no data"
+TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
+INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full")
+SPAN_REJECTIONS = ("span_model",)
 
 
 class ToolLabels:
     """Bounded ``tool`` label values: the policy's tools, or the first ``dynamic`` tools seen, then ``other``."""
 
     def __init__(self, known: Iterable[str] | None = None, dynamic: int = 20) -> None:
-        self.known = frozenset(known or ())
-        self._fixed = bool(self.known)
-        self._seen: set[str] = set(self.known)
+        self._seen: set[str] = set(known or ())
+        self._fixed = bool(self._seen)
         self._dynamic = dynamic
 
     def __call__(self, tool: str | None) -> str:
@@ -53,6 +57,11 @@ class ToolLabels:
             self._seen.add(tool)
             return tool
         return OTHER
+
+    @property
+    def initial(self) -> tuple[str, ...]:
+        """The values known before any span: the policy's tools and ``other``, which a policy implies."""
+        return (*sorted(self._seen), OTHER) if self._fixed else ()
 
 
 def _resume_outcome(e: StreamEnd) -> str:
@@ -82,8 +91,8 @@ class DetectorMetrics:
             "without any error, by tool and rule. Any increase is a lost result: see /api/findings?rule=<rule>.",
             ["tool", "rule"], registry=registry)
         self.findings = Counter(
-            "mcp_stream_findings", "Findings raised by the detector, by rule and severity; details and evidence "
-            "at /api/findings.", ["rule", "severity"], registry=registry)
+            "mcp_stream_findings", "Findings raised by the detector, by rule, severity and tool; details and "
+            "evidence at /api/findings?rule=<rule>&tool=<tool>.", ["rule", "severity", "tool"], registry=registry)
         self.resumes = Counter(
             "mcp_stream_resumes", "Resume streams (GET with Last-Event-ID) by role and outcome: delivered, "
             "progressed, empty (clean end, nothing sent: the incident's shape), refused (an explicit error frame), "
@@ -121,18 +130,26 @@ class DetectorMetrics:
             registry=registry)
         Gauge("mcp_stream_detector_build_info", "The detector's version; always 1.", ["version"],
               registry=registry).labels(version("mcp-stream-exporter")).set(1)
-        for rule in RULES.values():
-            self.findings.labels(rule.id, rule.severity)
-            if rule.loss:
-                for tool in tools.known:
+        for tool in tools.initial:
+            for rule in RULES.values():
+                self.findings.labels(rule.id, rule.severity, tool)
+                if rule.loss:
                     self.silent_losses.labels(tool, rule.id)
+            for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
+                self.audience_gaps.labels(role, tool)
+        for transport in TRANSPORTS:
+            self.spans_received.labels(transport)
+        for reason in SPAN_REJECTIONS:
+            self.spans_rejected.labels(reason)
+        for reason in INGEST_REJECTIONS:
+            self.requests_rejected.labels(reason)
 
     def finding(self, f: Finding) -> None:
-        rule = RULES[f.rule]
-        self.findings.labels(f.rule, f.severity).inc()
-        if rule.loss:
+        tool = self.tools(f.tool)
+        self.findings.labels(f.rule, f.severity, tool).inc()
+        if RULES[f.rule].loss:
             exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
-            self.silent_losses.labels(self.tools(f.tool), f.rule).inc(exemplar=exemplar)
+            self.silent_losses.labels(tool, f.rule).inc(exemplar=exemplar)
 
     def stream_end(self, e: StreamEnd) -> None:
         self.stream_ends.labels(e.at.role, e.kind, e.reason).inc()

@@ -1,0 +1,212 @@
+"""Grafana dashboards as code: ``python dashboards/generate.py`` writes the committed JSON beside it.
+
+Built with the pinned grafana-foundation-sdk (pyproject's dev extra). Classic dashboard JSON, the form
+file provisioning and kube-prometheus-stack's sidecar read. tests/unit/test_dashboards.py checks that
+the JSON matches this generator and applies the dashboard-linter rules.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOption, VariableRefresh, VariableSort
+
+HERE = Path(__file__).resolve().parent
+TAGS = ["mcp-stream-exporter"]
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'job=~"$job", instance=~"$instance"'  # every query: the linter's job and instance rules
+
+
+def _query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).exemplar(True)
+
+
+def _variables(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    """Data source, job and instance, as the dashboard linter expects them."""
+    def query_variable(name: str, query: str) -> dashboard.QueryVariable:
+        return (dashboard.QueryVariable(name).label(name).datasource(DATASOURCE).query(query)
+                .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
+                .multi(True).include_all(True).all_value(".+")
+                .current(VariableOption(selected=True, text="All", value="$__all")))
+
+    return (board
+            .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+            .with_variable(query_variable("job", "label_values(mcp_stream_detector_build_info, job)"))
+            .with_variable(query_variable(
+                "instance", 'label_values(mcp_stream_detector_build_info{job=~"$job"}, instance)')))
+
+
+def _board(title: str, uid: str, description: str) -> dashboard.Dashboard:
+    return _variables(dashboard.Dashboard(title).uid(uid).description(description).tags(TAGS).readonly()
+                      .refresh("30s").time("now-1h", "now").timezone("browser"))
+
+
+def _series(title: str, description: str, unit: str, *queries: prometheus.Dataquery,
+            span: int = 12) -> timeseries.Panel:
+    panel = (timeseries.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+             .min(0).height(8).span(span).fill_opacity(10))
+    for q in queries:
+        panel = panel.with_target(q)
+    return panel
+
+
+def _stat(title: str, description: str, unit: str, expr: str, span: int = 6) -> stat.Panel:
+    return (stat.Panel().title(title).description(description).datasource(DATASOURCE).unit(unit)
+            .height(4).span(span).with_target(_query(expr)))
+
+
+def _quantiles(metric: str, matchers: str) -> list[prometheus.Dataquery]:
+    return [_query(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SEL}{matchers}}}"
+                   "[$__rate_interval])))", f"p{round(q * 100)}", ref)
+            for q, ref in ((0.5, "A"), (0.95, "B"), (0.99, "C"))]
+
+
+def overview() -> dashboard.Dashboard:
+    return (_board("MCP streams / Overview", "mcp-stream-overview",
+                   "Lost tool results on resumable MCP streams: what was lost, why, and the resumes around it.")
+            .with_row(dashboard.Row("Lost results"))
+            .with_panel(_series(
+                "Silent losses by tool and rule",
+                "Tool results that never reached their caller, with no error (mcp_stream_silent_losses_total). "
+                "Anything above zero pages as MCPToolResultSilentlyLost; exemplars link to the trace.",
+                "short",
+                _query(f"sum by (tool, rule) (increase(mcp_stream_silent_losses_total{{{SEL}}}[$__rate_interval]))",
+                       "{{tool}} {{rule}}")))
+            .with_panel(_series(
+                "Findings by rule",
+                "Findings raised by the detector per interval; details at /api/findings?rule=<rule>.",
+                "short",
+                _query(f"sum by (rule, severity) (increase(mcp_stream_findings_total{{{SEL}}}[$__rate_interval]))",
+                       "{{rule}} ({{severity}})")))
+            .with_panel(_stat(
+                "Calls in flight",
+                "Calls whose stream ended without their result and that are still owed one.",
+                "short", f"sum(mcp_stream_calls_in_flight{{{SEL}}})"))
+            .with_panel(_stat(
+                "Audience gaps",
+                "Resumes per second whose token lacks a resource the pending call requires.",
+                "reqps", f"sum(rate(mcp_stream_audience_gaps_total{{{SEL}}}[$__rate_interval]))"))
+            .with_panel(_stat(
+                "Refused resumes",
+                "Resumes the replay guard answered with an explicit error frame: the invariant working.",
+                "reqps", f'sum(rate(mcp_stream_resumes_total{{{SEL}, outcome="refused"}}[$__rate_interval]))'))
+            .with_panel(_stat(
+                "Tool calls",
+                "tools/call operations finished per second, all outcomes, as the SDK's spans saw them.",
+                "reqps", f"sum(rate(mcp_stream_calls_total{{{SEL}}}[$__rate_interval]))"))
+            .with_row(dashboard.Row("Calls"))
+            .with_panel(_series(
+                "Tool call outcomes",
+                "tools/call per second by tool and outcome (result, tool_error, error, timeout) and by the side "
+                "that saw it. Timeouts after a silent loss are the incident's only visible trace.",
+                "reqps",
+                _query(f"sum by (role, tool, outcome) (rate(mcp_stream_calls_total{{{SEL}}}[$__rate_interval]))",
+                       "{{role}} {{tool}} {{outcome}}")))
+            .with_panel(_series(
+                "Terminal-event latency (client)",
+                "p50, p95 and p99 of tools/call from request to response as the client saw it, reconnects and "
+                "replays included (semconv mcp.client.operation.duration). Exemplars link to traces.",
+                "s", *_quantiles("mcp_client_operation_duration_seconds", ', mcp_method_name="tools/call"')))
+            .with_row(dashboard.Row("Resumes and audiences"))
+            .with_panel(_series(
+                "Resumes by outcome",
+                "Resume streams per second: delivered, progressed, empty (clean end, nothing sent: the "
+                "incident's shape), refused (explicit error frame), dropped, closed, http_error.",
+                "reqps",
+                _query(f"sum by (outcome) (rate(mcp_stream_resumes_total{{{SEL}}}[$__rate_interval]))",
+                       "{{outcome}}"), span=8))
+            .with_panel(_series(
+                "Audience gaps by tool",
+                "Resumes per second whose token lacks a resource or scope the pending call of that tool requires.",
+                "reqps",
+                _query(f"sum by (tool) (rate(mcp_stream_audience_gaps_total{{{SEL}}}[$__rate_interval]))",
+                       "{{tool}}"), span=8))
+            .with_panel(_series(
+                "Calls in flight",
+                "Calls owed a result after their stream ended, per detector. Held 15 minutes: "
+                "MCPToolCallsStuckInFlight.",
+                "short", _query(f"sum by (instance) (mcp_stream_calls_in_flight{{{SEL}}})", "{{instance}}"),
+                span=8))
+            .with_panel(_series(
+                "Stream ends by reason",
+                "Streams that told a call's fate, by role, kind (post, get, resume, delete) and end reason.",
+                "reqps",
+                _query(f"sum by (role, kind, reason) (rate(mcp_stream_stream_ends_total{{{SEL}}}[$__rate_interval]))",
+                       "{{role}} {{kind}} {{reason}}"), span=24)))
+
+
+def detector() -> dashboard.Dashboard:
+    return (_board("MCP streams / Detector", "mcp-stream-detector",
+                   "The detector's own health: is it up, taking spans, and keeping up.")
+            .with_row(dashboard.Row("Ingest"))
+            .with_panel(_stat("Detectors up", "Detector targets Prometheus scrapes successfully.", "short",
+                              f"sum(up{{{SEL}}})"))
+            .with_panel(_stat("Spans received", "Spans per second into the detector, all transports.", "reqps",
+                              f"sum(rate(mcp_stream_detector_spans_received_total{{{SEL}}}[$__rate_interval]))"))
+            .with_panel(_stat("Ledger sessions", "Sessions (or traces, 2026-07-28) the ledgers hold.", "short",
+                              f"sum(mcp_stream_detector_ledger_sessions{{{SEL}}})"))
+            .with_panel(_stat("Findings retained", "Findings kept for /api/findings.", "short",
+                              f"sum(mcp_stream_detector_findings_retained{{{SEL}}})"))
+            .with_panel(_series(
+                "Spans received by transport", "Spans per second by transport (OTLP HTTP, OTLP gRPC, embedded).",
+                "reqps",
+                _query(f"sum by (transport) (rate(mcp_stream_detector_spans_received_total{{{SEL}}}"
+                       "[$__rate_interval]))", "{{transport}}")))
+            .with_panel(_series(
+                "Spans rejected by reason",
+                "Spans refused as breaking the span model; the sender got an OTLP partial success. "
+                "Over 1% for 10 minutes: MCPStreamExporterSpansRejected.",
+                "reqps",
+                _query(f"sum by (reason) (rate(mcp_stream_detector_spans_rejected_total{{{SEL}}}[$__rate_interval]))",
+                       "{{reason}}")))
+            .with_panel(_series(
+                "Ingest requests rejected by reason",
+                "Requests refused whole (too_large, bad_encoding, malformed, unauthorized, too_many_spans, "
+                "queue_full). queue_full is backpressure: MCPStreamExporterIngestRejecting.",
+                "reqps",
+                _query(f"sum by (reason) (rate(mcp_stream_detector_ingest_requests_rejected_total{{{SEL}}}"
+                       "[$__rate_interval]))", "{{reason}}")))
+            .with_panel(_series(
+                "Ingest latency", "p50, p95, p99 from a batch's arrival to its spans in the ledger, queueing "
+                "included.", "s", *_quantiles("mcp_stream_detector_ingest_duration_seconds", "")))
+            .with_row(dashboard.Row("Ledger"))
+            .with_panel(_series(
+                "Ledger size", "Sessions and calls held; bounded by --max-sessions and --max-calls-per-session.",
+                "short",
+                _query(f"sum by (instance) (mcp_stream_detector_ledger_sessions{{{SEL}}})", "sessions {{instance}}"),
+                _query(f"sum by (instance) (mcp_stream_detector_ledger_calls{{{SEL}}})", "calls {{instance}}", "B")))
+            .with_panel(_series(
+                "Ledger evictions by reason",
+                "Evictions per second: ttl is housekeeping; capacity means losses there go undetected "
+                "(MCPStreamExporterLedgerEvicting).",
+                "reqps",
+                _query(f"sum by (reason) (rate(mcp_stream_detector_ledger_evictions_total{{{SEL}}}[$__rate_interval]))",
+                       "{{reason}}"))))
+
+
+DASHBOARDS: dict[str, Callable[[], dashboard.Dashboard]] = {
+    "mcp-stream-overview.json": overview,
+    "mcp-stream-detector.json": detector,
+}
+
+
+def render(build: Callable[[], dashboard.Dashboard]) -> str:
+    """The committed form: the SDK's JSON, keys sorted, two-space indent, a final newline."""
+    encoded: Any = json.loads(JSONEncoder(sort_keys=True, indent=2).encode(build().build()))
+    return json.dumps(encoded, sort_keys=True, indent=2) + "\n"
+
+
+def main(out: Path = HERE) -> int:
+    for name, build in DASHBOARDS.items():
+        (out / name).write_text(render(build))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE))
