@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/mcp-stream-exporter demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check exporter tests bench
+	$(PY) -m ruff check exporter tests bench dashboards
 	$(PY) -m mypy
 
 test: lint system-deps

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
-
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
+
+from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 

@@ -1,0 +1,109 @@
+"""The dashboards: the committed JSON is the generator's output, and it passes the dashboard-linter's
+rules (grafana/dashboard-linter, re-implemented here; it ships only as a Go binary) and promtool's parser."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from panel_queries import DASHBOARDS, dashboards, panels, queries, substitute
+
+sys.path.insert(0, str(DASHBOARDS))
+import generate
+
+BOARDS = dashboards()
+# Grafana unit ids (packages/grafana-data/src/valueFormats/categories.ts) this project may use
+UNITS = {"short", "none", "percentunit", "s", "ms", "reqps", "ops", "bytes", "decbytes", "dtdurations"}
+DATA_PANELS = {"stat", "singlestat", "graph", "table", "timeseries", "gauge"}
+RANGE_FUNCTIONS = re.compile(r"\b(rate|irate|increase)\(")
+
+
+def _variables(board):
+    return {v["name"]: v for v in board["templating"]["list"]}
+
+
+def test_the_committed_json_is_what_the_generator_writes():
+    assert set(BOARDS) == set(generate.DASHBOARDS)
+    for name, build in generate.DASHBOARDS.items():
+        assert (DASHBOARDS / name).read_text() == generate.render(build), f"run python dashboards/generate.py ({name})"
+
+
+def test_dashboards_have_titles_stable_unique_uids_tags_and_are_not_editable():
+    uids = [b["uid"] for b in BOARDS.values()]
+    assert len(set(uids)) == len(uids)
+    for board in BOARDS.values():
+        assert board["title"] and 8 <= len(board["uid"]) <= 40
+        assert board["tags"] == ["mcp-stream-exporter"]
+        assert board["editable"] is False, "uneditable-dashboard"
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_template_variables_follow_the_linter(name):
+    variables = _variables(BOARDS[name])
+    datasources = [v for v in variables.values() if v["type"] == "datasource"]
+    assert len(datasources) == 1, "template-datasource-rule: exactly one"
+    assert datasources[0]["name"] == "datasource" and datasources[0]["label"] == "Data source"
+    assert datasources[0]["query"] == "prometheus"
+    for var in ("job", "instance"):
+        v = variables[var]
+        assert v["label"] == var and v["type"] == "query", f"template-{var}-rule"
+        assert v["datasource"]["uid"] == "${datasource}" and v["multi"] and v["allValue"] == ".+"
+        assert v["refresh"] == 2, "template-on-time-change-reload-rule"
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_panels_follow_the_linter(name):
+    for panel in panels(BOARDS[name]):
+        if panel["type"] == "row":
+            continue
+        title = panel.get("title")
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, f"panel-datasource-rule {title}"
+        if panel["type"] in DATA_PANELS:
+            assert title and panel.get("description"), f"panel-title-description-rule {title}"
+            assert panel["fieldConfig"]["defaults"].get("unit") in UNITS, f"panel-units-rule {title}"
+        assert panel.get("targets"), f"panel-no-targets-rule {title}"
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_targets_follow_the_linter(name):
+    for title, expr in queries(BOARDS[name]):
+        for match in RANGE_FUNCTIONS.finditer(expr):
+            window = re.search(r"\[([^\]]+)\]", expr[match.end():])
+            assert window and window[1] == "$__rate_interval", f"target-rate-interval-rule {title}: {expr}"
+        assert 'job=~"$job"' in expr, f"target-job-rule {title}"
+        assert 'instance=~"$instance"' in expr, f"target-instance-rule {title}"
+        for counter in re.finditer(r"\b\w+_total\b", expr):
+            before = expr[:counter.start()]
+            assert RANGE_FUNCTIONS.search(before[-40:]), f"target-counter-agg-rule {title}: {counter[0]}"
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_panels_sit_on_the_24_column_grid_without_overlapping(name):
+    cells: set[tuple[int, int]] = set()
+    for panel in panels(BOARDS[name]):
+        g = panel["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"{panel['title']} overlaps another panel"
+        cells |= mine
+
+
+def test_every_query_and_variable_query_parses_with_promtool(tmp_path):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is installed by `make test` (Debian package prometheus)"
+    exprs = [substitute(e) for b in BOARDS.values() for _, e in queries(b)]
+    for board in BOARDS.values():  # template-label-promql-rule: the selector inside label_values()
+        for v in _variables(board).values():
+            if v["type"] == "query":
+                exprs.append(substitute(re.fullmatch(r"label_values\((.+), \w+\)", v["query"])[1]))
+    rules = {"groups": [{"name": "dashboards", "rules": [{"record": f"dashboard:query{i}:parse", "expr": e}
+                                                         for i, e in enumerate(exprs)]}]}
+    (tmp_path / "queries.yaml").write_text(yaml.safe_dump(rules))
+    check = subprocess.run([promtool, "check", "rules", str(tmp_path / "queries.yaml")],
+                           capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
