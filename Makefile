@@ -6,11 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean system-deps
 
-# promtool (and, for the end-to-end alert tests, prometheus) come from Debian's package when missing
+# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) come from
+# Debian's packages when missing
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 system-deps:
-	@command -v promtool >/dev/null || { $(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
+		--no-install-recommends prometheus prometheus-alertmanager; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

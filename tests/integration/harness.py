@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -55,12 +57,14 @@ class Clock:
 
 
 @contextlib.contextmanager
-def detector(grace_s: float = 5.0, processor: SpanProcessor | None = None) -> Iterator[tuple[Detector, Clock]]:
-    """A fresh detector fed every span of the scenarios run inside (or ``processor``, e.g. an OTLP exporter)."""
+def detector(grace_s: float = 5.0, processor: SpanProcessor | None = None,
+             tools: tuple[str, ...] = ()) -> Iterator[tuple[Detector, Clock]]:
+    """A fresh detector fed every span of the scenarios run inside (or ``processor``, e.g. an OTLP exporter);
+    ``tools`` is the policy's tools, the tool label's values."""
     span_exporter()
     clock = Clock()
-    found = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=grace_s, reissue_grace_s=grace_s)),
-                     clock=clock)
+    found = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=grace_s, reissue_grace_s=grace_s),
+                                    tools=tools), clock=clock)
     feed = processor or DetectorSpanProcessor(found)
     _DETECTORS.append(feed)
     try:
@@ -94,6 +98,21 @@ async def incident(mode: str | None = "legacy", **options: Any) -> AsyncIterator
     async with lab.incident(mode, **options) as scenario:
         TOKENS_USED.extend((scenario.broad, scenario.narrow))
         yield scenario
+
+
+async def play_incident(lab: Incident, fetch_timeout: float = 2.5) -> list[Any]:
+    """search and fetch at once; the drop after fetch's first progress event, the narrowing refresh, the
+    resume. Returns both outcomes, exceptions included."""
+    lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows)
+    return await asyncio.gather(lab.call("search", {"query": "q", "steps": 4}),
+                                lab.call("fetch", {"url": "u", "steps": 4}, timeout=fetch_timeout),
+                                return_exceptions=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def spans() -> list[ReadableSpan]:

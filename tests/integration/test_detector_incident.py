@@ -13,16 +13,9 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 
-from harness import Clock, after_grace, detector, incident, spans
+from harness import Clock, after_grace, detector, incident, play_incident, spans
 
 pytestmark = pytest.mark.anyio
-
-
-async def _incident(lab, fetch_timeout=2.5):
-    lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows)  # the drop, then the narrowing refresh
-    return await asyncio.gather(lab.call("search", {"query": "q", "steps": 4}),
-                                lab.call("fetch", {"url": "u", "steps": 4}, timeout=fetch_timeout),
-                                return_exceptions=True)
 
 
 def _by_rule(findings):
@@ -35,7 +28,7 @@ def _by_rule(findings):
 async def test_the_incident_gives_one_narrowed_resume_and_one_clean_end_pending_for_fetch_with_the_gap():
     with detector() as (found, clock):
         async with incident("legacy") as lab:
-            await _incident(lab)
+            await play_incident(lab)
         findings = _by_rule(after_grace(found, clock))
     (narrowed,) = findings["narrowed_resume"]
     (lost,) = findings["clean_end_pending"]
@@ -58,7 +51,7 @@ async def test_the_incident_gives_one_narrowed_resume_and_one_clean_end_pending_
 async def test_the_guarded_incident_with_reauthorisation_produces_no_finding():
     with detector() as (found, clock):
         async with incident("legacy", guarded=True) as lab:
-            _, fetch = await _incident(lab, fetch_timeout=20)
+            _, fetch = await play_incident(lab, fetch_timeout=20)
             assert isinstance(fetch, MCPError)
             recovered = await lab.recover(fetch, "fetch", {"url": "u", "steps": 4})
         assert recovered.content[0].text == "contents of u"
@@ -68,7 +61,7 @@ async def test_the_guarded_incident_with_reauthorisation_produces_no_finding():
 
 async def test_client_spans_only_server_spans_only_or_both_each_see_the_loss_once():
     async with incident("legacy") as lab:
-        await _incident(lab)
+        await play_incident(lab)
     recorded = [span_of(s) for s in spans()]
     client_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_SERVER and s.kind != "server"]
     server_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_CLIENT and s.kind != "client"]
@@ -86,7 +79,7 @@ async def test_client_spans_only_server_spans_only_or_both_each_see_the_loss_onc
 async def test_a_session_wide_filtering_replay_is_a_foreign_result_a_skipped_cursor_and_a_cross_stream_replay():
     with detector() as (found, clock):
         async with incident("legacy", session_wide_filter=True) as lab:
-            _, fetch = await _incident(lab)
+            _, fetch = await play_incident(lab)
         findings = _by_rule(after_grace(found, clock))
     assert "search results" in fetch.content[0].text  # the SDK gave fetch's caller search's result
     (foreign,) = findings["foreign_result"]

@@ -7,9 +7,7 @@ import asyncio
 import gzip
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from promtool import promtool
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
@@ -28,7 +27,7 @@ from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.lab import serve
 
-from harness import Clock, detector, incident
+from harness import Clock, detector, free_port, incident
 
 pytestmark = pytest.mark.anyio
 TOKEN = "ingest-token-for-tests"
@@ -185,26 +184,18 @@ def test_otlp_grpc_takes_spans_and_refuses_without_the_token():
 
 
 async def test_metrics_pass_promtool_and_can_require_basic_auth():
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is installed by `make test` (Debian package prometheus)"
     svc = Service(access=Access(metrics_basic_auth=("prom", "secret")))
     svc.detector.consume([])
     async with serve(svc.app) as port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         assert (await http.get("/metrics")).status_code == 401
         text = (await http.get("/metrics", auth=("prom", "secret"))).text
-    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    check = promtool("check", "metrics", stdin=text)
     assert check.returncode == 0, check.stdout + check.stderr
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     config = tmp_path / "detector.toml"
-    port = _free_port()
+    port = free_port()
     config.write_text(f'port = {port}\ngrpc_port = -1\nclean_end_grace_s = 2.5\n')
     env = {**os.environ, "MCP_STREAM_API_TOKEN": "api-secret"}
     proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--config", str(config),

@@ -4,12 +4,11 @@ each with a runbook, and together covering the detector's rule catalogue."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from promtool import promtool
 
 from mcp_stream_exporter.detector.rules import RULES
 
@@ -24,19 +23,13 @@ DASHBOARD_ONLY_RULES = {"duplicate_terminal", "timeout_attributed"}
 ALERTS = [r for g in yaml.safe_load(RULE_FILE.read_text())["groups"] for r in g["rules"] if "alert" in r]
 
 
-def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is installed by `make test` (Debian package prometheus)"
-    return subprocess.run([promtool, *args], capture_output=True, text=True, check=False, cwd=ROOT)
-
-
 def test_promtool_accepts_the_rules():
-    check = _promtool("check", "rules", str(RULE_FILE))
+    check = promtool("check", "rules", str(RULE_FILE))
     assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_promtool_unit_tests_pass():
-    run = _promtool("test", "rules", str(TEST_FILE))
+    run = promtool("test", "rules", str(TEST_FILE))
     assert run.returncode == 0, run.stdout + run.stderr
 
 

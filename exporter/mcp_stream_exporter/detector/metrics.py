@@ -32,12 +32,14 @@ _METHODS = frozenset({
     "notifications/resources/list_changed", "notifications/prompts/list_changed",
 })
 _JSONRPC_CODES = frozenset(str(c) for c in (-32700, -32600, -32601, -32602, -32603, *range(-32099, -31999)))
+_ROLES = (sc.ROLE_CLIENT, sc.ROLE_SERVER)
 _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
 # every label value known up front is exported at 0 from the start, so that increase() and rate()
 # see the first event (a series born at 1 has no increase) and dashboards show 0, not "no data"
 TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
 INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full")
 SPAN_REJECTIONS = ("span_model",)
+RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
 
 
 class ToolLabels:
@@ -135,8 +137,11 @@ class DetectorMetrics:
                 self.findings.labels(rule.id, rule.severity, tool)
                 if rule.loss:
                     self.silent_losses.labels(tool, rule.id)
-            for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
+            for role in _ROLES:
                 self.audience_gaps.labels(role, tool)
+        for role in _ROLES:
+            for outcome in RESUME_OUTCOMES:
+                self.resumes.labels(role, outcome)
         for transport in TRANSPORTS:
             self.spans_received.labels(transport)
         for reason in SPAN_REJECTIONS:

@@ -1,0 +1,140 @@
+{{- /* Names, labels and shared pieces of the detector's resources. */ -}}
+
+{{- define "mcp-stream-exporter.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mcp-stream-exporter.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "mcp-stream-exporter.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "mcp-stream-exporter.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "mcp-stream-exporter.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mcp-stream-exporter.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mcp-stream-exporter.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "mcp-stream-exporter.labels" -}}
+helm.sh/chart: {{ include "mcp-stream-exporter.chart" . }}
+{{ include "mcp-stream-exporter.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: detector
+app.kubernetes.io/part-of: mcp-stream-exporter
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "mcp-stream-exporter.ingestSecretName" -}}
+{{- default (printf "%s-ingest" (include "mcp-stream-exporter.fullname" .)) .Values.ingestToken.existingSecret }}
+{{- end }}
+
+{{- /* The pod template of the Deployment and of the StatefulSet. */ -}}
+{{- define "mcp-stream-exporter.podTemplate" -}}
+metadata:
+  labels:
+    {{- include "mcp-stream-exporter.selectorLabels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/policy: {{ toJson .Values.toolPolicy | sha256sum }}
+    {{- with .Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  automountServiceAccountToken: false
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: 30
+  containers:
+    - name: detector
+      image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      args:
+        - serve
+        - --host=0.0.0.0
+        - --port={{ .Values.service.httpPort }}
+        - --grpc-port={{ .Values.service.grpcPort }}
+        - --clean-end-grace-s={{ .Values.detector.cleanEndGraceSeconds }}
+        - --reissue-grace-s={{ .Values.detector.reissueGraceSeconds }}
+        - --max-sessions={{ .Values.detector.maxSessions }}
+        - --max-calls-per-session={{ .Values.detector.maxCallsPerSession }}
+        - --session-ttl-s={{ .Values.detector.sessionTtlSeconds }}
+        - --max-queued-spans={{ .Values.detector.maxQueuedSpans }}
+        - --log-level={{ .Values.detector.logLevel }}
+        {{- if .Values.toolPolicy }}
+        - --policy=/etc/mcp-stream-exporter/policy.json
+        {{- end }}
+        {{- range .Values.detector.extraArgs }}
+        - {{ . | quote }}
+        {{- end }}
+      {{- if .Values.ingestToken.enabled }}
+      env:
+        - name: MCP_STREAM_INGEST_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "mcp-stream-exporter.ingestSecretName" . }}
+              key: {{ .Values.ingestToken.secretKey }}
+      {{- end }}
+      ports:
+        - name: http
+          containerPort: {{ .Values.service.httpPort }}
+          protocol: TCP
+        - name: otlp-grpc
+          containerPort: {{ .Values.service.grpcPort }}
+          protocol: TCP
+      startupProbe:
+        httpGet: {path: /healthz, port: http}
+        periodSeconds: 2
+        failureThreshold: 30
+      livenessProbe:
+        httpGet: {path: /healthz, port: http}
+        periodSeconds: 10
+      readinessProbe:
+        httpGet: {path: /readyz, port: http}
+        periodSeconds: 5
+      resources:
+        {{- toYaml .Values.resources | nindent 8 }}
+      securityContext:
+        {{- toYaml .Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        {{- if .Values.toolPolicy }}
+        - name: policy
+          mountPath: /etc/mcp-stream-exporter
+          readOnly: true
+        {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir: {}
+    {{- if .Values.toolPolicy }}
+    - name: policy
+      configMap:
+        name: {{ include "mcp-stream-exporter.fullname" . }}-policy
+    {{- end }}
+  {{- with .Values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,168 @@
+"""Real Prometheus and Alertmanager (Debian's packages) on 127.0.0.1, loading the project's alert rules,
+with a webhook receiver that records what Alertmanager sends."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from harness import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "alerts" / "mcp-stream-exporter.yaml"
+JOB = "mcp-stream-exporter"
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        if found := shutil.which(name):
+            return found
+    raise AssertionError(f"{names[0]} is installed by `make test` (Debian packages prometheus, "
+                         "prometheus-alertmanager)")
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.25) -> Any:
+    """Poll ``condition`` until it returns something truthy; bounded in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class Webhook:
+    """Alertmanager's webhook receiver: every notification's alerts, as posted."""
+
+    def __init__(self) -> None:
+        self.alerts: list[dict[str, Any]] = []
+        received = self.alerts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                received.extend(json.loads(body)["alerts"])
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/alerts"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Stack:
+    def __init__(self, workdir: Path, prometheus_url: str, targets_file: Path, webhook: Webhook) -> None:
+        self.workdir = workdir
+        self.url = prometheus_url
+        self._targets_file = targets_file
+        self._targets: dict[str, str] = {}
+        self.webhook = webhook
+        self.http = httpx.Client(base_url=prometheus_url, timeout=10)
+
+    def scrape(self, run: str, port: int) -> str:
+        """Add a detector target (file service discovery); returns its ``instance`` label."""
+        self._targets[run] = f"127.0.0.1:{port}"
+        self._write_targets()
+        instance = self._targets[run]
+        wait_for(lambda: self.query(f'up{{instance="{instance}"}} == 1'), 30, f"Prometheus scraping {instance}")
+        return instance
+
+    def forget(self, run: str) -> None:
+        self._targets.pop(run, None)
+        self._write_targets()
+
+    def _write_targets(self) -> None:
+        groups = [{"targets": list(self._targets.values())}]
+        tmp = self._targets_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self._targets_file)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        answer = self.http.get("/api/v1/query", params={"query": expr}).json()
+        assert answer["status"] == "success", answer
+        return list(answer["data"]["result"])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Prometheus' active alerts, pending and firing."""
+        return list(self.http.get("/api/v1/alerts").json()["data"]["alerts"])
+
+    def last_rule_evaluation(self) -> float:
+        groups = self.http.get("/api/v1/rules").json()["data"]["groups"]
+        return min(_epoch(g["lastEvaluation"]) for g in groups)
+
+
+def _epoch(rfc3339: str) -> float:
+    """Whole seconds of Prometheus' nanosecond RFC 3339 times (enough to order evaluations)."""
+    return datetime.strptime(rfc3339[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()
+
+
+@contextmanager
+def prometheus_stack(workdir: Path) -> Iterator[Stack]:
+    """Alertmanager (1 s group wait) and Prometheus (1 s scrape and evaluation) with the project's rules."""
+    webhook = Webhook()
+    am_port, prom_port = free_port(), free_port()
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
+        "route": {"receiver": "webhook", "group_by": ["alertname", "instance"], "group_wait": "1s",
+                  "group_interval": "1s", "repeat_interval": "1h"},
+        "receivers": [{"name": "webhook", "webhook_configs": [{"url": webhook.url, "send_resolved": False}]}],
+    }))
+    targets = workdir / "targets.json"
+    targets.write_text("[]")
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+        "rule_files": [str(RULES)],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+        "scrape_configs": [{"job_name": JOB, "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}],
+    }))
+    logs = (workdir / "alertmanager.log").open("w"), (workdir / "prometheus.log").open("w")
+    alertmanager = subprocess.Popen(
+        [_binary("prometheus-alertmanager", "alertmanager"), f"--config.file={workdir / 'alertmanager.yml'}",
+         f"--storage.path={workdir / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
+         "--cluster.listen-address="], stdout=logs[0], stderr=subprocess.STDOUT)
+    prometheus = subprocess.Popen(
+        [_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+         f"--storage.tsdb.path={workdir / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=logs[1], stderr=subprocess.STDOUT)
+    stack = Stack(workdir, f"http://127.0.0.1:{prom_port}", targets, webhook)
+    try:
+        wait_for(lambda: _ready(f"http://127.0.0.1:{am_port}") and _ready(stack.url), 60,
+                 "Prometheus and Alertmanager to be ready")
+        yield stack
+    finally:
+        for process in (prometheus, alertmanager):
+            process.terminate()
+        for process in (prometheus, alertmanager):
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for log in logs:
+            log.close()
+        stack.http.close()
+        webhook.close()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,190 @@
+"""The Helm chart, validated as far as this machine honestly can (reference/packaging.md section 4.4):
+always the static tier (yamllint, Chart.yaml, values against the schema, copies equal to their sources,
+template conventions, the PrometheusRule payload against the CRD schema); the rendering tier only where
+a `helm` binary exists, and reported SKIPPED where it does not."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from promtool import check_rules
+from yamllint import linter
+from yamllint.config import YamlLintConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "mcp-stream-exporter"
+TEMPLATES = CHART / "templates"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+CRDS = ROOT.parent / "shared" / "reference" / "crd"  # ../shared, beside the clone
+SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$")
+# chart-testing's lintconf, with room for the runbook links
+YAMLLINT = YamlLintConfig("""
+extends: default
+rules:
+  line-length: {max: 160}
+  document-start: disable
+  truthy: {check-keys: false}
+  comments: {min-spaces-from-content: 1}
+  indentation: {spaces: consistent, indent-sequences: whatever}
+""")
+
+
+def _values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of a values file over the chart's values.yaml."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _validator(schema: dict[str, Any]) -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER)
+
+
+def _crd_schema(name: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / name).read_text())
+    return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+@pytest.mark.parametrize("path", [CHART / "Chart.yaml", CHART / "values.yaml", *CI_VALUES,
+                                  *sorted((ROOT / "helm" / "examples").glob("*.yaml")),
+                                  *sorted((ROOT / "alerts").rglob("*.yaml"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_yamllint_is_clean(path):
+    problems = [str(p) for p in linter.run(path.read_text(), YAMLLINT, str(path))]
+    assert problems == []
+
+
+def test_chart_yaml_is_a_v2_chart_named_after_its_folder_with_the_project_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2" and chart["name"] == CHART.name and chart["type"] == "application"
+    assert SEMVER.match(chart["version"]) and chart["appVersion"] == project["version"]
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda p: p.name if p else "values.yaml")
+def test_the_merged_values_satisfy_the_schema(values):
+    merged = _merge(_values(), yaml.safe_load(values.read_text()) or {}) if values else _values()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    errors = [e.message for e in _validator(schema).iter_errors(merged)]
+    assert errors == []
+
+
+@pytest.mark.parametrize("override", [
+    {"image": {"tag": "latest"}},
+    {"serviceMonitor": {"interval": "five minutes"}},
+    {"detector": {"maxSessions": 0}},
+    {"service": {"grpcPort": 70000}},
+    {"ingestToken": {"token": "typo for value"}},
+    {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
+], ids=["latest-tag", "bad-duration", "zero-ledger", "bad-port", "unknown-key", "bad-resource"])
+def test_the_schema_refuses_wrong_values(override):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert list(_validator(schema).iter_errors(_merge(_values(), override)))
+
+
+def test_every_value_is_used_by_a_template():
+    templates = "".join(p.read_text() for p in TEMPLATES.iterdir())
+
+    def paths(node: dict[str, Any], prefix: str) -> list[str]:
+        out = []
+        for key, value in node.items():
+            path = f"{prefix}.{key}"
+            if isinstance(value, dict) and value and key not in {"resources", "podSecurityContext", "securityContext"}:
+                out += paths(value, path)
+            else:
+                out.append(path)
+        return out
+
+    unused = [p for p in paths(_values(), ".Values") if p not in templates]
+    assert unused == []
+
+
+def test_the_chart_carries_exact_copies_of_the_alerts_and_dashboards():
+    for source, copies in ((ROOT / "alerts", CHART / "files" / "alerts"),
+                           (ROOT / "dashboards", CHART / "files" / "dashboards")):
+        wanted = sorted(p.name for p in source.glob("*.json")) + sorted(p.name for p in source.glob("*.yaml"))
+        assert sorted(p.name for p in copies.iterdir()) == sorted(wanted)
+        for name in wanted:
+            assert (copies / name).read_bytes() == (source / name).read_bytes(), f"copy {name} into {copies}"
+
+
+def test_templates_follow_the_chart_conventions():
+    for path in TEMPLATES.glob("*.yaml"):
+        text = path.read_text()
+        assert 'include "mcp-stream-exporter.labels"' in text, f"{path.name}: standard labels"
+        assert ":latest" not in text
+    for name in ("servicemonitor.yaml", "prometheusrule.yaml"):
+        first = (TEMPLATES / name).read_text().splitlines()[0]
+        assert '.Capabilities.APIVersions.Has "monitoring.coreos.com/v1"' in first, name
+    dashboards = (TEMPLATES / "grafana-dashboards-configmap.yaml").read_text()
+    assert '.Files.Glob "files/dashboards/*.json"' in dashboards and ".Values.grafanaDashboards.label" in dashboards
+    pod = (TEMPLATES / "_helpers.tpl").read_text()
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe", "/healthz", "/readyz"):
+        assert probe in pod
+    security = _values()["securityContext"]
+    assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+    assert security["capabilities"]["drop"] == ["ALL"] and _values()["podSecurityContext"]["runAsNonRoot"]
+
+
+def test_the_prometheus_rule_payload_satisfies_the_crd_schema():
+    spec = yaml.safe_load((CHART / "files" / "alerts" / "mcp-stream-exporter.yaml").read_text())
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "mcp-stream-exporter"}, "spec": spec}
+    schema = _crd_schema("prometheusrules.yaml")
+    assert [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(rule)] == []
+    broken = copy.deepcopy(rule)
+    broken["spec"]["groups"][1]["rules"][0]["for"] = "one minute"
+    assert list(jsonschema.Draft7Validator(schema).iter_errors(broken)), "the CRD schema checks durations"
+
+
+def test_the_collector_example_routes_sessions_to_the_charts_headless_service_over_grpc():
+    config = yaml.safe_load((ROOT / "helm" / "examples" / "otel-collector-loadbalancing.yaml").read_text())
+    exporter = config["exporters"]["load_balancing"]
+    assert exporter["routing_key"] == "attributes" and exporter["routing_attributes"] == ["mcp.session.id"]
+    assert "otlp" in exporter["protocol"]
+    service, port = exporter["resolver"]["k8s"]["service"], exporter["resolver"]["k8s"]["ports"][0]
+    assert service.split(".")[0] == f"{CHART.name}-headless" and port == _values()["service"]["grpcPort"]
+    assert "-headless" in (TEMPLATES / "service-headless.yaml").read_text()
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["load_balancing"]
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+def test_helm_renders_valid_kubernetes_objects(values, tmp_path):
+    helm = shutil.which("helm")
+    if helm is None:
+        pytest.skip("SKIPPED: helm not available, chart not rendered (helm lint, helm template, "
+                    "kubernetes-validate)")
+    lint = subprocess.run([helm, "lint", "--strict", str(CHART), "-f", str(values)],
+                          capture_output=True, text=True, check=False)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    rendered = subprocess.run([helm, "template", "mcp-stream-exporter", str(CHART), "-f", str(values),
+                               "--api-versions", "monitoring.coreos.com/v1"],
+                              capture_output=True, text=True, check=True).stdout
+    objects = [o for o in yaml.safe_load_all(rendered) if o]
+    crds = {"ServiceMonitor": _crd_schema("servicemonitors.yaml"),
+            "PrometheusRule": _crd_schema("prometheusrules.yaml")}
+    import kubernetes_validate
+
+    for obj in objects:
+        if obj["kind"] in crds:
+            assert [e.message for e in jsonschema.Draft7Validator(crds[obj["kind"]]).iter_errors(obj)] == []
+        else:
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    (rules,) = [o["spec"] for o in objects if o["kind"] == "PrometheusRule"]
+    check = check_rules(rules, tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
