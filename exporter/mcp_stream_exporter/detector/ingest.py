@@ -214,7 +214,13 @@ class IngestQueue:
             finally:
                 with self._cond:
                     self._queued -= len(events)
+                    self._cond.notify_all()
                 self.detector.metrics.ingest_latency.observe(time.monotonic() - arrived)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every accepted batch is in the ledger; False if that took longer than ``timeout_s``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queued == 0, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._cond:
