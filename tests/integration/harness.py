@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import httpx
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -117,3 +121,50 @@ def free_port() -> int:
 
 def spans() -> list[ReadableSpan]:
     return list(span_exporter().get_finished_spans())
+
+
+class DetectorProcess:
+    """``mcp-stream-exporter serve`` in a subprocess on 127.0.0.1: the real service, as deployed."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def post(self, body: bytes, token: str | None = None) -> httpx.Response:
+        headers = {"content-type": "application/x-protobuf"} | ({"authorization": f"Bearer {token}"} if token else {})
+        return httpx.post(f"{self.url}/v1/traces", content=body, headers=headers, timeout=30)
+
+    def findings(self) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.url}/api/findings", params={"limit": 500}, timeout=10).json()["findings"])
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+@contextlib.contextmanager
+def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[DetectorProcess]:
+    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) and wait until ready."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
+                             "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    service = DetectorProcess(proc, port)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{service.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the detector did not start: {proc.stderr.read() if proc.stderr else ''}")
+        yield service
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
