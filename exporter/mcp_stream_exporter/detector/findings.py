@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -104,3 +104,10 @@ class FindingStore:
 
     def __len__(self) -> int:
         return len(self._findings)
+
+    def dump(self) -> list[dict[str, Any]]:
+        """Oldest first, as JSON-able data (snapshot.py)."""
+        return [asdict(f) for f in self._findings.values()]
+
+    def load(self, rows: list[dict[str, Any]]) -> None:
+        self._findings = OrderedDict((row["id"], Finding(**row)) for row in rows[-self._capacity:])

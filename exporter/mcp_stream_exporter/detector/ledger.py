@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 _MAX_SPAN_REFS = 4
 _K = TypeVar("_K")
@@ -187,6 +187,44 @@ class Ledger:
             expired += 1
         return expired
 
+    # --- snapshots (snapshot.py): JSON-able data, never pickles ---
+
+    def dump(self) -> dict[str, Any]:
+        """Everything a restarted detector needs to go on judging the calls this one holds."""
+        return {
+            "sessions": [{"scope": s.scope, "last_ns": s.last_ns,
+                          "calls": [_row(c) for c in s.calls.values()],
+                          "resumes": [[role, cursor, list(times), times.maxlen]
+                                      for (role, cursor), times in (s.resumes or {}).items()]}
+                         for s in self._sessions.values()],
+            "evictions": dict(self.evictions),
+            "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
+            "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
+            "timers": [list(timer) for timer in self._timers],
+            "seq": self._seq,
+        }
+
+    def load(self, data: dict[str, Any]) -> None:
+        """Take a dump's content in place of this ledger's (at start, before any span)."""
+        self._sessions.clear()
+        self._calls = self._in_flight = 0
+        for s in data["sessions"]:
+            session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"])
+            for row in s["calls"]:
+                values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
+                call = session.calls[row["request_id"]] = CallState(**values)
+                self._calls += 1
+                self._in_flight += call.in_flight
+            if s["resumes"]:
+                session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
+                                   for role, cursor, times, maxlen in s["resumes"]}
+        self.evictions.update(data["evictions"])
+        self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
+        self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
+        self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
+        heapq.heapify(self._timers)
+        self._seq = data["seq"]
+
     # --- size ---
 
     @property
@@ -210,6 +248,13 @@ class Ledger:
         self._calls -= 1
         if call.in_flight:
             self._in_flight -= 1
+
+
+_TUPLES = frozenset(f.name for f in fields(CallState) if str(f.type).startswith("tuple"))
+
+
+def _row(call: CallState) -> dict[str, Any]:
+    return {f.name: getattr(call, f.name) for f in fields(CallState)}
 
 
 def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> None:

@@ -130,6 +130,10 @@ class DetectorMetrics:
             "mcp_stream_detector_ingest_duration_seconds", "Time from a batch's arrival to its spans being in "
             "the ledger, queueing included.", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
             registry=registry)
+        self.snapshot_time = Gauge(
+            "mcp_stream_detector_snapshot_timestamp_seconds", "When the ledger was last written to (or read from) "
+            "its SQLite snapshot; 0 with snapshots off. Older than --snapshot-interval-s means writes fail and a "
+            "restart would lose more than the interval.", registry=registry)
         Gauge("mcp_stream_detector_build_info", "The detector's version; always 1.", ["version"],
               registry=registry).labels(version("mcp-stream-exporter")).set(1)
         for tool in tools.initial:

@@ -27,6 +27,7 @@ from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.ledger import LedgerLimits
 from mcp_stream_exporter.detector.rules import RuleConfig
+from mcp_stream_exporter.detector.snapshot import Snapshots
 
 ENV_PREFIX = "MCP_STREAM_"
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -56,6 +57,8 @@ class ServiceConfig:
     max_decompressed_bytes: int = 16 * 1024 * 1024
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
+    snapshot_path: str | None = None  # SQLite file: the ledger survives restarts
+    snapshot_interval_s: float = 30.0  # a SIGKILL loses at most this much
     log_level: str = "info"
 
     def detector_config(self) -> DetectorConfig:
@@ -131,6 +134,11 @@ def _configure_logging(level: str) -> None:
 def run(config: ServiceConfig) -> int:
     _configure_logging(config.log_level)
     detector = Detector(config.detector_config())
+    snapshots = None
+    if config.snapshot_path:
+        snapshots = Snapshots(detector, config.snapshot_path, config.snapshot_interval_s)
+        snapshots.restore()
+        snapshots.start()
     queue = IngestQueue(detector, config.ingest_limits())
     tls: tuple[bytes, bytes] | None = None
     if config.tls_cert and config.tls_key:
@@ -153,6 +161,8 @@ def run(config: ServiceConfig) -> int:
     if grpc_server is not None:
         grpc_server.stop(grace=5).wait()
     queue.close()  # drain what was accepted before exiting
+    if snapshots is not None:
+        snapshots.close()  # after the drain: the final snapshot holds every accepted span
     log.info("detector stopped", extra={"findings": len(detector.findings)})
     return 0
 

@@ -1,0 +1,52 @@
+"""Restart: the service's ledger survives a graceful restart and a SIGKILL between snapshots (losing at
+most the snapshot interval): the incident's pending fetch is still flagged when its grace period runs
+out, by the detector that came back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import detector_process, incident, play_incident, spans
+from prometheus_stack import wait_for
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+
+
+def _snapshot_time(service) -> float:
+    for family in text_string_to_metric_families(service.metrics()):
+        if family.name == "mcp_stream_detector_snapshot_timestamp_seconds":
+            return float(family.samples[0].value)
+    raise AssertionError("no snapshot timestamp metric")
+
+
+def _lost_fetch(service) -> bool:
+    return any(f["rule"] == "clean_end_pending" and f["tool"] == "fetch" for f in service.findings())
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
+    async with incident("legacy") as lab:
+        await play_incident(lab)
+    body = encode_spans(spans()).SerializeToString()
+    flags = ("--clean-end-grace-s=6", f"--snapshot-path={tmp_path / 'ledger.db'}", "--snapshot-interval-s=0.5")
+
+    with detector_process(*flags) as first:
+        posted = time.time()
+        assert first.post(body).status_code == 200
+        if stop == "sigkill":  # a crash after the next periodic snapshot, before the grace period ends
+            wait_for(lambda: _snapshot_time(first) > posted + 0.1, 10, "a snapshot after the spans arrived")
+            first.proc.kill()
+        else:
+            first.proc.terminate()
+        first.proc.wait(timeout=20)
+        assert time.time() < posted + 6, "the first detector must stop inside the grace period"
+
+    with detector_process(*flags) as second:
+        assert _snapshot_time(second) >= posted  # restored
+        wait_for(lambda: _lost_fetch(second), 20, "clean_end_pending for fetch after the restart")
+        (narrowed,) = [f for f in second.findings() if f["rule"] == "narrowed_resume"]
+        assert narrowed["evidence"]["missing_resources"]
