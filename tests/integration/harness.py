@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -144,27 +145,30 @@ class DetectorProcess:
 
 @contextlib.contextmanager
 def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[DetectorProcess]:
-    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) and wait until ready."""
+    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) and wait until ready.
+    Its logs go to a file (a pipe nobody reads would fill and block the service)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
-                             "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    service = DetectorProcess(proc, port)
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{service.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
-        else:
-            raise RuntimeError(f"the detector did not start: {proc.stderr.read() if proc.stderr else ''}")
-        yield service
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with tempfile.TemporaryFile("w+") as logs:
+        proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
+                                 "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=logs, text=True)
+        service = DetectorProcess(proc, port)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    if httpx.get(f"{service.url}/readyz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            else:
+                logs.seek(0)
+                raise RuntimeError(f"the detector did not start: {logs.read()[-2000:]}")
+            yield service
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()

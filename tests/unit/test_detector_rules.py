@@ -198,3 +198,11 @@ def test_the_ledger_is_bounded_and_counts_what_it_evicts():
     detector.tick()
     assert (detector.ledger.sessions, detector.ledger.calls, detector.ledger.in_flight) == (0, 0, 0)
     assert detector.registry.get_sample_value("mcp_stream_detector_ledger_evictions_total", {"reason": "ttl"}) == 2
+
+
+def test_grace_timers_of_evicted_calls_do_not_pile_up():
+    """Found by the 60 s load test: every clean end's timer outlived its evicted call until due."""
+    detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=100)), clock=Clock())
+    detector.consume([stream(C, "resume", "clean", pending=("1",), cursor="6", session=f"s{i}") for i in range(20_000)])
+    assert detector.ledger.sessions == 100
+    assert len(detector.ledger.dump()["timers"]) <= 2 * 1024

@@ -167,6 +167,10 @@ class Ledger:
     def schedule(self, due_ns: int, what: str, call: CallState) -> None:
         self._seq += 1
         heapq.heappush(self._timers, (due_ns, self._seq, what, call.scope, call.request_id))
+        if len(self._timers) > 2 * max(self._calls, 1024):
+            # timers of evicted calls would otherwise stay until due: drop them, amortised O(1)
+            self._timers = [t for t in self._timers if self.find(t[3], t[4]) is not None]
+            heapq.heapify(self._timers)
 
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
