@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from mcp_stream_exporter.lab import Incident
 _EXPORTER: InMemorySpanExporter | None = None
 _DETECTORS: list[SpanProcessor] = []  # the current test's detectors, fed from the global provider
 TOKENS_USED: list[str] = []  # every bearer a scenario minted; conftest checks none leaked
+DETECTORS_USED: list[Detector] = []  # every detector a scenario fed; conftest checks their outputs too
 
 
 def span_exporter() -> InMemorySpanExporter:
@@ -70,6 +72,7 @@ def detector(grace_s: float = 5.0, processor: SpanProcessor | None = None,
     clock = Clock()
     found = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=grace_s, reissue_grace_s=grace_s),
                                     tools=tools), clock=clock)
+    DETECTORS_USED.append(found)
     feed = processor or DetectorSpanProcessor(found)
     _DETECTORS.append(feed)
     try:
@@ -127,20 +130,22 @@ def spans() -> list[ReadableSpan]:
 class DetectorProcess:
     """``mcp-stream-exporter serve`` in a subprocess on 127.0.0.1: the real service, as deployed."""
 
-    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int, ca: str | None = None) -> None:
         self.proc = proc
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if ca else 'http'}://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=30,
+                                 verify=ssl.create_default_context(cafile=ca) if ca else True)
 
     def post(self, body: bytes, token: str | None = None) -> httpx.Response:
         headers = {"content-type": "application/x-protobuf"} | ({"authorization": f"Bearer {token}"} if token else {})
-        return httpx.post(f"{self.url}/v1/traces", content=body, headers=headers, timeout=30)
+        return self.http.post("/v1/traces", content=body, headers=headers)
 
     def findings(self) -> list[dict[str, Any]]:
-        return list(httpx.get(f"{self.url}/api/findings", params={"limit": 500}, timeout=10).json()["findings"])
+        return list(self.http.get("/api/findings", params={"limit": 500}).json()["findings"])
 
     def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+        return self.http.get("/metrics").text
 
 
 @contextlib.contextmanager
@@ -148,16 +153,17 @@ def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator
     """Start the service with ``flags`` (gRPC off unless a flag says otherwise) and wait until ready.
     Its logs go to a file (a pipe nobody reads would fill and block the service)."""
     port = free_port()
+    ca = next((f.split("=", 1)[1] for f in flags if f.startswith("--tls-cert=")), None)
     with tempfile.TemporaryFile("w+") as logs:
         proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
                                  "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
                                 stdout=subprocess.DEVNULL, stderr=logs, text=True)
-        service = DetectorProcess(proc, port)
+        service = DetectorProcess(proc, port, ca)
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and proc.poll() is None:
                 try:
-                    if httpx.get(f"{service.url}/readyz", timeout=1).status_code == 200:
+                    if service.http.get("/readyz", timeout=1).status_code == 200:
                         break
                 except httpx.TransportError:
                     time.sleep(0.05)
@@ -166,6 +172,7 @@ def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator
                 raise RuntimeError(f"the detector did not start: {logs.read()[-2000:]}")
             yield service
         finally:
+            service.http.close()
             if proc.poll() is None:
                 proc.terminate()
                 try:

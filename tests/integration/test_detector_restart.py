@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import detector_process, incident, play_incident, spans
+from harness import TOKENS_USED, detector_process, incident, play_incident, spans
 from prometheus_stack import wait_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
@@ -50,3 +50,6 @@ async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
         wait_for(lambda: _lost_fetch(second), 20, "clean_end_pending for fetch after the restart")
         (narrowed,) = [f for f in second.findings() if f["rule"] == "narrowed_resume"]
         assert narrowed["evidence"]["missing_resources"]
+        outputs = (tmp_path / "ledger.db").read_bytes() + (second.metrics() + str(second.findings())).encode()
+    for token in TOKENS_USED:  # no raw token in the snapshot, the metrics or the findings
+        assert token.encode() not in outputs and token.split(".")[2].encode() not in outputs

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import ipaddress
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -27,7 +34,7 @@ from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.lab import serve
 
-from harness import Clock, detector, free_port, incident
+from harness import Clock, detector, detector_process, free_port, incident
 
 pytestmark = pytest.mark.anyio
 TOKEN = "ingest-token-for-tests"
@@ -217,3 +224,41 @@ def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     logs = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
     assert any(entry["message"] == "detector stopped" for entry in logs)
     assert all("api-secret" not in json.dumps(entry) for entry in logs)
+
+
+def _self_signed(tmp_path):
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1))
+            .not_valid_after(now + timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+
+
+def test_tls_on_http_and_grpc_with_the_ingest_token(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    grpc_port = free_port()
+    request = trace_service_pb2.ExportTraceServiceRequest()
+    with detector_process(f"--tls-cert={cert}", f"--tls-key={key}", f"--grpc-port={grpc_port}",
+                          env={"MCP_STREAM_INGEST_TOKEN": "ingest-secret"}) as service:
+        assert service.url.startswith("https://")
+        assert service.post(request.SerializeToString()).status_code == 401
+        assert service.post(request.SerializeToString(), token="ingest-secret").status_code == 200
+        with pytest.raises(httpx.TransportError):  # no plain HTTP beside TLS
+            httpx.get(f"http://127.0.0.1:{service.port}/healthz", timeout=5)
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(cert).read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+            export = trace_service_pb2_grpc.TraceServiceStub(channel).Export
+            export(request, metadata=[("authorization", "Bearer ingest-secret")], timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                export(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
