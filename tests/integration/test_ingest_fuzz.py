@@ -10,6 +10,10 @@ import gzip
 import itertools
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -221,3 +225,20 @@ def test_spans_out_of_order_duplicated_and_from_the_future_are_taken_or_refused_
     assert answer.status_code == 200
     assert partial.rejected_spans == 1 and "ends before it starts" in partial.error_message
     _assert_valid_span_reached_the_ledger(detector, queue, session)
+
+
+def test_coverage_guided_fuzzing_of_the_ingest_path_finds_no_crash(tmp_path):
+    pytest.importorskip("atheris", reason="atheris has no wheel for this platform")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    seed = _request([_valid_span("seed"), _valid_span("seed")])
+    (corpus / "protobuf").write_bytes(b"\x00\x00" + seed.SerializeToString())
+    (corpus / "json").write_bytes(b"\x01\x00" + json_format.MessageToJson(seed).encode())
+    (corpus / "gzip").write_bytes(b"\x00\x01" + gzip.compress(seed.SerializeToString()))
+    target = Path(__file__).resolve().parents[1] / "fuzz" / "otlp_ingest.py"
+    run = subprocess.run([sys.executable, str(target), str(corpus), "-runs=20000", "-max_total_time=20"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    runs = re.search(r"Done (\d+) runs", run.stderr)
+    assert runs, run.stderr[-2000:]
+    TRIED["atheris runs"] = int(runs[1])
