@@ -77,6 +77,10 @@ spec:
         {{- if .Values.toolPolicy }}
         - --policy=/etc/mcp-stream-exporter/policy.json
         {{- end }}
+        {{- if .Values.snapshot.enabled }}
+        - --snapshot-path=/var/lib/mcp-stream-exporter/ledger.db
+        - --snapshot-interval-s={{ .Values.snapshot.intervalSeconds }}
+        {{- end }}
         {{- range .Values.detector.extraArgs }}
         - {{ . | quote }}
         {{- end }}
@@ -112,6 +116,10 @@ spec:
       volumeMounts:
         - name: tmp
           mountPath: /tmp
+        {{- if .Values.snapshot.enabled }}
+        - name: data
+          mountPath: /var/lib/mcp-stream-exporter
+        {{- end }}
         {{- if .Values.toolPolicy }}
         - name: policy
           mountPath: /etc/mcp-stream-exporter
@@ -120,6 +128,10 @@ spec:
   volumes:
     - name: tmp
       emptyDir: {}
+    {{- if and .Values.snapshot.enabled (not (and .Values.statefulSet.enabled .Values.snapshot.persistentVolume.enabled)) }}
+    - name: data
+      emptyDir: {}
+    {{- end }}
     {{- if .Values.toolPolicy }}
     - name: policy
       configMap:
