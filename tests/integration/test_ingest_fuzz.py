@@ -79,8 +79,13 @@ def _value(v: object) -> AnyValue:
 
 _scalars = (st.text(max_size=40) | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
             | st.floats(allow_nan=True) | st.binary(max_size=40) | st.sampled_from([*SPAN_KINDS, "client", "server"]))
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                          max_size=3), max_leaves=12)
+
+
+def _nested(inner: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+
+
+_values = st.recursive(_scalars, _nested, max_leaves=12)
 _times = st.integers(min_value=0, max_value=2**64 - 1)
 
 
