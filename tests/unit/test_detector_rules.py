@@ -205,4 +205,4 @@ def test_grace_timers_of_evicted_calls_do_not_pile_up():
     detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=100)), clock=Clock())
     detector.consume([stream(C, "resume", "clean", pending=("1",), cursor="6", session=f"s{i}") for i in range(20_000)])
     assert detector.ledger.sessions == 100
-    assert len(detector.ledger.dump()["timers"]) <= 2 * 1024
+    assert len(detector.ledger.dump()["timers"]) <= 2048

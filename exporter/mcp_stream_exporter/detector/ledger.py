@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 _MAX_SPAN_REFS = 4
+_MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -95,6 +96,7 @@ class Ledger:
         self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, tool) -> last start
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
+        self._compact_at = _MIN_COMPACTION
 
     # --- sessions and calls ---
 
@@ -167,10 +169,12 @@ class Ledger:
     def schedule(self, due_ns: int, what: str, call: CallState) -> None:
         self._seq += 1
         heapq.heappush(self._timers, (due_ns, self._seq, what, call.scope, call.request_id))
-        if len(self._timers) > 2 * max(self._calls, 1024):
-            # timers of evicted calls would otherwise stay until due: drop them, amortised O(1)
+        if len(self._timers) > self._compact_at:
+            # timers of evicted calls would otherwise stay until due: drop them; the heap at least
+            # doubles between two compactions, so each push pays O(1) for them
             self._timers = [t for t in self._timers if self.find(t[3], t[4]) is not None]
             heapq.heapify(self._timers)
+            self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
 
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
