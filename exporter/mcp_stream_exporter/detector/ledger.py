@@ -231,6 +231,7 @@ class Ledger:
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
         heapq.heapify(self._timers)
+        self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
         self._seq = data["seq"]
 
     # --- size ---
