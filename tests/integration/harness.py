@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -115,6 +115,16 @@ async def play_incident(lab: Incident, fetch_timeout: float = 2.5) -> list[Any]:
     return await asyncio.gather(lab.call("search", {"query": "q", "steps": 4}),
                                 lab.call("fetch", {"url": "u", "steps": 4}, timeout=fetch_timeout),
                                 return_exceptions=True)
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.25) -> Any:
+    """Poll ``condition`` until it returns something truthy; bounded in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def free_port() -> int:

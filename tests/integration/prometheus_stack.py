@@ -7,8 +7,7 @@ import json
 import shutil
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
-from harness import free_port
+from harness import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "mcp-stream-exporter.yaml"
@@ -31,16 +30,6 @@ def _binary(*names: str) -> str:
             return found
     raise AssertionError(f"{names[0]} is installed by `make test` (Debian packages prometheus, "
                          "prometheus-alertmanager)")
-
-
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, every_s: float = 0.25) -> Any:
-    """Poll ``condition`` until it returns something truthy; bounded in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class Webhook:

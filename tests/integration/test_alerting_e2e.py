@@ -12,9 +12,9 @@ from mcp.shared.exceptions import MCPError
 
 from mcp_stream_exporter.detector.embedded import DetectorSpanProcessor, EmbeddedDetector
 
-from harness import after_grace, detector, incident, play_incident
+from harness import after_grace, detector, incident, play_incident, wait_for
 from panel_queries import dashboards, queries, substitute
-from prometheus_stack import JOB, prometheus_stack, wait_for
+from prometheus_stack import JOB, prometheus_stack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 

@@ -10,8 +10,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import TOKENS_USED, detector_process, incident, play_incident, spans
-from prometheus_stack import wait_for
+from harness import TOKENS_USED, detector_process, incident, play_incident, spans, wait_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 

@@ -17,8 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mcp_stream_exporter import semconv as sc
 
-from harness import detector_process
-from prometheus_stack import wait_for
+from harness import detector_process, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
