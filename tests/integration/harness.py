@@ -127,6 +127,14 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, every_s:
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def answers(url: str, client: httpx.Client | None = None) -> bool:
+    """True when ``url`` answers 200: a server's readiness, polled with :func:`wait_for`."""
+    try:
+        return (client or httpx).get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,14 +178,9 @@ def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator
                                 stdout=subprocess.DEVNULL, stderr=logs, text=True)
         service = DetectorProcess(proc, port, ca)
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if service.http.get("/readyz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.05)
-            else:
+            wait_for(lambda: proc.poll() is not None or answers(f"{service.url}/readyz", service.http), 30,
+                     "the detector to be ready", every_s=0.05)
+            if proc.poll() is not None:
                 logs.seek(0)
                 raise RuntimeError(f"the detector did not start: {logs.read()[-2000:]}")
             yield service

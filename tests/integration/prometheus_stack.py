@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
-from harness import free_port, wait_for
+from harness import answers, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "mcp-stream-exporter.yaml"
@@ -133,7 +133,7 @@ def prometheus_stack(workdir: Path) -> Iterator[Stack]:
         stdout=logs[1], stderr=subprocess.STDOUT)
     stack = Stack(workdir, f"http://127.0.0.1:{prom_port}", targets, webhook)
     try:
-        wait_for(lambda: _ready(f"http://127.0.0.1:{am_port}") and _ready(stack.url), 60,
+        wait_for(lambda: answers(f"http://127.0.0.1:{am_port}/-/ready") and answers(f"{stack.url}/-/ready"), 60,
                  "Prometheus and Alertmanager to be ready")
         yield stack
     finally:
@@ -148,10 +148,3 @@ def prometheus_stack(workdir: Path) -> Iterator[Stack]:
             log.close()
         stack.http.close()
         webhook.close()
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/-/ready", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

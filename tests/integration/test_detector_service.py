@@ -34,7 +34,7 @@ from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.lab import serve
 
-from harness import Clock, detector, detector_process, free_port, incident
+from harness import Clock, answers, detector, detector_process, free_port, incident, wait_for
 
 pytestmark = pytest.mark.anyio
 TOKEN = "ingest-token-for-tests"
@@ -208,12 +208,7 @@ def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--config", str(config),
                              "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(200):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        wait_for(lambda: answers(f"http://127.0.0.1:{port}/readyz"), 10, "the service to be ready", every_s=0.05)
         assert httpx.get(f"http://127.0.0.1:{port}/api/findings").status_code == 401
         ok = httpx.get(f"http://127.0.0.1:{port}/api/findings", headers={"Authorization": "Bearer api-secret"})
         assert ok.status_code == 200
