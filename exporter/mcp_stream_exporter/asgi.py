@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -11,7 +11,3 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-
-def headers_of(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI header pairs as a dict with lower-cased names (HTTP/1.1 headers are latin-1)."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}

@@ -41,8 +41,9 @@ from opentelemetry import trace
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, headers_of
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
 
@@ -53,6 +54,7 @@ ReplayScope = Literal["stream", "session"]
 REFUSAL_METHOD: Final = "notifications/mcp_stream/replay_refused"  # the in-process notice asgi() rewrites
 INSUFFICIENT_AUDIENCE: Final = "insufficient_audience"
 UNKNOWN_CURSOR: Final = "unknown_cursor"
+_REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +240,7 @@ class GuardedEventStore(EventStore):
             rs = request_scope.current()  # bound already when the hooks' observer is in front
             token = None
             if rs is None:
-                headers = headers_of(scope.get("headers", []))
+                headers = pick(scope.get("headers", ()), _REQUEST_HEADERS)
                 rs = request_scope.RequestScope(headers.get("mcp-session-id"),
                                                 self.tokens.from_authorization(headers.get("authorization")))
                 token = request_scope.bind(rs)

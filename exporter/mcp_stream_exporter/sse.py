@@ -6,15 +6,10 @@ receives), so they share this parser; the guard renders its ``event: error`` fra
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-_LINE_END = re.compile(rb"\r\n|\r|\n")
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class SSEFrame:
+class SSEFrame(NamedTuple):
     """One dispatched event. ``id`` is None when the frame has no ``id:`` line (the cursor stays)."""
 
     data: str = ""
@@ -29,71 +24,70 @@ class SSEFrame:
 
 
 class SSEParser:
-    """Feed it chunks in any split; it yields each complete frame once. Comments (pings) are counted."""
+    """Feed it chunks in any split; it returns each complete frame once. Comments (pings) are counted.
+
+    Both hooks run it on every chunk of every stream, so it splits a chunk's complete lines at once
+    (``bytes.splitlines`` breaks at exactly SSE's line ends: CRLF, LF, CR) and decodes field values only.
+    """
 
     __slots__ = ("_buf", "_data", "_event", "_id", "_retry", "_seen_field", "comments")
 
     def __init__(self) -> None:
         self._buf = b""
         self.comments = 0
-        self._reset()
-
-    def _reset(self) -> None:
         self._data: list[str] = []
         self._event: str | None = None
         self._id: str | None = None
         self._retry: int | None = None
         self._seen_field = False
 
-    def feed(self, chunk: bytes) -> Iterator[SSEFrame]:
+    def feed(self, chunk: bytes) -> list[SSEFrame]:
         buf = self._buf + chunk if self._buf else chunk
-        pos = 0
-        for m in _LINE_END.finditer(buf):
-            if m.group() == b"\r" and m.end() == len(buf):
-                break  # may be the first half of a CRLF split across chunks
-            frame = self._line(buf[pos : m.start()])
-            pos = m.end()
-            if frame is not None:
-                yield frame
-        self._buf = buf[pos:]
+        end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)  # a last CR may be half of a CRLF
+        cut = max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end)) + 1
+        if cut == 0:
+            self._buf = buf
+            return []
+        self._buf = buf[cut:]
+        return self._lines(buf[:cut].splitlines())
 
-    def close(self) -> Iterator[SSEFrame]:
+    def close(self) -> list[SSEFrame]:
         """End of input: a trailing frame without its blank line is not dispatched (as browsers do)."""
-        if self._buf.endswith(b"\r"):
-            frame = self._line(self._buf[:-1])
-            if frame is not None:
-                yield frame
+        frames = self._lines([self._buf[:-1]]) if self._buf.endswith(b"\r") else []
         self._buf = b""
-        self._reset()
+        self._data, self._event, self._id, self._retry, self._seen_field = [], None, None, None, False
+        return frames
 
-    def _line(self, raw: bytes) -> SSEFrame | None:
-        if not raw:
-            if not self._seen_field:
-                return None
-            frame = SSEFrame("\n".join(self._data), self._event, self._id, self._retry)
-            self._reset()
-            return frame
-        line = raw.decode("utf-8", errors="replace")
-        if line.startswith(":"):
-            self.comments += 1
-            return None
-        name, colon, value = line.partition(":")
-        if colon and value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "id":
-            if "\0" not in value:
-                self._id = value
-        elif name == "retry":
-            if value.isdigit():
-                self._retry = int(value)
-        else:
-            return None
-        self._seen_field = True
-        return None
+    def _lines(self, lines: list[bytes]) -> list[SSEFrame]:
+        frames: list[SSEFrame] = []
+        data, event, id_, retry, seen = self._data, self._event, self._id, self._retry, self._seen_field
+        for line in lines:
+            if not line:  # a blank line dispatches the frame, if any field was seen
+                if seen:
+                    frames.append(SSEFrame("\n".join(data), event, id_, retry))
+                    data, event, id_, retry, seen = [], None, None, None, False
+                continue
+            name, colon, value = line.partition(b":")
+            if not name:
+                self.comments += 1
+                continue
+            if colon and value[:1] == b" ":
+                value = value[1:]
+            if name == b"data":
+                data.append(value.decode("utf-8", "replace"))
+            elif name == b"event":
+                event = value.decode("utf-8", "replace")
+            elif name == b"id":
+                if b"\0" not in value:
+                    id_ = value.decode("utf-8", "replace")
+            elif name == b"retry":
+                if value.isdigit():
+                    retry = int(value)
+            else:
+                continue
+            seen = True
+        self._data, self._event, self._id, self._retry, self._seen_field = data, event, id_, retry, seen
+        return frames
 
 
 def render(frame: SSEFrame) -> bytes:

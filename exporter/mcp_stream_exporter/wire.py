@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from mcp_stream_exporter import semconv as sc
 
@@ -18,8 +17,9 @@ CANCELLED: Final = "notifications/cancelled"
 INITIALIZE: Final = "initialize"
 
 
-@dataclass(frozen=True, slots=True)
-class WireMessage:
+class WireMessage(NamedTuple):
+    """A JSON-RPC message, reduced to what the span model needs (a tuple: built once per message)."""
+
     kind: str  # one of semconv.FRAME_*
     id: str | None = None  # JSON-RPC id as a string (the semconv form), None for notifications
     method: str | None = None

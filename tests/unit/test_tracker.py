@@ -34,7 +34,7 @@ def _by(exporter, kind):
 
 def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending():
     tracker, exporter = _tracker()
-    call = tracker.start_call("s", _request(1), "2025-11-25", {}, stateless=False)
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("", id="e1"), [])
     tracker.end_stream(stream, sc.END_CLEAN, 200)
@@ -54,7 +54,7 @@ def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending(
 
 def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
     tracker, exporter = _tracker()
-    call = tracker.start_call(None, _request(1), "2026-07-28", {}, stateless=True)
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
     tracker.end_stream(stream, sc.END_DROPPED)
     (span,) = _by(exporter, sc.SPAN_CALL)
@@ -64,8 +64,8 @@ def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
 
 def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there():
     tracker, exporter = _tracker()
-    mine = tracker.start_call("s", _request(1), None, {}, stateless=False)
-    other = tracker.start_call("s", _request(2), None, {}, stateless=False)
+    mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    other = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("x", id="e9"), _response(2))
     tracker.end_stream(stream, sc.END_CLEAN)
@@ -78,7 +78,7 @@ def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there(
 
 def test_error_frames_are_recorded_and_do_not_complete_the_call():
     tracker, exporter = _tracker()
-    call = tracker.start_call("s", _request(1), None, {}, stateless=False)
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame('{"error":"insufficient_audience"}', event="error"), [])
     tracker.end_stream(stream, sc.END_CLEAN)
@@ -91,7 +91,7 @@ def test_error_frames_are_recorded_and_do_not_complete_the_call():
 def test_cancel_and_eviction_end_pending_calls():
     tracker, exporter = _tracker(max_calls=2)
     for rid in (1, 2, 3):
-        tracker.start_call("s", _request(rid), None, {}, stateless=False)
+        tracker.start_call("s", _request(rid), None, ABSENT, stateless=False)
     tracker.cancel(("s", "3"))
     outcomes = {s.attributes[sc.JSONRPC_REQUEST_ID]: s.attributes[sc.CALL_OUTCOME]
                 for s in _by(exporter, sc.SPAN_CALL)}
@@ -102,7 +102,7 @@ def test_cancel_and_eviction_end_pending_calls():
 
 def test_a_post_that_delivers_its_calls_terminal_emits_no_span():
     tracker, exporter = _tracker()
-    call = tracker.start_call("s", _request(1), None, {}, stateless=False)
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame("", id="e1"), [])
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -76,28 +76,27 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
     return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
+Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attributes
+
+
 class _Deferred:
-    """A span's content, kept until the span is worth creating; then the span, backdated."""
+    """A span's content, kept until the span is worth creating; then the span, backdated.
 
-    __slots__ = ("attributes", "events", "kind", "links", "name", "parent", "span", "start_time", "traceparent")
+    Its name and attributes are only described (by ``describe``) when the span is created: on the
+    healthy path, which creates none, they are never built."""
 
-    def __init__(self, name: str, kind: SpanKind, attributes: dict[str, AttributeValue],
-                 parent: Context | None, start_time: int | None, traceparent: str | None = None) -> None:
-        self.name = name
+    __slots__ = ("describe", "events", "kind", "links", "parent", "span", "start_time", "traceparent")
+
+    def __init__(self, describe: Callable[[], Description], kind: SpanKind, start_time: int | None,
+                 traceparent: str | None = None) -> None:
+        self.describe = describe
         self.kind = kind
-        self.attributes = attributes
-        self.parent = parent
+        self.parent: Context | None = None
         self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.start_time = start_time or time.time_ns()
         self.events: list[tuple[str, dict[str, AttributeValue], int]] = []
         self.links: list[Link] = []
         self.span: Span | None = None
-
-    def set(self, attrs: Mapping[str, AttributeValue]) -> None:
-        if self.span is not None:
-            self.span.set_attributes(attrs)
-        else:
-            self.attributes.update(attrs)
 
     def event(self, name: str, attrs: dict[str, AttributeValue]) -> None:
         if self.span is not None:
@@ -115,25 +114,78 @@ class _Deferred:
         if self.span is None:
             if self.parent is None and self.traceparent is not None:
                 self.parent = _sdk_parent(self.traceparent)
-            self.span = tracer.start_span(self.name, context=self.parent, kind=self.kind,
-                                          attributes=self.attributes, links=self.links,
-                                          start_time=self.start_time)
-            for name, attrs, timestamp in self.events:
-                self.span.add_event(name, attrs, timestamp)
+            name, attributes = self.describe()
+            self.span = tracer.start_span(name, context=self.parent, kind=self.kind, attributes=attributes,
+                                          links=self.links, start_time=self.start_time)
+            for event, attrs, timestamp in self.events:
+                self.span.add_event(event, attrs, timestamp)
             self.events.clear()
         return self.span
 
 
+NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+
+
 @dataclass(slots=True, eq=False)
 class Call:
+    """A ``tools/call`` as one side saw its request, until its terminal event."""
+
     key: CallKey
     tool: str | None
-    record: _Deferred
+    method: str
+    role: str
+    auth: AuthView  # the token the request presented
+    protocol_version: str | None
     stateless: bool
+    record: _Deferred = field(init=False)
     requirement: Requirement | None = None
+    missing: tuple[frozenset[str], frozenset[str]] = NOTHING_MISSING  # of the requirement: resources, scopes
+    decision: str | None = None  # the server's policy decision
     streams: int = 0
     done: bool = False
     sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+
+    def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
+                decision: str | None = None) -> None:
+        """What the policy says of this call: recorded on its span, now or when it is created."""
+        self.requirement, self.missing, self.decision = requirement, missing, decision
+        if self.record.span is not None:
+            self.record.span.set_attributes(self._policy_attributes())
+
+    def describe(self) -> Description:
+        session_id, request_id = self.key
+        attrs: dict[str, AttributeValue] = {
+            **auth_attributes(self.auth),
+            sc.SPAN: sc.SPAN_CALL,
+            sc.ROLE: self.role,
+            sc.MCP_METHOD_NAME: self.method,
+            sc.JSONRPC_REQUEST_ID: request_id,
+            sc.ERA: sc.ERA_STATELESS if self.stateless else sc.ERA_RESUMABLE,
+        }
+        if self.tool is not None:
+            attrs[sc.GEN_AI_TOOL_NAME] = self.tool
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        if self.protocol_version is not None:
+            attrs[sc.MCP_PROTOCOL_VERSION] = self.protocol_version
+        attrs.update(self._policy_attributes())
+        name = f"MCP call {self.method} {self.tool}" if self.tool else f"MCP call {self.method}"
+        return name, attrs
+
+    def _policy_attributes(self) -> dict[str, AttributeValue]:
+        attrs: dict[str, AttributeValue] = {}
+        if self.decision is not None:
+            attrs[sc.POLICY_DECISION] = self.decision
+        if self.requirement is not None:
+            attrs[sc.REQUIRED_RESOURCES] = sorted(self.requirement.resources)
+            if self.requirement.scopes:
+                attrs[sc.REQUIRED_SCOPES] = sorted(self.requirement.scopes)
+        missing_resources, missing_scopes = self.missing
+        if missing_resources:
+            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
+        if missing_scopes:
+            attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+        return attrs
 
 
 class SdkSpans(SpanProcessor):
@@ -183,11 +235,14 @@ _INSTALL_LOCK = threading.Lock()
 class Stream:
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
-    record: _Deferred
     session_id: str | None
     kind: str
+    role: str
     auth: AuthView  # the token this request presented
-    calls: list[Call] = field(default_factory=list)
+    opened: dict[str, AttributeValue]  # what the side saw of the exchange when the response started
+    status: int | None
+    calls: list[Call]
+    record: _Deferred = field(init=False)
     terminal_ids: list[str] = field(default_factory=list)
     events: int = 0
     error_frames: int = 0
@@ -197,6 +252,22 @@ class Stream:
 
     def pending(self) -> list[Call]:
         return [c for c in self.calls if not c.done]
+
+    def describe(self) -> Description:
+        """The token goes on the call spans of a POST, and on the stream span of every other kind."""
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self.role,
+                                            sc.STREAM_KIND: self.kind, **self.opened}
+        if self.kind != sc.STREAM_KIND_POST:
+            attrs.update(auth_attributes(self.auth))
+        if self.status is not None:
+            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = self.status
+        if self.session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = self.session_id
+        if self.calls:
+            attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in self.calls]
+            if len(self.calls) == 1 and self.calls[0].tool is not None:
+                attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
+        return f"MCP stream {self.kind}", attrs
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
@@ -239,26 +310,11 @@ class Tracker:
     # --- calls ---
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
-                   auth: Mapping[str, AttributeValue], *, stateless: bool, start_time: int | None = None) -> Call:
+                   auth: AuthView, *, stateless: bool, start_time: int | None = None) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's."""
         assert msg.id is not None
-        attrs: dict[str, AttributeValue] = {
-            **auth,
-            sc.SPAN: sc.SPAN_CALL,
-            sc.ROLE: self._role,
-            sc.MCP_METHOD_NAME: msg.method or "",
-            sc.JSONRPC_REQUEST_ID: msg.id,
-            sc.ERA: sc.ERA_STATELESS if stateless else sc.ERA_RESUMABLE,
-        }
-        if msg.tool is not None:
-            attrs[sc.GEN_AI_TOOL_NAME] = msg.tool
-        if session_id is not None:
-            attrs[sc.MCP_SESSION_ID] = session_id
-        if protocol_version is not None:
-            attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
-        name = f"MCP call {msg.method} {msg.tool}" if msg.tool else f"MCP call {msg.method}"
-        record = _Deferred(name, SpanKind.INTERNAL, attrs, None, start_time, msg.traceparent)
-        call = Call((session_id, msg.id), msg.tool, record, stateless)
+        call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless)
+        call.record = _Deferred(call.describe, SpanKind.INTERNAL, start_time, msg.traceparent)
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)
             if previous is not None:
@@ -301,25 +357,11 @@ class Tracker:
                     attributes: dict[str, AttributeValue], auth: AuthView,
                     status: int | None, start_time: int | None = None) -> Stream | None:
         """A stream, or None for a POST that carries no ``tools/call`` and did not fail: those
-        (initialize, notifications, other requests) tell nothing about a call's fate.
-
-        The token goes on the call spans of a POST, and on the stream span of every other kind."""
+        (initialize, notifications, other requests) tell nothing about a call's fate."""
         if kind == sc.STREAM_KIND_POST and not calls and (status is None or status < 400):
             return None
-        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self._role,
-                                            sc.STREAM_KIND: kind, **attributes}
-        if kind != sc.STREAM_KIND_POST:
-            attrs.update(auth_attributes(auth))
-        if status is not None:
-            attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
-        if session_id is not None:
-            attrs[sc.MCP_SESSION_ID] = session_id
-        if calls:
-            attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in calls]
-            if len(calls) == 1 and calls[0].tool is not None:
-                attrs[sc.GEN_AI_TOOL_NAME] = calls[0].tool
-        record = _Deferred(f"MCP stream {kind}", self._stream_kind, attrs, None, start_time)
-        stream = Stream(record, session_id, kind, auth, list(calls))
+        stream = Stream(session_id, kind, self._role, auth, attributes, status, list(calls))
+        stream.record = _Deferred(stream.describe, self._stream_kind, start_time)
         for call in calls:
             call.streams += 1
         if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now

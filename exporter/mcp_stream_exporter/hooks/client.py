@@ -20,10 +20,14 @@ from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
-from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, auth_attributes, era_of
+from mcp_stream_exporter.headers import pick
+from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, era_of
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
+
+_REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
+_RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
 
 
 class ClientInstrumentation:
@@ -60,8 +64,8 @@ class ClientInstrumentation:
                 self._protocol_version = msg.protocol_version
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
-                call = self.tracker.start_call(session_id, msg, protocol_version, auth_attributes(view),
-                                               stateless=stateless, start_time=start)
+                call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
+                                               start_time=start)
                 if self._sdk_spans is not None:
                     call.sdk_span = self._sdk_spans.get(msg.traceparent)
                 self._annotate_requirement(call, msg.tool, view)
@@ -74,20 +78,14 @@ class ClientInstrumentation:
         requirement = self.policy.requirement(tool) if self.policy is not None else None
         if requirement is None:
             return
-        call.requirement = requirement
-        attrs: dict[str, AttributeValue] = {sc.REQUIRED_RESOURCES: sorted(requirement.resources)}
-        if requirement.scopes:
-            attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-        missing, _ = view.missing(requirement)
-        if missing:
-            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
-        call.record.set(attrs)
-        if missing:
-            self.tracker.span_of(call)  # calling with a token that lacks the tool's resource: a deviation
+        missing = view.missing(requirement)
+        call.require(requirement, missing)
+        if missing[0] or missing[1]:
+            self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
-        headers = request.headers
+        headers = pick(request.headers.raw, _REQUEST_HEADERS)
         session_id = headers.get("mcp-session-id")
         protocol_version = headers.get("mcp-protocol-version") or self._protocol_version
         view = self.tokens.from_authorization(headers.get("authorization"))
@@ -102,9 +100,10 @@ class ClientInstrumentation:
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
+        response_headers = pick(response.headers.raw, _RESPONSE_HEADERS)
         if session_id is None:
-            session_id = response.headers.get("mcp-session-id")
-        content_type = response.headers.get("content-type", "")
+            session_id = response_headers.get("mcp-session-id")
+        content_type = response_headers.get("content-type", "")
         content = "sse" if content_type.startswith("text/event-stream") else (
             "json" if content_type.startswith("application/json") else "none")
         stream = self._open(request, session_id, protocol_version, calls, view, cursor, start,

@@ -33,9 +33,11 @@ from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, headers_of
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.hooks._tracking import (
+    NOTHING_MISSING,
     Call,
     CallKey,
     Stream,
@@ -56,6 +58,8 @@ from mcp_stream_exporter.wire import (
 
 INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server error range
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
+_REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
+_RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
 
 
 @dataclass(slots=True, eq=False)
@@ -64,14 +68,14 @@ class _Exchange:
 
     method: str
     start_ns: int
-    headers: dict[str, str]
+    cursor: str | None  # Last-Event-ID
     scope: request_scope.RequestScope
     protocol_version: str | None
-    body: bytearray = field(default_factory=bytearray)
+    body: bytes = b""
     calls: list[Call] = field(default_factory=list)
     stream: Stream | None = None
     parser: SSEParser | None = None
-    json_body: bytearray | None = None
+    json_body: bytes | None = None
     status: int = 0
     disconnected: bool = False
     oversized: bool = False
@@ -118,93 +122,116 @@ class ServerInstrumentation:
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
+        tracker = self.tracker
 
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
-            await self._observe(app, scope, receive, send)
+            headers = pick(scope.get("headers", ()), _REQUEST_HEADERS)
+            rs = request_scope.RequestScope(headers.get("mcp-session-id"),
+                                            self.tokens.from_authorization(headers.get("authorization")))
+            ex = _Exchange(scope.get("method", ""), time.time_ns(), headers.get("last-event-id"), rs,
+                           headers.get("mcp-protocol-version"))
+            token = request_scope.bind(rs)
+            scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
+
+            async def observed_receive() -> Message:
+                message = await receive()
+                kind = message["type"]
+                if kind == "http.request":
+                    if ex.method == "POST" and not ex.oversized:
+                        self._on_body(ex, message)
+                elif kind == "http.disconnect":
+                    ex.disconnected = True
+                    if ex.stream is not None:
+                        tracker.end_stream(ex.stream, sc.END_DROPPED, ex.status)
+                return message
+
+            async def observed_send(message: Message) -> None:
+                kind = message["type"]
+                if kind == "http.response.body":
+                    self._on_response_body(ex, message)
+                elif kind == "http.response.start":
+                    self._on_response_start(ex, message)
+                await send(message)
+
+            try:
+                await app(scope, observed_receive, observed_send)
+            finally:
+                request_scope.unbind(token)
+                if ex.stream is not None:
+                    tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
 
         return observed
 
-    async def _observe(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = headers_of(scope.get("headers", []))
-        rs = request_scope.RequestScope(headers.get("mcp-session-id"),
-                                        self.tokens.from_authorization(headers.get("authorization")))
-        ex = _Exchange(scope.get("method", ""), time.time_ns(), headers, rs, headers.get("mcp-protocol-version"))
-        token = request_scope.bind(rs)
-        scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
-
-        async def observed_receive() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                self._on_body(ex, message)
-            elif message["type"] == "http.disconnect":
-                ex.disconnected = True
-                if ex.stream is not None:
-                    self.tracker.end_stream(ex.stream, sc.END_DROPPED, ex.status)
-            return message
-
-        async def observed_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self._on_response_start(ex, message)
-            elif message["type"] == "http.response.body":
-                self._on_response_body(ex, message)
-            await send(message)
-
-        try:
-            await app(scope, observed_receive, observed_send)
-        finally:
-            request_scope.unbind(token)
-            if ex.stream is not None:
-                self.tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN,
-                                        ex.status)
-
     def _on_body(self, ex: _Exchange, message: Message) -> None:
-        if ex.method != "POST" or ex.oversized:
-            return
-        ex.body += message.get("body", b"")
-        if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
+        chunk = message.get("body", b"")
+        body = ex.body + chunk if ex.body else chunk
+        if len(body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
             ex.oversized = True
-            ex.body.clear()
+            ex.body = b""
             return
         if message.get("more_body", False):
+            ex.body = body
             return
-        for msg in classify(bytes(ex.body)):
-            self._on_request_message(ex, msg)
-        ex.body.clear()
+        ex.body = b""
+        for msg in classify(body):
+            if msg.method == TOOLS_CALL and msg.id is not None:
+                ex.calls.append(self._start_call(ex, msg))
+            elif msg.method == INITIALIZE and msg.protocol_version is not None:
+                ex.protocol_version = msg.protocol_version
+            elif msg.method == CANCELLED and msg.cancelled_id is not None:
+                self.tracker.cancel((ex.scope.session_id, msg.cancelled_id))
 
-    def _on_request_message(self, ex: _Exchange, msg: WireMessage) -> None:
-        if msg.method == INITIALIZE and msg.protocol_version is not None:
-            ex.protocol_version = msg.protocol_version
-        elif msg.method == TOOLS_CALL and msg.id is not None:
-            stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
-            ex.calls.append(self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version,
-                                                    auth_attributes(ex.scope.auth), stateless=stateless,
-                                                    start_time=ex.start_ns))
-        elif msg.method == CANCELLED and msg.cancelled_id is not None:
-            self.tracker.cancel((ex.scope.session_id, msg.cancelled_id))
+    def _start_call(self, ex: _Exchange, msg: WireMessage) -> Call:
+        """A call and what the policy says of it: the token is the request's, so the audience gap at
+        call time is known here, before any handler runs."""
+        stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+        auth = ex.scope.auth
+        call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless=stateless,
+                                       start_time=ex.start_ns)
+        requirement = self.policy.requirement(msg.tool)
+        if requirement is None:
+            call.require(None, NOTHING_MISSING, "unknown_tool")
+            return call
+        if not stateless:
+            self._remember(call.key, requirement)
+        missing = auth.missing(requirement)
+        gap = bool(missing[0] or missing[1])
+        call.require(requirement, missing, "refused" if gap and self.enforce else "allowed")
+        if gap:
+            self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
+        return call
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
-        ex.status = int(message.get("status", 0))
-        headers = headers_of(message.get("headers", []))
-        if ex.scope.session_id is None and "mcp-session-id" in headers:
-            ex.scope.session_id = headers["mcp-session-id"]  # the initialize response: the session's scope
+        ex.status = status = int(message.get("status", 0))
+        headers = pick(message.get("headers", ()), _RESPONSE_HEADERS)
+        session_id = ex.scope.session_id
+        if session_id is None and "mcp-session-id" in headers:
+            session_id = ex.scope.session_id = headers["mcp-session-id"]  # initialize: the session's scope
         content_type = headers.get("content-type", "")
-        content = "sse" if content_type.startswith("text/event-stream") else (
-            "json" if content_type.startswith("application/json") else "none")
-        if content == "sse":
+        if content_type.startswith("text/event-stream"):
+            content = "sse"
             ex.parser = SSEParser()
-        elif content == "json":
-            ex.json_body = bytearray()
-        cursor = ex.headers.get("last-event-id")
-        kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(
-            ex.method, sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET)
-        calls: list[Call] = list(ex.calls)
+        elif content_type.startswith("application/json"):
+            content = "json"
+            ex.json_body = b""
+        else:
+            content = "none"
+        cursor = ex.cursor
+        method = ex.method
+        if method == "POST":
+            kind = sc.STREAM_KIND_POST
+        elif method == "DELETE":
+            kind = sc.STREAM_KIND_DELETE
+        else:
+            kind = sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
+        calls = ex.calls
         if cursor:
-            calls.extend(self.tracker.calls_of_cursor(ex.scope.session_id, cursor))
+            calls = calls + list(self.tracker.calls_of_cursor(session_id, cursor))
         attrs: dict[str, AttributeValue] = {
-            sc.HTTP_REQUEST_METHOD: ex.method,
+            sc.HTTP_REQUEST_METHOD: method,
             sc.STREAM_CONTENT: content,
             sc.ERA: era_of(ex.protocol_version),
         }
@@ -212,8 +239,8 @@ class ServerInstrumentation:
             attrs[sc.MCP_PROTOCOL_VERSION] = ex.protocol_version
         if cursor:
             attrs[sc.RESUME_CURSOR] = cursor
-        ex.stream = self.tracker.open_stream(kind, ex.scope.session_id, calls, attrs, ex.scope.auth,
-                                             ex.status, start_time=ex.start_ns)
+        ex.stream = self.tracker.open_stream(kind, session_id, calls, attrs, ex.scope.auth, status,
+                                             start_time=ex.start_ns)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
         stream = ex.stream
@@ -224,7 +251,7 @@ class ServerInstrumentation:
             for frame in ex.parser.feed(chunk):
                 self.tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
         elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:
-            ex.json_body += chunk
+            ex.json_body = ex.json_body + chunk if ex.json_body else chunk
         if message.get("more_body", False):
             return
         if ex.json_body:
@@ -234,42 +261,24 @@ class ServerInstrumentation:
     # --- ServerMiddleware ---
 
     async def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        """Records each ``tools/call``'s requirement; with ``enforce``, refuses a token that lacks it."""
+        """Links each ``tools/call`` to the SDK's own span; with ``enforce``, refuses a token that lacks
+        what the tool requires, with an error that names it."""
         if ctx.method != TOOLS_CALL or ctx.request_id is None:
             return await call_next(ctx)
-        tool = (ctx.params or {}).get("name")
-        tool = tool if isinstance(tool, str) else None
-        request = ctx.request
-        headers = getattr(request, "headers", None)
-        session_id = headers.get("mcp-session-id") if headers is not None else None
-        view = self.tokens.from_authorization(headers.get("authorization") if headers is not None else None)
-        key: CallKey = (session_id, str(ctx.request_id))
-        call = self._call_of(request, key)
-        requirement = self.policy.requirement(tool)
-        missing_resources, missing_scopes = view.missing(requirement) if requirement else (frozenset(), frozenset())
-        refused = self.enforce and bool(missing_resources or missing_scopes)
-        if requirement is not None:
-            self._remember(key, requirement)
+        call = self._call_of(ctx.request, str(ctx.request_id))
         if call is not None:
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if sdk.is_valid:
                 call.record.link(sdk, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
-            call.requirement = requirement
-            attrs: dict[str, AttributeValue] = {
-                sc.POLICY_DECISION: "unknown_tool" if requirement is None else ("refused" if refused else "allowed")
-            }
-            if requirement is not None:
-                attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
-                if requirement.scopes:
-                    attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-                if missing_resources:
-                    attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
-                if missing_scopes:
-                    attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
-            call.record.set(attrs)
-            if missing_resources or missing_scopes:
-                self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
-        if refused:
+            tool, requirement, (missing_resources, missing_scopes) = call.tool, call.requirement, call.missing
+        else:  # not seen by the observer (an app served without it): read the request here
+            tool = (ctx.params or {}).get("name")
+            tool = tool if isinstance(tool, str) else None
+            headers = getattr(ctx.request, "headers", None)
+            view = self.tokens.from_authorization(headers.get("authorization") if headers is not None else None)
+            requirement = self.policy.requirement(tool)
+            missing_resources, missing_scopes = view.missing(requirement) if requirement else NOTHING_MISSING
+        if self.enforce and (missing_resources or missing_scopes):
             raise MCPError(
                 code=INSUFFICIENT_AUDIENCE,
                 message=f"token does not grant what tool {tool!r} requires: resource indicators "
@@ -279,14 +288,14 @@ class ServerInstrumentation:
             )
         return await call_next(ctx)
 
-    def _call_of(self, request: Any, key: CallKey) -> Call | None:
-        """The call's record: stateless calls are found only through their own exchange."""
+    def _call_of(self, request: Any, request_id: str) -> Call | None:
+        """The call, from the exchange the observer left in the request's scope."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
         if isinstance(ex, _Exchange):
             for call in ex.calls:
-                if call.key[1] == key[1]:
+                if call.key[1] == request_id:
                     return call
-        return self.tracker.call(key)
+        return None
 
     def _remember(self, key: CallKey, requirement: Requirement) -> None:
         self._requirements[key] = requirement
