@@ -109,8 +109,8 @@ def classify_frame(data: str) -> list[WireMessage]:
 
 def classify(payload: str | bytes) -> list[WireMessage]:
     """Every JSON-RPC message in a payload (a 2025-03-26 batch gives several); [] for non-JSON."""
-    try:
-        obj = json.loads(payload)
+    try:  # JSON-RPC on MCP's transports is UTF-8: decoding first spares json its encoding detection
+        obj = json.loads(payload.decode() if isinstance(payload, bytes) else payload)
     except (ValueError, UnicodeDecodeError):
         return []
     if isinstance(obj, list):

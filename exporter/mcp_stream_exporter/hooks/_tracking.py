@@ -17,8 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from opentelemetry import trace
@@ -82,75 +81,85 @@ Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attribu
 class _Deferred:
     """A span's content, kept until the span is worth creating; then the span, backdated.
 
-    Its name and attributes are only described (by ``describe``) when the span is created: on the
-    healthy path, which creates none, they are never built."""
+    Calls and streams are deferred spans. Their name and attributes are only described (``describe``)
+    when the span is created: on the healthy path, which creates none, they are never built."""
 
-    __slots__ = ("describe", "events", "kind", "links", "parent", "span", "start_time", "traceparent")
+    __slots__ = ("_events", "_links", "parent", "span", "span_kind", "start_time", "traceparent")
 
-    def __init__(self, describe: Callable[[], Description], kind: SpanKind, start_time: int | None,
-                 traceparent: str | None = None) -> None:
-        self.describe = describe
-        self.kind = kind
-        self.parent: Context | None = None
-        self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
+    def __init__(self, span_kind: SpanKind, start_time: int | None, traceparent: str | None) -> None:
+        self.span_kind = span_kind
         self.start_time = start_time or time.time_ns()
-        self.events: list[tuple[str, dict[str, AttributeValue], int]] = []
-        self.links: list[Link] = []
+        self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
+        self.parent: Context | None = None
+        self._events: list[tuple[str, dict[str, AttributeValue], int]] | None = None
+        self._links: list[Link] | None = None
         self.span: Span | None = None
+
+    def describe(self) -> Description:
+        raise NotImplementedError
 
     def event(self, name: str, attrs: dict[str, AttributeValue]) -> None:
         if self.span is not None:
             self.span.add_event(name, attrs)
+        elif self._events is None:
+            self._events = [(name, attrs, time.time_ns())]
         else:
-            self.events.append((name, attrs, time.time_ns()))
+            self._events.append((name, attrs, time.time_ns()))
 
     def link(self, ctx: SpanContext, attrs: dict[str, AttributeValue]) -> None:
         if self.span is not None:
             self.span.add_link(ctx, attrs)
+        elif self._links is None:
+            self._links = [Link(ctx, attrs)]
         else:
-            self.links.append(Link(ctx, attrs))
+            self._links.append(Link(ctx, attrs))
 
     def create(self, tracer: trace.Tracer) -> Span:
         if self.span is None:
             if self.parent is None and self.traceparent is not None:
                 self.parent = _sdk_parent(self.traceparent)
             name, attributes = self.describe()
-            self.span = tracer.start_span(name, context=self.parent, kind=self.kind, attributes=attributes,
-                                          links=self.links, start_time=self.start_time)
-            for event, attrs, timestamp in self.events:
+            self.span = tracer.start_span(name, context=self.parent, kind=self.span_kind, attributes=attributes,
+                                          links=self._links, start_time=self.start_time)
+            for event, attrs, timestamp in self._events or ():
                 self.span.add_event(event, attrs, timestamp)
-            self.events.clear()
+            self._events = None
         return self.span
 
 
 NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
 
-@dataclass(slots=True, eq=False)
-class Call:
+class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    key: CallKey
-    tool: str | None
-    method: str
-    role: str
-    auth: AuthView  # the token the request presented
-    protocol_version: str | None
-    stateless: bool
-    record: _Deferred = field(init=False)
-    requirement: Requirement | None = None
-    missing: tuple[frozenset[str], frozenset[str]] = NOTHING_MISSING  # of the requirement: resources, scopes
-    decision: str | None = None  # the server's policy decision
-    streams: int = 0
-    done: bool = False
-    sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+    __slots__ = ("auth", "decision", "done", "key", "method", "missing", "protocol_version", "requirement",
+                 "role", "sdk_span", "stateless", "streams", "tool")
+
+    def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
+                 protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
+                 traceparent: str | None = None) -> None:
+        super().__init__(SpanKind.INTERNAL, start_time, traceparent)
+        self.key = key
+        self.tool = tool
+        self.method = method
+        self.role = role
+        self.auth = auth  # the token the request presented
+        self.protocol_version = protocol_version
+        self.stateless = stateless
+        self.requirement: Requirement | None = None
+        self.missing = NOTHING_MISSING  # of the requirement: resources, scopes
+        self.decision: str | None = None  # the server's policy decision
+        self.streams = 0
+        self.done = False
+        self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
                 decision: str | None = None) -> None:
         """What the policy says of this call: recorded on its span, now or when it is created."""
         self.requirement, self.missing, self.decision = requirement, missing, decision
-        if self.record.span is not None:
-            self.record.span.set_attributes(self._policy_attributes())
+        if self.span is not None:
+            self.span.set_attributes(self._policy_attributes())
 
     def describe(self) -> Description:
         session_id, request_id = self.key
@@ -231,24 +240,29 @@ _INDEXES: weakref.WeakKeyDictionary[TracerProvider, SdkSpans] = weakref.WeakKeyD
 _INSTALL_LOCK = threading.Lock()
 
 
-@dataclass(slots=True, eq=False)
-class Stream:
+class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
-    session_id: str | None
-    kind: str
-    role: str
-    auth: AuthView  # the token this request presented
-    opened: dict[str, AttributeValue]  # what the side saw of the exchange when the response started
-    status: int | None
-    calls: list[Call]
-    record: _Deferred = field(init=False)
-    terminal_ids: list[str] = field(default_factory=list)
-    events: int = 0
-    error_frames: int = 0
-    first_event_id: str | None = None
-    last_event_id: str | None = None
-    ended: bool = False
+    __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "kind", "last_event_id",
+                 "opened", "role", "session_id", "status", "terminal_ids")
+
+    def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
+                 opened: dict[str, AttributeValue], status: int | None, calls: list[Call], *,
+                 span_kind: SpanKind, start_time: int | None = None) -> None:
+        super().__init__(span_kind, start_time, None)
+        self.session_id = session_id
+        self.kind = kind
+        self.role = role
+        self.auth = auth  # the token this request presented
+        self.opened = opened  # what the side saw of the exchange when the response started
+        self.status = status
+        self.calls = calls
+        self.terminal_ids: list[str] = []
+        self.events = 0
+        self.error_frames = 0
+        self.first_event_id: str | None = None
+        self.last_event_id: str | None = None
+        self.ended = False
 
     def pending(self) -> list[Call]:
         return [c for c in self.calls if not c.done]
@@ -313,8 +327,8 @@ class Tracker:
                    auth: AuthView, *, stateless: bool, start_time: int | None = None) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's."""
         assert msg.id is not None
-        call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless)
-        call.record = _Deferred(call.describe, SpanKind.INTERNAL, start_time, msg.traceparent)
+        call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
+                    start_time=start_time, traceparent=msg.traceparent)
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)
             if previous is not None:
@@ -329,7 +343,7 @@ class Tracker:
 
     def span_of(self, call: Call) -> Span:
         """The call's span, created now if it was still deferred: the call has become worth one."""
-        return call.record.create(self._tracer)
+        return call.create(self._tracer)
 
     def cancel(self, key: CallKey) -> None:
         call = self._calls.get(key)
@@ -343,7 +357,7 @@ class Tracker:
         call.done = True
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
-        if call.record.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
+        if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
             if call.sdk_span is not None and call.sdk_span.is_recording() and attributes:
                 call.sdk_span.set_attributes(attributes)  # where its terminal event came: on the SDK's span
             return
@@ -360,8 +374,8 @@ class Tracker:
         (initialize, notifications, other requests) tell nothing about a call's fate."""
         if kind == sc.STREAM_KIND_POST and not calls and (status is None or status < 400):
             return None
-        stream = Stream(session_id, kind, self._role, auth, attributes, status, list(calls))
-        stream.record = _Deferred(stream.describe, self._stream_kind, start_time)
+        stream = Stream(session_id, kind, self._role, auth, attributes, status, list(calls),
+                        span_kind=self._stream_kind, start_time=start_time)
         for call in calls:
             call.streams += 1
         if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now
@@ -370,12 +384,11 @@ class Tracker:
 
     def _create(self, stream: Stream) -> Span:
         """The stream's span: a child of its call when it carries one, linked from its pending calls."""
-        record = stream.record
-        if record.span is not None:
-            return record.span
+        if stream.span is not None:
+            return stream.span
         if len(stream.calls) == 1:
-            record.parent = trace.set_span_in_context(self.span_of(stream.calls[0]))
-        span = record.create(self._tracer)
+            stream.parent = trace.set_span_in_context(self.span_of(stream.calls[0]))
+        span = stream.create(self._tracer)
         for call in stream.pending():
             self.span_of(call).add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
         return span
@@ -387,27 +400,28 @@ class Tracker:
 
     def frame(self, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
         """One SSE frame (or, with ``frame=None``, a JSON body) sent on ``stream``."""
-        event_id = frame.id if frame is not None else None
-        event_type = frame.type if frame is not None else None
-        if event_id is not None:
-            stream.first_event_id = stream.first_event_id or event_id
-            stream.last_event_id = event_id
-            if stream.calls:
-                self._index(stream.session_id, event_id, tuple(c.key[1] for c in stream.calls))
-        if frame is not None and frame.type == "error":
-            self._error_frame(stream, frame)
-            return
-        if frame is not None and frame.type != "message":
-            self._frame_event(stream, event_id, event_type, sc.FRAME_OTHER, None, None)
-            return
-        if frame is not None and not frame.data:
-            stream.events += 1
-            self._frame_event(stream, event_id, event_type, sc.FRAME_PRIMING, None, None)
-            return
+        event_id = event_type = None
+        if frame is not None:
+            event_id, event_type = frame.id, frame.event or "message"
+            if event_id is not None:
+                stream.first_event_id = stream.first_event_id or event_id
+                stream.last_event_id = event_id
+                if stream.calls:
+                    self._index(stream.session_id, event_id, tuple(c.key[1] for c in stream.calls))
+            if event_type == "error":
+                self._error_frame(stream, frame)
+                return
+            if event_type != "message":
+                self._frame_event(stream, event_id, event_type, sc.FRAME_OTHER, None, None)
+                return
+            if not frame.data:
+                stream.events += 1
+                self._frame_event(stream, event_id, event_type, sc.FRAME_PRIMING, None, None)
+                return
         for msg in messages:
             stream.events += 1
             self._frame_event(stream, event_id, event_type, msg.kind, msg.id, msg.method)
-            if msg.is_terminal and msg.id is not None:
+            if msg.id is not None and msg.is_terminal:
                 self._terminal(stream, msg, event_id)
 
     def _frame_event(self, stream: Stream, event_id: str | None, event_type: str | None, kind: str,
@@ -421,7 +435,7 @@ class Tracker:
             attrs[sc.JSONRPC_REQUEST_ID] = request_id
         if method is not None:
             attrs[sc.MCP_METHOD_NAME] = method
-        stream.record.event(sc.EVENT_FRAME, attrs)
+        stream.event(sc.EVENT_FRAME, attrs)
 
     def _error_frame(self, stream: Stream, frame: SSEFrame) -> None:
         stream.error_frames += 1
@@ -429,20 +443,26 @@ class Tracker:
                                             sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
-        stream.record.event(sc.EVENT_ERROR_FRAME, attrs)
+        stream.event(sc.EVENT_ERROR_FRAME, attrs)
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
         stream.terminal_ids.append(msg.id)
         key = (stream.session_id, msg.id)
-        call = next((c for c in stream.calls if c.key == key), None) or self._calls.get(key)
+        call: Call | None = None
+        for own in stream.calls:
+            if own.key == key:
+                call = own
+                break
+        else:
+            call = self._calls.get(key)
         if call is None or call.done:
             return
         attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream.kind}
         if event_id is not None:
             attrs[sc.TERMINAL_EVENT_ID] = event_id
-        if stream.record.span is not None:  # a POST delivering its own call's terminal has no span (yet)
-            call.record.link(stream.record.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
+        if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
+            call.link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         if msg.kind == sc.FRAME_ERROR:
             outcome = sc.OUTCOME_ERROR
         else:
@@ -456,11 +476,9 @@ class Tracker:
             return
         stream.ended = True
         pending = stream.pending()
-        if stream.record.span is None:
-            own = {c.key[1] for c in stream.calls}
-            if (not pending and not stream.error_frames and (status or 0) < 400
-                    and all(i in own for i in stream.terminal_ids)):
-                return
+        if (stream.span is None and not pending and not stream.error_frames and (status or 0) < 400
+                and {c.key[1] for c in stream.calls}.issuperset(stream.terminal_ids)):
+            return
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events}
         if status:

@@ -269,7 +269,7 @@ class ServerInstrumentation:
         if call is not None:
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if sdk.is_valid:
-                call.record.link(sdk, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
+                call.link(sdk, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
             tool, requirement, (missing_resources, missing_scopes) = call.tool, call.requirement, call.missing
         else:  # not seen by the observer (an app served without it): read the request here
             tool = (ctx.params or {}).get("name")
@@ -332,7 +332,7 @@ class ServerInstrumentation:
         if request_id is not None and stream_id != GET_STREAM_KEY:
             call = self.tracker.call((session_id, stream_id))
             if call is not None:
-                call.record.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+                call.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         known = self._stream_of_event.get((session_id, event_id))
