@@ -6,9 +6,10 @@ provider, a dropping exporter), so the only difference is our hooks. Calls alter
 (A B B A ...) so that the machine slowing down hits both alike; each worker process reports the median
 round trip of each configuration and the result is the median over fresh worker processes of the
 ratio B/A; which configuration is set up first alternates between workers. An A-against-A control
-run measures the method's own bias. Bounded: WORKERS x 2 x CALLS calls per run.
+run measures the method's own bias. ``--sides`` adds runs with only the server's or only the
+client's hooks (an operator may instrument one side). Bounded: WORKERS x 2 x CALLS calls per run.
 
-    python bench/hooks_overhead.py [--workers 6] [--calls 300] [--modes legacy,default]
+    python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 _BLOCK = 10
 
 
-def _worker(mode: str, calls: int, *, b_first: bool, control: bool) -> tuple[float, float]:
+def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -> tuple[float, float]:
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
@@ -69,11 +70,13 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool) -> tuple[flo
         policy = incident_policy()
         store = IncidentEventStore(policy)
         server = build_incident_server(issuer, store=store, step_delay=0)
-        if instrumented:
+        if instrumented and side in ("both", "server"):
             app = instrument_server(server, policy=policy, event_store=store)
-            http = instrument_client(auth=BearerAuth(token), policy=policy)
         else:
             app = server.streamable_http_app(event_store=store)
+        if instrumented and side in ("both", "client"):
+            http = instrument_client(auth=BearerAuth(token), policy=policy)
+        else:
             http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=httpx2.Timeout(30.0, read=300.0))
         port = await stack.enter_async_context(serve(app))
         await stack.enter_async_context(http)
@@ -103,23 +106,27 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool) -> tuple[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--modes", default="legacy,default")
+    parser.add_argument("--sides", default="both", help="which hooks B has: both, server, client (comma list)")
+    parser.add_argument("--side", default="both")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default="legacy")
     parser.add_argument("--b-first", action="store_true")
     parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
     args = parser.parse_args()
     if args.worker:
-        print(*_worker(args.mode, args.calls, b_first=args.b_first, control=args.control))
+        print(*_worker(args.mode, args.calls, b_first=args.b_first, control=args.control, side=args.side))
         return
     report = {}
-    runs = [(mode, False) for mode in args.modes.split(",")] + [(args.modes.split(",")[0] + " A/A control", True)]
-    for mode, control in runs:
+    modes, sides = args.modes.split(","), args.sides.split(",")
+    runs = [(mode, side, False) for side in sides for mode in modes] + [(modes[0], "both", True)]
+    for mode, side, control in runs:
+        name = f"{mode} A/A control" if control else (mode if side == "both" else f"{mode} {side} only")
         a_ms, b_ms, ratios = [], [], []
         for worker in range(args.workers):
-            command = [sys.executable, __file__, "--worker", "--mode", mode.split()[0], "--calls", str(args.calls)]
+            command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls)]
             command += ["--b-first"] if worker % 2 else []
             command += ["--control"] if control else []
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
@@ -127,15 +134,15 @@ def main() -> None:
             a_ms.append(a)
             b_ms.append(b)
             ratios.append(b / a)
-        report[mode] = {
+        report[name] = {
             "workers": args.workers, "calls_per_configuration": args.calls,
             "uninstrumented_median_ms": round(statistics.median(a_ms), 3),
             "instrumented_median_ms": round(statistics.median(b_ms), 3),
             "ratio_median": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
         }
-        r = report[mode]
-        print(f"{mode}: instrumented/uninstrumented median ratio {r['ratio_median']} "
+        r = report[name]
+        print(f"{name}: instrumented/uninstrumented median ratio {r['ratio_median']} "
               f"(spread {r['ratio_min']}..{r['ratio_max']} over {args.workers} workers; "
               f"{r['uninstrumented_median_ms']} ms vs {r['instrumented_median_ms']} ms)", flush=True)
     print(json.dumps(report, indent=2))

@@ -44,6 +44,15 @@ def era_of(protocol_version: str | None) -> str:
     return sc.ERA_RESUMABLE
 
 
+def stream_kind(http_method: str, cursor: str | None) -> str:
+    """A POST answers requests; a GET with ``Last-Event-ID`` resumes, without it opens the standalone stream."""
+    if http_method == "POST":
+        return sc.STREAM_KIND_POST
+    if http_method == "DELETE":
+        return sc.STREAM_KIND_DELETE
+    return sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
+
+
 @functools.lru_cache(maxsize=1024)
 def auth_attributes(view: AuthView) -> Mapping[str, AttributeValue]:
     """The ``mcp_stream.auth.*`` attributes of a token; cached, tokens repeat on every request."""
@@ -92,7 +101,7 @@ class _Deferred:
         self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.parent: Context | None = None
         self._events: list[tuple[str, dict[str, AttributeValue], int]] | None = None
-        self._links: list[Link] | None = None
+        self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
         self.span: Span | None = None
 
     def describe(self) -> Description:
@@ -106,13 +115,13 @@ class _Deferred:
         else:
             self._events.append((name, attrs, time.time_ns()))
 
-    def link(self, ctx: SpanContext, attrs: dict[str, AttributeValue]) -> None:
+    def link(self, ctx: SpanContext, attrs: Mapping[str, AttributeValue]) -> None:
         if self.span is not None:
             self.span.add_link(ctx, attrs)
         elif self._links is None:
-            self._links = [Link(ctx, attrs)]
+            self._links = [(ctx, attrs)]
         else:
-            self._links.append(Link(ctx, attrs))
+            self._links.append((ctx, attrs))
 
     def create(self, tracer: trace.Tracer) -> Span:
         if self.span is None:
@@ -120,7 +129,8 @@ class _Deferred:
                 self.parent = _sdk_parent(self.traceparent)
             name, attributes = self.describe()
             self.span = tracer.start_span(name, context=self.parent, kind=self.span_kind, attributes=attributes,
-                                          links=self._links, start_time=self.start_time)
+                                          links=[Link(c, a) for c, a in self._links or ()],
+                                          start_time=self.start_time)
             for event, attrs, timestamp in self._events or ():
                 self.span.add_event(event, attrs, timestamp)
             self._events = None

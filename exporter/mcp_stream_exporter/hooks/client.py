@@ -21,7 +21,7 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, era_of
+from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, era_of, stream_kind
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
@@ -123,8 +123,7 @@ class ClientInstrumentation:
               calls: list[Call], auth: AuthView, cursor: str | None, start: int,
               status: int | None, content: str) -> Stream | None:
         method = request.method
-        kind = {"POST": sc.STREAM_KIND_POST, "DELETE": sc.STREAM_KIND_DELETE}.get(
-            method, sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET)
+        kind = stream_kind(method, cursor)
         attrs: dict[str, AttributeValue] = {sc.HTTP_REQUEST_METHOD: method, sc.STREAM_CONTENT: content,
                                             sc.ERA: era_of(protocol_version)}
         if protocol_version is not None:
@@ -148,7 +147,7 @@ class _TapStream(httpx2.AsyncByteStream):
         self._tracker = tracker
         self._stream = stream
         self._parser = SSEParser() if sse else None
-        self._json = bytearray()
+        self._json = b""
         self._status = status
         self._extra = b""
 
@@ -174,21 +173,22 @@ class _TapStream(httpx2.AsyncByteStream):
         except BaseException:  # cancelled while reading: the client gave up on it
             self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
             raise
-        self._extra = self._feed(chunk)
+        if self._parser is not None:
+            self._extra = self._feed(chunk)
+        elif len(self._json) <= MAX_PARSED_BODY:
+            self._json = self._json + chunk if self._json else chunk
         return chunk
 
     def _feed(self, chunk: bytes) -> bytes:
-        """Observe a chunk; returns the frames to add after it (see ``resolve_error_frames``)."""
+        """Observe an SSE chunk; returns the frames to add after it (see ``resolve_error_frames``)."""
+        assert self._parser is not None
         if self._stream.ended:
             return b""
         extra = b""
-        if self._parser is not None:
-            for frame in self._parser.feed(chunk):
-                self._tracker.frame(self._stream, frame, classify_frame(frame.data) if frame.data else ())
-                if frame.type == "error" and self._resolve_error_frames:
-                    extra += b"".join(_refused(call.key[1], frame.data) for call in self._stream.pending())
-        elif len(self._json) <= MAX_PARSED_BODY:
-            self._json += chunk
+        for frame in self._parser.feed(chunk):
+            self._tracker.frame(self._stream, frame, classify_frame(frame.data) if frame.data else ())
+            if frame.type == "error" and self._resolve_error_frames:
+                extra += b"".join(_refused(call.key[1], frame.data) for call in self._stream.pending())
         return extra
 
     async def aclose(self) -> None:

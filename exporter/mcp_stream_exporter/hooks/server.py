@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final
 
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
@@ -44,6 +45,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     auth_attributes,
     era_of,
+    stream_kind,
 )
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import (
@@ -60,6 +62,7 @@ INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 _REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
+_SDK_REQUEST_LINK: Final = MappingProxyType({sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
 
 
 @dataclass(slots=True, eq=False)
@@ -220,18 +223,12 @@ class ServerInstrumentation:
         else:
             content = "none"
         cursor = ex.cursor
-        method = ex.method
-        if method == "POST":
-            kind = sc.STREAM_KIND_POST
-        elif method == "DELETE":
-            kind = sc.STREAM_KIND_DELETE
-        else:
-            kind = sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
+        kind = stream_kind(ex.method, cursor)
         calls = ex.calls
         if cursor:
             calls = calls + list(self.tracker.calls_of_cursor(session_id, cursor))
         attrs: dict[str, AttributeValue] = {
-            sc.HTTP_REQUEST_METHOD: method,
+            sc.HTTP_REQUEST_METHOD: ex.method,
             sc.STREAM_CONTENT: content,
             sc.ERA: era_of(ex.protocol_version),
         }
@@ -269,7 +266,7 @@ class ServerInstrumentation:
         if call is not None:
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if sdk.is_valid:
-                call.link(sdk, {sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
+                call.link(sdk, _SDK_REQUEST_LINK)
             tool, requirement, (missing_resources, missing_scopes) = call.tool, call.requirement, call.missing
         else:  # not seen by the observer (an app served without it): read the request here
             tool = (ctx.params or {}).get("name")
