@@ -42,6 +42,21 @@ def test_any_split_of_the_bytes_gives_the_same_frames(cuts):
     assert _parse(chunks) == _parse([WIRE])
 
 
+_LINES = st.sampled_from([b"data: x", b"data:y", b"data", b"id: 7", b"id: a\0b", b"event: error", b"retry: 9",
+                          b"retry: 1x", b": ping", b"", b"other: z", "data: \u00e9\u2028".encode()])
+_ENDS = st.sampled_from([b"\r\n", b"\n", b"\r"])
+
+
+@given(st.lists(st.tuples(_LINES, _ENDS), max_size=30), st.lists(st.integers(min_value=0, max_value=400), max_size=8))
+def test_any_stream_of_lines_parses_the_same_however_it_is_split(lines, cuts):
+    wire = b"".join(line + end for line, end in lines)
+    points = sorted({c for c in cuts if c <= len(wire)})
+    chunks = [wire[a:b] for a, b in zip([0, *points], [*points, len(wire)], strict=True)]
+    assert _parse(chunks) == _parse([wire])
+    byte_at_a_time = [wire[i:i + 1] for i in range(len(wire))]
+    assert _parse(byte_at_a_time) == _parse([wire])
+
+
 def test_render_round_trips():
     frame = SSEFrame('{"a":1}\n{"b":2}', "error", None, None)
     assert _parse([render(frame)])[0] == [frame]
