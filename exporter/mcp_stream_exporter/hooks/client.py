@@ -147,7 +147,7 @@ class _TapStream(httpx2.AsyncByteStream):
         self._tracker = tracker
         self._stream = stream
         self._parser = SSEParser() if sse else None
-        self._json = b""
+        self._json = bytearray()
         self._status = status
         self._extra = b""
 
@@ -176,7 +176,7 @@ class _TapStream(httpx2.AsyncByteStream):
         if self._parser is not None:
             self._extra = self._feed(chunk)
         elif len(self._json) <= MAX_PARSED_BODY:
-            self._json = self._json + chunk if self._json else chunk
+            self._json += chunk
         return chunk
 
     def _feed(self, chunk: bytes) -> bytes:

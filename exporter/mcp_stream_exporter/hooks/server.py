@@ -1,10 +1,11 @@
 """Server hooks: what an MCP server on the SDK sends, stores and replays, as spans.
 
 Three seams, all public API of the SDK: an ASGI observer around the app from ``streamable_http_app()``
-(every request, status and SSE frame, a client disconnect told apart from a server end), a delegating
-``EventStore`` (event-id assignment and what a replay sent against what was stored), and a
-``ServerMiddleware`` (the requirement of each ``tools/call`` from the ``ToolPolicy``, and refusal when
-``enforce=True``). ``instrument_server`` installs all three in one call.
+(every request, status and SSE frame, a client disconnect told apart from a server end, and what the
+``ToolPolicy`` requires of each ``tools/call`` against the request's token), a delegating ``EventStore``
+(event-id assignment and what a replay sent against what was stored), and a ``ServerMiddleware`` (the
+link to the SDK's own request span, and refusal when ``enforce=True``). ``instrument_server`` installs
+all three in one call.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ class _Exchange:
     cursor: str | None  # Last-Event-ID
     scope: request_scope.RequestScope
     protocol_version: str | None
-    body: bytes = b""
+    body: bytearray = field(default_factory=bytearray)
     calls: list[Call] = field(default_factory=list)
     stream: Stream | None = None
     parser: SSEParser | None = None
-    json_body: bytes | None = None
+    json_body: bytearray | None = None
     status: int = 0
     disconnected: bool = False
     oversized: bool = False
@@ -169,16 +170,15 @@ class ServerInstrumentation:
         return observed
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
-        chunk = message.get("body", b"")
-        body = ex.body + chunk if ex.body else chunk
-        if len(body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
+        ex.body += message.get("body", b"")
+        if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
             ex.oversized = True
-            ex.body = b""
+            ex.body.clear()
             return
         if message.get("more_body", False):
-            ex.body = body
             return
-        ex.body = b""
+        body = bytes(ex.body)
+        ex.body.clear()
         for msg in classify(body):
             if msg.method == TOOLS_CALL and msg.id is not None:
                 ex.calls.append(self._start_call(ex, msg))
@@ -219,7 +219,7 @@ class ServerInstrumentation:
             ex.parser = SSEParser()
         elif content_type.startswith("application/json"):
             content = "json"
-            ex.json_body = b""
+            ex.json_body = bytearray()
         else:
             content = "none"
         cursor = ex.cursor
@@ -248,7 +248,7 @@ class ServerInstrumentation:
             for frame in ex.parser.feed(chunk):
                 self.tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
         elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:
-            ex.json_body = ex.json_body + chunk if ex.json_body else chunk
+            ex.json_body += chunk
         if message.get("more_body", False):
             return
         if ex.json_body:
