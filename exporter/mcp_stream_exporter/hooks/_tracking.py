@@ -192,19 +192,26 @@ class Call(_Deferred):
         return name, attrs
 
     def _policy_attributes(self) -> dict[str, AttributeValue]:
-        attrs: dict[str, AttributeValue] = {}
+        attrs = requirement_attributes(self.requirement, self.missing)
         if self.decision is not None:
             attrs[sc.POLICY_DECISION] = self.decision
-        if self.requirement is not None:
-            attrs[sc.REQUIRED_RESOURCES] = sorted(self.requirement.resources)
-            if self.requirement.scopes:
-                attrs[sc.REQUIRED_SCOPES] = sorted(self.requirement.scopes)
-        missing_resources, missing_scopes = self.missing
-        if missing_resources:
-            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
-        if missing_scopes:
-            attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
         return attrs
+
+
+def requirement_attributes(requirement: Requirement | None,
+                           missing: tuple[frozenset[str], frozenset[str]]) -> dict[str, AttributeValue]:
+    """``mcp_stream.required.*`` of a requirement and ``mcp_stream.auth.missing_*``: what a token lacks of it."""
+    attrs: dict[str, AttributeValue] = {}
+    if requirement is not None:
+        attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
+        if requirement.scopes:
+            attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
+    missing_resources, missing_scopes = missing
+    if missing_resources:
+        attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing_resources)
+    if missing_scopes:
+        attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+    return attrs
 
 
 class SdkSpans(SpanProcessor):
@@ -304,18 +311,10 @@ def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
     for call in pending:
         if call.requirement is not None:
             requirement = requirement | call.requirement
-    attrs: dict[str, AttributeValue] = {}
-    if requirement.resources:
-        attrs[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
-    if requirement.scopes:
-        attrs[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-    if stream.kind != sc.STREAM_KIND_POST and requirement is not NO_REQUIREMENT:
-        missing, missing_scopes = stream.auth.missing(requirement)
-        if missing:
-            attrs[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
-        if missing_scopes:
-            attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
-    return attrs
+    if not (requirement.resources or requirement.scopes):
+        return {}
+    missing = stream.auth.missing(requirement) if stream.kind != sc.STREAM_KIND_POST else NOTHING_MISSING
+    return requirement_attributes(requirement, missing)
 
 
 class Tracker:

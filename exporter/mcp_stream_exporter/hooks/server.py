@@ -46,6 +46,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     auth_attributes,
     era_of,
+    requirement_attributes,
     stream_kind,
 )
 from mcp_stream_exporter.sse import SSEParser
@@ -424,14 +425,7 @@ class _ObservedEventStore(EventStore):
                 out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
             requirement = instr.requirement_of(session_id, stream_id) if stream_id else None
             if requirement is not None:
-                out[sc.REQUIRED_RESOURCES] = sorted(requirement.resources)
-                if requirement.scopes:
-                    out[sc.REQUIRED_SCOPES] = sorted(requirement.scopes)
-                missing, missing_scopes = rs.auth.missing(requirement)
-                if missing:
-                    out[sc.AUTH_MISSING_RESOURCES] = sorted(missing)
-                if missing_scopes:
-                    out[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
+                out.update(requirement_attributes(requirement, rs.auth.missing(requirement)))
             span.set_attributes(out)
         return result
 
