@@ -123,6 +123,7 @@ GUARD_ALLOW: Final = "allow"
 GUARD_REFUSE: Final = "refuse"  # an `event: error` frame was sent, the cursor did not move
 GUARD_WOULD_REFUSE: Final = "would_refuse"  # observe mode: replayed anyway, the violation recorded
 GUARD_UNKNOWN_CURSOR: Final = "unknown_cursor"  # answered with an explicit error frame
+GUARD_REASON: Final = "mcp_stream.guard.reason"  # the refusal frame's `error` (docs/guard.md)
 GUARD_OFFENDING_EVENT_ID: Final = "mcp_stream.guard.offending_event_id"
 GUARD_MISSING_RESOURCES: Final = "mcp_stream.guard.missing_resources"
 GUARD_MISSING_SCOPES: Final = "mcp_stream.guard.missing_scopes"

@@ -8,14 +8,15 @@ import json
 import pytest
 from mcp_types import JSONRPCNotification, JSONRPCResponse
 
-from mcp_stream_exporter import scope
-from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
+from mcp_stream_exporter.auth import AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.guard import (
     REFUSAL_METHOD,
     GuardedEventStore,
     InMemoryEventStorage,
     _rewrite_refusal,
 )
+from mcp_stream_exporter.guard import _current as guard_request
+from mcp_stream_exporter.guard import _Request as GuardRequest
 from mcp_stream_exporter.sse import SSEParser
 
 SEARCH = "https://mcp.example.com/tools/search"
@@ -23,6 +24,7 @@ FETCH = "https://mcp.example.com/tools/fetch"
 POLICY = ToolPolicy({"search": Requirement.of([SEARCH]), "fetch": Requirement.of([FETCH])})
 BROAD = AuthView(audience=frozenset({SEARCH, FETCH}), fingerprint="b", verification="unverified")
 NARROW = AuthView(audience=frozenset({SEARCH}), fingerprint="n", verification="unverified")
+OPENER = AuthView()  # the initialize request's token: no subject here, so no principal binding
 
 
 def run(coro):
@@ -44,12 +46,12 @@ class Session:
         self.store = store
         self.session_id = session_id
 
-    def store_event(self, stream_id, message):
-        token = scope.bind(scope.RequestScope(self.session_id))
+    def store_event(self, stream_id, message, auth=OPENER):
+        token = guard_request.set(GuardRequest(self.session_id, auth))
         try:
             return run(self.store.store_event(stream_id, message))
         finally:
-            scope.unbind(token)
+            guard_request.reset(token)
 
     def call(self, request_id, tool, n_progress=2, with_result=True):
         self.store.record_call(self.session_id, str(request_id), tool)
@@ -65,11 +67,11 @@ class Session:
         async def send(event):
             sent.append(event)
 
-        token = scope.bind(scope.RequestScope(self.session_id, auth))
+        token = guard_request.set(GuardRequest(self.session_id, auth))
         try:
             stream = run(self.store.replay_events_after(cursor, send))
         finally:
-            scope.unbind(token)
+            guard_request.reset(token)
         delivered = [e.event_id for e in sent if e.event_id is not None]
         notices = [e.message.params for e in sent if e.event_id is None]
         assert all(e.message.method == REFUSAL_METHOD for e in sent if e.event_id is None)
@@ -144,7 +146,9 @@ def test_unknown_cursor_gets_an_explicit_error_not_an_empty_stream(cursor):
     stream, delivered, (notice,) = s.resume(cursor, BROAD)
     assert stream is None
     assert delivered == []
-    assert notice == {"error": "unknown_cursor", "cursor": cursor, "detail": notice["detail"]}
+    assert set(notice) == {"error", "cursor", "detail"}
+    assert (notice["error"], notice["cursor"]) == ("unknown_cursor", cursor)
+    assert "re-issue" in notice["detail"]
 
 
 def test_a_cursor_from_another_session_is_refused_and_nothing_of_it_leaks():
@@ -169,7 +173,7 @@ def test_storage_bounds_count_evictions_and_expire_idle_sessions():
     Session(s.store, "other").call(3, "search", n_progress=0, with_result=False)
     now[0] = 11.0
     assert storage.get("s1", ids[-1]) is None  # idle past its ttl
-    assert storage.evictions == 2 + 3 + 1
+    assert storage.evictions == 2 + (3 + 1) + (1 + 1)  # s1's events and requirement, then other's
 
 
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
@@ -182,3 +186,132 @@ def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
     other = b"id: 3\r\nevent: message\r\ndata: {}\r\n\r\n"
     assert _rewrite_refusal(other) == other
 
+
+
+# --- failing closed (a narrower or unproven token never gets another call's event) ---
+
+def test_a_reused_request_id_never_lowers_what_the_pending_calls_events_require():
+    s = Session(GuardedEventStore(POLICY))
+    fetch = s.call(2, "fetch", with_result=False)
+    s.store.record_call("s1", "2", "search")  # a narrow token POSTs search with fetch's id
+    fetch.append(s.store_event("2", result(2)))
+    stream, delivered, (notice,) = s.resume(fetch[0], NARROW)
+    assert (stream, delivered) == (None, [])
+    assert notice["error"] == "insufficient_audience"
+    assert notice["missing_resources"] == [FETCH]
+    assert s.store.storage.requirement("s1", "2") == Requirement.of([SEARCH, FETCH])  # only ever more
+    assert s.resume(fetch[0], BROAD)[1] == fetch[1:]
+
+
+def test_an_event_whose_requirement_was_never_recorded_is_refused_not_replayed():
+    s = Session(GuardedEventStore(POLICY))
+    ids = [s.store_event("7", None), s.store_event("7", result(7))]  # no record_call for stream 7
+    stream, delivered, (notice,) = s.resume(ids[0], BROAD)
+    assert (stream, delivered) == (None, [])
+    assert notice["error"] == "requirement_unknown"
+    assert notice["event_id"] == ids[1]
+    assert notice["cursor"] == ids[0]
+
+
+def test_other_sessions_filling_their_tables_never_evict_a_sessions_requirements():
+    storage = InMemoryEventStorage(max_calls_per_session=4)
+    store = GuardedEventStore(POLICY, storage=storage)
+    victim = Session(store, "victim")
+    fetch = victim.call(2, "fetch", with_result=False)
+    for n in range(200):  # the attacker's own session, far past its cap
+        store.record_call("attacker", str(n), "search")
+    fetch.append(victim.store_event("2", result(2)))
+    _, delivered, (notice,) = victim.resume(fetch[0], NARROW)
+    assert delivered == []
+    assert notice["error"] == "insufficient_audience"
+    assert storage.requirement("victim", "2") == Requirement.of([FETCH])
+
+
+def test_a_sessions_own_evicted_requirement_makes_its_later_events_unknown_and_refused():
+    storage = InMemoryEventStorage(max_calls_per_session=2)
+    s = Session(GuardedEventStore(POLICY, storage=storage))
+    fetch = s.call(2, "fetch", with_result=False)
+    s.store.record_call("s1", "3", "search")
+    s.store.record_call("s1", "4", "search")  # evicts stream 2's requirement
+    fetch.append(s.store_event("2", result(2)))
+    _, delivered, (notice,) = s.resume(fetch[-2], BROAD)
+    assert delivered == []
+    assert notice["error"] == "requirement_unknown"
+
+
+@pytest.mark.parametrize(("auth", "verifies", "error"), [
+    (AuthView(audience=frozenset({SEARCH, FETCH}), verification="failed"), False, "token_unverified"),
+    (AuthView(audience=frozenset({SEARCH, FETCH}), verification="unverified"), True, "token_unverified"),
+    (AuthView(fingerprint="o", verification="opaque"), False, "audience_unknown"),
+    (AuthView(), False, "insufficient_audience"),  # absent
+])
+def test_a_token_whose_audience_cannot_be_trusted_is_refused_every_event_that_requires_one(auth, verifies, error):
+    reader = TokenReader(key="k" * 32) if verifies else TokenReader()
+    s = Session(GuardedEventStore(POLICY, token_reader=reader))
+    ids = s.call(2, "fetch")
+    _, delivered, (notice,) = s.resume(ids[0], auth)
+    assert delivered == []
+    assert notice["error"] == error
+    assert notice["missing_resources"] == [FETCH]
+
+
+def test_a_failed_token_still_gets_events_that_require_nothing():
+    s = Session(GuardedEventStore(POLICY))
+    ids = s.call(2, "unlisted-tool")
+    _, delivered, notices = s.resume(ids[0], AuthView(verification="failed"))
+    assert (delivered, notices) == (ids[1:], [])
+
+
+def test_opaque_tokens_are_replayed_only_when_the_setting_allows_them():
+    s = Session(GuardedEventStore(POLICY, opaque="allow"))
+    ids = s.call(2, "fetch")
+    stream, delivered, notices = s.resume(ids[0], AuthView(fingerprint="o", verification="opaque"))
+    assert (stream, delivered, notices) == ("2", ids[1:], [])
+
+
+def test_a_replay_without_the_guards_request_context_is_refused_whatever_the_mode():
+    for mode in ("enforce", "observe"):
+        store = GuardedEventStore(POLICY, mode=mode)
+        ids = Session(store).call(2, "search")
+        sent = []
+
+        async def send(event, sent=sent):
+            sent.append(event)
+
+        assert run(store.replay_events_after(ids[0], send)) is None  # nothing bound: no asgi() in front
+        (event,) = sent
+        assert event.event_id is None
+        assert event.message.params["error"] == "no_request_context"
+
+
+def test_a_token_of_another_principal_than_the_sessions_opener_is_refused():
+    s = Session(GuardedEventStore(POLICY))
+    alice = AuthView(audience=frozenset({SEARCH, FETCH}), subject_hash="alice", verification="unverified")
+    mallory = AuthView(audience=frozenset({SEARCH, FETCH}), subject_hash="mallory", verification="unverified")
+    s.store.record_call("s1", "2", "search")
+    ids = [s.store_event("2", None, alice), s.store_event("2", result(2), alice)]
+    _, delivered, (notice,) = s.resume(ids[0], mallory)
+    assert delivered == []
+    assert notice["error"] == "principal_mismatch"
+    assert s.resume(ids[0], alice)[1] == ids[1:]
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"mcp-session-id", b"a"), (b"mcp-session-id", b"b")],
+    [(b"authorization", b"Bearer x.y.z"), (b"Authorization", b"Bearer p.q.r")],
+])
+def test_a_request_with_a_repeated_session_or_authorization_header_is_ambiguous_and_refused(headers):
+    store = GuardedEventStore(POLICY)
+    ids = Session(store, "a").call(2, "search")
+    sent = []
+
+    async def send(event):
+        sent.append(event)
+
+    token = guard_request.set(store._request(headers))
+    try:
+        assert run(store.replay_events_after(ids[0], send)) is None
+    finally:
+        guard_request.reset(token)
+    (event,) = sent
+    assert event.message.params["error"] == "ambiguous_request"

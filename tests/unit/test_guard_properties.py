@@ -1,6 +1,14 @@
-"""Property: under any schedule of calls, drops, token refreshes and resumes, the guard delivers each
-call's terminal event exactly once or gives an explicit error; never an event after an undelivered
-one; never an event of another session or stream."""
+"""Property: under any schedule of calls, drops, token refreshes and resumes, and an adversary who
+reuses request ids in and across sessions, fills the guard's tables from other sessions, presents
+failed, absent, opaque, narrower or another principal's tokens and resumes from any cursor seen
+anywhere, the guard
+
+- never delivers an event to a session other than the one that stored it,
+- never delivers an event to a token that does not cover its call's requirement (a failed, unverified
+  under verification, or opaque token covers nothing that requires something; another principal's
+  token covers nothing of the session),
+- delivers each honest call's events in order with no gap, and its terminal event exactly once, or
+  gives an explicit error."""
 
 from __future__ import annotations
 
@@ -11,15 +19,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp_types import JSONRPCNotification, JSONRPCResponse
 
-from mcp_stream_exporter import scope
-from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
-from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage
+from mcp_stream_exporter.guard import _current as guard_request
+from mcp_stream_exporter.guard import _Request as GuardRequest
 
 SEARCH = "https://mcp.example.com/tools/search"
 FETCH = "https://mcp.example.com/tools/fetch"
 POLICY = ToolPolicy({"search": Requirement.of([SEARCH]), "fetch": Requirement.of([FETCH])})
 AUDIENCES = [frozenset(), frozenset({SEARCH}), frozenset({FETCH}), frozenset({SEARCH, FETCH})]
+SESSIONS = ["s1", "s2", "s3"]
+OPENERS = {"s1": "alice", "s2": "bob", "s3": None}  # the subject each session was opened with (s3: no auth)
+OTHERS = ["evil1", "evil2", "evil3"]  # sessions the adversary opens to fill the tables
+VERIFICATIONS = ["verified", "unverified", "failed", "opaque", "absent"]
 LOOP = asyncio.new_event_loop()
+
+tokens = st.builds(
+    lambda audience, verification, subject: AuthView(
+        audience=audience if verification not in ("opaque", "absent") else frozenset(),
+        subject_hash=subject if verification not in ("opaque", "absent") else None,
+        fingerprint=None if verification == "absent" else "t", verification=verification),
+    st.sampled_from(AUDIENCES), st.sampled_from(VERIFICATIONS), st.sampled_from(["alice", "bob", "mallory", None]))
 
 
 @dataclass
@@ -28,6 +48,7 @@ class Call:
     request_id: str
     tool: str
     steps: int  # progress events before the result
+    honest: bool = True  # an adversary's call reusing an id is not owed anything
     produced: int = 0  # events stored so far (priming included)
     stored: list[str] = field(default_factory=list)  # event ids in store order
     delivered: list[str] = field(default_factory=list)
@@ -40,6 +61,10 @@ class Call:
     def finished_producing(self) -> bool:
         return self.produced > self.steps + 1
 
+    @property
+    def requirement(self) -> Requirement:
+        return POLICY.requirement(self.tool) or NO_REQUIREMENT
+
 
 def _message(call: Call):
     if call.produced == 0:
@@ -50,27 +75,44 @@ def _message(call: Call):
 
 
 class World:
-    def __init__(self, store: GuardedEventStore, audience: dict[str, frozenset[str]]) -> None:
+    def __init__(self, store: GuardedEventStore, tokens: dict[str, AuthView]) -> None:
         self.store = store
-        self.audience = audience
+        self.tokens = tokens  # each session's honest client's current token
         self.calls: list[Call] = []
-        self.owner: dict[tuple[str, str], Call] = {}  # (session, event id) -> the call that stored it
+        self.owner: dict[str, Call] = {}  # event id -> the call that stored it (event ids are store-wide)
 
-    def _run(self, session: str, coro_factory, auth: AuthView | None = None):
-        token = scope.bind(scope.RequestScope(session, auth or AuthView()))
+    def _run(self, session: str, coro_factory, auth: AuthView):
+        token = guard_request.set(GuardRequest(session, auth))
         try:
             return LOOP.run_until_complete(coro_factory())
         finally:
-            scope.unbind(token)
+            guard_request.reset(token)
+
+    def opener(self, session: str) -> AuthView:
+        return AuthView(subject_hash=OPENERS[session])
+
+    def covers(self, auth: AuthView, session: str, call: Call) -> bool:
+        """The oracle: may this token see this call's events in this session?"""
+        opener = OPENERS[session]
+        if opener is not None and auth.subject_hash != opener:
+            return False
+        if call.requirement == NO_REQUIREMENT:
+            return True
+        trusted = auth.verification == "verified" or (auth.verification == "unverified"
+                                                       and not self.store.tokens.verifies)
+        if auth.verification == "opaque":
+            return self.store.opaque == "allow"
+        return trusted and auth.grants(call.requirement)
 
     def produce(self, call: Call) -> None:
         if call.finished_producing:
             return
         message = _message(call)
-        event_id = self._run(call.session, lambda: self.store.store_event(call.request_id, message))
+        event_id = self._run(call.session, lambda: self.store.store_event(call.request_id, message),
+                             self.opener(call.session))
         call.produced += 1
         call.stored.append(event_id)
-        self.owner[(call.session, event_id)] = call
+        self.owner[event_id] = call
         if call.live and not call.error:
             self._deliver(call, event_id, message is not None and call.produced == call.steps + 2)
 
@@ -80,7 +122,27 @@ class World:
         if terminal:
             call.terminal_delivered += 1
 
+    def replay(self, session: str, cursor: str, auth: AuthView) -> None:
+        """The adversary resumes ``session`` from any ``cursor`` with any token."""
+        sent = []
+
+        async def collect(event):
+            sent.append(event)
+
+        self._run(session, lambda: self.store.replay_events_after(cursor, collect), auth)
+        for event in sent:
+            if event.event_id is not None:
+                self._check(session, auth, event.event_id)
+        assert sum(e.event_id is None for e in sent) <= 1
+
+    def _check(self, session: str, auth: AuthView, event_id: str) -> Call:
+        owner = self.owner[event_id]
+        assert owner.session == session, "an event of another session was replayed"
+        assert self.covers(auth, session, owner), "an event was replayed to a token that does not cover it"
+        return owner
+
     def resume(self, call: Call) -> None:
+        """The honest client resumes its call's stream from its cursor with its session's token."""
         if call.live or call.error or call.cursor is None:
             return
         sent = []
@@ -88,54 +150,87 @@ class World:
         async def collect(event):
             sent.append(event)
 
-        auth = AuthView(audience=self.audience[call.session], fingerprint="t")
+        auth = self.tokens[call.session]
         stream = self._run(call.session, lambda: self.store.replay_events_after(call.cursor, collect), auth)
+        cursors = [call.cursor]
         for event in sent:
             if event.event_id is None:
                 call.error = True  # the explicit error frame
-                assert event.message.params["cursor"] == call.cursor  # never past an undelivered event
+                assert event.message.params["cursor"] in cursors  # never past an undelivered event
                 continue
-            owner = self.owner[(call.session, event.event_id)]
-            assert owner is call, "an event of another session or stream was replayed"
-            self._deliver(call, event.event_id, event.message is not None and isinstance(event.message,
-                                                                                         JSONRPCResponse))
+            cursors.append(event.event_id)
+            if self._check(call.session, auth, event.event_id) is call:
+                self._deliver(call, event.event_id, isinstance(event.message, JSONRPCResponse))
         call.live = stream is not None
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ops = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["produce", "drop", "resume"]), st.integers(0, 7)),
+    st.tuples(st.just("refresh"), st.sampled_from(SESSIONS), tokens),
+    st.tuples(st.just("reuse"), st.integers(0, 7), st.sampled_from(["search", "fetch", "other"])),
+    st.tuples(st.just("flood"), st.sampled_from(SESSIONS + OTHERS), st.integers(1, 20)),
+    st.tuples(st.just("attack"), st.sampled_from(SESSIONS), st.integers(0, 200), tokens),
+), max_size=40)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy_mode=st.sampled_from(["all_or_nothing", "prefix"]),
-    tools=st.lists(st.tuples(st.sampled_from(["s1", "s2"]), st.sampled_from(["search", "fetch"]),
+    replay=st.sampled_from(["stream", "session"]),
+    opaque=st.sampled_from(["refuse", "allow"]),
+    verifies=st.booleans(),
+    calls=st.lists(st.tuples(st.sampled_from(SESSIONS), st.integers(1, 3), st.sampled_from(["search", "fetch"]),
                              st.integers(0, 3)), min_size=1, max_size=4),
-    start_audience=st.sampled_from(AUDIENCES),
-    ops=st.lists(st.tuples(st.sampled_from(["produce", "drop", "refresh", "resume"]), st.integers(0, 7),
-                           st.sampled_from(AUDIENCES)), max_size=40),
+    start=st.sampled_from(AUDIENCES),
+    schedule=ops,
 )
-def test_every_call_ends_with_its_terminal_once_or_an_explicit_error(policy_mode, tools, start_audience, ops):
-    store = GuardedEventStore(POLICY, policy_mode=policy_mode)
-    world = World(store, {"s1": start_audience, "s2": start_audience})
-    next_id = {"s1": 1, "s2": 1}
-    for session, tool, steps in tools:
-        next_id[session] += 1
-        call = Call(session, str(next_id[session]), tool, steps)
+def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_calls_end_explicitly(
+        policy_mode, replay, opaque, verifies, calls, start, schedule):
+    storage = InMemoryEventStorage(max_calls_per_session=6, max_events_per_session=40, max_sessions=4)
+    store = GuardedEventStore(POLICY, policy_mode=policy_mode, replay=replay, opaque=opaque,
+                              storage=storage, token_reader=TokenReader(key="k" * 32) if verifies else None)
+    honest = {s: AuthView(audience=start, subject_hash=OPENERS[s], fingerprint="h",
+                          verification="verified" if verifies else "unverified") for s in SESSIONS}
+    world = World(store, honest)
+    used: set[tuple[str, str]] = set()
+    for session, request_id, tool, steps in calls:
+        call = Call(session, str(request_id), tool, steps, honest=(session, str(request_id)) not in used)
+        used.add((session, call.request_id))
         store.record_call(session, call.request_id, tool)
         world.calls.append(call)
         world.produce(call)  # the priming event, delivered on the POST
-    for op, index, audience in ops:
-        call = world.calls[index % len(world.calls)]
-        if op == "produce":
+    for op in schedule:
+        kind = op[0]
+        if kind == "refresh":
+            world.tokens[op[1]] = op[2]
+        elif kind == "flood":
+            for n in range(op[2]):
+                store.record_call(op[1], f"flood-{n}", "search")
+        elif kind == "attack":
+            seen = sorted(world.owner, key=int)
+            if seen:
+                world.replay(op[1], seen[op[2] % len(seen)], op[3])
+        elif kind == "reuse":  # the adversary POSTs another tool with a pending call's id, same session
+            victim = world.calls[op[1] % len(world.calls)]
+            call = Call(victim.session, victim.request_id, op[2], 1, honest=False, live=False)
+            store.record_call(call.session, call.request_id, op[2] if op[2] != "other" else None)
+            world.calls.append(call)
             world.produce(call)
-        elif op == "drop":
-            call.live = False
-        elif op == "refresh":
-            world.audience[call.session] = audience
         else:
-            world.resume(call)
+            call = world.calls[op[1] % len(world.calls)]
+            if kind == "produce":
+                world.produce(call)
+            elif kind == "drop":
+                call.live = False
+            else:
+                world.resume(call)
     for call in world.calls:  # the server finishes every tool; the client resumes what it can
         while not call.finished_producing:
             world.produce(call)
         world.resume(call)
     for call in world.calls:
+        if not call.honest:
+            continue
         assert call.delivered == call.stored[:len(call.delivered)], "a gap or reordering in delivery"
         assert call.terminal_delivered <= 1
         assert call.terminal_delivered == 1 or call.error, "silent loss: no terminal event and no error"
