@@ -99,12 +99,18 @@ class StoredEvent:
 
 class EventStorage(Protocol):
     """Where a ``GuardedEventStore`` keeps events and what each stream's call requires: per session,
-    in order, bounded per session. A requirement lives with the events it protects: one session's
-    traffic can never evict another session's requirements while keeping its events."""
+    in order, bounded per session. A requirement lives with the events it protects, and a session
+    exists only from ``open`` (its initialize response) until it is evicted: an evicted session is
+    never re-created by a later write, so what its streams required can never be recorded anew,
+    lower."""
 
     evictions: int
 
-    def append(self, session_id: str | None, event: StoredEvent) -> None: ...
+    def open(self, session_id: str) -> None: ...
+
+    def append(self, session_id: str | None, event: StoredEvent) -> None:
+        """Keep ``event``; dropped (and counted) when the session is not open."""
+        ...
 
     def get(self, session_id: str | None, event_id: str) -> StoredEvent | None: ...
 
@@ -112,7 +118,8 @@ class EventStorage(Protocol):
 
     def require(self, session_id: str | None, stream_id: str, requirement: Requirement) -> None:
         """Record that ``stream_id``'s events require ``requirement``, on top of (never instead of)
-        what was recorded for it before."""
+        what was recorded for it before; dropped (and counted) when the session is not open or holds
+        its maximum of streams already, so the stream's events are never replayed."""
         ...
 
     def requirement(self, session_id: str | None, stream_id: str) -> Requirement | None: ...
@@ -121,16 +128,16 @@ class EventStorage(Protocol):
 @dataclass(slots=True)
 class _Session:
     events: OrderedDict[str, StoredEvent] = field(default_factory=OrderedDict)
-    requirements: OrderedDict[str, Requirement] = field(default_factory=OrderedDict)
+    requirements: dict[str, Requirement] = field(default_factory=dict)
     touched: float = 0.0
 
 
 class InMemoryEventStorage:
-    """Bounded in-memory storage: at most ``max_events_per_session`` events and
-    ``max_calls_per_session`` stream requirements a session (oldest go first), ``max_sessions``
-    sessions (least recently used go first), and a session untouched for ``ttl`` seconds is dropped.
-    Every event and requirement dropped is counted in ``evictions``; an evicted event's id then reads
-    as an unknown cursor, and an event stored after its requirement was evicted is never replayed."""
+    """Bounded in-memory storage: at most ``max_events_per_session`` events a session (oldest go
+    first), ``max_calls_per_session`` stream requirements a session (later ones are not recorded),
+    ``max_sessions`` sessions (least recently used go first), and a session untouched for ``ttl``
+    seconds is dropped. Everything dropped is counted in ``evictions``: an evicted event's id reads
+    as an unknown cursor, and an event without a recorded requirement is never replayed."""
 
     def __init__(self, *, max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
                  max_sessions: int = 10_000, ttl: float = 3600.0,
@@ -151,16 +158,25 @@ class InMemoryEventStorage:
             self.evictions += len(oldest.events) + len(oldest.requirements)
             del self._sessions[key]
 
-    def _touch(self, session_id: str | None) -> _Session:
+    def _touch(self, session_id: str | None) -> _Session | None:
         now = self._clock()
-        session = self._sessions.pop(session_id, None) or _Session()
-        session.touched = now
-        self._sessions[session_id] = session  # most recently touched last
         self._expire(now)
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.touched = now
+            self._sessions.move_to_end(session_id)  # most recently touched last
         return session
+
+    def open(self, session_id: str) -> None:
+        if session_id not in self._sessions:
+            self._sessions[session_id] = _Session(touched=self._clock())
+            self._expire(self._clock())
 
     def append(self, session_id: str | None, event: StoredEvent) -> None:
         session = self._touch(session_id)
+        if session is None:
+            self.evictions += 1
+            return
         session.events[event.event_id] = event
         while len(session.events) > self._max_events:
             session.events.popitem(last=False)
@@ -178,12 +194,12 @@ class InMemoryEventStorage:
         return [e for e in session.events.values() if e.seq > event.seq]
 
     def require(self, session_id: str | None, stream_id: str, requirement: Requirement) -> None:
-        requirements = self._touch(session_id).requirements
-        before = requirements.pop(stream_id, None)
-        requirements[stream_id] = requirement if before is None else before | requirement
-        while len(requirements) > self._max_calls:
-            requirements.popitem(last=False)
+        session = self._touch(session_id)
+        before = session.requirements.get(stream_id) if session is not None else None
+        if session is None or (before is None and len(session.requirements) >= self._max_calls):
             self.evictions += 1
+            return
+        session.requirements[stream_id] = requirement if before is None else before | requirement
 
     def requirement(self, session_id: str | None, stream_id: str) -> Requirement | None:
         session = self._sessions.get(session_id)
@@ -353,8 +369,9 @@ class GuardedEventStore(EventStore):
             async def guarded_send(message: Message) -> None:
                 if message["type"] == "http.response.start" and request.session_id is None:
                     session_ids = _values(message.get("headers", ()), b"mcp-session-id")
-                    if len(session_ids) == 1:
+                    if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
+                        self.storage.open(request.session_id)
                         self._flush(request)
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": _rewrite_refusal(message["body"])}

@@ -45,6 +45,7 @@ class Session:
     def __init__(self, store, session_id="s1"):
         self.store = store
         self.session_id = session_id
+        store.storage.open(session_id)  # its initialize response named it
 
     def store_event(self, stream_id, message, auth=OPENER):
         token = guard_request.set(GuardRequest(self.session_id, auth))
@@ -165,7 +166,7 @@ def test_a_cursor_from_another_session_is_refused_and_nothing_of_it_leaks():
 
 def test_storage_bounds_count_evictions_and_expire_idle_sessions():
     now = [0.0]
-    storage = InMemoryEventStorage(max_events_per_session=3, max_sessions=2, ttl=10, clock=lambda: now[0])
+    storage = InMemoryEventStorage(max_events_per_session=3, max_sessions=3, ttl=10, clock=lambda: now[0])
     s = Session(GuardedEventStore(POLICY, storage=storage))
     ids = s.call(2, "fetch", n_progress=3)  # 5 events, cap 3
     assert storage.evictions == 2
@@ -227,16 +228,17 @@ def test_other_sessions_filling_their_tables_never_evict_a_sessions_requirements
     assert storage.requirement("victim", "2") == Requirement.of([FETCH])
 
 
-def test_a_sessions_own_evicted_requirement_makes_its_later_events_unknown_and_refused():
+def test_a_session_past_its_stream_cap_records_no_more_and_those_streams_are_refused():
     storage = InMemoryEventStorage(max_calls_per_session=2)
     s = Session(GuardedEventStore(POLICY, storage=storage))
-    fetch = s.call(2, "fetch", with_result=False)
+    s.call(2, "fetch", with_result=False)
     s.store.record_call("s1", "3", "search")
-    s.store.record_call("s1", "4", "search")  # evicts stream 2's requirement
-    fetch.append(s.store_event("2", result(2)))
-    _, delivered, (notice,) = s.resume(fetch[-2], BROAD)
+    s.store.record_call("s1", "4", "fetch")  # over the cap: not recorded, never replayed
+    later = [s.store_event("4", None), s.store_event("4", result(4))]
+    _, delivered, (notice,) = s.resume(later[0], BROAD)
     assert delivered == []
     assert notice["error"] == "requirement_unknown"
+    assert storage.requirement("s1", "2") == Requirement.of([FETCH])  # what was recorded stays
 
 
 @pytest.mark.parametrize(("auth", "verifies", "error"), [
@@ -315,3 +317,17 @@ def test_a_request_with_a_repeated_session_or_authorization_header_is_ambiguous_
         guard_request.reset(token)
     (event,) = sent
     assert event.message.params["error"] == "ambiguous_request"
+
+
+def test_an_evicted_session_is_never_recreated_by_a_later_write():
+    storage = InMemoryEventStorage(max_sessions=1)
+    store = GuardedEventStore(POLICY, storage=storage)
+    victim = Session(store, "victim")
+    fetch = victim.call(2, "fetch", with_result=False)
+    Session(store, "attacker")  # a new session evicts the victim's
+    store.record_call("victim", "2", None)  # then, in the victim's session, a harmless request with fetch's id
+    victim.store_event("2", result(2))
+    assert storage.requirement("victim", "2") is None
+    _, delivered, (notice,) = victim.resume(fetch[0], NARROW)
+    assert delivered == []
+    assert notice["error"] == "unknown_cursor"

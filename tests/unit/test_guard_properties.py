@@ -191,6 +191,8 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
                               storage=storage, token_reader=TokenReader(key="k" * 32) if verifies else None)
     honest = {s: AuthView(audience=start, subject_hash=OPENERS[s], fingerprint="h",
                           verification="verified" if verifies else "unverified") for s in SESSIONS}
+    for session in SESSIONS:
+        storage.open(session)
     world = World(store, honest)
     used: set[tuple[str, str]] = set()
     for session, request_id, tool, steps in calls:
@@ -204,6 +206,8 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
         if kind == "refresh":
             world.tokens[op[1]] = op[2]
         elif kind == "flood":
+            if op[1] in OTHERS:
+                storage.open(op[1])  # the adversary opens sessions too: the oldest are evicted
             for n in range(op[2]):
                 store.record_call(op[1], f"flood-{n}", "search")
         elif kind == "attack":
