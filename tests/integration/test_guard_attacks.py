@@ -1,0 +1,211 @@
+"""The replay guard fails closed against hostile clients, on the real SDK server (legacy mode).
+
+Each scenario has an honest SDK client calling ``fetch`` (whose events require the fetch resource)
+and an adversary speaking raw HTTP: a token narrowed to ``search`` in the same session, another
+session, a forged token, a server without the guard's ASGI layer. The adversary resumes from every
+event id the server has handed out; not one of fetch's events may reach it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import httpx2
+import jwt
+import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import MCPServer
+
+from mcp_stream_exporter.auth import TokenReader
+from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.lab import (
+    BASE_RESOURCE,
+    FETCH_RESOURCE,
+    SEARCH_RESOURCE,
+    BearerAuth,
+    TokenIssuer,
+    build_incident_server,
+    incident_policy,
+    serve,
+)
+from mcp_stream_exporter.lab.incident import ISSUER
+
+from harness import TOKENS_USED
+
+pytestmark = pytest.mark.anyio
+
+PROTOCOL = "2025-11-25"
+SECRET = "contents of victim-doc"  # fetch's result
+PROGRESS = "fetch step"  # fetch's progress events
+
+
+@dataclass
+class Server:
+    port: int
+    mcp: MCPServer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def session_ids(self) -> set[str]:
+        return set(self.mcp.session_manager._server_instances)  # no public API for the live sessions
+
+
+@contextlib.asynccontextmanager
+async def guarded_server(issuer: TokenIssuer | None, store: GuardedEventStore, *,
+                         asgi_layer: bool = True) -> AsyncIterator[Server]:
+    mcp = build_incident_server(issuer, step_delay=0.05)
+    app = store.serve(mcp, retry_interval=200) if asgi_layer else mcp.streamable_http_app(event_store=store,
+                                                                                         retry_interval=200)
+    async with serve(app) as port:
+        yield Server(port, mcp)
+
+
+@contextlib.asynccontextmanager
+async def honest_client(server: Server, token: str | None) -> AsyncIterator[tuple[Client, list[str]]]:
+    """An SDK client in legacy mode (resumable), and the progress messages it has seen."""
+    progress: list[str] = []
+    async with (httpx2.AsyncClient(auth=BearerAuth(token) if token else None, timeout=30) as http,
+                Client(streamable_http_client(server.url, http_client=http), mode="legacy") as client):
+        yield client, progress
+
+
+async def fetch_in_flight(client: Client, progress: list[str], steps: int = 30) -> asyncio.Task[Any]:
+    """Start a slow ``fetch`` and return once its first progress event has arrived."""
+    async def on_progress(p: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    task = asyncio.create_task(client.call_tool("fetch", {"url": "victim-doc", "steps": steps},
+                                                progress_callback=on_progress))
+    for _ in range(500):
+        if progress or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert progress, "fetch never reported progress"
+    return task
+
+
+def headers(session_id: str | None, token: str | None) -> dict[str, str]:
+    out = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+           "mcp-protocol-version": PROTOCOL}
+    if session_id:
+        out["mcp-session-id"] = session_id
+    if token:
+        out["authorization"] = f"Bearer {token}"
+    return out
+
+
+async def resume(http: httpx.AsyncClient, url: str, session_id: str, token: str | None, cursor: int,
+                 read_s: float = 0.6) -> str:
+    """A resume GET with ``Last-Event-ID: cursor``; what the stream carried within ``read_s``."""
+    body: list[str] = []
+    with contextlib.suppress(httpx.HTTPError, TimeoutError):
+        async with asyncio.timeout(read_s):
+            async with http.stream("GET", url, headers={**headers(session_id, token),
+                                                        "last-event-id": str(cursor)}) as response:
+                async for line in response.aiter_lines():
+                    body.append(line)
+                    if line.startswith("data:") and body[-2:-1] == ["event: error"]:
+                        break  # a refusal is the end of the stream
+    return "\n".join(body)
+
+
+async def resume_everywhere(url: str, session_id: str, token: str | None, upto: int = 50) -> list[str]:
+    """The adversary resumes from every event id the store may have handed out (a few dozen here),
+    eight at a time."""
+    gate = asyncio.Semaphore(8)
+
+    async def one(http: httpx.AsyncClient, cursor: int) -> str:
+        async with gate:
+            return await resume(http, url, session_id, token, cursor)
+
+    async with httpx.AsyncClient(timeout=5) as http:
+        return list(await asyncio.gather(*(one(http, cursor) for cursor in range(1, upto))))
+
+
+def leaked(bodies: list[str]) -> list[str]:
+    return [b for b in bodies if SECRET in b or PROGRESS in b]
+
+
+async def test_a_narrow_token_reusing_a_pending_fetchs_request_id_never_gets_fetchs_events():
+    issuer = TokenIssuer()
+    policy = incident_policy()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    async with guarded_server(issuer, GuardedEventStore(policy)) as server, honest_client(server, broad) as (c, p):
+        fetch = await fetch_in_flight(c, p)
+        (session_id,) = server.session_ids()
+        async with httpx.AsyncClient(timeout=5) as http:
+            for request_id in range(0, 4):  # SDK request ids are small integers: reuse each
+                call = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                        "params": {"name": "search", "arguments": {"query": "x"}}}
+                await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(call))
+        bodies = await resume_everywhere(server.url, session_id, narrow)
+        fetch.cancel()
+    assert not leaked(bodies), "a narrow token read fetch's events"
+    assert any('"error": "insufficient_audience"' in b for b in bodies)  # refused, explicitly
+
+
+async def test_other_sessions_filling_the_guards_tables_never_let_a_narrow_resume_through():
+    issuer = TokenIssuer()
+    policy = incident_policy()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    async with guarded_server(issuer, GuardedEventStore(policy)) as server, honest_client(server, broad) as (c, p):
+        fetch = await fetch_in_flight(c, p, steps=60)
+        (victim,) = server.session_ids()
+        async with honest_client(server, narrow) as (attacker, _):  # its own session
+            (other,) = server.session_ids() - {victim}
+            async with httpx.AsyncClient(timeout=30) as http:
+                for start in range(0, 120_000, 40_000):  # three batches of tools/call, 40,000 ids each
+                    batch = [{"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": {"name": "search"}}
+                             for n in range(start, start + 40_000)]
+                    await http.post(server.url, headers=headers(other, narrow), content=json.dumps(batch))
+            await attacker.list_tools()  # the flooding session still works
+        bodies = await resume_everywhere(server.url, victim, narrow)
+        fetch.cancel()
+    assert not leaked(bodies), "a narrow resume read fetch's events after the tables were flooded"
+    assert any('"error": "insufficient_audience"' in b for b in bodies)
+
+
+async def test_a_forged_token_is_not_read_by_its_claims_when_the_guard_verifies():
+    issuer = TokenIssuer()
+    policy = incident_policy()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    forger = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    forged = jwt.encode({"iss": ISSUER, "sub": "alice", "aud": [FETCH_RESOURCE, SEARCH_RESOURCE], "scope": "mcp"},
+                        forger, algorithm="RS256")
+    TOKENS_USED.extend((broad, forged))
+    store = GuardedEventStore(policy, token_reader=TokenReader(key=issuer.public_key))
+    async with guarded_server(None, store) as server, honest_client(server, broad) as (c, p):  # auth upstream
+        fetch = await fetch_in_flight(c, p)
+        (session_id,) = server.session_ids()
+        bodies = await resume_everywhere(server.url, session_id, forged)
+        fetch.cancel()
+    assert not leaked(bodies), "a forged token's claimed audience was trusted"
+    assert any('"error": "token_unverified"' in b for b in bodies)
+
+
+async def test_without_the_guards_asgi_layer_no_resume_replays_another_sessions_events():
+    policy = incident_policy()
+    store = GuardedEventStore(policy)
+    async with guarded_server(None, store, asgi_layer=False) as server, honest_client(server, None) as (c, p):
+        fetch = await fetch_in_flight(c, p)
+        (victim,) = server.session_ids()
+        async with honest_client(server, None) as (other_client, _):
+            (other,) = server.session_ids() - {victim}
+            bodies = await resume_everywhere(server.url, other, None)  # another session, no token at all
+            await other_client.list_tools()
+        fetch.cancel()
+    assert not leaked(bodies), "a resume in another session replayed the victim's events"
+    assert any("no_request_context" in b for b in bodies)  # refused, and said why
