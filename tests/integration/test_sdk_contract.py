@@ -40,7 +40,7 @@ def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_c
     rewrites that frame into `event: error` on the wire. Pins the transport's rendering."""
     from mcp.server.streamable_http import EventMessage, StreamableHTTPServerTransport
 
-    from mcp_stream_exporter.guard import REFUSAL_METHOD, _refusal, _rewrite_refusal
+    from mcp_stream_exporter.guard.store import REFUSAL_METHOD, _refusal, _rewrite_refusal
     from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 
     notice = _refusal({"error": "insufficient_audience", "cursor": "6"})

@@ -13,10 +13,10 @@ from mcp_stream_exporter.guard import (
     REFUSAL_METHOD,
     GuardedEventStore,
     InMemoryEventStorage,
-    _rewrite_refusal,
 )
-from mcp_stream_exporter.guard import _current as guard_request
-from mcp_stream_exporter.guard import _Request as GuardRequest
+from mcp_stream_exporter.guard.store import _current as guard_request
+from mcp_stream_exporter.guard.store import _Request as GuardRequest
+from mcp_stream_exporter.guard.store import _rewrite_refusal
 from mcp_stream_exporter.sse import SSEParser
 
 SEARCH = "https://mcp.example.com/tools/search"
@@ -45,7 +45,7 @@ class Session:
     def __init__(self, store, session_id="s1"):
         self.store = store
         self.session_id = session_id
-        store.storage.open(session_id)  # its initialize response named it
+        run(store._open(session_id))  # its initialize response named it
 
     def store_event(self, stream_id, message, auth=OPENER):
         token = guard_request.set(GuardRequest(self.session_id, auth))
@@ -55,7 +55,7 @@ class Session:
             guard_request.reset(token)
 
     def call(self, request_id, tool, n_progress=2, with_result=True):
-        self.store.record_call(self.session_id, str(request_id), tool)
+        run(self.store.record_call(self.session_id, str(request_id), tool))
         ids = [self.store_event(str(request_id), None)]
         ids += [self.store_event(str(request_id), progress(i)) for i in range(n_progress)]
         if with_result:
@@ -173,8 +173,8 @@ def test_storage_bounds_count_evictions_and_expire_idle_sessions():
     assert s.resume(ids[0], BROAD)[2][0]["error"] == "unknown_cursor"
     Session(s.store, "other").call(3, "search", n_progress=0, with_result=False)
     now[0] = 11.0
-    assert storage.get("s1", ids[-1]) is None  # idle past its ttl
-    assert storage.evictions == 2 + (3 + 1) + (1 + 1)  # s1's events and requirement, then other's
+    assert run(storage.get("s1", ids[-1])) is None  # idle past its ttl
+    assert storage.evictions == 2 + (3 + 2) + (1 + 2)  # s1: 3 events, 2 requirements (its call, GET); other
 
 
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
@@ -194,13 +194,13 @@ def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
 def test_a_reused_request_id_never_lowers_what_the_pending_calls_events_require():
     s = Session(GuardedEventStore(POLICY))
     fetch = s.call(2, "fetch", with_result=False)
-    s.store.record_call("s1", "2", "search")  # a narrow token POSTs search with fetch's id
+    run(s.store.record_call("s1", "2", "search"))  # a narrow token POSTs search with fetch's id
     fetch.append(s.store_event("2", result(2)))
     stream, delivered, (notice,) = s.resume(fetch[0], NARROW)
     assert (stream, delivered) == (None, [])
     assert notice["error"] == "insufficient_audience"
     assert notice["missing_resources"] == [FETCH]
-    assert s.store.storage.requirement("s1", "2") == Requirement.of([SEARCH, FETCH])  # only ever more
+    assert run(s.store.storage.requirement("s1", "2")) == Requirement.of([SEARCH, FETCH])  # only ever more
     assert s.resume(fetch[0], BROAD)[1] == fetch[1:]
 
 
@@ -220,25 +220,25 @@ def test_other_sessions_filling_their_tables_never_evict_a_sessions_requirements
     victim = Session(store, "victim")
     fetch = victim.call(2, "fetch", with_result=False)
     for n in range(200):  # the attacker's own session, far past its cap
-        store.record_call("attacker", str(n), "search")
+        run(store.record_call("attacker", str(n), "search"))
     fetch.append(victim.store_event("2", result(2)))
     _, delivered, (notice,) = victim.resume(fetch[0], NARROW)
     assert delivered == []
     assert notice["error"] == "insufficient_audience"
-    assert storage.requirement("victim", "2") == Requirement.of([FETCH])
+    assert run(storage.requirement("victim", "2")) == Requirement.of([FETCH])
 
 
 def test_a_session_past_its_stream_cap_records_no_more_and_those_streams_are_refused():
     storage = InMemoryEventStorage(max_calls_per_session=2)
     s = Session(GuardedEventStore(POLICY, storage=storage))
     s.call(2, "fetch", with_result=False)
-    s.store.record_call("s1", "3", "search")
-    s.store.record_call("s1", "4", "fetch")  # over the cap: not recorded, never replayed
+    run(s.store.record_call("s1", "3", "search"))
+    run(s.store.record_call("s1", "4", "fetch"))  # over the cap: not recorded, never replayed
     later = [s.store_event("4", None), s.store_event("4", result(4))]
     _, delivered, (notice,) = s.resume(later[0], BROAD)
     assert delivered == []
     assert notice["error"] == "requirement_unknown"
-    assert storage.requirement("s1", "2") == Requirement.of([FETCH])  # what was recorded stays
+    assert run(storage.requirement("s1", "2")) == Requirement.of([FETCH])  # what was recorded stays
 
 
 @pytest.mark.parametrize(("auth", "verifies", "error"), [
@@ -290,7 +290,7 @@ def test_a_token_of_another_principal_than_the_sessions_opener_is_refused():
     s = Session(GuardedEventStore(POLICY))
     alice = AuthView(audience=frozenset({SEARCH, FETCH}), subject_hash="alice", verification="unverified")
     mallory = AuthView(audience=frozenset({SEARCH, FETCH}), subject_hash="mallory", verification="unverified")
-    s.store.record_call("s1", "2", "search")
+    run(s.store.record_call("s1", "2", "search"))
     ids = [s.store_event("2", None, alice), s.store_event("2", result(2), alice)]
     _, delivered, (notice,) = s.resume(ids[0], mallory)
     assert delivered == []
@@ -325,9 +325,9 @@ def test_an_evicted_session_is_never_recreated_by_a_later_write():
     victim = Session(store, "victim")
     fetch = victim.call(2, "fetch", with_result=False)
     Session(store, "attacker")  # a new session evicts the victim's
-    store.record_call("victim", "2", None)  # then, in the victim's session, a harmless request with fetch's id
+    run(store.record_call("victim", "2", None))  # then, in the victim's session, a harmless request with fetch's id
     victim.store_event("2", result(2))
-    assert storage.requirement("victim", "2") is None
+    assert run(storage.requirement("victim", "2")) is None
     _, delivered, (notice,) = victim.resume(fetch[0], NARROW)
     assert delivered == []
     assert notice["error"] == "unknown_cursor"

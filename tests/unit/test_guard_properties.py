@@ -21,8 +21,8 @@ from mcp_types import JSONRPCNotification, JSONRPCResponse
 
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage
-from mcp_stream_exporter.guard import _current as guard_request
-from mcp_stream_exporter.guard import _Request as GuardRequest
+from mcp_stream_exporter.guard.store import _current as guard_request
+from mcp_stream_exporter.guard.store import _Request as GuardRequest
 
 SEARCH = "https://mcp.example.com/tools/search"
 FETCH = "https://mcp.example.com/tools/fetch"
@@ -192,13 +192,13 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
     honest = {s: AuthView(audience=start, subject_hash=OPENERS[s], fingerprint="h",
                           verification="verified" if verifies else "unverified") for s in SESSIONS}
     for session in SESSIONS:
-        storage.open(session)
+        LOOP.run_until_complete(store._open(session))
     world = World(store, honest)
     used: set[tuple[str, str]] = set()
     for session, request_id, tool, steps in calls:
         call = Call(session, str(request_id), tool, steps, honest=(session, str(request_id)) not in used)
         used.add((session, call.request_id))
-        store.record_call(session, call.request_id, tool)
+        LOOP.run_until_complete(store.record_call(session, call.request_id, tool))
         world.calls.append(call)
         world.produce(call)  # the priming event, delivered on the POST
     for op in schedule:
@@ -207,17 +207,18 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
             world.tokens[op[1]] = op[2]
         elif kind == "flood":
             if op[1] in OTHERS:
-                storage.open(op[1])  # the adversary opens sessions too: the oldest are evicted
+                LOOP.run_until_complete(store._open(op[1]))  # the adversary opens sessions too: the oldest are evicted
             for n in range(op[2]):
-                store.record_call(op[1], f"flood-{n}", "search")
+                LOOP.run_until_complete(store.record_call(op[1], f"flood-{n}", "search"))
         elif kind == "attack":
-            seen = sorted(world.owner, key=int)
+            seen = list(world.owner)  # every event id handed out, in order (unstored ones included)
             if seen:
                 world.replay(op[1], seen[op[2] % len(seen)], op[3])
         elif kind == "reuse":  # the adversary POSTs another tool with a pending call's id, same session
             victim = world.calls[op[1] % len(world.calls)]
             call = Call(victim.session, victim.request_id, op[2], 1, honest=False, live=False)
-            store.record_call(call.session, call.request_id, op[2] if op[2] != "other" else None)
+            tool = op[2] if op[2] != "other" else None
+            LOOP.run_until_complete(store.record_call(call.session, call.request_id, tool))
             world.calls.append(call)
             world.produce(call)
         else:

@@ -25,16 +25,16 @@ What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal
 
+import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import (
     GET_STREAM_KEY,
@@ -44,12 +44,19 @@ from mcp.server.streamable_http import (
     EventStore,
     StreamId,
 )
-from mcp_types import JSONRPCMessage, JSONRPCNotification
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
 from opentelemetry import trace
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.guard.storage import (
+    EventStorage,
+    InMemoryEventStorage,
+    SharedEventStorage,
+    StorageError,
+    StoredEvent,
+)
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
 
@@ -68,6 +75,8 @@ AUDIENCE_UNKNOWN: Final = "audience_unknown"
 PRINCIPAL_MISMATCH: Final = "principal_mismatch"
 NO_REQUEST_CONTEXT: Final = "no_request_context"
 AMBIGUOUS_REQUEST: Final = "ambiguous_request"
+STORE_UNAVAILABLE: Final = "store_unavailable"
+SESSION_OWNER_GONE: Final = "session_owner_gone"
 
 _DETAILS: Final = {
     INSUFFICIENT_AUDIENCE: "the token's aud or scopes do not cover this event's call: re-authorise for "
@@ -82,128 +91,13 @@ _DETAILS: Final = {
                         "check a replay against",
     AMBIGUOUS_REQUEST: "the resume carried more than one Authorization or Mcp-Session-Id header",
     UNKNOWN_CURSOR: "event id unknown or evicted in this session; re-issue the pending calls",
+    STORE_UNAVAILABLE: "the guard's event storage is unavailable: resume from cursor later, or re-issue",
+    SESSION_OWNER_GONE: "the server process that ran this session is gone and the call did not finish: "
+                        "re-issue it",
 }
+_TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _REQUEST_HEADERS: Final = (b"mcp-session-id", b"authorization")
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredEvent:
-    seq: int
-    event_id: str
-    stream_id: str
-    message: JSONRPCMessage | None  # None: a priming event
-    requirement: Requirement | None  # None: unknown when stored, so never replayed
-    subject: str | None = None  # the subject hash of the token the session was opened with
-
-
-class EventStorage(Protocol):
-    """Where a ``GuardedEventStore`` keeps events and what each stream's call requires: per session,
-    in order, bounded per session. A requirement lives with the events it protects, and a session
-    exists only from ``open`` (its initialize response) until it is evicted: an evicted session is
-    never re-created by a later write, so what its streams required can never be recorded anew,
-    lower."""
-
-    evictions: int
-
-    def open(self, session_id: str) -> None: ...
-
-    def append(self, session_id: str | None, event: StoredEvent) -> None:
-        """Keep ``event``; dropped (and counted) when the session is not open."""
-        ...
-
-    def get(self, session_id: str | None, event_id: str) -> StoredEvent | None: ...
-
-    def after(self, session_id: str | None, event: StoredEvent) -> list[StoredEvent]: ...
-
-    def require(self, session_id: str | None, stream_id: str, requirement: Requirement) -> None:
-        """Record that ``stream_id``'s events require ``requirement``, on top of (never instead of)
-        what was recorded for it before; dropped (and counted) when the session is not open or holds
-        its maximum of streams already, so the stream's events are never replayed."""
-        ...
-
-    def requirement(self, session_id: str | None, stream_id: str) -> Requirement | None: ...
-
-
-@dataclass(slots=True)
-class _Session:
-    events: OrderedDict[str, StoredEvent] = field(default_factory=OrderedDict)
-    requirements: dict[str, Requirement] = field(default_factory=dict)
-    touched: float = 0.0
-
-
-class InMemoryEventStorage:
-    """Bounded in-memory storage: at most ``max_events_per_session`` events a session (oldest go
-    first), ``max_calls_per_session`` stream requirements a session (later ones are not recorded),
-    ``max_sessions`` sessions (least recently used go first), and a session untouched for ``ttl``
-    seconds is dropped. Everything dropped is counted in ``evictions``: an evicted event's id reads
-    as an unknown cursor, and an event without a recorded requirement is never replayed."""
-
-    def __init__(self, *, max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
-                 max_sessions: int = 10_000, ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._sessions: OrderedDict[str | None, _Session] = OrderedDict()
-        self._max_events = max_events_per_session
-        self._max_calls = max_calls_per_session
-        self._max_sessions = max_sessions
-        self._ttl = ttl
-        self._clock = clock
-        self.evictions = 0
-
-    def _expire(self, now: float) -> None:
-        while self._sessions:
-            key, oldest = next(iter(self._sessions.items()))
-            if now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions:
-                return
-            self.evictions += len(oldest.events) + len(oldest.requirements)
-            del self._sessions[key]
-
-    def _touch(self, session_id: str | None) -> _Session | None:
-        now = self._clock()
-        self._expire(now)
-        session = self._sessions.get(session_id)
-        if session is not None:
-            session.touched = now
-            self._sessions.move_to_end(session_id)  # most recently touched last
-        return session
-
-    def open(self, session_id: str) -> None:
-        if session_id not in self._sessions:
-            self._sessions[session_id] = _Session(touched=self._clock())
-            self._expire(self._clock())
-
-    def append(self, session_id: str | None, event: StoredEvent) -> None:
-        session = self._touch(session_id)
-        if session is None:
-            self.evictions += 1
-            return
-        session.events[event.event_id] = event
-        while len(session.events) > self._max_events:
-            session.events.popitem(last=False)
-            self.evictions += 1
-
-    def get(self, session_id: str | None, event_id: str) -> StoredEvent | None:
-        self._expire(self._clock())
-        session = self._sessions.get(session_id)
-        return session.events.get(event_id) if session is not None else None
-
-    def after(self, session_id: str | None, event: StoredEvent) -> list[StoredEvent]:
-        session = self._sessions.get(session_id)
-        if session is None:
-            return []
-        return [e for e in session.events.values() if e.seq > event.seq]
-
-    def require(self, session_id: str | None, stream_id: str, requirement: Requirement) -> None:
-        session = self._touch(session_id)
-        before = session.requirements.get(stream_id) if session is not None else None
-        if session is None or (before is None and len(session.requirements) >= self._max_calls):
-            self.evictions += 1
-            return
-        session.requirements[stream_id] = requirement if before is None else before | requirement
-
-    def requirement(self, session_id: str | None, stream_id: str) -> Requirement | None:
-        session = self._sessions.get(session_id)
-        return session.requirements.get(stream_id) if session is not None else None
 
 
 @dataclass(slots=True)
@@ -238,6 +132,8 @@ class GuardedEventStore(EventStore):
     its own call's requirement either way. ``opaque="refuse"`` refuses an opaque (non-JWT) token any
     event that requires something, since its audience cannot be read; ``"allow"`` trusts the server's
     own authentication for them. With a verifying ``token_reader`` only verified tokens count.
+    With a ``SharedEventStorage`` (e.g. ``RedisEventStorage``), a resume that reaches a server
+    process which does not hold the session is answered from the storage.
     """
 
     def __init__(self, policy: ToolPolicy, *, mode: Mode = "enforce", policy_mode: Policy = "all_or_nothing",
@@ -250,34 +146,35 @@ class GuardedEventStore(EventStore):
         self.opaque = opaque
         self.storage: EventStorage = storage if storage is not None else InMemoryEventStorage()
         self.tokens = token_reader or TokenReader()
-        self._seq = itertools.count(1)
+        self._unstored = itertools.count(1)
 
     # --- which call requires what ---
 
-    def record_call(self, session_id: str | None, request_id: str, tool: str | None) -> None:
+    async def record_call(self, session_id: str, request_id: str, tool: str | None) -> None:
         """A request was received: its stream's events require the tool's policy (``tool`` None: a
         request other than ``tools/call``, which requires nothing). A request id used again in the
         session only ever adds to what its stream requires."""
-        self.storage.require(session_id, request_id, self._requirement_of(tool))
+        await self.storage.require(session_id, request_id, self._requirement_of(tool))
 
     def _requirement_of(self, tool: str | None) -> Requirement:
         return self.policy.requirement(tool) or NO_REQUIREMENT
 
-    def _stream_requirement(self, session_id: str | None, stream_id: str) -> Requirement | None:
-        if stream_id == GET_STREAM_KEY:
-            return NO_REQUIREMENT  # server-initiated messages, not a call's
-        return self.storage.requirement(session_id, stream_id)
+    async def _open(self, session_id: str) -> None:
+        await self.storage.open(session_id)
+        await self.storage.require(session_id, GET_STREAM_KEY, NO_REQUIREMENT)  # server-initiated, not a call's
 
     # --- EventStore ---
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
-        session_id = request.session_id if request is not None else None
-        seq = next(self._seq)
-        event = StoredEvent(seq, str(seq), stream_id, message, self._stream_requirement(session_id, stream_id),
-                            request.auth.subject_hash if request is not None else None)
-        self.storage.append(session_id, event)
-        return event.event_id
+        try:
+            event_id = await self.storage.append(request.session_id if request is not None else None, stream_id,
+                                                 message, request.auth.subject_hash if request is not None else None)
+        except StorageError:
+            _log.exception("guard storage: event of stream %s not stored; a resume from it will be refused",
+                           stream_id)
+            event_id = None
+        return event_id if event_id is not None else f"unstored-{next(self._unstored)}"
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
         span = trace.get_current_span()  # the hooks' replay span when they are installed
@@ -287,15 +184,23 @@ class GuardedEventStore(EventStore):
             span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, refusal))
             await send_callback(_refusal(refusal))  # in every mode: there is nothing to check against
             return None
-        cursor = self.storage.get(request.session_id, last_event_id)
-        if cursor is None:  # unknown, evicted, or another session's: never an empty 200
-            span.set_attributes({sc.GUARD_MODE: self.mode, sc.GUARD_DECISION: sc.GUARD_UNKNOWN_CURSOR,
-                                 sc.GUARD_REASON: UNKNOWN_CURSOR})
-            await send_callback(_refusal(_plain(UNKNOWN_CURSOR, last_event_id)))
+        try:
+            cursor = await self.storage.get(request.session_id, last_event_id)
+            if cursor is None:  # unknown, evicted, or another session's: never an empty 200
+                span.set_attributes(_span_attributes(self.mode, sc.GUARD_UNKNOWN_CURSOR,
+                                                     _plain(UNKNOWN_CURSOR, last_event_id)))
+                await send_callback(_refusal(_plain(UNKNOWN_CURSOR, last_event_id)))
+                return None
+            buffered = await self._buffered(request.session_id, cursor)
+            live = await self.storage.requirement(request.session_id, cursor.stream_id)
+        except StorageError:
+            _log.exception("guard storage: replay refused, the storage is unavailable")
+            span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, _plain(STORE_UNAVAILABLE, last_event_id)))
+            await send_callback(_refusal(_plain(STORE_UNAVAILABLE, last_event_id)))
             return None
-        verdict = self._verdict(request, cursor)
+        verdict = self._verdict(request.auth, cursor, buffered, live)
         if verdict.refusal is None or self.mode == "observe":
-            for event in verdict.deliver if verdict.refusal is None else self._buffered(request.session_id, cursor):
+            for event in verdict.deliver if verdict.refusal is None else buffered:
                 await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
             decision = sc.GUARD_ALLOW if verdict.refusal is None else sc.GUARD_WOULD_REFUSE
             span.set_attributes(_span_attributes(self.mode, decision, verdict.refusal))
@@ -306,13 +211,15 @@ class GuardedEventStore(EventStore):
         await send_callback(_refusal(verdict.refusal))
         return None  # no live tail: the stream ends after the error frame
 
-    def _buffered(self, session_id: str | None, cursor: StoredEvent) -> list[StoredEvent]:
-        return [e for e in self.storage.after(session_id, cursor)
-                if e.message is not None and (self.replay == "session" or e.stream_id == cursor.stream_id)]
+    async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent]:
+        return [e for e in await self.storage.after(session_id, cursor) if self._carries(cursor.stream_id, e)]
 
-    def _verdict(self, request: _Request, cursor: StoredEvent) -> _Verdict:
-        auth = request.auth
-        buffered = self._buffered(request.session_id, cursor)
+    def _carries(self, stream_id: str, event: StoredEvent) -> bool:
+        """Whether a resume of ``stream_id`` replays ``event`` (priming events are never replayed)."""
+        return event.message is not None and (self.replay == "session" or event.stream_id == stream_id)
+
+    def _verdict(self, auth: AuthView, cursor: StoredEvent, buffered: list[StoredEvent],
+                 live: Requirement | None) -> _Verdict:
         delivered = cursor.event_id
         for index, event in enumerate(buffered):
             reason = self._covers(auth, event.requirement, event.subject)
@@ -322,7 +229,6 @@ class GuardedEventStore(EventStore):
                 return _Verdict(prefix, _refusal_data(reason, event.event_id, event.stream_id, event.requirement,
                                                       auth, resume_from))
             delivered = event.event_id
-        live = self._stream_requirement(request.session_id, cursor.stream_id)
         reason = self._covers(auth, live, cursor.subject)
         if reason is not None:  # the live tail would carry events the token may not see
             prefix = buffered if self.policy_mode == "prefix" else []
@@ -348,13 +254,19 @@ class GuardedEventStore(EventStore):
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Bind the request context (session, the token as this guard reads it), record each
-        request's requirement, and turn the refusal notice into an ``event: error`` frame."""
+        request's requirement, turn the refusal notice into an ``event: error`` frame, and answer
+        from a shared storage a resume for a session this process does not hold."""
 
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            request = self._request(scope.get("headers", ()))
+            raw_headers = scope.get("headers", ())
+            request = self._request(raw_headers)
+            cursors = _values(raw_headers, b"last-event-id")
+            elsewhere = (isinstance(self.storage, SharedEventStorage) and scope.get("method") == "GET"
+                         and len(cursors) == 1 and request.session_id is not None)
+            held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             body = bytearray()
 
@@ -363,22 +275,27 @@ class GuardedEventStore(EventStore):
                 if message["type"] == "http.request" and scope.get("method") == "POST" and len(body) <= MAX_PARSED_BODY:
                     body.extend(message.get("body", b""))
                     if not message.get("more_body", False) and len(body) <= MAX_PARSED_BODY:
-                        self._record(request, bytes(body))  # too large to read: unknown, never replayed
+                        await self._record(request, bytes(body))  # too large to read: unknown, never replayed
                 return message
 
             async def guarded_send(message: Message) -> None:
+                if held or (elsewhere and message["type"] == "http.response.start" and message["status"] == 404):
+                    held.append(message)
+                    return
                 if message["type"] == "http.response.start" and request.session_id is None:
                     session_ids = _values(message.get("headers", ()), b"mcp-session-id")
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
-                        self.storage.open(request.session_id)
-                        self._flush(request)
+                        await self._born(request)
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": _rewrite_refusal(message["body"])}
                 await send(message)
 
             try:
                 await app(scope, guarded_receive, guarded_send)
+                if held and not await self._replay_elsewhere(request, cursors[0], receive, send):
+                    for message in held:
+                        await send(message)
             finally:
                 _current.reset(token)
 
@@ -390,17 +307,93 @@ class GuardedEventStore(EventStore):
         auth = ABSENT if ambiguous or not authorizations else self.tokens.from_authorization(authorizations[0])
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    def _record(self, request: _Request, body: bytes) -> None:
+    async def _record(self, request: _Request, body: bytes) -> None:
         for msg in classify(body):
             if msg.method is not None and msg.id is not None:
                 request.pending.append((msg.id, self._requirement_of(msg.tool if msg.method == TOOLS_CALL else None)))
         if request.session_id is not None:
-            self._flush(request)
+            await self._flush(request)
 
-    def _flush(self, request: _Request) -> None:
-        for request_id, requirement in request.pending:
-            self.storage.require(request.session_id, request_id, requirement)
-        request.pending.clear()
+    async def _born(self, request: _Request) -> None:
+        try:
+            await self._open(request.session_id)  # type: ignore[arg-type]
+        except StorageError:
+            _log.exception("guard storage: session not opened; its streams cannot be resumed")
+        await self._flush(request)
+
+    async def _flush(self, request: _Request) -> None:
+        pending, request.pending = request.pending, []
+        try:
+            for request_id, requirement in pending:
+                await self.storage.require(request.session_id, request_id, requirement)  # type: ignore[arg-type]
+        except StorageError:  # not recorded: the stream's events are refused, never replayed
+            _log.exception("guard storage: requirements not recorded; those streams cannot be resumed")
+
+    async def _replay_elsewhere(self, request: _Request, cursor: str, receive: Receive, send: Send) -> bool:
+        """Answer a resume for a session another server process holds, from the shared storage: the
+        same verdict as a local replay, then the live tail as the owner stores it, until the call's
+        terminal event, an event the token may not see, or the owner is gone (an error frame, never
+        a silent end). False when the storage does not know the session either (the SDK's 404 stands)."""
+        storage = self.storage
+        session_id = request.session_id
+        if not isinstance(storage, SharedEventStorage) or session_id is None:
+            return False
+        try:
+            if not await storage.is_open(session_id):
+                return False
+        except StorageError:
+            return False
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                (b"mcp-session-id", session_id.encode("latin-1"))]})
+        last = cursor
+
+        async def emit(event: EventMessage) -> None:
+            nonlocal last
+            if event.event_id is not None:
+                last = event.event_id
+            await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
+
+        async with anyio.create_task_group() as tasks:
+            async def disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(disconnect)
+            stream_id = await self.replay_events_after(cursor, emit)
+            if stream_id is not None:
+                await self._tail(storage, request, stream_id, lambda: last, emit)
+            tasks.cancel_scope.cancel()
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+    async def _tail(self, storage: SharedEventStorage, request: _Request, stream_id: str,
+                    last: Callable[[], str], emit: EventCallback) -> None:
+        session_id = request.session_id or ""
+        after = last()
+        while True:
+            try:
+                events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
+                if not events and not await storage.owner_alive(session_id):
+                    await emit(_refusal(_plain(SESSION_OWNER_GONE, last())))
+                    return
+            except StorageError:
+                await emit(_refusal(_plain(STORE_UNAVAILABLE, last())))
+                return
+            for event in events:
+                after = event.event_id
+                if not self._carries(stream_id, event):
+                    continue
+                reason = self._covers(request.auth, event.requirement, event.subject)
+                if reason is not None and self.mode == "enforce":
+                    await emit(_refusal(_refusal_data(reason, event.event_id, event.stream_id, event.requirement,
+                                                      request.auth, last())))
+                    return
+                await emit(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
+                if _terminal_of(event, stream_id):
+                    return
 
     def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
         """Without the hooks: the server's Streamable HTTP app with this store, guarded."""
@@ -481,3 +474,17 @@ def _notice(frame: SSEFrame) -> dict[str, Any] | None:
     params = obj.get("params") if isinstance(obj, dict) and obj.get("method") == REFUSAL_METHOD else None
     return params if isinstance(params, dict) else None
 
+
+
+def _frame(event: EventMessage) -> bytes:
+    """An event as the SDK writes it (``event: message`` with its ``id:``), or a refusal notice as
+    ``event: error``: the bytes of a resume this process answers itself."""
+    message = event.message
+    if event.event_id is None and isinstance(message, JSONRPCNotification) and message.method == REFUSAL_METHOD:
+        return render(SSEFrame(json.dumps(message.params), event="error"))
+    return render(SSEFrame(message.model_dump_json(by_alias=True, exclude_unset=True), event="message",
+                           id=event.event_id))
+
+
+def _terminal_of(event: StoredEvent, stream_id: str) -> bool:
+    return isinstance(event.message, JSONRPCResponse | JSONRPCError) and str(event.message.id) == stream_id

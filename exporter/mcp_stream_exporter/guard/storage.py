@@ -1,0 +1,165 @@
+"""Where the replay guard keeps events and what each stream's call requires: the ``EventStorage`` seam
+and its in-process implementation.
+
+A requirement lives with the events it protects, and a session exists only from ``open`` (its
+initialize response) until it is evicted: an evicted session is never re-created by a later write,
+so what its streams required can never be recorded anew, lower.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from mcp_types import JSONRPCMessage
+
+from mcp_stream_exporter.auth import Requirement
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    event_id: str
+    stream_id: str
+    message: JSONRPCMessage | None  # None: a priming event
+    requirement: Requirement | None  # what the stream required when the event was stored; None: unknown
+    subject: str | None = None  # the subject hash of the token the session was opened with
+
+
+class StorageError(Exception):
+    """The storage could not be reached or answered nonsense: the guard refuses, never guesses."""
+
+
+class EventStorage(Protocol):
+    """Per session, in order, bounded per session; everything dropped is counted."""
+
+    async def open(self, session_id: str) -> None:
+        """A session is born (its initialize response named it)."""
+        ...
+
+    async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
+                     subject: str | None) -> str | None:
+        """Keep an event with the requirement its stream has now, atomically; its event id, or None
+        when the session is not open (the event is dropped, and counted)."""
+        ...
+
+    async def get(self, session_id: str, event_id: str) -> StoredEvent | None: ...
+
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+        """The session's events stored after ``event``, in order."""
+        ...
+
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+        """Record that ``stream_id``'s events require ``requirement``, on top of (never instead of)
+        what was recorded for it before; dropped (and counted) when the session is not open or holds
+        its maximum of streams already, so the stream's events are never replayed."""
+        ...
+
+    async def requirement(self, session_id: str, stream_id: str) -> Requirement | None: ...
+
+
+@runtime_checkable
+class SharedEventStorage(EventStorage, Protocol):
+    """A storage every server process of a deployment sees: a resume that reaches a process which
+    does not hold the session (another replica, or the same one restarted) is answered from it."""
+
+    async def is_open(self, session_id: str) -> bool: ...
+
+    async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
+        """The session's events after ``event_id``, waiting up to ``timeout_s`` for one to arrive."""
+        ...
+
+    async def owner_alive(self, session_id: str) -> bool:
+        """Whether the process that opened the session is still running (so its calls may still end)."""
+        ...
+
+
+@dataclass(slots=True)
+class _Session:
+    events: OrderedDict[str, tuple[int, StoredEvent]] = field(default_factory=OrderedDict)
+    requirements: dict[str, Requirement] = field(default_factory=dict)
+    touched: float = 0.0
+
+
+class InMemoryEventStorage:
+    """Bounded in-process storage: at most ``max_events_per_session`` events a session (oldest go
+    first), ``max_calls_per_session`` stream requirements a session (later ones are not recorded),
+    ``max_sessions`` sessions (least recently used go first), and a session untouched for ``ttl``
+    seconds is dropped. Everything dropped is counted in ``evictions``: an evicted event's id reads
+    as an unknown cursor, and an event without a recorded requirement is never replayed."""
+
+    def __init__(self, *, max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
+                 max_sessions: int = 10_000, ttl: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._seq = itertools.count(1)
+        self._max_events = max_events_per_session
+        self._max_calls = max_calls_per_session
+        self._max_sessions = max_sessions
+        self._ttl = ttl
+        self._clock = clock
+        self.evictions = 0
+
+    def _expire(self, now: float) -> None:
+        while self._sessions:
+            key, oldest = next(iter(self._sessions.items()))
+            if now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions:
+                return
+            self.evictions += len(oldest.events) + len(oldest.requirements)
+            del self._sessions[key]
+
+    def _touch(self, session_id: str | None) -> _Session | None:
+        now = self._clock()
+        self._expire(now)
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session.touched = now
+            self._sessions.move_to_end(session_id)  # type: ignore[arg-type]  # most recently touched last
+        return session
+
+    async def open(self, session_id: str) -> None:
+        if session_id not in self._sessions:
+            self._sessions[session_id] = _Session(touched=self._clock())
+            self._expire(self._clock())
+
+    async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
+                     subject: str | None) -> str | None:
+        session = self._touch(session_id)
+        if session is None:
+            self.evictions += 1
+            return None
+        seq = next(self._seq)
+        event = StoredEvent(str(seq), stream_id, message, session.requirements.get(stream_id), subject)
+        session.events[event.event_id] = (seq, event)
+        while len(session.events) > self._max_events:
+            session.events.popitem(last=False)
+            self.evictions += 1
+        return event.event_id
+
+    async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
+        self._expire(self._clock())
+        session = self._sessions.get(session_id)
+        found = session.events.get(event_id) if session is not None else None
+        return found[1] if found is not None else None
+
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+        session = self._sessions.get(session_id)
+        cursor = session.events.get(event.event_id) if session is not None else None
+        if session is None or cursor is None:
+            return []
+        return [e for seq, e in session.events.values() if seq > cursor[0]]
+
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+        session = self._touch(session_id)
+        before = session.requirements.get(stream_id) if session is not None else None
+        if session is None or (before is None and len(session.requirements) >= self._max_calls):
+            self.evictions += 1
+            return
+        session.requirements[stream_id] = requirement if before is None else before | requirement
+
+    async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
+        session = self._sessions.get(session_id)
+        return session.requirements.get(stream_id) if session is not None else None
