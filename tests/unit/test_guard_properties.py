@@ -13,14 +13,17 @@ anywhere, the guard
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp_types import JSONRPCNotification, JSONRPCResponse
 
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage
+from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
 from mcp_stream_exporter.guard.store import _current as guard_request
 from mcp_stream_exporter.guard.store import _Request as GuardRequest
 
@@ -33,6 +36,7 @@ OPENERS = {"s1": "alice", "s2": "bob", "s3": None}  # the subject each session w
 OTHERS = ["evil1", "evil2", "evil3"]  # sessions the adversary opens to fill the tables
 VERIFICATIONS = ["verified", "unverified", "failed", "opaque", "absent"]
 LOOP = asyncio.new_event_loop()
+REPLAYED = [0]  # events honest resumes got: the properties must not hold only because everything is refused
 
 tokens = st.builds(
     lambda audience, verification, subject: AuthView(
@@ -79,7 +83,7 @@ class World:
         self.store = store
         self.tokens = tokens  # each session's honest client's current token
         self.calls: list[Call] = []
-        self.owner: dict[str, Call] = {}  # event id -> the call that stored it (event ids are store-wide)
+        self.owner: dict[tuple[str, str], Call] = {}  # (session, event id) -> the call that stored it
 
     def _run(self, session: str, coro_factory, auth: AuthView):
         token = guard_request.set(GuardRequest(session, auth))
@@ -112,7 +116,7 @@ class World:
                              self.opener(call.session))
         call.produced += 1
         call.stored.append(event_id)
-        self.owner[event_id] = call
+        self.owner[(call.session, event_id)] = call
         if call.live and not call.error:
             self._deliver(call, event_id, message is not None and call.produced == call.steps + 2)
 
@@ -136,8 +140,8 @@ class World:
         assert sum(e.event_id is None for e in sent) <= 1
 
     def _check(self, session: str, auth: AuthView, event_id: str) -> Call:
-        owner = self.owner[event_id]
-        assert owner.session == session, "an event of another session was replayed"
+        owner = self.owner.get((session, event_id))
+        assert owner is not None, "an event of another session was replayed"
         assert self.covers(auth, session, owner), "an event was replayed to a token that does not cover it"
         return owner
 
@@ -159,6 +163,7 @@ class World:
                 assert event.message.params["cursor"] in cursors  # never past an undelivered event
                 continue
             cursors.append(event.event_id)
+            REPLAYED[0] += 1
             if self._check(call.session, auth, event.event_id) is call:
                 self._deliver(call, event.event_id, isinstance(event.message, JSONRPCResponse))
         call.live = stream is not None
@@ -173,20 +178,63 @@ ops = st.lists(st.one_of(
 ), max_size=40)
 
 
+SCHEDULES = {
+    "policy_mode": st.sampled_from(["all_or_nothing", "prefix"]),
+    "replay": st.sampled_from(["stream", "session"]),
+    "opaque": st.sampled_from(["refuse", "allow"]),
+    "verifies": st.booleans(),
+    "calls": st.lists(st.tuples(st.sampled_from(SESSIONS), st.integers(1, 3), st.sampled_from(["search", "fetch"]),
+                                st.integers(0, 3)), min_size=1, max_size=4),
+    "start": st.sampled_from(AUDIENCES),
+    "schedule": ops,
+}
+
+
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    policy_mode=st.sampled_from(["all_or_nothing", "prefix"]),
-    replay=st.sampled_from(["stream", "session"]),
-    opaque=st.sampled_from(["refuse", "allow"]),
-    verifies=st.booleans(),
-    calls=st.lists(st.tuples(st.sampled_from(SESSIONS), st.integers(1, 3), st.sampled_from(["search", "fetch"]),
-                             st.integers(0, 3)), min_size=1, max_size=4),
-    start=st.sampled_from(AUDIENCES),
-    schedule=ops,
-)
+@given(**SCHEDULES)
 def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_calls_end_explicitly(
         policy_mode, replay, opaque, verifies, calls, start, schedule):
     storage = InMemoryEventStorage(max_calls_per_session=6, max_events_per_session=40, max_sessions=4)
+    play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server.url
+    server.close()
+
+
+def test_the_same_properties_hold_on_redis(redis_url):
+    """The same adversary against ``RedisEventStorage`` on a real redis-server (a key prefix an example)."""
+    client = LOOP.run_until_complete(_redis_client(redis_url))
+    prefixes = itertools.count()
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(**SCHEDULES)
+    def check(policy_mode, replay, opaque, verifies, calls, start, schedule):
+        storage = RedisEventStorage(client, prefix=f"prop{next(prefixes)}", max_calls_per_session=6,
+                                    max_events_per_session=40)
+        play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule)
+
+    REPLAYED[0] = 0
+    try:
+        check()
+    finally:
+        LOOP.run_until_complete(client.aclose())
+    assert REPLAYED[0] > 10
+
+
+async def _redis_client(url):
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url)
+
+
+def play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule):
     store = GuardedEventStore(POLICY, policy_mode=policy_mode, replay=replay, opaque=opaque,
                               storage=storage, token_reader=TokenReader(key="k" * 32) if verifies else None)
     honest = {s: AuthView(audience=start, subject_hash=OPENERS[s], fingerprint="h",
@@ -211,7 +259,7 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
             for n in range(op[2]):
                 LOOP.run_until_complete(store.record_call(op[1], f"flood-{n}", "search"))
         elif kind == "attack":
-            seen = list(world.owner)  # every event id handed out, in order (unstored ones included)
+            seen = [event_id for _, event_id in world.owner]  # every id handed out in any session
             if seen:
                 world.replay(op[1], seen[op[2] % len(seen)], op[3])
         elif kind == "reuse":  # the adversary POSTs another tool with a pending call's id, same session

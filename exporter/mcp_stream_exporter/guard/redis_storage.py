@@ -1,0 +1,262 @@
+"""The guard's events on Redis: one store for every server replica, that survives their restarts.
+
+Per session, under ``<prefix>:{<session id>}:`` (one hash slot on a cluster): ``open`` (the session
+exists, and which process opened it), ``req`` (a hash: stream id -> what its events require) and
+``events`` (a stream: one entry per event, its id the SSE event id). An event's requirement is
+copied into its entry by the same Lua script that appends it, so a requirement recorded later can
+never change what an event stored earlier requires, and a requirement only ever widens (the script
+takes the union). Every key of a session gets the session TTL on each write; the events stream is
+trimmed to ``max_events_per_session`` (evictions counted). Each process keeps a heartbeat key while
+it runs, so a replica answering a resume knows whether the session's owner may still finish the call.
+
+No KEYS or SCAN: every key is named from the session id. TLS and auth come with the URL
+(``rediss://user:password@host:6380/0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from mcp_types import JSONRPCMessage
+from prometheus_client import Counter, Histogram
+from pydantic import TypeAdapter, ValidationError
+from redis.exceptions import RedisError
+
+from mcp_stream_exporter.auth import Requirement
+from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
+
+_MESSAGE: Final = TypeAdapter(JSONRPCMessage)
+_STREAM_ID: Final = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: the only event ids we hand out
+_MAX_SESSION_ID: Final = 256
+_OPERATIONS: Final = ("open", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
+                      "owner_alive", "heartbeat")
+
+_REQUIRE: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local current = redis.call('HGET', KEYS[2], ARGV[1])
+if not current and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -2 end
+local function union(a, b)
+  local seen, out = {}, {}
+  for _, list in ipairs({a, b}) do
+    for _, v in ipairs(list) do
+      if not seen[v] then seen[v] = true; table.insert(out, v) end
+    end
+  end
+  table.sort(out)
+  return out
+end
+local resources, scopes = cjson.decode(ARGV[2]), cjson.decode(ARGV[3])
+if current then
+  local c = cjson.decode(current)
+  resources, scopes = union(c.r, resources), union(c.s, scopes)
+end
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({r = resources, s = scopes}))
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+return 0
+"""
+
+_APPEND: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local requirement = redis.call('HGET', KEYS[2], ARGV[1]) or ''
+local before = redis.call('XLEN', KEYS[3])
+local id = redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[4], '*', 's', ARGV[1], 'm', ARGV[2], 'r', requirement,
+                      'u', ARGV[3])
+local trimmed = before + 1 - redis.call('XLEN', KEYS[3])
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+return {id, trimmed}
+"""
+
+
+_SECONDS: Final = Histogram(
+    "mcp_stream_guard_store_operation_seconds",
+    "Latency of the replay guard's Redis operations; a slow store delays every SSE event and resume.",
+    ["operation"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+_ERRORS: Final = Counter(
+    "mcp_stream_guard_store_errors_total",
+    "Replay guard Redis operations that failed; while it rises resumes are refused with store_unavailable "
+    "and events go unstored: check Redis (docs/runbooks/MCPGuardStoreErrors.md).",
+    ["operation"])
+_EVICTIONS: Final = Counter(
+    "mcp_stream_guard_store_evictions_total",
+    "Events and requirements the replay guard's Redis storage dropped (per-session caps, sessions not open); "
+    "resumes from them are refused. Raise the caps if honest sessions reach them.")
+for _operation in _OPERATIONS:
+    _SECONDS.labels(_operation)
+    _ERRORS.labels(_operation)
+
+
+class RedisEventStorage:
+    """A ``SharedEventStorage`` on Redis (redis-py, asyncio). ``prefix`` separates deployments that
+    share a Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session`` and
+    ``max_calls_per_session`` bound one session's keys. Every Redis error becomes ``StorageError``:
+    the guard then refuses, never replays on a guess."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "mcp-stream", ttl_s: float = 3600.0,
+                 max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
+                 heartbeat_s: float = 5.0) -> None:
+        self._redis = client
+        self._prefix = prefix
+        self._ttl_ms = int(ttl_s * 1000)
+        self._max_events = max_events_per_session
+        self._max_calls = max_calls_per_session
+        self._heartbeat_s = heartbeat_s
+        self._instance = uuid.uuid4().hex
+        self._beating: asyncio.Task[None] | None = None
+        self._require = client.register_script(_REQUIRE)
+        self._append = client.register_script(_APPEND)
+        self.evictions = 0
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisEventStorage:
+        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included."""
+        return cls(aioredis.Redis.from_url(url), **options)
+
+    async def aclose(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+        await self._redis.aclose()
+
+    # --- keys ---
+
+    def _keys(self, session_id: str) -> list[str]:
+        base = f"{self._prefix}:{{{session_id}}}"
+        return [f"{base}:open", f"{base}:req", f"{base}:events"]
+
+    def _owner_key(self, instance: str) -> str:
+        return f"{self._prefix}:owner:{instance}"
+
+    # --- EventStorage ---
+
+    async def open(self, session_id: str) -> None:
+        async with self._op("open"):
+            self._start_heartbeat()
+            await self._beat()
+            await self._redis.set(self._keys(session_id)[0], self._instance, px=self._ttl_ms, nx=True)
+
+    async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
+                     subject: str | None) -> str | None:
+        if session_id is None or len(session_id) > _MAX_SESSION_ID:
+            self._evicted(1)
+            return None
+        body = _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""
+        async with self._op("append"):
+            stored = await self._append(keys=self._keys(session_id),
+                                        args=[stream_id, body, subject or "", self._max_events, self._ttl_ms])
+        if not stored:
+            self._evicted(1)
+            return None
+        event_id, trimmed = stored
+        self._evicted(int(trimmed))
+        return _text(event_id)
+
+    async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
+        if not _STREAM_ID.fullmatch(event_id) or len(session_id) > _MAX_SESSION_ID:
+            return None
+        async with self._op("get"):
+            found = _events(await self._redis.xrange(self._keys(session_id)[2], event_id, event_id, count=1))
+        return found[0] if found else None
+
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+        async with self._op("after"):
+            return _events(await self._redis.xrange(self._keys(session_id)[2], f"({event.event_id}", "+"))
+
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+        if len(session_id) > _MAX_SESSION_ID:
+            self._evicted(1)
+            return
+        async with self._op("require"):
+            done = await self._require(keys=self._keys(session_id),
+                                       args=[stream_id, json.dumps(sorted(requirement.resources)),
+                                             json.dumps(sorted(requirement.scopes)), self._max_calls, self._ttl_ms])
+        if int(done) != 0:
+            self._evicted(1)
+
+    async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
+        async with self._op("requirement"):
+            return _requirement(await self._redis.hget(self._keys(session_id)[1], stream_id))
+
+    # --- SharedEventStorage ---
+
+    async def is_open(self, session_id: str) -> bool:
+        if len(session_id) > _MAX_SESSION_ID:
+            return False
+        async with self._op("is_open"):
+            return bool(await self._redis.exists(self._keys(session_id)[0]))
+
+    async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
+        async with self._op("wait_after"):
+            found: Any = await self._redis.xread({self._keys(session_id)[2]: event_id}, count=100,
+                                                 block=max(1, int(timeout_s * 1000)))
+            streams = found.values() if isinstance(found, dict) else (entries for _, entries in found or [])
+            return [event for entries in streams for event in _events(entries)]
+
+    async def owner_alive(self, session_id: str) -> bool:
+        async with self._op("owner_alive"):
+            owner = await self._redis.get(self._keys(session_id)[0])
+            return owner is not None and bool(await self._redis.exists(self._owner_key(_text(owner))))
+
+    # --- internals ---
+
+    def _start_heartbeat(self) -> None:
+        if self._beating is None or self._beating.done():
+            self._beating = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                async with self._op("heartbeat"):
+                    await self._beat()
+            except StorageError:
+                continue  # counted; the next beat may reach Redis again
+
+    async def _beat(self) -> None:
+        await self._redis.set(self._owner_key(self._instance), "1", px=int(self._heartbeat_s * 3000))
+
+    def _evicted(self, n: int) -> None:
+        if n > 0:
+            self.evictions += n
+            _EVICTIONS.inc(n)
+
+    @asynccontextmanager
+    async def _op(self, operation: str) -> AsyncIterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        except (RedisError, OSError, ValidationError, ValueError, KeyError) as exc:
+            _ERRORS.labels(operation).inc()
+            raise StorageError(f"redis {operation}: {type(exc).__name__}") from exc
+        finally:
+            _SECONDS.labels(operation).observe(time.perf_counter() - started)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _requirement(raw: Any) -> Requirement | None:
+    if not raw:
+        return None
+    data = json.loads(raw)
+    resources, scopes = data.get("r"), data.get("s")  # cjson writes an empty list as {}
+    return Requirement(frozenset(resources if isinstance(resources, list) else ()),
+                       frozenset(scopes if isinstance(scopes, list) else ()))
+
+
+def _events(entries: Any) -> list[StoredEvent]:
+    """Stream entries read back; a malformed one raises (and the operation becomes a StorageError)."""
+    out = []
+    for entry_id, fields in entries:
+        message = fields[b"m"]
+        out.append(StoredEvent(_text(entry_id), _text(fields[b"s"]),
+                               _MESSAGE.validate_json(message) if message else None,
+                               _requirement(fields[b"r"]), _text(fields[b"u"]) or None))
+    return out
