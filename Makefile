@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean system-deps
 
-# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) come from
-# Debian's packages when missing
+# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) and
+# redis-server (the guard's shared storage) come from Debian's packages when missing
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null \
+		&& command -v redis-server >/dev/null || { \
 		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
-		--no-install-recommends prometheus prometheus-alertmanager; }
+		--no-install-recommends prometheus prometheus-alertmanager redis-server; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

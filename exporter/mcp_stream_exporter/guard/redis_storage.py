@@ -36,6 +36,7 @@ from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
 _MESSAGE: Final = TypeAdapter(JSONRPCMessage)
 _STREAM_ID: Final = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: the only event ids we hand out
 _MAX_SESSION_ID: Final = 256
+_TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the socket timeout allows for it
 _OPERATIONS: Final = ("open", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
                       "owner_alive", "heartbeat")
 
@@ -115,9 +116,11 @@ class RedisEventStorage:
         self.evictions = 0
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> RedisEventStorage:
-        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included."""
-        return cls(aioredis.Redis.from_url(url), **options)
+    def from_url(cls, url: str, *, timeout_s: float = 2.0, **options: Any) -> RedisEventStorage:
+        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included. ``timeout_s``
+        bounds every operation, so an unreachable Redis refuses a resume instead of hanging it."""
+        return cls(aioredis.Redis.from_url(url, socket_timeout=timeout_s + _TAIL_BLOCK_S,
+                                           socket_connect_timeout=timeout_s), **options)
 
     async def aclose(self) -> None:
         if self._beating is not None:
@@ -194,7 +197,7 @@ class RedisEventStorage:
     async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
         async with self._op("wait_after"):
             found: Any = await self._redis.xread({self._keys(session_id)[2]: event_id}, count=100,
-                                                 block=max(1, int(timeout_s * 1000)))
+                                                 block=max(1, int(min(timeout_s, _TAIL_BLOCK_S) * 1000)))
             streams = found.values() if isinstance(found, dict) else (entries for _, entries in found or [])
             return [event for entries in streams for event in _events(entries)]
 

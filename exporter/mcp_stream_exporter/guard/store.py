@@ -346,12 +346,13 @@ class GuardedEventStore(EventStore):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                                 (b"mcp-session-id", session_id.encode("latin-1"))]})
-        last = cursor
+        last, finished = cursor, False
 
         async def emit(event: EventMessage) -> None:
-            nonlocal last
+            nonlocal last, finished
             if event.event_id is not None:
                 last = event.event_id
+                finished = finished or _terminal(event.message)
             await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
 
         async with anyio.create_task_group() as tasks:
@@ -362,7 +363,7 @@ class GuardedEventStore(EventStore):
 
             tasks.start_soon(disconnect)
             stream_id = await self.replay_events_after(cursor, emit)
-            if stream_id is not None:
+            if stream_id is not None and not finished:
                 await self._tail(storage, request, stream_id, lambda: last, emit)
             tasks.cancel_scope.cancel()
         with contextlib.suppress(OSError):
@@ -392,7 +393,7 @@ class GuardedEventStore(EventStore):
                                                       request.auth, last())))
                     return
                 await emit(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
-                if _terminal_of(event, stream_id):
+                if _terminal(event.message):
                     return
 
     def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
@@ -486,5 +487,6 @@ def _frame(event: EventMessage) -> bytes:
                            id=event.event_id))
 
 
-def _terminal_of(event: StoredEvent, stream_id: str) -> bool:
-    return isinstance(event.message, JSONRPCResponse | JSONRPCError) and str(event.message.id) == stream_id
+def _terminal(message: JSONRPCMessage | None) -> bool:
+    """A response or error: the last event of a request's stream (the SDK closes the stream after it)."""
+    return isinstance(message, JSONRPCResponse | JSONRPCError)

@@ -1,0 +1,226 @@
+"""The guard on Redis across server replicas and restarts, on the real SDK (legacy mode).
+
+Each replica is its own uvicorn server with its own SDK session manager (sessions live in one
+replica's memory, as in production) and its own ``RedisEventStorage``, on one real redis-server. The
+client is the SDK's, instrumented, behind a proxy that cuts its connection and can send the next
+request to another replica."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from mcp_stream_exporter import instrument_client, instrument_server
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
+from mcp_stream_exporter.lab import (
+    BASE_RESOURCE,
+    FETCH_RESOURCE,
+    SEARCH_RESOURCE,
+    BearerAuth,
+    CutProxy,
+    Incident,
+    TokenIssuer,
+    build_incident_server,
+    incident_policy,
+    serve,
+)
+from mcp_stream_exporter.resume import RESUME_REFUSED, Refusal
+
+from harness import TOKENS_USED, ours, span_exporter, spans
+
+pytestmark = pytest.mark.anyio
+
+FETCH = {"url": "u", "steps": 6}
+DEAD_PORT = 9  # discard: nothing listens, so the SDK's own reconnects fail and the test resumes explicitly
+
+
+@dataclass
+class Replica:
+    """One server process's worth of state: its SDK sessions, its guard, its Redis client."""
+
+    port: int
+    storage: RedisEventStorage
+    requests: list[tuple[str, int]] = field(default_factory=list)  # (method, status) it answered
+
+
+@contextlib.asynccontextmanager
+async def replica(issuer: TokenIssuer, redis_url: str, prefix: str) -> AsyncIterator[Replica]:
+    policy = incident_policy()
+    storage = RedisEventStorage.from_url(redis_url, prefix=prefix, heartbeat_s=0.2)
+    app = instrument_server(build_incident_server(issuer, step_delay=0.05), policy=policy,
+                            event_store=GuardedEventStore(policy, storage=storage), retry_interval=100)
+    answered: list[tuple[str, int]] = []
+
+    async def recorded(scope: Any, receive: Any, send: Any) -> None:
+        async def record(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                answered.append((scope["method"], message["status"]))
+            await send(message)
+
+        await app(scope, receive, record if scope["type"] == "http" else send)
+
+    try:
+        async with serve(recorded) as port:
+            yield Replica(port, storage, answered)
+    finally:
+        await storage.aclose()
+
+
+@contextlib.asynccontextmanager
+async def client(issuer: TokenIssuer, proxy: CutProxy) -> AsyncIterator[Incident]:
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    auth = BearerAuth(broad)
+    http = instrument_client(auth=auth, policy=incident_policy())
+    async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
+                            mode="legacy") as sdk:
+        yield Incident(sdk, proxy, auth, issuer, broad, narrow)
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(port: int) -> AsyncIterator[CutProxy]:
+    proxy = CutProxy(port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+def last_event_before_the_drop() -> str:
+    """The cursor the client holds: the last event id its dropped POST stream delivered."""
+    (dropped,) = [s for s in ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+                  if s.attributes[sc.END_REASON] == sc.END_DROPPED]
+    return str(dropped.attributes[sc.EVENT_LAST_ID])
+
+
+async def dropped_fetch(lab: Incident, steps: int) -> None:
+    """fetch, cut after its first progress event with every reconnect sent nowhere: the call fails on
+    the client while the server goes on."""
+    lab.proxy.arm(b"fetch step 1", on_cut=lambda: setattr(lab.proxy, "upstream_port", DEAD_PORT))
+    with pytest.raises(MCPError):
+        await lab.call("fetch", {"url": "u", "steps": steps}, timeout=10)
+
+
+async def until(condition: Any, what: str, timeout_s: float = 10) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if await condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_a_resume_that_reaches_another_replica_is_answered_from_redis(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with (replica(issuer, redis_server.url, "two") as a, replica(issuer, redis_server.url, "two") as b,
+                proxy_to(a.port) as proxy, client(issuer, proxy) as lab):
+        proxy.arm(b"fetch step 1", on_cut=lambda: setattr(proxy, "upstream_port", b.port))  # the reroute
+        result = await lab.call("fetch", FETCH, timeout=15)
+    assert result.content[0].text == "contents of u"
+    assert ("GET", 200) in b.requests  # the resume went to the replica that never saw the session
+
+
+async def test_a_narrowed_resume_on_another_replica_is_refused_explicitly(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with (replica(issuer, redis_server.url, "narrow") as a, replica(issuer, redis_server.url, "narrow") as b,
+                proxy_to(a.port) as proxy, client(issuer, proxy) as lab):
+        def reroute_and_narrow() -> None:
+            proxy.upstream_port = b.port
+            lab.refresh_narrows()
+
+        proxy.arm(b"fetch step 1", on_cut=reroute_and_narrow)
+        with pytest.raises(MCPError) as refused:
+            await lab.call("fetch", FETCH, timeout=15)
+        assert refused.value.code == RESUME_REFUSED  # the error frame, not a timeout
+        refusal = Refusal.from_data(refused.value.data)
+        assert refusal.error == "insufficient_audience"
+        assert refusal.requirement.resources == {FETCH_RESOURCE}
+        lab.widen()
+        recovered = await lab.call("fetch", FETCH, timeout=15, resume_from=refusal.cursor)
+    assert recovered.content[0].text == "contents of u"
+    assert ("GET", 200) in b.requests
+
+
+async def test_a_result_stored_before_a_restart_is_delivered_after_it(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with proxy_to(DEAD_PORT) as proxy:
+        async with replica(issuer, redis_server.url, "restart") as a:
+            proxy.upstream_port = a.port
+            async with client(issuer, proxy) as lab:
+                await dropped_fetch(lab, steps=3)
+                cursor = last_event_before_the_drop()
+                session_id = next(s.attributes[sc.MCP_SESSION_ID] for s in spans()
+                                  if s.attributes and sc.MCP_SESSION_ID in s.attributes)
+                stored = a.storage
+
+                async def result_stored() -> bool:
+                    event = await stored.get(session_id, cursor)
+                    return event is not None and any(e.message is not None and "result" in e.message.model_fields_set
+                                                     for e in await stored.after(session_id, event))
+
+                await until(result_stored, "fetch's result in Redis")
+                # the replica restarts: its SDK sessions are gone, Redis keeps the events
+                await a.storage.aclose()
+                async with replica(issuer, redis_server.url, "restart") as restarted:
+                    proxy.upstream_port = restarted.port
+                    result = await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+    assert result.content[0].text == "contents of u"
+    assert ("GET", 200) in restarted.requests
+
+
+async def test_a_call_whose_replica_died_ends_with_an_error_frame_not_a_silent_end(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with contextlib.AsyncExitStack() as stack:
+        proxy = await stack.enter_async_context(proxy_to(DEAD_PORT))
+        dying = contextlib.AsyncExitStack()
+        a = await dying.enter_async_context(replica(issuer, redis_server.url, "died"))
+        proxy.upstream_port = a.port
+        lab = await stack.enter_async_context(client(issuer, proxy))
+        await dropped_fetch(lab, steps=200)  # still running when its replica goes away
+        cursor = last_event_before_the_drop()
+        await dying.aclose()  # the replica stops: its sessions, its call and its heartbeat are gone
+        other = await stack.enter_async_context(replica(issuer, redis_server.url, "died"))
+        proxy.upstream_port = other.port
+        with pytest.raises(MCPError) as refused:
+            await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+    assert refused.value.code == RESUME_REFUSED  # explicit and at once, not the caller's timeout
+    assert Refusal.from_data(refused.value.data).error == "session_owner_gone"
+    assert ("GET", 200) in other.requests
+
+
+async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_still_work(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with proxy_to(DEAD_PORT) as proxy, replica(issuer, redis_server.url, "down") as a:
+        proxy.upstream_port = a.port
+        async with client(issuer, proxy) as lab:
+            await dropped_fetch(lab, steps=3)
+            cursor = last_event_before_the_drop()
+            redis_server.stop()
+            proxy.upstream_port = a.port
+            with pytest.raises(MCPError) as refused:
+                await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+            assert refused.value.code == RESUME_REFUSED
+            assert Refusal.from_data(refused.value.data).error == "store_unavailable"
+            async with client(issuer, proxy) as fresh:  # a new session while Redis is down
+                searched = await fresh.call("search", {"query": "q", "steps": 2}, timeout=15)
+            assert "search results" in searched.content[0].text
+            redis_server.start()  # back, empty (no persistence): the cursor is unknown, and said so
+            with pytest.raises(MCPError) as unknown:
+                await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+            assert Refusal.from_data(unknown.value.data).error == "unknown_cursor"
