@@ -157,27 +157,26 @@ async def test_a_narrowed_resume_on_another_replica_is_refused_explicitly(redis_
 async def test_a_result_stored_before_a_restart_is_delivered_after_it(redis_server):
     span_exporter().clear()
     issuer = TokenIssuer()
-    async with proxy_to(DEAD_PORT) as proxy:
-        async with replica(issuer, redis_server.url, "restart") as a:
-            proxy.upstream_port = a.port
-            async with client(issuer, proxy) as lab:
-                await dropped_fetch(lab, steps=3)
-                cursor = last_event_before_the_drop()
-                session_id = next(s.attributes[sc.MCP_SESSION_ID] for s in spans()
-                                  if s.attributes and sc.MCP_SESSION_ID in s.attributes)
-                stored = a.storage
+    async with proxy_to(DEAD_PORT) as proxy, replica(issuer, redis_server.url, "restart") as a:
+        proxy.upstream_port = a.port
+        async with client(issuer, proxy) as lab:
+            await dropped_fetch(lab, steps=3)
+            cursor = last_event_before_the_drop()
+            session_id = next(s.attributes[sc.MCP_SESSION_ID] for s in spans()
+                              if s.attributes and sc.MCP_SESSION_ID in s.attributes)
+            stored = a.storage
 
-                async def result_stored() -> bool:
-                    event = await stored.get(session_id, cursor)
-                    return event is not None and any(e.message is not None and "result" in e.message.model_fields_set
-                                                     for e in await stored.after(session_id, event))
+            async def result_stored() -> bool:
+                event = await stored.get(session_id, cursor)
+                return event is not None and any(e.message is not None and "result" in e.message.model_fields_set
+                                                 for e in await stored.after(session_id, event))
 
-                await until(result_stored, "fetch's result in Redis")
-                # the replica restarts: its SDK sessions are gone, Redis keeps the events
-                await a.storage.aclose()
-                async with replica(issuer, redis_server.url, "restart") as restarted:
-                    proxy.upstream_port = restarted.port
-                    result = await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+            await until(result_stored, "fetch's result in Redis")
+            # the replica restarts: its SDK sessions are gone, Redis keeps the events
+            await a.storage.aclose()
+            async with replica(issuer, redis_server.url, "restart") as restarted:
+                proxy.upstream_port = restarted.port
+                result = await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
     assert result.content[0].text == "contents of u"
     assert ("GET", 200) in restarted.requests
 
