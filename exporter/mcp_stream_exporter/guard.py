@@ -1,6 +1,6 @@
 """The replay guard: a session-scoped ``EventStore`` that enforces the superset-audience invariant.
 
-Legs 1 and 2 of incident.md: a resume is replayed only if the resuming token's ``aud`` (and scopes)
+Legs 1 and 2 of the invariant (docs/incident.md): a resume is replayed only if the resuming token's ``aud`` (and scopes)
 cover every buffered event after the cursor and the live tail of the stream; otherwise the client
 gets an explicit, resumable ``event: error`` frame naming the offending event, what it requires, what
 the token holds, and the cursor to resume from, and nothing after it. The cursor never moves past
@@ -11,7 +11,7 @@ or without the hooks, ``GuardedEventStore(p).serve(mcp, ...)``.
 
 What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
 - ``EventStore.replay_events_after`` runs inside the resuming GET's task, so the request scope bound
-  by ``asgi()`` is the resuming request's (mcp-sdk-2.3.md section 2);
+  by ``asgi()`` is the resuming request's;
 - an ``EventMessage`` with ``event_id=None`` is written as ``event: message`` with no ``id:``
   (``StreamableHTTPServerTransport._create_event_data``), one frame per ASGI body chunk
   (sse-starlette). ``asgi()`` rewrites exactly that chunk, our refusal notice, into ``event: error``.

@@ -69,8 +69,8 @@ async def test_the_naive_store_loses_fetch_and_the_guard_refuses_then_delivers_i
 
 
 async def test_a_resume_never_replays_another_sessions_result_with_the_same_request_id():
-    """reference/mcp_probe/leak_probe.py: the SDK example's store, keyed by stream id only, replays
-    Bob's result into Alice's session. The guard scopes every event by session."""
+    """The SDK example's store, keyed by stream id only, replays Bob's result into Alice's session. The guard
+    scopes every event by session."""
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
