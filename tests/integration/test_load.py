@@ -19,7 +19,7 @@ from mcp_stream_exporter import semconv as sc
 
 from harness import detector_process, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.load, pytest.mark.timeout(240)]
 
 SECONDS = 60.0
 MAX_BATCHES = 50_000  # the count cap, whatever the rate
