@@ -45,7 +45,8 @@ class ClientInstrumentation:
         self.policy = policy
         self.resolve_error_frames = resolve_error_frames
         self.tokens = token_reader or TokenReader()
-        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, tracer_provider,
+                                  schema_url=sc.SCHEMA_URL)
         self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
