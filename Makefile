@@ -1,10 +1,11 @@
 # Two targets a newcomer needs: `make demo` and `make test`. Both set themselves up.
+# `make test-fast` runs the unit tier alone (under a minute) while you edit.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean system-deps
+.PHONY: demo test test-fast lint bench clean system-deps
 
 # promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) and
 # redis-server (the guard's shared storage) come from Debian's packages when missing
@@ -30,6 +31,9 @@ lint: $(STAMP)
 
 test: lint system-deps
 	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP) system-deps
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 bench: $(STAMP)
 	$(PY) bench/hooks_overhead.py

@@ -1,6 +1,6 @@
 """Overhead of the hooks on an MCP tools/call round trip: instrumented (B) against uninstrumented (A).
 
-Method (../shared/reference/benchmarking.md): both configurations run side by side in one process,
+Method: both configurations run side by side in one process,
 each with its own server and client on 127.0.0.1, with the SDK's own OpenTelemetry spans on (one
 provider, a dropping exporter), so the only difference is our hooks. Calls alternate in small blocks
 (A B B A ...) so that the machine slowing down hits both alike; each worker process reports the median

@@ -34,7 +34,7 @@ def canonical_resource(uri: str) -> str:
 
     Lower-cases scheme and host, drops a default port, the fragment, and one trailing slash of the
     path (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
-    servers and clients disagree on that slash, see failure-modes.md section I). Only one slash goes:
+    servers and clients disagree on that slash, e.g. modelcontextprotocol/python-sdk#1265). Only one slash goes:
     ``rstrip('/')`` would make ``/tools//`` equal ``/tools``.
     """
     parts = urlsplit(uri.strip())
@@ -203,7 +203,7 @@ class ToolPolicy:
     """Tool name -> the resource indicators and scopes a ``tools/call`` of it requires.
 
     Per-tool resource indicators are not in any MCP version; this is the project's model of the
-    deployments that use them (DESIGN.md section 1).
+    deployments that use them (docs/incident.md).
     """
 
     def __init__(self, tools: Mapping[str, Requirement] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The incident, end to end on 127.0.0.1, with the embedded detector watching.
 
-Two runs of the incident (``../shared/incident.md``): the SDK's server behind a proxy that cuts the
+Two runs of the incident (``docs/incident.md``): the SDK's server behind a proxy that cuts the
 connection mid-call, an SDK client in legacy mode whose token refresh narrows ``aud`` to ``search``,
 and the resume. The naive server loses ``fetch``'s result silently and the detector says so; the
 guarded server answers with an error frame, the client re-authorises and resumes, nothing is lost.

@@ -1,8 +1,8 @@
 """Leg 3 on the client: what to do with pending calls when a resume is refused or the token changed.
 
-incident.md, "Decision Boundary": resume only with a token whose ``aud`` covers every pending call's
-requirement; otherwise re-authorise for a superset audience, or, when the authorization server will
-not mint one, abandon the stream and re-issue the calls.
+The decision boundary of docs/incident.md ("What a client should do"): resume only with a token whose
+``aud`` covers every pending call's requirement; otherwise re-authorise for a superset audience, or,
+when the authorization server will not mint one, abandon the stream and re-issue the calls.
 """
 
 from __future__ import annotations

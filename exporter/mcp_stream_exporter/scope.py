@@ -3,7 +3,7 @@
 The SDK's ``EventStore`` API gets no session and no principal. An ASGI layer binds a ``RequestScope``
 per request and fills in the session id when the response headers go out; the session's message
 router runs in a copy of the initialize request's context, so ``store_event`` sees that request's
-scope, and ``replay_events_after`` sees the resuming GET's (mcp-sdk-2.3.md sections 2 and 8).
+scope, and ``replay_events_after`` runs in the resuming GET's task and sees that request's.
 """
 
 from __future__ import annotations

@@ -6,9 +6,13 @@ semantic-convention names where they exist, this project's own keys under ``mcp_
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from typing import Final
 
 INSTRUMENTATION_NAME: Final = "mcp_stream_exporter"
+INSTRUMENTATION_VERSION: Final = version("mcp-stream-exporter")
+# the semantic-conventions release whose MCP, JSON-RPC and GenAI names the spans use
+SCHEMA_URL: Final = "https://opentelemetry.io/schemas/1.39.0"
 
 # --- OpenTelemetry semantic conventions (MCP, JSON-RPC, GenAI, HTTP, errors) ---
 MCP_METHOD_NAME: Final = "mcp.method.name"

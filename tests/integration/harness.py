@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-import socket
 import ssl
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -135,10 +136,15 @@ def answers(url: str, client: httpx.Client | None = None) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def logged(path: Path, message: str) -> dict[str, Any] | None:
+    """The first JSON log line of the service with ``message`` in the log file at ``path``, if written yet.
+    The service appends to the file; this reads it through its own handle, so no offset is shared."""
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line still being written
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("message") == message:
+                return entry
+    return None
 
 
 def spans() -> list[ReadableSpan]:
@@ -148,9 +154,10 @@ def spans() -> list[ReadableSpan]:
 class DetectorProcess:
     """``mcp-stream-exporter serve`` in a subprocess on 127.0.0.1: the real service, as deployed."""
 
-    def __init__(self, proc: subprocess.Popen[str], port: int, ca: str | None = None) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int, grpc_port: int | None, ca: str | None = None) -> None:
         self.proc = proc
         self.port = port
+        self.grpc_port = grpc_port
         self.url = f"{'https' if ca else 'http'}://127.0.0.1:{port}"
         self.http = httpx.Client(base_url=self.url, timeout=30,
                                  verify=ssl.create_default_context(cafile=ca) if ca else True)
@@ -168,24 +175,32 @@ class DetectorProcess:
 
 @contextlib.contextmanager
 def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[DetectorProcess]:
-    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) and wait until ready.
-    Its logs go to a file (a pipe nobody reads would fill and block the service)."""
-    port = free_port()
+    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) on ports it picks itself
+    (port 0), read the ports back from its log, and wait until ready. Its logs go to a file (a pipe nobody
+    reads would fill and block the service)."""
     ca = next((f.split("=", 1)[1] for f in flags if f.startswith("--tls-cert=")), None)
-    with tempfile.TemporaryFile("w+") as logs:
-        proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
-                                 "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
-                                stdout=subprocess.DEVNULL, stderr=logs, text=True)
-        service = DetectorProcess(proc, port, ca)
+    with tempfile.TemporaryDirectory() as workdir:
+        logs = Path(workdir) / "detector.log"
+        with logs.open("a") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
+                                     "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
+                                    stdout=subprocess.DEVNULL, stderr=sink, text=True)
+        service = None
         try:
+            started = wait_for(lambda: proc.poll() is not None or logged(logs, "detector starting"), 30,
+                               "the detector to bind its port", every_s=0.05)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the detector did not start: {logs.read_text()[-2000:]}")
+            grpc = logged(logs, "otlp grpc listening")
+            service = DetectorProcess(proc, int(started["port"]), int(grpc["port"]) if grpc else None, ca)
             wait_for(lambda: proc.poll() is not None or answers(f"{service.url}/readyz", service.http), 30,
                      "the detector to be ready", every_s=0.05)
             if proc.poll() is not None:
-                logs.seek(0)
-                raise RuntimeError(f"the detector did not start: {logs.read()[-2000:]}")
+                raise RuntimeError(f"the detector stopped: {logs.read_text()[-2000:]}")
             yield service
         finally:
-            service.http.close()
+            if service is not None:
+                service.http.close()
             if proc.poll() is None:
                 proc.terminate()
                 try:

@@ -4,6 +4,7 @@ with a webhook receiver that records what Alertmanager sends."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -17,11 +18,13 @@ from typing import Any
 import httpx
 import yaml
 
-from harness import answers, free_port, wait_for
+from harness import answers, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "mcp-stream-exporter.yaml"
 JOB = "mcp-stream-exporter"
+# both log the address they bound, port 0 resolved (exporter-toolkit's web listener)
+_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
 
 
 def _binary(*names: str) -> str:
@@ -99,6 +102,17 @@ class Stack:
         return min(_epoch(g["lastEvaluation"]) for g in groups)
 
 
+def _bound_port(log: Path, process: subprocess.Popen[bytes]) -> int:
+    """The port a Prometheus-family server started with ``--web.listen-address=127.0.0.1:0`` bound."""
+    def bound() -> int | bool:
+        if process.poll() is not None:
+            raise AssertionError(f"{process.args[0]} exited: {log.read_text()[-2000:]}")
+        found = _LISTENING.search(log.read_text())
+        return int(found[1]) if found else False
+
+    return int(wait_for(bound, 60, f"{log.stem} to bind its port", every_s=0.05))
+
+
 def _epoch(rfc3339: str) -> float:
     """Whole seconds of Prometheus' nanosecond RFC 3339 times (enough to order evaluations)."""
     return datetime.strptime(rfc3339[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=UTC).timestamp()
@@ -108,43 +122,50 @@ def _epoch(rfc3339: str) -> float:
 def prometheus_stack(workdir: Path) -> Iterator[Stack]:
     """Alertmanager (1 s group wait) and Prometheus (1 s scrape and evaluation) with the project's rules."""
     webhook = Webhook()
-    am_port, prom_port = free_port(), free_port()
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
         "route": {"receiver": "webhook", "group_by": ["alertname", "instance"], "group_wait": "1s",
                   "group_interval": "1s", "repeat_interval": "1h"},
         "receivers": [{"name": "webhook", "webhook_configs": [{"url": webhook.url, "send_resolved": False}]}],
     }))
-    targets = workdir / "targets.json"
-    targets.write_text("[]")
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-        "rule_files": [str(RULES)],
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-        "scrape_configs": [{"job_name": JOB, "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}],
-    }))
     logs = (workdir / "alertmanager.log").open("w"), (workdir / "prometheus.log").open("w")
     alertmanager = subprocess.Popen(
         [_binary("prometheus-alertmanager", "alertmanager"), f"--config.file={workdir / 'alertmanager.yml'}",
-         f"--storage.path={workdir / 'am-data'}", f"--web.listen-address=127.0.0.1:{am_port}",
+         f"--storage.path={workdir / 'am-data'}", "--web.listen-address=127.0.0.1:0",
          "--cluster.listen-address="], stdout=logs[0], stderr=subprocess.STDOUT)
-    prometheus = subprocess.Popen(
-        [_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-         f"--storage.tsdb.path={workdir / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=logs[1], stderr=subprocess.STDOUT)
-    stack = Stack(workdir, f"http://127.0.0.1:{prom_port}", targets, webhook)
+    processes = [alertmanager]
+    stack = None
     try:
-        wait_for(lambda: answers(f"http://127.0.0.1:{am_port}/-/ready") and answers(f"{stack.url}/-/ready"), 60,
+        am_port = _bound_port(workdir / "alertmanager.log", alertmanager)
+        targets = workdir / "targets.json"
+        targets.write_text("[]")
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+            "rule_files": [str(RULES)],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
+            "scrape_configs": [{"job_name": JOB, "file_sd_configs": [{"files": [str(targets)],
+                                                                      "refresh_interval": "1s"}]}],
+        }))
+        prometheus = subprocess.Popen(
+            [_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'prom-data'}", "--web.listen-address=127.0.0.1:0"],
+            stdout=logs[1], stderr=subprocess.STDOUT)
+        processes.insert(0, prometheus)
+        stack = Stack(workdir, f"http://127.0.0.1:{_bound_port(workdir / 'prometheus.log', prometheus)}", targets,
+                      webhook)
+        ready = stack.url
+        wait_for(lambda: answers(f"http://127.0.0.1:{am_port}/-/ready") and answers(f"{ready}/-/ready"), 60,
                  "Prometheus and Alertmanager to be ready")
         yield stack
     finally:
-        for process in (prometheus, alertmanager):
+        for process in processes:
             process.terminate()
-        for process in (prometheus, alertmanager):
+        for process in processes:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
         for log in logs:
             log.close()
-        stack.http.close()
+        if stack is not None:
+            stack.http.close()
         webhook.close()

@@ -16,7 +16,7 @@ from harness import after_grace, detector, incident, play_incident, wait_for
 from panel_queries import dashboards, queries, substitute
 from prometheus_stack import JOB, prometheus_stack
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(300)]
 
 GRACE_S = 5.0
 # the incident's findings (test_detector_incident) and the alerts they page with; `for: 1m` each

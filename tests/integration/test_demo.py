@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 
 def test_demo_naive_run_loses_fetch_and_is_flagged_and_guarded_run_delivers_it_with_no_finding():
     run = subprocess.run([sys.executable, "-m", "mcp_stream_exporter.cli", "demo", "--json"],

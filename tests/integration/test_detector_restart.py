@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import TOKENS_USED, detector_process, incident, play_incident, spans, wait_for
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(180)]
 
 
 def _snapshot_time(service) -> float:

@@ -34,7 +34,7 @@ from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.lab import serve
 
-from harness import Clock, answers, detector, detector_process, free_port, incident, wait_for
+from harness import Clock, answers, detector, detector_process, incident, logged, wait_for
 
 pytestmark = pytest.mark.anyio
 TOKEN = "ingest-token-for-tests"
@@ -202,23 +202,28 @@ async def test_metrics_pass_promtool_and_can_require_basic_auth():
 
 def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     config = tmp_path / "detector.toml"
-    port = free_port()
-    config.write_text(f'port = {port}\ngrpc_port = -1\nclean_end_grace_s = 2.5\n')
+    config.write_text('port = 0\ngrpc_port = -1\nclean_end_grace_s = 2.5\n')  # 0: the service picks a port
     env = {**os.environ, "MCP_STREAM_API_TOKEN": "api-secret"}
-    proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--config", str(config),
-                             "--log-level", "info"], env=env, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "serve.log"
+    with logs.open("a") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--config", str(config),
+                                 "--log-level", "info"], env=env, stderr=sink, text=True)
     try:
-        wait_for(lambda: answers(f"http://127.0.0.1:{port}/readyz"), 10, "the service to be ready", every_s=0.05)
-        assert httpx.get(f"http://127.0.0.1:{port}/api/findings").status_code == 401
-        ok = httpx.get(f"http://127.0.0.1:{port}/api/findings", headers={"Authorization": "Bearer api-secret"})
+        started = wait_for(lambda: logged(logs, "detector starting"), 10, "the service to bind its port",
+                           every_s=0.05)
+        url = f"http://127.0.0.1:{started['port']}"
+        wait_for(lambda: answers(f"{url}/readyz"), 10, "the service to be ready", every_s=0.05)
+        assert httpx.get(f"{url}/api/findings").status_code == 401
+        ok = httpx.get(f"{url}/api/findings", headers={"Authorization": "Bearer api-secret"})
         assert ok.status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
-    logs = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
-    assert any(entry["message"] == "detector stopped" for entry in logs)
-    assert all("api-secret" not in json.dumps(entry) for entry in logs)
+    assert logged(logs, "otlp grpc listening") is None  # the file's grpc_port = -1 over the default 4317
+    entries = [json.loads(line) for line in logs.read_text().splitlines() if line.startswith("{")]
+    assert any(entry["message"] == "detector stopped" for entry in entries)
+    assert all("api-secret" not in json.dumps(entry) for entry in entries)
 
 
 def _self_signed(tmp_path):
@@ -241,9 +246,8 @@ def _self_signed(tmp_path):
 
 def test_tls_on_http_and_grpc_with_the_ingest_token(tmp_path):
     cert, key = _self_signed(tmp_path)
-    grpc_port = free_port()
     request = trace_service_pb2.ExportTraceServiceRequest()
-    with detector_process(f"--tls-cert={cert}", f"--tls-key={key}", f"--grpc-port={grpc_port}",
+    with detector_process(f"--tls-cert={cert}", f"--tls-key={key}", "--grpc-port=0",
                           env={"MCP_STREAM_INGEST_TOKEN": "ingest-secret"}) as service:
         assert service.url.startswith("https://")
         assert service.post(request.SerializeToString()).status_code == 401
@@ -251,7 +255,7 @@ def test_tls_on_http_and_grpc_with_the_ingest_token(tmp_path):
         with pytest.raises(httpx.TransportError):  # no plain HTTP beside TLS
             httpx.get(f"http://127.0.0.1:{service.port}/healthz", timeout=5)
         credentials = grpc.ssl_channel_credentials(root_certificates=Path(cert).read_bytes())
-        with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+        with grpc.secure_channel(f"127.0.0.1:{service.grpc_port}", credentials) as channel:
             export = trace_service_pb2_grpc.TraceServiceStub(channel).Export
             export(request, metadata=[("authorization", "Bearer ingest-secret")], timeout=10)
             with pytest.raises(grpc.RpcError) as refused:

@@ -69,8 +69,8 @@ async def test_the_naive_store_loses_fetch_and_the_guard_refuses_then_delivers_i
 
 
 async def test_a_resume_never_replays_another_sessions_result_with_the_same_request_id():
-    """reference/mcp_probe/leak_probe.py: the SDK example's store, keyed by stream id only, replays
-    Bob's result into Alice's session. The guard scopes every event by session."""
+    """The SDK example's store, keyed by stream id only, replays Bob's result into Alice's session. The guard
+    scopes every event by session."""
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
@@ -107,11 +107,20 @@ async def test_a_resume_never_replays_another_sessions_result_with_the_same_requ
         ):
             alice = Incident(alice_client, proxy, alice_http.auth, issuer, "", "")  # type: ignore[arg-type]
             bob = Incident(bob_client, proxy, bob_http.auth, issuer, "", "")  # type: ignore[arg-type]
-            proxy.arm(b"fetch step 1")
+            cut = asyncio.Event()
+
+            def hold_alice_after_the_cut() -> None:
+                proxy.hold()  # alice's resume waits at the proxy until bob's result is stored
+                cut.set()
+
+            proxy.arm(b"fetch step 1", on_cut=hold_alice_after_the_cut)
 
             async def bob_meanwhile():
-                await asyncio.sleep(0.4)  # after alice's cut, before her resume
-                return await bob.call("fetch", {"url": "bob-secret"})
+                await cut.wait()
+                try:
+                    return await bob.call("fetch", {"url": "bob-secret"})
+                finally:
+                    proxy.release()
 
             alice_result, bob_result = await asyncio.gather(alice.call("fetch", {"url": "alice-doc", "steps": 16}),
                                                             bob_meanwhile())

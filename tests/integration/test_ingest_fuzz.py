@@ -32,6 +32,8 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.app import create_app
 from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
 
+pytestmark = pytest.mark.fuzz
+
 MODEL_KEYS = [sc.SPAN, sc.ROLE, sc.ERA, sc.STREAM_KIND, sc.END_REASON, sc.MCP_SESSION_ID, sc.STREAM_REQUEST_IDS,
               sc.PENDING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS, sc.RESUME_CURSOR, sc.EVENTS_COUNT,
               sc.JSONRPC_REQUEST_ID, sc.GEN_AI_TOOL_NAME, sc.CALL_OUTCOME, sc.REPLAY_BUFFERED, sc.REPLAY_SENT,

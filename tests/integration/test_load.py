@@ -19,7 +19,7 @@ from mcp_stream_exporter import semconv as sc
 
 from harness import detector_process, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.load, pytest.mark.timeout(240)]
 
 SECONDS = 60.0
 MAX_BATCHES = 50_000  # the count cap, whatever the rate
@@ -69,7 +69,7 @@ def test_a_sustained_span_rate_for_60_seconds_is_bounded_backpressured_and_fully
     lock = threading.Lock()
     memory: list[tuple[float, int]] = []
     with detector_process(f"--max-sessions={MAX_SESSIONS}", "--max-queued-spans=200",
-                          "--clean-end-grace-s=3600", "--log-level=warning") as service:
+                          "--clean-end-grace-s=3600") as service:
         started = time.monotonic()
         deadline = started + SECONDS
         stop = threading.Event()

@@ -19,7 +19,7 @@ from mcp_stream_exporter import semconv as sc
 
 from harness import detector_process, incident, play_incident, spans
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(240)]
 
 GRACE = ("--clean-end-grace-s=1", "--reissue-grace-s=1")
 COUNTERS = ("mcp_stream_findings_total", "mcp_stream_silent_losses_total", "mcp_stream_resumes_total",

@@ -16,9 +16,23 @@ ROOT = Path(__file__).resolve().parents[2]
 RULE_FILE = ROOT / "alerts" / "mcp-stream-exporter.yaml"
 TEST_FILE = ROOT / "alerts" / "tests" / "mcp-stream-exporter_test.yaml"
 RUNBOOK_URL = re.compile(r"^https://\S+/docs/runbooks/(?P<alert>[A-Za-z]+)\.md$")
-# findings that are shown on the dashboards and at /api/findings but page nobody: a duplicate delivery
-# is not a loss, and a timeout attributed to a finding follows an alert that already fired
-DASHBOARD_ONLY_RULES = {"duplicate_terminal", "timeout_attributed"}
+# which alert pages on a finding of each detector rule; duplicate_terminal and timeout_attributed page
+# nobody (on the dashboards and at /api/findings): a duplicate delivery is not a loss, and a timeout
+# attributed to a finding follows an alert that already fired
+PAGES = {
+    "clean_end_pending": {"MCPToolResultSilentlyLost"},
+    "foreign_result": {"MCPToolResultSilentlyLost"},
+    "not_reissued": {"MCPToolResultSilentlyLost"},
+    "narrowed_resume": {"MCPResumeAudienceNarrowerThanNeeded"},
+    "replay_truncated": {"MCPReplayTruncatedWithoutError"},
+    "cursor_past_undelivered": {"MCPReplayTruncatedWithoutError"},
+    "cross_stream_replay": {"MCPReplayCrossedStreams"},
+    "resume_loop": {"MCPResumeLoop"},
+    "unknown_cursor": {"MCPResumeToUnknownCursor"},
+    "session_expired_in_flight": {"MCPSessionExpiredWithCallsInFlight"},
+    "duplicate_terminal": set(),
+    "timeout_attributed": set(),
+}
 
 ALERTS = [r for g in yaml.safe_load(RULE_FILE.read_text())["groups"] for r in g["rules"] if "alert" in r]
 
@@ -69,11 +83,28 @@ def test_every_runbook_belongs_to_an_alert():
     assert {p.stem for p in (ROOT / "docs" / "runbooks").glob("*.md")} == {a["alert"] for a in ALERTS}
 
 
-def test_every_detector_rule_pages_through_some_alert_or_is_declared_dashboard_only():
-    exprs = "\n".join(a["expr"] for a in ALERTS)
-    losses = "mcp_stream_silent_losses" in exprs
+def test_each_detector_rule_pages_through_exactly_its_alert(tmp_path):
+    """One promtool scenario per rule: its finding (and, for a loss, its silent-loss count) goes from 0 to
+    1 on a scraped detector, and two minutes later exactly the alerts of PAGES fire, no other."""
+    assert set(PAGES) == set(RULES), "a new rule needs its line in PAGES"
+    labels = 'job="mcp-stream-exporter",instance="d-0:8000",tool="fetch"'
+    tests = []
     for rule in RULES.values():
-        if rule.id in DASHBOARD_ONLY_RULES:
-            assert rule.id not in exprs
-            continue
-        assert rule.id in exprs or (rule.loss and losses), f"rule {rule.id} reaches no alert"
+        series = [{"series": 'up{job="mcp-stream-exporter",instance="d-0:8000"}', "values": "1x20"},
+                  {"series": f'mcp_stream_findings_total{{{labels},rule="{rule.id}"}}', "values": "0 0 0 1x17"}]
+        if rule.loss:
+            series.append({"series": f'mcp_stream_silent_losses_total{{{labels},rule="{rule.id}"}}',
+                           "values": "0 0 0 1x17"})
+        tests.append({
+            "name": f"a {rule.id} finding", "interval": "1m", "input_series": series,
+            "promql_expr_test": [{
+                "expr": 'count by (alertname) (ALERTS{alertstate="firing"})', "eval_time": "5m",
+                "exp_samples": [{"labels": f'{{alertname="{name}"}}', "value": 1} for name in sorted(PAGES[rule.id])],
+            }],
+        })
+    groups = [g["name"] for g in yaml.safe_load(RULE_FILE.read_text())["groups"]]
+    suite = tmp_path / "rule_mapping_test.yaml"
+    suite.write_text(yaml.safe_dump({"rule_files": [str(RULE_FILE)], "evaluation_interval": "1m",
+                                     "group_eval_order": groups, "tests": tests}))
+    run = promtool("test", "rules", str(suite))
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -1,4 +1,4 @@
-"""The client's decision boundary (incident.md): resume, re-authorise with a superset, or re-issue."""
+"""The client's decision boundary (docs/incident.md): resume, re-authorise with a superset, or re-issue."""
 
 from __future__ import annotations
 

@@ -151,13 +151,14 @@ def run(config: ServiceConfig) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
                                            access_log=False, ssl_certfile=config.tls_cert,
                                            ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
-    log.info("detector starting", extra={"host": config.host, "port": config.port,
+    listener = server.config.bind_socket()  # bound here so that the log says the port: --port=0 picks one
+    log.info("detector starting", extra={"host": config.host, "port": listener.getsockname()[1],
                                          "tools": list(detector.config.tools)})
     # uvicorn handles SIGTERM/SIGINT (stops listening, finishes in-flight requests), then re-raises the
     # signal to the handler it found: make that one a no-op so the drain below still runs.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    server.run()
+    server.run(sockets=[listener])
     if grpc_server is not None:
         grpc_server.stop(grace=5).wait()
     queue.close()  # drain what was accepted before exiting

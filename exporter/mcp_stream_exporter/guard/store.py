@@ -1,6 +1,6 @@
 """The replay guard: a session-scoped ``EventStore`` that enforces the superset-audience invariant.
 
-Parts 1 and 2 of the invariant in docs/incident.md: a resume is replayed only if the resuming token's
+Legs 1 and 2 of the invariant (docs/incident.md): a resume is replayed only if the resuming token's
 ``aud`` (and scopes) cover every buffered event after the cursor and the live tail of the stream;
 otherwise the client gets an explicit, resumable ``event: error`` frame naming the offending event,
 what it requires, what the token holds, and the cursor to resume from, and nothing after it. The

@@ -45,7 +45,8 @@ class ClientInstrumentation:
         self.policy = policy
         self.resolve_error_frames = resolve_error_frames
         self.tokens = token_reader or TokenReader()
-        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, tracer_provider,
+                                  schema_url=sc.SCHEMA_URL)
         self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
@@ -199,8 +200,8 @@ class _TapStream(httpx2.AsyncByteStream):
 def _refused(request_id: str, data: str) -> bytes:
     """A JSON-RPC error for a call whose resume the server refused with an ``event: error`` frame.
 
-    The SDK drops such frames and reconnects with the same cursor until its timeout (mcp-sdk-2.3.md
-    section 8); this resolves the pending call at once instead, with the frame's data (the cursor to
+    The SDK drops such frames and reconnects with the same cursor until its timeout; this resolves
+    the pending call at once instead, with the frame's data (the cursor to
     resume from, what is required, what the token held) for ``resume.decide_resume``. No ``id:``
     line: the cursor stays where the server left it."""
     try:

@@ -112,7 +112,8 @@ class ServerInstrumentation:
         self.enforce = enforce
         self.tokens = token_reader or TokenReader()
         self.path = path.rstrip("/")
-        self._tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
+        self._tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, tracer_provider,
+                                        schema_url=sc.SCHEMA_URL)
         self.tracker = Tracker(self._tracer, sc.ROLE_SERVER, max_calls=max_calls)
         self._requirements: OrderedDict[CallKey, Requirement] = OrderedDict()
         self._stored: OrderedDict[tuple[str | None, str], deque[_Stored]] = OrderedDict()

@@ -1,4 +1,4 @@
-"""The incident's server (incident.md, "What Was Observed"), on the real SDK.
+"""The incident's server (docs/incident.md, "What happened"), on the real SDK.
 
 Two tools, ``search`` and ``fetch``, each requiring its own resource indicator, and the replay store
 the incident describes: the SDK example's per-stream store plus a per-event audience check that, at
@@ -47,10 +47,9 @@ class IncidentEventStore(EventStore):
     """The incident's replay store: sequential event ids, per-stream buffers, a per-event audience check
     that ends the replay silently at the first event the resuming token may not see.
 
-    ``session_wide_filter=True`` is the other naive store in the wild (the mercure bug in
-    failure-modes.md): it replays every event stored after the cursor, on any stream, and skips the
-    ones the token may not see, so the cursor moves past them and another call's result can arrive
-    on this stream."""
+    ``session_wide_filter=True`` is the other naive store in the wild (as in dunglas/mercure#1321): it
+    replays every event stored after the cursor, on any stream, and skips the ones the token may not
+    see, so the cursor moves past them and another call's result can arrive on this stream."""
 
     def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000,
                  session_wide_filter: bool = False) -> None:

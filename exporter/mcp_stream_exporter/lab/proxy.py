@@ -20,6 +20,8 @@ class CutProxy:
         self._on_cut: Callable[[], None] | None = None
         self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._server: asyncio.Server | None = None
+        self._open = asyncio.Event()
+        self._open.set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, 0)
@@ -36,6 +38,14 @@ class CutProxy:
         self._pattern = pattern
         self._on_cut = on_cut
 
+    def hold(self) -> None:
+        """New connections wait at the proxy until :meth:`release`: a test orders another client's work
+        between a cut and the reconnect that follows it, on state rather than on a sleep."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     def _cut_all(self) -> None:
         for client, upstream in list(self._live):
             client.transport.abort()
@@ -43,6 +53,7 @@ class CutProxy:
         self._live.clear()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        await self._open.wait()
         try:
             up_r, up_w = await asyncio.open_connection(self.host, self.upstream_port)
         except OSError:

@@ -40,7 +40,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "mcp-stream-exporter.podTemplate" -}}
 metadata:
   labels:
-    {{- include "mcp-stream-exporter.selectorLabels" . | nindent 4 }}
+    {{- include "mcp-stream-exporter.labels" . | nindent 4 }}
     {{- with .Values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

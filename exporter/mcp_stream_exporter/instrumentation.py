@@ -1,0 +1,99 @@
+"""``McpStreamInstrumentor``: the hooks installed the way OpenTelemetry instrumentations are.
+
+``opentelemetry-instrument python app.py`` finds it through the ``opentelemetry_instrumentor`` entry point;
+in code, ``McpStreamInstrumentor().instrument()``. Once instrumented, every ``MCPServer`` app built with
+``streamable_http_app()`` (``run(transport="streamable-http")`` included) is served through
+``instrument_server``, and every ``httpx2`` client the SDK's Streamable HTTP transport sends with is tapped
+as by ``instrument_client``. Servers and clients instrumented by hand are left as they are: nothing is
+observed twice. ``uninstrument()`` stops instrumenting what is built afterwards; apps and clients already
+instrumented stay so (as OpenTelemetry's HTTP client instrumentations do).
+
+Configuration without code, for ``opentelemetry-instrument``: ``MCP_STREAM_POLICY`` names a tool-policy
+TOML file (the same setting as ``mcp-stream-exporter serve``'s); ``MCP_STREAM_EXPORTER_DISABLED=true`` turns
+the instrumentor off whatever else says on (as does ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` naming
+``mcp_stream_exporter``, the entry point).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Collection
+from typing import Any
+
+import httpx2
+import wrapt
+from mcp.client.streamable_http import StreamableHTTPTransport
+from mcp.server.mcpserver import MCPServer
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
+from opentelemetry.instrumentation.utils import unwrap
+
+from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation, instrument_client, instrument_server
+
+# the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
+_instruments = ("mcp >= 2.3, < 3",)
+DISABLED_ENV = "MCP_STREAM_EXPORTER_DISABLED"
+POLICY_ENV = "MCP_STREAM_POLICY"
+log = logging.getLogger(__name__)
+
+
+class McpStreamInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Instruments the MCP SDK's Streamable HTTP servers and clients with the span model's hooks.
+
+    ``instrument()`` takes, all optional: ``tracer_provider`` (else the global one), ``policy`` (a
+    ``ToolPolicy``; else the file ``MCP_STREAM_POLICY`` names, else none) and ``token_reader`` (a
+    ``TokenReader`` that verifies signatures; else claims are read for observation only)."""
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        if os.environ.get(DISABLED_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
+            log.info("mcp-stream-exporter instrumentation disabled by %s", DISABLED_ENV)
+            return
+        options = _Options(kwargs.get("tracer_provider"), _policy(kwargs.get("policy")), kwargs.get("token_reader"))
+        wrapt.wrap_function_wrapper(MCPServer, "streamable_http_app", options.server_app)
+        wrapt.wrap_function_wrapper(StreamableHTTPTransport, "post_writer", options.client_transport)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        unwrap(MCPServer, "streamable_http_app")  # a no-op where the kill switch left it unwrapped
+        unwrap(StreamableHTTPTransport, "post_writer")
+
+
+def _policy(given: ToolPolicy | None) -> ToolPolicy | None:
+    if given is not None:
+        return given
+    path = os.environ.get(POLICY_ENV)
+    return ToolPolicy.from_file(path) if path else None
+
+
+class _Options:
+    """What ``instrument()`` was given, and the two wrappers that apply it."""
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None, policy: ToolPolicy | None,
+                 token_reader: TokenReader | None) -> None:
+        self.tracer_provider = tracer_provider
+        self.policy = policy
+        self.token_reader = token_reader
+
+    def server_app(self, wrapped: Callable[..., Any], instance: MCPServer, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        """``MCPServer.streamable_http_app``: the app ``instrument_server`` builds, unless the server is
+        already instrumented (by hand, or this is ``instrument_server`` building it: it installs its
+        middleware first)."""
+        if any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in instance.middleware):
+            return wrapped(*args, **kwargs)
+        return instrument_server(instance, policy=self.policy, token_reader=self.token_reader,
+                                 tracer_provider=self.tracer_provider, **kwargs)
+
+    def client_transport(self, wrapped: Callable[..., Any], instance: StreamableHTTPTransport,
+                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``StreamableHTTPTransport.post_writer(client, ...)``, the first use of the client the SDK sends
+        with: tap it in place, once."""
+        client = args[0] if args else kwargs.get("client")
+        if isinstance(client, httpx2.AsyncClient) and not isinstance(client._transport, ClientTap):
+            instrument_client(client, policy=self.policy, token_reader=self.token_reader,
+                              tracer_provider=self.tracer_provider)
+        return wrapped(*args, **kwargs)

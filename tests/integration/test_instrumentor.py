@@ -1,0 +1,103 @@
+"""McpStreamInstrumentor: `opentelemetry-instrument` instruments an SDK server and client that never call the
+hooks, the kill switches leave them alone, and instrumenting twice (or over hooks installed by hand) observes
+each stream once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points, version
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import MCPServer
+
+from mcp_stream_exporter import instrument_client, instrument_server
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation
+from mcp_stream_exporter.instrumentation import McpStreamInstrumentor
+from mcp_stream_exporter.lab import serve
+
+from harness import ours, span_exporter, spans
+
+APP = Path(__file__).with_name("sdk_app.py")
+INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")
+
+
+def _run_instrumented(**env: str) -> dict[str, Any]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "MCP_STREAM_"))}
+    run = subprocess.run([str(INSTRUMENT), sys.executable, str(APP)], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(run.stdout)
+    assert outcome["result"] == "hello"
+    return outcome
+
+
+def _ours(outcome: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in outcome["spans"] if s["scope"] == sc.INSTRUMENTATION_NAME]
+
+
+def test_the_entry_point_is_the_instrumentor():
+    (entry,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "mcp_stream_exporter"]
+    assert entry.load() is McpStreamInstrumentor
+    assert McpStreamInstrumentor().instrumentation_dependencies() == ("mcp >= 2.3, < 3",)
+
+
+def test_opentelemetry_instrument_instruments_an_sdk_server_and_client_that_never_call_the_hooks():
+    mine = _ours(_run_instrumented())
+    # the healthy path: each side records the session's standalone GET stream and its DELETE
+    kinds = {(s["attributes"][sc.ROLE], s["attributes"][sc.STREAM_KIND]) for s in mine}
+    assert kinds == {(role, kind) for role in (sc.ROLE_SERVER, sc.ROLE_CLIENT)
+                     for kind in (sc.STREAM_KIND_GET, sc.STREAM_KIND_DELETE)}
+    assert len(mine) == len(kinds), "one span per stream and side: nothing observed twice"
+    assert {(s["version"], s["schema_url"]) for s in mine} == {(version("mcp-stream-exporter"), sc.SCHEMA_URL)}
+
+
+@pytest.mark.parametrize("switch", [{"MCP_STREAM_EXPORTER_DISABLED": "true"},
+                                    {"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "mcp_stream_exporter"}],
+                         ids=["MCP_STREAM_EXPORTER_DISABLED", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"])
+def test_a_kill_switch_leaves_the_sdk_alone(switch):
+    outcome = _run_instrumented(**switch)
+    assert _ours(outcome) == []
+    assert any(s["name"] == "tools/call echo" for s in outcome["spans"]), "the SDK's own spans are still there"
+
+
+@pytest.mark.anyio
+async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each_stream_once():
+    span_exporter().clear()
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        instrumentor.instrument()  # warns and does nothing: still one wrapper
+        assert not hasattr(MCPServer.streamable_http_app.__wrapped__, "__wrapped__")
+        server = MCPServer("probe")
+
+        @server.tool()
+        def echo(text: str) -> str:
+            return text
+
+        app = instrument_server(server)  # by hand, while the instrumentor is on
+        assert sum(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in server.middleware) == 1
+        http = instrument_client()  # by hand too; the SDK's transport must not tap it again
+        async with (serve(app) as port, http,
+                    Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                           mode="legacy") as client):
+            assert (await client.call_tool("echo", {"text": "hello"})).content[0].text == "hello"
+        assert isinstance(http._transport, ClientTap) and not isinstance(http._transport._inner, ClientTap)
+    finally:
+        instrumentor.uninstrument()
+    streams = ours(spans(), sc.SPAN_STREAM)
+    for role in (sc.ROLE_SERVER, sc.ROLE_CLIENT):
+        kinds = sorted(s.attributes[sc.STREAM_KIND] for s in streams if s.attributes[sc.ROLE] == role)
+        assert kinds == [sc.STREAM_KIND_DELETE, sc.STREAM_KIND_GET], role
+
+    assert not hasattr(MCPServer.streamable_http_app, "__wrapped__")  # uninstrumented: the SDK's own again
+    plain = MCPServer("plain")
+    plain.streamable_http_app()
+    assert not any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in plain.middleware)
