@@ -30,7 +30,9 @@ TEMPLATES = CHART / "templates"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 CRDS = Path(__file__).resolve().parents[1] / "fixtures" / "crd"
 MONITORING = "monitoring.coreos.com/v1"
-KUBE_VERSION = "1.30"  # the oldest Kubernetes the chart is validated for
+# the oldest Kubernetes the chart supports (Chart.yaml's kubeVersion) and the newest kubernetes-validate knows
+KUBE_VERSIONS = (re.search(r">=\s*(\d+\.\d+)", yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"])[1],
+                 ".".join(kubernetes_validate.utils.latest_version().split(".")[:2]))
 STANDARD_LABELS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
                    "app.kubernetes.io/component", "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by",
                    "helm.sh/chart"}
@@ -171,7 +173,8 @@ def test_the_collector_example_routes_sessions_to_the_charts_headless_service_ov
     assert config["service"]["pipelines"]["traces"]["exporters"] == ["load_balancing"]
 
 
-def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...]) -> list[dict[str, Any]]:
+def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
+            kube: str = KUBE_VERSIONS[0]) -> list[dict[str, Any]]:
     """``helm template RELEASE CHART -f values --api-versions ... --kube-version ...``, in-process.
 
     helm-python-sdk's ``Chart.render`` does not pass capabilities through; its native render (Helm's
@@ -179,7 +182,7 @@ def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...]) 
     ``api_versions`` and ``kube_version`` options, and rejects an unknown option, so a wrapper that drops
     them fails here rather than rendering with the defaults."""
     options = {"name": "mcp-stream-exporter", "namespace": "monitoring", "api_versions": list(api_versions),
-               "kube_version": f"v{KUBE_VERSION}.0"}
+               "kube_version": f"v{kube}.0"}
     loaded = helm_python.Chart.load(chart)
     manifests: dict[str, str] = json.loads(
         _native.call_string("helm_render", loaded._raw(), json.dumps(values), json.dumps(options)))
@@ -187,13 +190,13 @@ def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...]) 
             for obj in yaml.safe_load_all(text) if obj]
 
 
-def _validate(obj: dict[str, Any]) -> list[str]:
+def _validate(obj: dict[str, Any], kube: str = KUBE_VERSIONS[0]) -> list[str]:
     """Schema errors of one rendered object: the CRD's schema for the operator's kinds, Kubernetes' otherwise."""
     crds = {"ServiceMonitor": "servicemonitors.yaml", "PrometheusRule": "prometheusrules.yaml"}
     if obj["kind"] in crds:
         return [e.message for e in jsonschema.Draft7Validator(_crd_schema(crds[obj["kind"]])).iter_errors(obj)]
     try:
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        kubernetes_validate.validate(obj, kube, strict=True)
     except kubernetes_validate.ValidationError as error:
         return [f"{obj['kind']}/{obj['metadata']['name']}: {error.message}"]
     return []
@@ -202,18 +205,19 @@ def _validate(obj: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
 def test_helm_lint_strict_is_clean(values):
     report = helm_python.lint(CHART, yaml.safe_load(values.read_text()) or {}, strict=True,
-                              kube_version=f"v{KUBE_VERSION}.0")
+                              kube_version=f"v{KUBE_VERSIONS[0]}.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
     assert report["total_charts_linted"] == 1 and report["errors"] == [] and problems == []
 
 
+@pytest.mark.parametrize("kube", KUBE_VERSIONS, ids=lambda v: f"kubernetes-{v}")
 @pytest.mark.parametrize("monitoring", [True, False], ids=["with-monitoring-crds", "without-monitoring-crds"])
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
-def test_helm_renders_valid_kubernetes_objects(values, monitoring, tmp_path):
-    objects = _render(CHART, yaml.safe_load(values.read_text()) or {}, (MONITORING,) if monitoring else ())
+def test_helm_renders_valid_kubernetes_objects(values, monitoring, kube, tmp_path):
+    objects = _render(CHART, yaml.safe_load(values.read_text()) or {}, (MONITORING,) if monitoring else (), kube)
     kinds = {o["kind"] for o in objects}
     assert {"Service", "ConfigMap", "PodDisruptionBudget"} <= kinds and kinds & {"Deployment", "StatefulSet"}
-    assert [error for obj in objects for error in _validate(obj)] == []
+    assert [error for obj in objects for error in _validate(obj, kube)] == []
     operator_kinds = {"ServiceMonitor", "PrometheusRule"}
     if not monitoring:
         assert not kinds & operator_kinds, "the operator's objects only where its API exists"
