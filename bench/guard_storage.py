@@ -53,7 +53,7 @@ async def _round(storage: EventStorage, sessions: int, events: int, tag: str) ->
     firsts: dict[str, str] = {}
     for n in range(sessions):
         session = f"{tag}-{n}"
-        await store._open(session)
+        await store.open_session(session)
         await store.record_call(session, "1", "fetch")
         token = _current.set(_Request(session, AUTH))
         try:

@@ -45,7 +45,7 @@ class Session:
     def __init__(self, store, session_id="s1"):
         self.store = store
         self.session_id = session_id
-        run(store._open(session_id))  # its initialize response named it
+        run(store.open_session(session_id))  # its initialize response named it
 
     def store_event(self, stream_id, message, auth=OPENER):
         token = guard_request.set(GuardRequest(self.session_id, auth))

@@ -240,7 +240,7 @@ def play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule)
     honest = {s: AuthView(audience=start, subject_hash=OPENERS[s], fingerprint="h",
                           verification="verified" if verifies else "unverified") for s in SESSIONS}
     for session in SESSIONS:
-        LOOP.run_until_complete(store._open(session))
+        LOOP.run_until_complete(store.open_session(session))
     world = World(store, honest)
     used: set[tuple[str, str]] = set()
     for session, request_id, tool, steps in calls:
@@ -255,7 +255,7 @@ def play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule)
             world.tokens[op[1]] = op[2]
         elif kind == "flood":
             if op[1] in OTHERS:
-                LOOP.run_until_complete(store._open(op[1]))  # the adversary opens sessions too: the oldest are evicted
+                LOOP.run_until_complete(store.open_session(op[1]))  # the adversary opens sessions too
             for n in range(op[2]):
                 LOOP.run_until_complete(store.record_call(op[1], f"flood-{n}", "search"))
         elif kind == "attack":

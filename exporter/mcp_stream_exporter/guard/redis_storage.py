@@ -146,7 +146,9 @@ class RedisEventStorage:
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
-        if session_id is None or len(session_id) > _MAX_SESSION_ID:
+        if session_id is None:  # no session at all (initialize's priming event): nothing to keep
+            return None
+        if len(session_id) > _MAX_SESSION_ID:
             self._evicted(1)
             return None
         body = _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""

@@ -129,7 +129,7 @@ class InMemoryEventStorage:
                      subject: str | None) -> str | None:
         session = self._touch(session_id)
         if session is None:
-            self.evictions += 1
+            self.evictions += session_id is not None  # no session at all (initialize's priming) drops nothing
             return None
         seq = next(self._seq)
         event = StoredEvent(str(seq), stream_id, message, session.requirements.get(stream_id), subject)

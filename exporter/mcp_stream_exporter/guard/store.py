@@ -159,7 +159,8 @@ class GuardedEventStore(EventStore):
     def _requirement_of(self, tool: str | None) -> Requirement:
         return self.policy.requirement(tool) or NO_REQUIREMENT
 
-    async def _open(self, session_id: str) -> None:
+    async def open_session(self, session_id: str) -> None:
+        """A session is born (its initialize response named it): only now may its events be stored."""
         await self.storage.open(session_id)
         await self.storage.require(session_id, GET_STREAM_KEY, NO_REQUIREMENT)  # server-initiated, not a call's
 
@@ -316,7 +317,7 @@ class GuardedEventStore(EventStore):
 
     async def _born(self, request: _Request) -> None:
         try:
-            await self._open(request.session_id)  # type: ignore[arg-type]
+            await self.open_session(request.session_id)  # type: ignore[arg-type]
         except StorageError:
             _log.exception("guard storage: session not opened; its streams cannot be resumed")
         await self._flush(request)
