@@ -6,13 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean system-deps
 
-# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) come from
-# Debian's packages when missing
+# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) and chromium
+# (the findings page's browser test, driven by Playwright; never a downloaded browser) come from Debian's
+# packages when missing
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null \
+		&& command -v chromium >/dev/null || { \
 		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
-		--no-install-recommends prometheus prometheus-alertmanager; }
+		--no-install-recommends prometheus prometheus-alertmanager chromium; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
