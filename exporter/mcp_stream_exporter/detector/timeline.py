@@ -159,8 +159,8 @@ class Timelines:
     # --- out ---
 
     def of(self, finding: Finding) -> Timeline | None:
-        """The finding's timeline; else its call's, if still held (a finding restored from a snapshot)."""
-        return self._findings.get(finding.id) or self._calls.get(self._key(finding))
+        """The finding's timeline; None once evicted, or for a finding restored from a snapshot."""
+        return self._findings.get(finding.id)
 
     def __len__(self) -> int:
         return len(self._calls) + len(self._findings)
