@@ -1,11 +1,14 @@
 """Per-call timelines: what the spans said about one call, kept so a finding can tell its story.
 
 Fed every lifecycle event (``Detector.apply``), before the rules see it, so a finding raised by an
-event already has that event on its timeline. A call's timeline is held while the call is recent;
-when a finding is raised it is pinned to the finding and evicted with it (same capacity, same order
-as the finding store). Everything is bounded: entries per call (the first half and the last half
-are kept, the middle counted), the length of every string and list a producer sent, and the bytes
-of all timelines together (oldest calls go first, then the oldest findings' timelines).
+event already has that event on its timeline. A call answered on its first stream is not recorded
+(the common case costs a look-up), and a call's timeline is dropped when the client sees it answered
+without a finding, so a duplicate delivery's timeline starts at the second delivery. A timeline is
+held while its call is recent; when a finding is raised it is pinned to the finding and evicted with
+it (same capacity, same order as the finding store). Everything is bounded: entries per call (the
+first half and the last half are kept, the middle counted), the length of every string and list a
+producer sent, and the bytes of all timelines together (oldest calls go first, then the oldest
+findings' timelines).
 """
 
 from __future__ import annotations
@@ -70,13 +73,16 @@ class Entry:
     duration_s: float | None = None
 
     def size(self) -> int:
+        """Roughly the bytes it holds: what the byte budget counts."""
         total = _ENTRY_OVERHEAD
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, str):
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if value:
                 total += len(value)
-            elif isinstance(value, tuple):
-                total += 8 + sum(len(v) for v in value)
+        for name in _TUPLE_FIELDS:
+            values = getattr(self, name)
+            if values:
+                total += 8 + sum(map(len, values))
         return total
 
     def to_json(self) -> dict[str, Any]:
@@ -87,6 +93,10 @@ class Entry:
             if value is not None and value != ():
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+_STR_FIELDS = tuple(f.name for f in fields(Entry) if f.type in ("str", "str | None"))
+_TUPLE_FIELDS = tuple(f.name for f in fields(Entry) if f.type == "tuple[str, ...]")
 
 
 class Timeline:
@@ -168,6 +178,8 @@ class Timelines:
     # --- entries ---
 
     def _stream(self, e: StreamEnd) -> None:
+        if e.terminal_ids and not e.pending_ids and all((e.at.scope, rid) not in self._calls for rid in e.request_ids):
+            return  # a call answered on its first stream, the common case: no story to keep
         entry = self._entry(
             e.at, e.kind, e.token, e.required, reason=e.reason, status=e.status, events=e.events,
             first_event_id=self._cap(e.first_event_id), last_event_id=self._cap(e.last_event_id),
@@ -181,6 +193,8 @@ class Timelines:
 
     def _call(self, e: CallEnd) -> None:
         key = (e.at.scope, e.request_id)
+        if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
+            return  # answered, and nothing was kept about it
         self._add(key, self._entry(e.at, "call", e.token, e.required, outcome=self._cap(e.outcome)))
         if e.at.role != sc.ROLE_CLIENT:
             return
