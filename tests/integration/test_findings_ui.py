@@ -8,6 +8,8 @@ import asyncio
 import base64
 import contextlib
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -274,3 +276,27 @@ def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tm
             assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and API_TOKEN not in cookie["value"]
         with httpx.Client(base_url=service.url) as http:
             assert http.get("/api/findings", cookies={COOKIE: cookie["value"]}).status_code == 401  # /api: bearer only
+
+
+def test_demo_serve_prints_the_findings_page_and_the_lost_call_s_page():
+    proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "demo", "--serve", "0",
+                             "--trace-url-template", TEMPO], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while len(urls) < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            for label in ("Findings page: ", "The lost call: "):
+                if line.startswith(label):
+                    urls[label] = line[len(label):].strip()
+        assert urls["Findings page: "].endswith("/ui/"), urls
+        lost = httpx.get(urls["The lost call: "], timeout=10)
+        assert lost.status_code == 200 and "fetch&#x27;s result was lost" in lost.text
+        assert f"The resume&#x27;s token lacks {FETCH}" in lost.text and "https://tempo.example.com/trace/" in lost.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
