@@ -171,7 +171,11 @@ def _otlp_span(span_id: str, name: str, kind: int, attrs: dict[str, Any], at_ns:
     return span
 
 
-def _hostile_batch(p: str) -> bytes:
+def _id(n: int, k: int) -> str:
+    return f"{n:02x}{k:02x}" * 4
+
+
+def _hostile_batch(n: int, p: str) -> bytes:
     """The incident's shape, every free string a payload: session, request id, tool, cursor, event ids,
     audiences, resources, span names, the caller's error type, the emitting service."""
     now = time.time_ns()
@@ -181,27 +185,27 @@ def _hostile_batch(p: str) -> bytes:
               sc.GEN_AI_TOOL_NAME: tool, sc.REQUIRED_RESOURCES: [f"res {p}"], sc.EVENTS_COUNT: 2,
               sc.EVENT_FIRST_ID: f"first {p}", sc.EVENT_LAST_ID: f"last {p}", sc.HTTP_RESPONSE_STATUS_CODE: 200}
     spans = [
-        _otlp_span("01" * 8, f"POST {p}", 3, {**common, **stream, sc.STREAM_KIND: sc.STREAM_KIND_POST,
+        _otlp_span(_id(n, 1), f"POST {p}", 3, {**common, **stream, sc.STREAM_KIND: sc.STREAM_KIND_POST,
                                              sc.END_REASON: sc.END_DROPPED}, now),
-        _otlp_span("02" * 8, f"resume {p}", 3, {**common, **stream, sc.STREAM_KIND: sc.STREAM_KIND_RESUME,
+        _otlp_span(_id(n, 2), f"resume {p}", 3, {**common, **stream, sc.STREAM_KIND: sc.STREAM_KIND_RESUME,
                                                sc.END_REASON: sc.END_CLEAN, sc.RESUME_CURSOR: f"cursor {p}",
                                                sc.EVENTS_COUNT: 0, sc.AUTH_AUDIENCE: [f"aud {p}"],
                                                sc.AUTH_MISSING_RESOURCES: [f"res {p}"],
                                                sc.AUTH_MISSING_SCOPES: [f"scope {p}"],
                                                sc.AUTH_FINGERPRINT: f"fp {p}"}, now + 10_000_000),
-        _otlp_span("03" * 8, f"replay {p}", 1, {**common, sc.ROLE: sc.ROLE_SERVER, sc.SPAN: sc.SPAN_REPLAY,
+        _otlp_span(_id(n, 3), f"replay {p}", 1, {**common, sc.ROLE: sc.ROLE_SERVER, sc.SPAN: sc.SPAN_REPLAY,
                                                sc.JSONRPC_REQUEST_ID: rid, sc.RESUME_CURSOR: f"cursor {p}",
                                                sc.REPLAY_DECISION: sc.REPLAY_TRUNCATED, sc.REPLAY_BUFFERED: 3,
                                                sc.REPLAY_SENT: 0, sc.REPLAY_OFFENDING_EVENT_ID: f"offending {p}",
                                                sc.GUARD_DECISION: f"guard {p}", sc.AUTH_AUDIENCE: [f"aud {p}"],
                                                sc.AUTH_MISSING_RESOURCES: [f"res {p}"]}, now + 11_000_000),
-        _otlp_span("05" * 8, f"MCP send tools/call {tool}", 3, {
+        _otlp_span(_id(n, 5), f"MCP send tools/call {tool}", 3, {
             sc.MCP_METHOD_NAME: "tools/call", sc.ERROR_TYPE: f"err {p}", sc.RPC_RESPONSE_STATUS_CODE: "-32001"},
             now, 2_000_000_000),
-        _otlp_span("04" * 8, f"call {p}", 1, {**common, sc.SPAN: sc.SPAN_CALL, sc.JSONRPC_REQUEST_ID: rid,
+        _otlp_span(_id(n, 4), f"call {p}", 1, {**common, sc.SPAN: sc.SPAN_CALL, sc.JSONRPC_REQUEST_ID: rid,
                                              sc.GEN_AI_TOOL_NAME: tool, sc.CALL_OUTCOME: f"outcome {p}",
                                              sc.REQUIRED_RESOURCES: [f"res {p}"]}, now, 2_000_000_000,
-                   parent="05" * 8),
+                   parent=_id(n, 5)),
     ]
     doc = {"resourceSpans": [{"resource": {"attributes": [
         {"key": "service.name", "value": {"stringValue": f"svc {p}"}},
@@ -229,8 +233,8 @@ def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tm
     flags = ("--api-token=" + API_TOKEN, "--clean-end-grace-s=0.2")
     with detector_process(*flags) as service:
         auth = {"authorization": f"Bearer {API_TOKEN}"}
-        for p in PAYLOADS:
-            answer = service.http.post("/v1/traces", content=_hostile_batch(p),
+        for n, p in enumerate(PAYLOADS):
+            answer = service.http.post("/v1/traces", content=_hostile_batch(n, p),
                                        headers={"content-type": "application/x-protobuf"})
             assert answer.status_code == 200, answer.text
         findings = wait_for(lambda: (lambda fs: fs if {f["rule"] for f in fs} >= {
