@@ -230,7 +230,8 @@ def _inert(page: Page) -> None:
 
 
 def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tmp_path: Path):
-    flags = ("--api-token=" + API_TOKEN, "--clean-end-grace-s=0.2")
+    flags = ("--api-token=" + API_TOKEN, "--clean-end-grace-s=0.2", f"--trace-url-template={TEMPO}",
+             "--runbook-base-url=https://wiki.example.com/runbooks")
     with detector_process(*flags) as service:
         auth = {"authorization": f"Bearer {API_TOKEN}"}
         for n, p in enumerate(PAYLOADS):
@@ -260,6 +261,9 @@ def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tm
                     page.goto(f"{service.url}/ui/findings/{f['id']}{suffix}")
                     assert page.locator("h1").count() == 1
                     _inert(page)
+                    assert page.locator("a.trace").first.get_attribute("href") == TEMPO.format(trace_id="7e" * 16)
+                    assert all(a.get_attribute("href").startswith("https://wiki.example.com/runbooks/MCP")
+                               for a in page.locator("a.runbook").all())
                     if f["rule"] == "narrowed_resume":
                         payload = f["tool"].removeprefix("tool ")
                         text = page.locator("main").inner_text()
