@@ -85,15 +85,6 @@ class Entry:
                 total += 8 + sum(map(len, values))
         return total
 
-    def to_json(self) -> dict[str, Any]:
-        """The fields that say something (empty ones left out)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None and value != ():
-                out[f.name] = list(value) if isinstance(value, tuple) else value
-        return out
-
 
 _STR_FIELDS = tuple(f.name for f in fields(Entry) if f.type in ("str", "str | None"))
 _TUPLE_FIELDS = tuple(f.name for f in fields(Entry) if f.type == "tuple[str, ...]")

@@ -192,13 +192,14 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
                    "tool": tool[:200], "session": session[:200]}
         with detector.lock:
             rows, total, retained = _matching(detector, filters)
+            dropped = detector.timelines.evicted
         now = time.time()
         table = _findings_table(rows, total, now)
         if part:
             return page(table)
         live = "/ui/?" + urlencode({**{k: v for k, v in filters.items() if v}, "part": "rows"})
         return page(_document("Findings", (
-            _header(retained) + _filter_form(filters) +
+            _header(retained, dropped) + _filter_form(filters) +
             f"<section id='live-part' data-live='{_e(live)}'>{table}</section>"), live=True))
 
     @app.get("/ui/findings/{finding_id}", include_in_schema=False)
@@ -237,8 +238,10 @@ def _matching(detector: Detector, filters: dict[str, str]) -> tuple[list[Finding
     return found[:LIST_LIMIT], len(found), len(detector.findings)
 
 
-def _header(retained: int) -> str:
-    return ("<header><h1>Findings</h1><span class='muted'>" + _e(retained) + " retained by this detector</span>"
+def _header(retained: int, dropped: int) -> str:
+    evicted = f", the timelines of {dropped} dropped to bound memory" if dropped else ""
+    return ("<header><h1>Findings</h1><span class='muted'>" + _e(retained) + " retained by this detector"
+            + _e(evicted) + "</span>"
             "<label class='live'><input type='checkbox' id='live' checked> live</label>"
             "<span class='muted' id='refreshed'></span></header>")
 
