@@ -7,14 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench clean system-deps
 
-# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests) and
-# redis-server (the guard's shared storage) come from Debian's packages when missing
+# promtool, prometheus and alertmanager (for the rule, dashboard and end-to-end alert tests),
+# redis-server (the guard's shared storage) and chromium (the findings page's browser test, driven by
+# Playwright; never a downloaded browser) come from Debian's packages when missing
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 system-deps:
 	@command -v promtool >/dev/null && command -v prometheus-alertmanager >/dev/null \
-		&& command -v redis-server >/dev/null || { \
+		&& command -v redis-server >/dev/null && command -v chromium >/dev/null || { \
 		$(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
-		--no-install-recommends prometheus prometheus-alertmanager redis-server; }
+		--no-install-recommends prometheus prometheus-alertmanager redis-server chromium; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -15,12 +15,19 @@ from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOption, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardLinkType,
+    DataSourceRef,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
 
 HERE = Path(__file__).resolve().parent
 TAGS = ["mcp-stream-exporter"]
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", instance=~"$instance"'  # every query: the linter's job and instance rules
+DETECTOR_URL = "http://127.0.0.1:9464"  # the detector's external URL, a text box: its findings page is <url>/ui/
 
 
 def _query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
@@ -39,12 +46,24 @@ def _variables(board: dashboard.Dashboard) -> dashboard.Dashboard:
             .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
             .with_variable(query_variable("job", "label_values(mcp_stream_detector_build_info, job)"))
             .with_variable(query_variable(
-                "instance", 'label_values(mcp_stream_detector_build_info{job=~"$job"}, instance)')))
+                "instance", 'label_values(mcp_stream_detector_build_info{job=~"$job"}, instance)'))
+            .with_variable(dashboard.TextBoxVariable("detector_url").label("Detector URL")
+                           .description("The detector's external URL; the findings links open <url>/ui/.")
+                           .default_value(DETECTOR_URL)
+                           .current(VariableOption(selected=True, text=DETECTOR_URL, value=DETECTOR_URL))))
+
+
+def _findings_link(title: str, query: str = "") -> dashboard.DashboardLink:
+    """A link to the detector's findings page (``/ui/``): the lost calls' timelines, newest first."""
+    return (dashboard.DashboardLink(title).type(DashboardLinkType.LINK).url(f"${{detector_url}}/ui/{query}")
+            .tooltip("The detector's findings page: each lost call's timeline, the gap, what to do")
+            .target_blank(True))
 
 
 def _board(title: str, uid: str, description: str) -> dashboard.Dashboard:
     return _variables(dashboard.Dashboard(title).uid(uid).description(description).tags(TAGS).readonly()
-                      .refresh("30s").time("now-1h", "now").timezone("browser"))
+                      .refresh("30s").time("now-1h", "now").timezone("browser")
+                      .link(_findings_link("Findings")))
 
 
 def _series(title: str, description: str, unit: str, *queries: prometheus.Dataquery,
@@ -74,16 +93,23 @@ def overview() -> dashboard.Dashboard:
             .with_panel(_series(
                 "Silent losses by tool and rule",
                 "Tool results that never reached their caller, with no error (mcp_stream_silent_losses_total). "
-                "Anything above zero pages as MCPToolResultSilentlyLost; exemplars link to the trace.",
+                "Anything above zero pages as MCPToolResultSilentlyLost; exemplars link to the trace, a click on a "
+                "series to the lost calls on the detector's findings page.",
                 "short",
                 _query(f"sum by (tool, rule) (increase(mcp_stream_silent_losses_total{{{SEL}}}[$__rate_interval]))",
-                       "{{tool}} {{rule}}")))
+                       "{{tool}} {{rule}}"))
+                        .data_links([_findings_link(
+                            "Lost calls of ${__field.labels.tool} (${__field.labels.rule})",
+                            "?rule=${__field.labels.rule}&tool=${__field.labels.tool}")]))
             .with_panel(_series(
                 "Findings by rule",
-                "Findings raised by the detector per interval; details at /api/findings?rule=<rule>.",
+                "Findings raised by the detector per interval; a click on a series opens them on the detector's "
+                "findings page (/ui/?rule=<rule>), each with its call's timeline.",
                 "short",
                 _query(f"sum by (rule, severity) (increase(mcp_stream_findings_total{{{SEL}}}[$__rate_interval]))",
-                       "{{rule}} ({{severity}})")))
+                       "{{rule}} ({{severity}})"))
+                        .data_links([_findings_link("Findings of rule ${__field.labels.rule}",
+                                                    "?rule=${__field.labels.rule}")]))
             .with_panel(_stat(
                 "Calls in flight",
                 "Calls whose stream ended without their result and that are still owed one.",

@@ -22,13 +22,17 @@ def main(argv: list[str] | None = None) -> int:
                                "embedded detector")
     demo.add_argument("--json", action="store_true", help="print the outcome of both runs as JSON")
     demo.add_argument("--serve", type=int, metavar="PORT", nargs="?", const=9464, default=None,
-                      help="then keep /metrics and /api up on 127.0.0.1:PORT (default 9464) for Prometheus")
+                      help="then keep /metrics, /api and the findings page /ui/ up on 127.0.0.1:PORT (default 9464)")
+    demo.add_argument("--trace-url-template", metavar="URL",
+                      help="the findings page links trace ids here, e.g. 'https://tempo/trace/{trace_id}'")
     commands.add_parser("serve", help="run the detector service (OTLP in, /metrics and /api out); serve --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from mcp_stream_exporter import demo as demo_module
+        from mcp_stream_exporter.detector.ui import UiLinks
 
-        return demo_module.main(as_json=args.json, serve_port=args.serve)
+        return demo_module.main(as_json=args.json, serve_port=args.serve,
+                                links=UiLinks(args.trace_url_template))
     parser.error(f"unknown command {args.command}")
     return 2
 

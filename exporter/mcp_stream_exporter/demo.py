@@ -28,6 +28,7 @@ from prometheus_client import generate_latest
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
 from mcp_stream_exporter.detector.embedded import DetectorSpanProcessor, EmbeddedDetector
+from mcp_stream_exporter.detector.ui import UiLinks
 from mcp_stream_exporter.lab import incident
 
 
@@ -199,7 +200,7 @@ def _print_run(run: RunOutcome) -> None:
 
 
 def main(argv: list[str] | None = None, *, as_json: bool = False, serve_port: int | None = None,
-         grace_s: float = 1.0) -> int:
+         grace_s: float = 1.0, links: UiLinks | None = None) -> int:
     """Run the incident twice (naive, then guarded); exit 0 when both ended as expected."""
     global _QUIET
     _QUIET = as_json
@@ -233,9 +234,11 @@ def main(argv: list[str] | None = None, *, as_json: bool = False, serve_port: in
               f"guarded server {'delivered fetch, no finding' if guarded.as_expected else 'NOT as expected'}.")
     if serve_port is not None:
         embedded = EmbeddedDetector(naive_detector, feed)
-        port = embedded.serve(port=serve_port)
-        _say(f"\nServing the naive run's detector: http://127.0.0.1:{port}/metrics and /api/findings "
-             "(Ctrl-C to stop)")
+        port = embedded.serve(port=serve_port, links=links)
+        base = f"http://127.0.0.1:{port}"
+        lost = next((f["id"] for f in naive.findings if f["rule"] == "clean_end_pending"), None)
+        _say(f"\nServing the naive run's detector: {base}/metrics and {base}/api/findings (Ctrl-C to stop)")
+        _say(f"Findings page: {base}/ui/" + (f"\nThe lost call: {base}/ui/findings/{lost}" if lost else ""))
         with contextlib.suppress(KeyboardInterrupt):
             threading.Event().wait()
         embedded.close()

@@ -31,6 +31,7 @@ from mcp_stream_exporter.detector.ingest import (
     receive,
 )
 from mcp_stream_exporter.detector.rules import RULES
+from mcp_stream_exporter.detector.ui import UiLinks, mount_ui
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 
@@ -57,7 +58,8 @@ def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
     return hmac.compare_digest(request.headers.get("authorization", ""), expected)
 
 
-def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None) -> FastAPI:
+def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None,
+               links: UiLinks | None = None) -> FastAPI:
     access = access or Access()
     # FastAPI's own telemetry off: the detector tracing its own requests would feed itself (embedded
     # mode) or export spans about its ingest back into its ingest, a loop that never drains.
@@ -164,8 +166,11 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:
         return ("<html><head><title>mcp-stream-exporter</title></head><body><h1>mcp-stream-exporter detector</h1>"
-                "<ul><li><a href='/metrics'>/metrics</a></li><li><a href='/api/findings'>/api/findings</a></li>"
+                "<ul><li><a href='/ui/'>/ui/</a> (findings)</li><li><a href='/metrics'>/metrics</a></li>"
+                "<li><a href='/api/findings'>/api/findings</a></li>"
                 "<li><a href='/api/rules'>/api/rules</a></li><li><a href='/readyz'>/readyz</a></li></ul>"
                 "</body></html>")
 
+    mount_ui(app, detector, links or UiLinks(), access.api_token,
+             lambda request: _bearer_ok(request, access.api_token))
     return app

@@ -19,6 +19,7 @@ from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import CallState, Ledger, LedgerLimits
 from mcp_stream_exporter.detector.metrics import SPAN_REJECTIONS, DetectorMetrics, LedgerCollector, ToolLabels
 from mcp_stream_exporter.detector.rules import RuleConfig, RuleEngine
+from mcp_stream_exporter.detector.timeline import TimelineLimits, Timelines
 
 Clock = Callable[[], int]  # nanoseconds since the epoch, like span timestamps
 
@@ -56,6 +57,7 @@ class Detector:
         self.lock = threading.Lock()
         self.ledger = Ledger(self.config.ledger)
         self.findings = FindingStore(self.config.max_findings)
+        self.timelines = Timelines(TimelineLimits(max_findings=self.config.max_findings))
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
         self.registry.register(LedgerCollector(self.ledger, lambda: len(self.findings)))
@@ -88,6 +90,7 @@ class Detector:
         with self.lock:
             now = self.clock()
             for event in events:
+                self.timelines.record(event)
                 if isinstance(event, StreamEnd):
                     self.metrics.stream_end(event)
                     self.rules.stream(event, now)
@@ -113,6 +116,7 @@ class Detector:
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):
+            self.timelines.attach(finding)
             self.metrics.finding(finding)
             if self._on_finding is not None:
                 self._on_finding(finding)

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Span, origin_of
+from mcp_stream_exporter.detector.ui import UiLinks
 
 _KINDS = {SpanKind.CLIENT: KIND_CLIENT, SpanKind.SERVER: KIND_SERVER}
 
@@ -72,13 +73,15 @@ class EmbeddedDetector:
         self._stop = threading.Event()
         self.port: int | None = None
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, tick_interval_s: float = 0.5) -> int:
-        """Serve ``/metrics`` and ``/api`` on a background thread; returns the bound port."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, tick_interval_s: float = 0.5,
+              links: UiLinks | None = None) -> int:
+        """Serve ``/metrics``, ``/api`` and the findings page ``/ui/`` on a background thread; returns the
+        bound port."""
         import uvicorn  # only embedded users who serve pay for the import
 
         from mcp_stream_exporter.detector.app import create_app
 
-        config = uvicorn.Config(create_app(self.detector), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(create_app(self.detector, links=links), host=host, port=port, log_level="warning",
                                 lifespan="off")
         self._server = server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name="mcp-stream-detector-http", daemon=True)

@@ -28,6 +28,7 @@ from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve
 from mcp_stream_exporter.detector.ledger import LedgerLimits
 from mcp_stream_exporter.detector.rules import RuleConfig
 from mcp_stream_exporter.detector.snapshot import Snapshots
+from mcp_stream_exporter.detector.ui import RUNBOOK_BASE_URL, UiLinks
 
 ENV_PREFIX = "MCP_STREAM_"
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -60,6 +61,8 @@ class ServiceConfig:
     snapshot_path: str | None = None  # SQLite file: the ledger survives restarts
     snapshot_interval_s: float = 30.0  # a SIGKILL loses at most this much
     log_level: str = "info"
+    trace_url_template: str | None = None  # the findings page's trace links, e.g. https://tempo/trace/{trace_id}
+    runbook_base_url: str | None = None  # the findings page's runbook links (default: the project's docs)
 
     def detector_config(self) -> DetectorConfig:
         tools = tuple(ToolPolicy.from_file(self.policy).tools) if self.policy else ()
@@ -72,6 +75,9 @@ class ServiceConfig:
     def ingest_limits(self) -> IngestLimits:
         return IngestLimits(self.max_body_bytes, self.max_decompressed_bytes, self.max_spans_per_request,
                             self.max_queued_spans)
+
+    def links(self) -> UiLinks:
+        return UiLinks(self.trace_url_template, self.runbook_base_url or RUNBOOK_BASE_URL)
 
     def access(self) -> Access:
         basic = (self.metrics_user, self.metrics_password) if self.metrics_user and self.metrics_password else None
@@ -147,7 +153,7 @@ def run(config: ServiceConfig) -> int:
     if config.grpc_port >= 0:
         grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls)
         log.info("otlp grpc listening", extra={"host": config.host, "port": grpc_port})
-    app = create_app(detector, queue, config.access())
+    app = create_app(detector, queue, config.access(), config.links())
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
                                            access_log=False, ssl_certfile=config.tls_cert,
                                            ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))

@@ -1,0 +1,257 @@
+"""Per-call timelines: what the spans said about one call, kept so a finding can tell its story.
+
+Fed every lifecycle event (``Detector.apply``), before the rules see it, so a finding raised by an
+event already has that event on its timeline. A call answered on its first stream is not recorded
+(the common case costs a look-up), and a call's timeline is dropped when the client sees it answered
+without a finding, so a duplicate delivery's timeline starts at the second delivery. A timeline is
+held while its call is recent; when a finding is raised it is pinned to the finding and evicted with
+it (same capacity, same order as the finding store). Everything is bounded: entries per call (the
+first half and the last half are kept, the middle counted), the length of every string and list a
+producer sent, and the bytes of all timelines together (oldest calls go first, then the oldest
+findings' timelines).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Operation, Replay, StreamEnd, Token
+from mcp_stream_exporter.detector.findings import Finding
+
+_TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+_ENTRY_OVERHEAD = 160  # bytes: an entry's object and slots, roughly, before its strings
+_TIMELINE_OVERHEAD = 400  # bytes: a timeline, its deque and its place in the maps
+SESSION_LEVEL = ""  # the request id of a session's resumes and replays that name no call
+
+Key = tuple[str, str]  # (scope, request id)
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineLimits:
+    max_entries: int = 40  # per call
+    max_chars: int = 200  # per string a producer sent
+    max_items: int = 8  # per list a producer sent
+    max_bytes: int = 16 * 1024 * 1024  # all timelines together
+    max_findings: int = 10_000  # as the finding store's capacity: timelines leave with their findings
+    max_index: int = 50_000  # SDK span ids -> calls, for the caller's timeout
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One step of a call's story: a stream, a replay, the call's end, or the caller giving up."""
+
+    at_ns: int
+    end_ns: int
+    role: str
+    step: str  # post | get | resume | delete | replay | call | timeout
+    trace_id: str
+    span_id: str
+    origin: str = ""
+    reason: str | None = None  # how a stream ended: clean | dropped | closed | http_error
+    status: int | None = None
+    events: int | None = None
+    first_event_id: str | None = None
+    last_event_id: str | None = None
+    cursor: str | None = None
+    error_frames: int | None = None
+    pending: tuple[str, ...] = ()
+    terminal: tuple[str, ...] = ()
+    audience: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    missing_resources: tuple[str, ...] = ()
+    missing_scopes: tuple[str, ...] = ()
+    decision: str | None = None  # replay: complete | truncated | refused | unknown_cursor
+    guard_decision: str | None = None
+    buffered: int | None = None
+    sent: int | None = None
+    offending_event_id: str | None = None
+    outcome: str | None = None  # call: result | tool_error | error | cancelled | no_terminal | evicted
+    error_type: str | None = None  # the caller's own span: timeout, ...
+    duration_s: float | None = None
+
+    def size(self) -> int:
+        """Roughly the bytes it holds: what the byte budget counts."""
+        total = _ENTRY_OVERHEAD
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if value:
+                total += len(value)
+        for name in _TUPLE_FIELDS:
+            values = getattr(self, name)
+            if values:
+                total += 8 + sum(map(len, values))
+        return total
+
+
+_STR_FIELDS = tuple(f.name for f in fields(Entry) if f.type in ("str", "str | None"))
+_TUPLE_FIELDS = tuple(f.name for f in fields(Entry) if f.type == "tuple[str, ...]")
+
+
+class Timeline:
+    """One call's entries: the first ``max_entries // 2`` and the latest ones, and how many fell between."""
+
+    __slots__ = ("bytes", "head", "omitted", "refs", "tail")
+
+    def __init__(self, max_entries: int) -> None:
+        self.head: list[Entry] = []
+        self.tail: deque[Entry] = deque(maxlen=max(1, max_entries - max_entries // 2))
+        self.omitted = 0
+        self.bytes = _TIMELINE_OVERHEAD
+        self.refs = 0  # the calls map and each finding holding it
+
+    def add(self, entry: Entry) -> int:
+        """Append; returns the change in bytes."""
+        grown = entry.size()
+        if len(self.head) < (self.tail.maxlen or 1):
+            self.head.append(entry)
+        else:
+            if len(self.tail) == self.tail.maxlen:
+                grown -= self.tail[0].size()
+                self.omitted += 1
+            self.tail.append(entry)
+        self.bytes += grown
+        return grown
+
+    def entries(self) -> list[Entry]:
+        return sorted([*self.head, *self.tail], key=lambda e: (e.at_ns, e.end_ns))
+
+
+class Timelines:
+    def __init__(self, limits: TimelineLimits | None = None) -> None:
+        self.limits = limits or TimelineLimits()
+        self._calls: OrderedDict[Key, Timeline] = OrderedDict()  # least recently touched first
+        self._findings: OrderedDict[str, Timeline] = OrderedDict()  # finding id -> its call's timeline
+        self._sdk_spans: OrderedDict[str, Key] = OrderedDict()  # the client SDK's request span -> call
+        self._early: OrderedDict[str, Entry] = OrderedDict()  # a give-up seen before its call span
+        self.bytes = 0
+        self.evicted = 0  # timelines dropped for the byte budget while a finding still held them
+
+    # --- in: every lifecycle event ---
+
+    def record(self, event: Lifecycle) -> None:
+        if isinstance(event, StreamEnd):
+            self._stream(event)
+        elif isinstance(event, Replay):
+            self._add((event.at.scope, event.request_id or SESSION_LEVEL), self._entry(
+                event.at, "replay", event.token, event.required, cursor=event.cursor, decision=event.decision,
+                guard_decision=event.guard_decision, buffered=event.buffered, sent=event.sent,
+                offending_event_id=event.offending_event_id))
+        elif isinstance(event, CallEnd):
+            self._call(event)
+        else:
+            self._operation(event)
+        self._shrink()
+
+    def attach(self, finding: Finding) -> None:
+        """A new finding: pin its call's timeline to it (call once per finding, when first raised)."""
+        timeline = self._calls.get(self._key(finding))
+        if timeline is None:
+            return
+        if finding.id in self._findings:
+            return
+        self._findings[finding.id] = timeline
+        timeline.refs += 1
+        while len(self._findings) > self.limits.max_findings:
+            self._release(self._findings.popitem(last=False)[1])
+
+    # --- out ---
+
+    def of(self, finding: Finding) -> Timeline | None:
+        """The finding's timeline; None once evicted, or for a finding restored from a snapshot."""
+        return self._findings.get(finding.id)
+
+    def __len__(self) -> int:
+        return len(self._calls) + len(self._findings)
+
+    # --- entries ---
+
+    def _stream(self, e: StreamEnd) -> None:
+        if e.terminal_ids and not e.pending_ids and all((e.at.scope, rid) not in self._calls for rid in e.request_ids):
+            return  # a call answered on its first stream, the common case: no story to keep
+        entry = self._entry(
+            e.at, e.kind, e.token, e.required, reason=e.reason, status=e.status, events=e.events,
+            first_event_id=self._cap(e.first_event_id), last_event_id=self._cap(e.last_event_id),
+            cursor=self._cap(e.cursor), error_frames=e.error_frames, pending=self._caps(e.pending_ids),
+            terminal=self._caps(e.terminal_ids))
+        ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
+        if not ids and e.kind != sc.STREAM_KIND_RESUME:
+            return  # a standalone GET or a DELETE: no call's story
+        for rid in list(ids)[:self.limits.max_items] or [SESSION_LEVEL]:
+            self._add((e.at.scope, rid), entry)
+
+    def _call(self, e: CallEnd) -> None:
+        key = (e.at.scope, e.request_id)
+        if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
+            return  # answered, and nothing was kept about it
+        self._add(key, self._entry(e.at, "call", e.token, e.required, outcome=self._cap(e.outcome)))
+        if e.at.role != sc.ROLE_CLIENT:
+            return
+        if e.sdk_span_id is not None:
+            self._sdk_spans[e.sdk_span_id] = key
+            while len(self._sdk_spans) > self.limits.max_index:
+                self._sdk_spans.popitem(last=False)
+            early = self._early.pop(e.sdk_span_id, None)
+            if early is not None:
+                self._add(key, early)
+        timeline = self._calls.get(key)
+        if e.outcome in _TERMINAL_OUTCOMES and timeline is not None and timeline.refs == 1:
+            self._release(self._calls.pop(key))  # delivered, no finding: nothing left to tell
+
+    def _operation(self, e: Operation) -> None:
+        """The caller's own request span: kept when it gave up or failed, the end the caller saw."""
+        if e.role != sc.ROLE_CLIENT or e.method != "tools/call" or (e.error_type is None and not e.timed_out):
+            return
+        entry = Entry(e.start_ns, e.start_ns + int(e.duration_s * 1e9), e.role, "timeout" if e.timed_out else "error",
+                      e.trace_id, e.span_id, self._cap(e.origin) or "", error_type=self._cap(e.error_type),
+                      duration_s=e.duration_s)
+        key = self._sdk_spans.get(e.span_id)
+        if key is not None:
+            self._add(key, entry)
+            return
+        self._early[e.span_id] = entry
+        while len(self._early) > self.limits.max_index // 10:
+            self._early.popitem(last=False)
+
+    def _entry(self, at: Common, step: str, token: Token, required: tuple[str, ...], **values: Any) -> Entry:
+        return Entry(at.start_ns, at.end_ns, at.role, self._cap(step) or "", at.trace_id[:64], at.span_id[:32],
+                     self._cap(at.origin) or "", audience=self._caps(token.audience),
+                     required=self._caps(required), missing_resources=self._caps(token.missing_resources),
+                     missing_scopes=self._caps(token.missing_scopes), **values)
+
+    def _cap(self, value: str | None) -> str | None:
+        return value[:self.limits.max_chars] if value is not None else None
+
+    def _caps(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(v[:self.limits.max_chars] for v in values[:self.limits.max_items])
+
+    # --- the maps, bounded ---
+
+    def _add(self, key: Key, entry: Entry) -> None:
+        timeline = self._calls.get(key)
+        if timeline is None:
+            timeline = self._calls[key] = Timeline(self.limits.max_entries)
+            timeline.refs = 1
+            self.bytes += timeline.bytes
+        else:
+            self._calls.move_to_end(key)
+        self.bytes += timeline.add(entry)
+
+    def _release(self, timeline: Timeline) -> None:
+        timeline.refs -= 1
+        if timeline.refs == 0:
+            self.bytes -= timeline.bytes
+
+    def _shrink(self) -> None:
+        while self.bytes > self.limits.max_bytes and self._calls:
+            self._release(self._calls.popitem(last=False)[1])
+        while self.bytes > self.limits.max_bytes and self._findings:
+            self._release(self._findings.popitem(last=False)[1])
+            self.evicted += 1
+
+    @staticmethod
+    def _key(finding: Finding) -> Key:
+        scope = finding.session_id or (f"trace:{finding.trace_ids[0]}" if finding.trace_ids else "")
+        return scope, finding.request_id or SESSION_LEVEL

@@ -1,0 +1,140 @@
+"""Per-call timelines: a finding keeps its call's story, and every bound holds (entries, strings, lists, bytes,
+findings)."""
+
+from __future__ import annotations
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, Finding, RuleConfig, Span
+from mcp_stream_exporter.detector.events import lifecycle
+from mcp_stream_exporter.detector.timeline import TimelineLimits, Timelines
+
+from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
+
+C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _incident(session: str = "s1") -> list[Span]:
+    """The incident's spans for request 3 (fetch): POST dropped, a narrowed resume ending clean, the
+    truncated replay, the caller's timeout and its call span."""
+    sdk = sdk_call(C, "fetch", at=0.5, timed_out=True, span_id="00000000000000aa")
+    return [
+        stream(C, "post", "dropped", at=1.0, session=session, pending=("3",), first="4", last="6", events=2),
+        stream(C, "resume", "clean", at=1.2, session=session, pending=("3",), cursor="6", audience=(SEARCH,),
+               missing=(FETCH,)),
+        replay(sc.REPLAY_TRUNCATED, at=1.21, session=session, cursor="6", missing=(FETCH,)),
+        sdk,
+        call(C, sc.OUTCOME_CANCELLED, at=3.0, session=session, parent=sdk.span_id),
+    ]
+
+
+def _run(spans: list[Span], detector: Detector | None = None, after_s: float = 10) -> Detector:
+    clock = Clock()
+    detector = detector or Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    detector.clock = clock
+    for span in spans:
+        detector.consume([span])
+        clock.now += S // 10
+    clock.now += int(after_s * S)
+    detector.tick()
+    return detector
+
+
+def _finding(detector: Detector, rule: str) -> Finding:
+    return next(f for f in detector.findings if f.rule == rule)
+
+
+def test_a_lost_call_s_findings_keep_its_story_from_the_post_to_the_caller_s_timeout():
+    detector = _run(_incident())
+    lost = _finding(detector, "clean_end_pending")
+    timeline = detector.timelines.of(lost)
+    assert timeline is not None
+    steps = [(e.role, e.step) for e in timeline.entries()]
+    assert steps == [(C, "timeout"), (C, "post"), (C, "resume"), (SV, "replay"), (C, "call")]  # by start time
+    post, resume, replay_entry = timeline.entries()[1:4]
+    assert (post.reason, post.first_event_id, post.last_event_id, post.pending) == ("dropped", "4", "6", ("3",))
+    assert (resume.cursor, resume.audience, resume.missing_resources, resume.error_frames) == (
+        "6", (SEARCH,), (FETCH,), 0)
+    assert (replay_entry.decision, replay_entry.buffered, replay_entry.sent) == (sc.REPLAY_TRUNCATED, 4, 0)
+    assert timeline.entries()[0].error_type == "timeout"
+    narrowed = _finding(detector, "narrowed_resume")
+    assert detector.timelines.of(narrowed) is timeline  # one call, one story, shared by its findings
+
+
+def test_the_caller_s_timeout_is_placed_whether_its_span_ends_before_or_after_the_call_span():
+    spans = _incident()
+    sdk, call_span = spans[3], spans[4]
+    for order in ([*spans[:3], sdk, call_span], [*spans[:3], call_span, sdk]):
+        detector = _run(order)
+        timeline = detector.timelines.of(_finding(detector, "clean_end_pending"))
+        assert timeline is not None and "timeout" in [e.step for e in timeline.entries()]
+
+
+def test_a_delivered_call_without_a_finding_leaves_no_timeline_behind():
+    detector = _run([stream(C, "post", "clean", terminal=("3",), first="1", last="2", events=2),
+                     call(C, sc.OUTCOME_RESULT, at=1.1)])
+    assert detector.findings.dump() == [] and len(detector.timelines) == 0 and detector.timelines.bytes == 0
+
+
+def test_a_long_story_keeps_its_first_and_last_steps_and_counts_the_middle():
+    timelines = Timelines(TimelineLimits(max_entries=6))
+    for i in range(50):
+        timelines.record(_event(stream(C, "resume", "clean", at=1 + i, pending=("3",), cursor=str(i))))
+    timelines.attach(_lost())
+    timeline = timelines.of(_lost())
+    assert timeline is not None
+    cursors = [e.cursor for e in timeline.entries()]
+    assert cursors == ["0", "1", "2", "47", "48", "49"] and timeline.omitted == 44
+
+
+def test_strings_and_lists_a_producer_sent_are_cut_to_the_limits():
+    timelines = Timelines(TimelineLimits(max_chars=10, max_items=2))
+    huge = "x" * 10_000
+    timelines.record(_event(stream(C, "resume", "clean", pending=("3",), cursor=huge, audience=(huge,) * 50,
+                                   missing=(huge,) * 50)))
+    timelines.attach(_lost())
+    timeline = timelines.of(_lost())
+    assert timeline is not None
+    (entry,) = timeline.entries()
+    assert entry.cursor == "x" * 10 and entry.audience == ("x" * 10,) * 2 and entry.missing_resources == ("x" * 10,) * 2
+    assert timelines.bytes < 2_000
+
+
+def test_the_byte_budget_holds_and_evicts_unflagged_calls_before_findings_timelines():
+    limits = TimelineLimits(max_bytes=64 * 1024)
+    timelines = Timelines(limits)
+    timelines.record(_event(stream(C, "resume", "clean", session="lost", pending=("3",), cursor="6")))
+    timelines.attach(_lost("lost"))
+    for i in range(5_000):
+        timelines.record(_event(stream(C, "post", "dropped", session=f"s{i}", ids=(str(i),), pending=(str(i),))))
+        assert timelines.bytes <= limits.max_bytes
+    assert timelines.of(_lost("lost")) is not None  # the finding's story outlived 5,000 newer calls
+    assert 0 < len(timelines) < 5_000 and timelines.evicted == 0
+
+
+def test_a_timeline_leaves_with_its_finding():
+    timelines = Timelines(TimelineLimits(max_findings=2))
+    findings = [_lost(f"s{i}") for i in range(3)]
+    for f in findings:
+        timelines.record(_event(stream(C, "resume", "clean", session=f.session_id, pending=("3",), cursor="6")))
+        timelines.attach(f)
+    held = [timelines.of(f) is not None for f in findings]
+    assert held == [False, True, True]
+
+
+def _event(span: Span):
+    event = lifecycle(span)
+    assert event is not None
+    return event
+
+
+def _lost(session: str = "s1") -> Finding:
+    return Finding(id=f"lost-{session}", rule="clean_end_pending", severity="critical", era="resumable", tool="fetch",
+                   session_id=session, request_id="3", detected_ns=200 * S, summary="")
