@@ -34,8 +34,8 @@ def _query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
     return prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).exemplar(True)
 
 
-def _variables(board: dashboard.Dashboard) -> dashboard.Dashboard:
-    """Data source, job and instance, as the dashboard linter expects them."""
+def _variables(board: dashboard.Dashboard, metric: str = "mcp_stream_detector_build_info") -> dashboard.Dashboard:
+    """Data source, job and instance (the targets exporting ``metric``), as the dashboard linter expects them."""
     def query_variable(name: str, query: str) -> dashboard.QueryVariable:
         return (dashboard.QueryVariable(name).label(name).datasource(DATASOURCE).query(query)
                 .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
@@ -44,9 +44,8 @@ def _variables(board: dashboard.Dashboard) -> dashboard.Dashboard:
 
     return (board
             .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
-            .with_variable(query_variable("job", "label_values(mcp_stream_detector_build_info, job)"))
-            .with_variable(query_variable(
-                "instance", 'label_values(mcp_stream_detector_build_info{job=~"$job"}, instance)'))
+            .with_variable(query_variable("job", f"label_values({metric}, job)"))
+            .with_variable(query_variable("instance", f'label_values({metric}{{job=~"$job"}}, instance)'))
             .with_variable(dashboard.TextBoxVariable("detector_url").label("Detector URL")
                            .description("The detector's external URL; the findings links open <url>/ui/.")
                            .default_value(DETECTOR_URL)
@@ -60,10 +59,11 @@ def _findings_link(title: str, query: str = "") -> dashboard.DashboardLink:
             .target_blank(True))
 
 
-def _board(title: str, uid: str, description: str) -> dashboard.Dashboard:
+def _board(title: str, uid: str, description: str,
+           metric: str = "mcp_stream_detector_build_info") -> dashboard.Dashboard:
     return _variables(dashboard.Dashboard(title).uid(uid).description(description).tags(TAGS).readonly()
                       .refresh("30s").time("now-1h", "now").timezone("browser")
-                      .link(_findings_link("Findings")))
+                      .link(_findings_link("Findings")), metric)
 
 
 def _series(title: str, description: str, unit: str, *queries: prometheus.Dataquery,
@@ -216,9 +216,41 @@ def detector() -> dashboard.Dashboard:
                        "{{reason}}"))))
 
 
+def guard() -> dashboard.Dashboard:
+    """The MCP servers' replay guard on Redis: its job and instance are the servers', not the detector's."""
+    return (_board("MCP streams / Replay guard", "mcp-stream-guard",
+                   "The replay guard's shared Redis storage, as each MCP server sees it: errors refuse resumes.",
+                   "mcp_stream_guard_store_operation_seconds_count")
+            .with_row(dashboard.Row("Redis storage"))
+            .with_panel(_series(
+                "Store errors by operation",
+                "Redis operations of the guard that failed, per second. While above zero every resume gets "
+                "event: error store_unavailable and events go unstored: MCPGuardStoreErrors pages after 5 minutes.",
+                "reqps",
+                _query(f"sum by (instance, operation) (rate(mcp_stream_guard_store_errors_total{{{SEL}}}"
+                       "[$__rate_interval]))", "{{instance}} {{operation}}"), span=12))
+            .with_panel(_series(
+                "Store latency", "p50, p95, p99 of the guard's Redis operations: every SSE event waits for one "
+                "(append) and every resume for three (get, after, requirement).",
+                "s", *_quantiles("mcp_stream_guard_store_operation_seconds", ""), span=12))
+            .with_panel(_series(
+                "Store operations by operation", "Redis operations per second, by operation.", "reqps",
+                _query(f"sum by (operation) (rate(mcp_stream_guard_store_operation_seconds_count{{{SEL}}}"
+                       "[$__rate_interval]))", "{{operation}}"), span=12))
+            .with_panel(_series(
+                "Store evictions",
+                "Events and requirements dropped per second by the per-session caps or for sessions not open; "
+                "resumes from them are refused. Raise max_events_per_session or max_calls_per_session if honest "
+                "sessions reach them.",
+                "reqps",
+                _query(f"sum by (instance) (rate(mcp_stream_guard_store_evictions_total{{{SEL}}}[$__rate_interval]))",
+                       "{{instance}}"), span=12)))
+
+
 DASHBOARDS: dict[str, Callable[[], dashboard.Dashboard]] = {
     "mcp-stream-overview.json": overview,
     "mcp-stream-detector.json": detector,
+    "mcp-stream-guard.json": guard,
 }
 
 
