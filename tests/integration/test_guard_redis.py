@@ -17,6 +17,7 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from prometheus_client import REGISTRY
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
@@ -111,6 +112,11 @@ async def dropped_fetch(lab: Incident, steps: int) -> None:
     lab.proxy.arm(b"fetch step 1", on_cut=lambda: setattr(lab.proxy, "upstream_port", DEAD_PORT))
     with pytest.raises(MCPError):
         await lab.call("fetch", {"url": "u", "steps": steps}, timeout=10)
+
+
+def _store_errors() -> float:
+    return sum(REGISTRY.get_sample_value("mcp_stream_guard_store_errors_total", {"operation": op}) or 0.0
+               for op in ("get", "after", "requirement", "append", "require", "open", "is_open"))
 
 
 async def until(condition: Any, what: str, timeout_s: float = 10) -> None:
@@ -210,12 +216,14 @@ async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_sti
         async with client(issuer, proxy) as lab:
             await dropped_fetch(lab, steps=3)
             cursor = last_event_before_the_drop()
+            errors_before = _store_errors()
             redis_server.stop()
             proxy.upstream_port = a.port
             with pytest.raises(MCPError) as refused:
                 await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
             assert refused.value.code == RESUME_REFUSED
             assert Refusal.from_data(refused.value.data).error == "store_unavailable"
+            assert _store_errors() > errors_before  # what MCPGuardStoreErrors pages on
             async with client(issuer, proxy) as fresh:  # a new session while Redis is down
                 searched = await fresh.call("search", {"query": "q", "steps": 2}, timeout=15)
             assert "search results" in searched.content[0].text
