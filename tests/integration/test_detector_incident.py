@@ -13,7 +13,7 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 
-from harness import Clock, after_grace, detector, incident, play_incident, spans
+from harness import Clock, after_grace, detector, incident, ours, play_incident, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -124,5 +124,44 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
             lab.proxy.arm(b"fetch step 1")
             with pytest.raises(MCPError):
                 await lab.call("fetch", {"url": "u", "steps": 4})
-            await lab.call("fetch", {"url": "u", "steps": 1})  # re-issued, as the 2026-07-28 spec requires
+            await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
+        assert after_grace(found, clock) == []
+
+
+async def test_another_call_of_the_same_tool_right_after_the_break_is_not_the_reissue():
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+            await lab.call("fetch", {"url": "another", "steps": 0})  # same tool, other arguments: another call
+        (finding,) = after_grace(found, clock)
+    assert (finding.rule, finding.tool) == ("not_reissued", "fetch")
+    calls = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
+    (broken,) = calls  # the other call was healthy: no span of ours
+    assert broken.attributes[sc.CALL_ARGUMENTS_HASH]  # a salted hash: the arguments themselves are nowhere
+    assert not any(v in ("u", "another") for s in spans() for v in (s.attributes or {}).values())
+
+
+async def test_a_result_stored_after_the_post_dropped_and_never_resumed_before_the_timeout_is_a_loss():
+    with detector() as (found, clock):
+        async with incident("legacy", retry_interval=30_000) as lab:  # the SDK's resume would come after the timeout
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 2}, timeout=1.5)
+        findings = _by_rule(after_grace(found, clock))
+    (lost,) = findings["stored_not_delivered"]
+    assert (lost.tool, lost.severity, lost.evidence["timed_out"]) == ("fetch", "critical", True)
+    assert lost.evidence["stored_event_id"]
+    assert set(findings) == {"stored_not_delivered", "timeout_attributed"}
+    assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                           {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
+
+
+async def test_a_result_stored_after_the_post_dropped_and_delivered_by_the_resume_is_no_finding():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            lab.proxy.arm(b"fetch step 1")
+            result = await lab.call("fetch", {"url": "u", "steps": 2})
+        assert result.content[0].text == "contents of u"
         assert after_grace(found, clock) == []

@@ -8,6 +8,8 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -21,13 +23,23 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, era_of, stream_kind
+from mcp_stream_exporter.hooks._tracking import (
+    Call,
+    DeviationTracer,
+    SdkSpans,
+    Stream,
+    Tracker,
+    era_of,
+    known_missing,
+    stream_kind,
+)
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
 
 _REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
+_FINGERPRINT_CHARS = 16
 
 
 class ClientInstrumentation:
@@ -45,8 +57,7 @@ class ClientInstrumentation:
         self.policy = policy
         self.resolve_error_frames = resolve_error_frames
         self.tokens = token_reader or TokenReader()
-        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, tracer_provider=tracer_provider)
-        self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
+        self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
 
@@ -64,8 +75,10 @@ class ClientInstrumentation:
                 self._protocol_version = msg.protocol_version
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
+                # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
+                fingerprint = _fingerprint(self.tokens.subject_salt, msg.tool, msg.arguments) if stateless else None
                 call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
-                                               start_time=start)
+                                               start_time=start, fingerprint=fingerprint)
                 if self._sdk_spans is not None:
                     call.sdk_span = self._sdk_spans.get(msg.traceparent)
                 self._annotate_requirement(call, msg.tool, view)
@@ -78,7 +91,7 @@ class ClientInstrumentation:
         requirement = self.policy.requirement(tool) if self.policy is not None else None
         if requirement is None:
             return
-        missing = view.missing(requirement)
+        missing = known_missing(view, requirement)
         call.require(requirement, missing)
         if missing[0] or missing[1]:
             self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
@@ -194,6 +207,14 @@ class _TapStream(httpx2.AsyncByteStream):
     async def aclose(self) -> None:
         self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
         await self._inner.aclose()
+
+
+def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
+    """Which call this is, for matching a re-issue to the call it repeats: a salted hash of the tool
+    and its canonical arguments (sorted keys, no whitespace), never the arguments themselves."""
+    canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    digest = hmac.new(salt, f"{tool}\x00{canonical}".encode(), hashlib.sha256)
+    return digest.hexdigest()[:_FINGERPRINT_CHARS]
 
 
 def _refused(request_id: str, data: str) -> bytes:
