@@ -1,4 +1,4 @@
-"""The rules: the detector's vocabulary (DESIGN.md section 5, docs/rules.md), applied to the ledger.
+"""The rules: the detector's vocabulary (docs/rules.md), applied to the ledger.
 
 Each rule has a stable id, a severity, the eras it applies to, and the evidence it records. The
 engine updates the ledger from each lifecycle event and emits a :class:`Finding` when a rule holds;

@@ -266,8 +266,9 @@ def instrument_client(
     Without ``client``, builds one with the MCP SDK's default timeouts (``client_options`` go to
     ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
     touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
-    ``resolve_error_frames`` (leg 3): a pending call whose stream brings an ``event: error`` frame
-    is failed at once with ``resume.RESUME_REFUSED`` instead of reconnecting until its timeout.
+    ``resolve_error_frames`` (part 3 of the resume invariant, docs/span-model.md): a pending call whose
+    stream brings an ``event: error`` frame is failed at once with ``resume.RESUME_REFUSED`` instead of
+    reconnecting until its timeout.
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   resolve_error_frames=resolve_error_frames)
