@@ -287,10 +287,11 @@ class RuleEngine:
             return
         if call.clean_since is not None and not call.finding("clean_end_pending"):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
-            self._check_clean_end(call, now_ns)
-            if not call.finding("clean_end_pending"):
-                self.ledger.schedule(call.clean_since + _ns(self.config.clean_end_grace_s), _STORED, call)
+            due = call.clean_since + _ns(self.config.clean_end_grace_s)
+            if now_ns < due:
+                self.ledger.schedule(due, _STORED, call)
                 return
+            self._check_clean_end(call, now_ns)
         self._emit("stored_not_delivered", call, None, call.request_id, now_ns, {
             "stored_at": call.stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
