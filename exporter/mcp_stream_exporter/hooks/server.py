@@ -421,7 +421,7 @@ class _ObservedEventStore(EventStore):
                     foreign.append(event.event_id)
             await send_callback(event)
 
-        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER, sc.ERA: sc.ERA_RESUMABLE,
                                             sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
         if session_id is not None:
             attrs[sc.MCP_SESSION_ID] = session_id
