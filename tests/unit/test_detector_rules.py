@@ -290,3 +290,11 @@ def test_grace_timers_of_evicted_calls_do_not_pile_up():
     detector.consume([stream(C, "resume", "clean", pending=("1",), cursor="6", session=f"s{i}") for i in range(20_000)])
     assert detector.ledger.sessions == 100
     assert len(detector.ledger.dump()["timers"]) <= 2048
+
+
+def test_every_loss_rule_is_exported_at_zero_before_any_span_so_its_first_loss_pages():
+    registry = Detector(DetectorConfig(tools=("fetch",))).registry
+    for rule in ("stored_not_delivered", "clean_end_pending", "not_reissued"):
+        assert registry.get_sample_value("mcp_stream_silent_losses_total", {"tool": "fetch", "rule": rule}) == 0.0
+        assert registry.get_sample_value("mcp_stream_findings_total",
+                                         {"rule": rule, "severity": "critical", "tool": "fetch"}) == 0.0
