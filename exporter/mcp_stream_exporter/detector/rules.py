@@ -110,9 +110,9 @@ class RuleEngine:
                     "stream_kind": e.kind, "wire_ids": foreign, "stream_request_ids": list(e.request_ids),
                     "event_ids": _event_ids(e)})
         if e.request_ids and at.era == sc.ERA_RESUMABLE:
-            for event_id in {e.cursor, e.last_event_id} - {None}:
-                assert event_id is not None
-                session.note_cursor(event_id, e.request_ids)
+            for event_id in (e.cursor, e.last_event_id):
+                if event_id is not None:
+                    session.note_cursor(event_id, e.request_ids)
         progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
         if progressed:
             for call in calls.values():

@@ -37,7 +37,7 @@ CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _STATELESS_FROM = "2026-07-28"
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
-_UNKNOWN_AUDIENCE = frozenset({"opaque", "absent"})  # no claims to read: the audience is unknown, not empty
+_UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 
 
 class DeviationTracer:
