@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from opentelemetry import trace
@@ -208,12 +208,12 @@ NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("auth", "decision", "done", "fingerprint", "key", "method", "missing", "open_streams",
+    __slots__ = ("_fingerprint", "_identify", "auth", "decision", "done", "key", "method", "missing", "open_streams",
                  "protocol_version", "requirement", "role", "sdk_span", "stateless", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
-                 traceparent: str | None = None, fingerprint: str | None = None) -> None:
+                 traceparent: str | None = None, identify: Callable[[], str] | None = None) -> None:
         super().__init__(SpanKind.INTERNAL, start_time, traceparent)
         self.key = key
         self.tool = tool
@@ -228,8 +228,16 @@ class Call(_Deferred):
         self.streams = 0
         self.open_streams = 0  # streams carrying it that have not ended
         self.done = False
-        self.fingerprint = fingerprint  # client: salted hash of the tool and its canonical arguments
+        self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
+        self._fingerprint: str | None = None
         self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+
+    @property
+    def fingerprint(self) -> str | None:
+        """Salted hash of the tool and its canonical arguments: which call this is, for matching a re-issue."""
+        if self._fingerprint is None and self._identify is not None:
+            self._fingerprint, self._identify = self._identify(), None
+        return self._fingerprint
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
                 decision: str | None = None) -> None:
@@ -254,8 +262,9 @@ class Call(_Deferred):
             attrs[sc.MCP_SESSION_ID] = session_id
         if self.protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = self.protocol_version
-        if self.fingerprint is not None:
-            attrs[sc.CALL_ARGUMENTS_HASH] = self.fingerprint
+        fingerprint = self.fingerprint
+        if fingerprint is not None:
+            attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
         attrs.update(self._policy_attributes())
         name = f"MCP call {self.method} {self.tool}" if self.tool else f"MCP call {self.method}"
         return name, attrs
@@ -404,14 +413,16 @@ class Tracker:
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
                    auth: AuthView, *, stateless: bool, start_time: int | None = None,
-                   fingerprint: str | None = None) -> Call:
+                   identify: Callable[[], str] | None = None) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's.
 
         A stateless call with the fingerprint of one whose stream broke is its re-issue: a deviation,
-        so it gets a span however it ends, and the detector sees the loss answered (not_reissued)."""
+        so it gets a span however it ends, and the detector sees the loss answered (not_reissued).
+        ``identify`` computes the fingerprint: only when a call has broken, or this one gets a span."""
         assert msg.id is not None
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
-                    start_time=start_time, traceparent=msg.traceparent, fingerprint=fingerprint)
+                    start_time=start_time, traceparent=msg.traceparent, identify=identify)
+        fingerprint = call.fingerprint if self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]
             self.span_of(call)
@@ -443,8 +454,9 @@ class Tracker:
         call.done = True
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
-        if outcome == sc.OUTCOME_NO_TERMINAL and call.fingerprint is not None:
-            self._broken[call.fingerprint] = None
+        fingerprint = call.fingerprint if outcome == sc.OUTCOME_NO_TERMINAL else None
+        if fingerprint is not None:
+            self._broken[fingerprint] = None
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
         if call.closed:  # its span ended when its result was stored (``stored``)

@@ -8,6 +8,7 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -76,9 +77,10 @@ class ClientInstrumentation:
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
                 # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
-                fingerprint = _fingerprint(self.tokens.subject_salt, msg.tool, msg.arguments) if stateless else None
+                identify = (functools.partial(_fingerprint, self.tokens.subject_salt, msg.tool, msg.arguments)
+                            if stateless else None)
                 call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
-                                               start_time=start, fingerprint=fingerprint)
+                                               start_time=start, identify=identify)
                 if self._sdk_spans is not None:
                     call.sdk_span = self._sdk_spans.get(msg.traceparent)
                 self._annotate_requirement(call, msg.tool, view)
