@@ -1,4 +1,4 @@
-"""The incident's server (incident.md, "What Was Observed"), on the real SDK.
+"""The incident's server (docs/span-model.md, "Example: the incident"), on the real SDK.
 
 Two tools, ``search`` and ``fetch``, each requiring its own resource indicator, and the replay store
 the incident describes: the SDK example's per-stream store plus a per-event audience check that, at
