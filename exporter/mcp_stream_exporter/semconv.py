@@ -88,6 +88,7 @@ OUTCOME_EVICTED: Final = "evicted"  # dropped from the bounded tracker while sti
 TERMINAL_EVENT_ID: Final = "mcp_stream.terminal.event_id"
 TERMINAL_STREAM_KIND: Final = "mcp_stream.terminal.stream_kind"
 CALL_STREAMS: Final = "mcp_stream.call.streams"
+CALL_ARGUMENTS_HASH: Final = "mcp_stream.call.arguments_hash"  # client: salted hash of the tool and its arguments
 REQUIRED_RESOURCES: Final = "mcp_stream.required.resources"
 REQUIRED_SCOPES: Final = "mcp_stream.required.scopes"
 POLICY_DECISION: Final = "mcp_stream.policy.decision"  # allowed | refused | unknown_tool
@@ -117,6 +118,8 @@ AUTH_SCOPES: Final = "mcp_stream.auth.scopes"
 AUTH_SUBJECT_HASH: Final = "mcp_stream.auth.subject_hash"
 AUTH_FINGERPRINT: Final = "mcp_stream.auth.fingerprint"
 AUTH_VERIFICATION: Final = "mcp_stream.auth.verification"
+VERIFICATION_OPAQUE: Final = "opaque"  # not a JWT: its audience is unknown
+VERIFICATION_ABSENT: Final = "absent"  # no bearer token
 AUTH_MISSING_RESOURCES: Final = "mcp_stream.auth.missing_resources"
 AUTH_MISSING_SCOPES: Final = "mcp_stream.auth.missing_scopes"
 

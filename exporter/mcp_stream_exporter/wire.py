@@ -28,6 +28,7 @@ class WireMessage(NamedTuple):
     traceparent: str | None = None  # params._meta.traceparent of a request
     cancelled_id: str | None = None  # params.requestId of notifications/cancelled
     protocol_version: str | None = None  # params.protocolVersion of initialize / its result
+    arguments: Any = None  # params.arguments of a tools/call, as parsed: for a fingerprint, never kept
 
     @property
     def is_terminal(self) -> bool:
@@ -65,6 +66,7 @@ def _classify(obj: Any) -> WireMessage:
                 tool=name if isinstance(name, str) else None,
                 traceparent=tp if isinstance(tp, str) else None,
                 protocol_version=pv if isinstance(pv, str) else None,
+                arguments=params.get("arguments") if method == TOOLS_CALL else None,
             )
         return WireMessage(
             sc.FRAME_NOTIFICATION,

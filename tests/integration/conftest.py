@@ -25,4 +25,5 @@ def no_raw_token_leaves_the_process(caplog):
                      + [json.dumps([d.ledger.dump(), d.findings.dump()]) for d in DETECTORS_USED])
     for token in TOKENS_USED:
         assert token not in blob
-        assert token.split(".")[2] not in blob  # not even the signature alone
+        if token.count(".") == 2:  # a JWT: not even its signature alone
+            assert token.split(".")[2] not in blob

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import DEFAULT_ON, Sampler, SamplingResult
 
 from mcp_stream_exporter import lab
 from mcp_stream_exporter import semconv as sc
@@ -33,12 +34,40 @@ TOKENS_USED: list[str] = []  # every bearer a scenario minted; conftest checks n
 DETECTORS_USED: list[Detector] = []  # every detector a scenario fed; conftest checks their outputs too
 
 
+class ApplicationSampler(Sampler):
+    """The application's sampler on the global provider (made once per run), which a test may set:
+    the SDK's own spans are sampled by it, as in production."""
+
+    def __init__(self) -> None:
+        self.current: Sampler = DEFAULT_ON
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return self.current.should_sample(*args, **kwargs)
+
+    def get_description(self) -> str:
+        return self.current.get_description()
+
+
+SAMPLER = ApplicationSampler()
+
+
+@contextlib.contextmanager
+def sampled_by(sampler: Sampler) -> Iterator[None]:
+    """Run the scenarios inside with the application's tracer provider sampling by ``sampler``."""
+    span_exporter()
+    SAMPLER.current = sampler
+    try:
+        yield
+    finally:
+        SAMPLER.current = DEFAULT_ON
+
+
 def span_exporter() -> InMemorySpanExporter:
     """One global provider for the whole run (OTel allows one), so the SDK's own spans are real too."""
     global _EXPORTER
     if _EXPORTER is None:
         _EXPORTER = InMemorySpanExporter()
-        provider = TracerProvider()
+        provider = TracerProvider(sampler=SAMPLER)
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
         provider.add_span_processor(_Forward())
         trace.set_tracer_provider(provider)

@@ -13,7 +13,7 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 
-from harness import Clock, after_grace, detector, incident, play_incident, spans
+from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -124,5 +124,78 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
             lab.proxy.arm(b"fetch step 1")
             with pytest.raises(MCPError):
                 await lab.call("fetch", {"url": "u", "steps": 4})
-            await lab.call("fetch", {"url": "u", "steps": 1})  # re-issued, as the 2026-07-28 spec requires
+            await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
         assert after_grace(found, clock) == []
+
+
+async def test_another_call_of_the_same_tool_right_after_the_break_is_not_the_reissue():
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+            await lab.call("fetch", {"url": "another", "steps": 0})  # same tool, other arguments: another call
+        (finding,) = after_grace(found, clock)
+    assert (finding.rule, finding.tool) == ("not_reissued", "fetch")
+    calls = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
+    (broken,) = calls  # the other call was healthy: no span of ours
+    assert broken.attributes[sc.CALL_ARGUMENTS_HASH]  # a salted hash: the arguments themselves are nowhere
+    assert not any(v in ("u", "another") for s in spans() for v in (s.attributes or {}).values())
+
+
+async def test_a_result_stored_after_the_post_dropped_and_never_resumed_before_the_timeout_is_a_loss():
+    with detector() as (found, clock):
+        async with incident("legacy", retry_interval=30_000) as lab:  # the SDK's resume would come after the timeout
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 2}, timeout=1.5)
+        findings = _by_rule(after_grace(found, clock))
+    (lost,) = findings["stored_not_delivered"]
+    assert (lost.tool, lost.severity, lost.evidence["timed_out"]) == ("fetch", "critical", True)
+    assert lost.evidence["stored_event_id"]
+    assert set(findings) == {"stored_not_delivered", "timeout_attributed"}
+    assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                           {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
+
+
+async def test_a_result_stored_after_the_post_dropped_and_delivered_by_the_resume_is_no_finding():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            lab.proxy.arm(b"fetch step 1")
+            result = await lab.call("fetch", {"url": "u", "steps": 2})
+        assert result.content[0].text == "contents of u"
+        assert after_grace(found, clock) == []
+
+
+async def test_resumes_the_sdk_goes_on_making_after_the_caller_timed_out_stay_on_the_calls_one_resume_loop():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            await play_incident(lab)
+
+            def orphans() -> list[object]:  # resumes after the cancel: the hooks no longer tie them to the call
+                return [s for s in ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="resume")
+                        if sc.STREAM_REQUEST_IDS not in (s.attributes or {})]
+
+            for _ in range(100):  # bounded: the SDK resumes every 200 ms
+                if len(orphans()) >= 5:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(orphans()) >= 5
+        findings = _by_rule(after_grace(found, clock))
+    (loop,) = findings["resume_loop"]
+    assert loop.request_id is not None and loop.tool == "fetch"
+
+
+async def test_an_opaque_token_on_a_resume_that_delivered_the_result_is_no_narrowed_resume():
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            lab.auth.token = lab.issuer.opaque([SEARCH_RESOURCE, FETCH_RESOURCE])
+            TOKENS_USED.append(lab.auth.token)
+            lab.proxy.arm(b"fetch step 1")
+            result = await lab.call("fetch", {"url": "u", "steps": 2})
+        assert result.content[0].text == "contents of u"
+        assert after_grace(found, clock) == []
+    (resume, *_) = ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="resume")
+    assert resume.attributes[sc.AUTH_VERIFICATION] == sc.VERIFICATION_OPAQUE
+    assert sc.AUTH_AUDIENCE not in resume.attributes  # unknown, not empty
+    assert sc.AUTH_MISSING_RESOURCES not in resume.attributes

@@ -52,3 +52,25 @@ def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_c
     wire = render(SSEFrame(data["data"], event=data["event"]))
     (frame,) = SSEParser().feed(_rewrite_refusal(wire))
     assert (frame.event, frame.id) == ("error", None)
+
+
+def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer_exports_where_it_does():
+    """hooks._tracking.DeviationTracer builds a provider with an always-on sampler around the
+    application provider's ``_active_span_processor``: our spans go to the same exporters whatever
+    the application's sampler."""
+    from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from mcp_stream_exporter.hooks._tracking import DeviationTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    assert isinstance(provider._active_span_processor, SynchronousMultiSpanProcessor)
+    assert "active_span_processor" in inspect.signature(TracerProvider).parameters
+    provider.add_span_processor(SimpleSpanProcessor(exporter))  # added after: still shared
+    tracer = DeviationTracer(provider)
+    provider.get_tracer("app").start_span("the application's, sampled out").end()
+    tracer.start_span("ours").end()
+    assert [s.name for s in exporter.get_finished_spans()] == ["ours"]

@@ -41,22 +41,30 @@ def stream(role: str, kind: str, reason: str, *, at: float = 1.0, session: str |
 
 def call(role: str, outcome: str, *, at: float = 1.0, session: str | None = "s1", request_id: str = "3",
          tool: str = "fetch", era: str = sc.ERA_RESUMABLE, parent: str | None = None, trace: str = "t1",
-         origin: str = "client-app") -> Span:
+         origin: str = "client-app", fingerprint: str | None = None, stream_kind: str | None = "post",
+         terminal_event_id: str | None = None) -> Span:
+    """``stream_kind`` is where a terminal outcome was delivered; None on a server span ended at storage."""
+    terminal = outcome in (sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR)
     return _span(f"MCP call tools/call {tool}", KIND_INTERNAL, {
         sc.SPAN: sc.SPAN_CALL, sc.ROLE: role, sc.ERA: era, sc.MCP_SESSION_ID: session,
         sc.JSONRPC_REQUEST_ID: request_id, sc.GEN_AI_TOOL_NAME: tool, sc.CALL_OUTCOME: outcome,
-        sc.REQUIRED_RESOURCES: (FETCH,) if tool == "fetch" else (SEARCH,),
+        sc.REQUIRED_RESOURCES: (FETCH,) if tool == "fetch" else (SEARCH,), sc.CALL_ARGUMENTS_HASH: fingerprint,
+        sc.TERMINAL_STREAM_KIND: stream_kind if terminal else None, sc.TERMINAL_EVENT_ID: terminal_event_id,
     }, at, trace=trace, parent=parent, origin=origin)
 
 
 def replay(decision: str, *, at: float = 1.0, session: str = "s1", request_id: str | None = "3", cursor: str = "6",
            buffered: int = 4, sent: int = 0, skipped: int = 0, missing: tuple[str, ...] = (),
-           foreign: tuple[str, ...] = (), guard: str | None = None, offending: str | None = "8") -> Span:
+           foreign: tuple[str, ...] = (), guard: str | None = None, offending: str | None = "8",
+           audience: tuple[str, ...] | None = None, verification: str | None = None) -> Span:
+    """The resuming token's audience defaults to what the call requires (``missing`` empty) or to search only."""
+    held = audience if audience is not None else (SEARCH,) if missing else (FETCH, SEARCH)
     return _span("MCP replay", KIND_INTERNAL, {
         sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER, sc.MCP_SESSION_ID: session, sc.RESUME_CURSOR: cursor,
         sc.JSONRPC_REQUEST_ID: request_id, sc.REPLAY_DECISION: decision, sc.REPLAY_BUFFERED: buffered,
         sc.REPLAY_SENT: sent, sc.REPLAY_SKIPPED: skipped or None, sc.REPLAY_FOREIGN_EVENT_IDS: foreign or None,
-        sc.AUTH_AUDIENCE: (SEARCH,), sc.AUTH_MISSING_RESOURCES: missing or None, sc.GUARD_DECISION: guard,
+        sc.AUTH_AUDIENCE: held, sc.AUTH_MISSING_RESOURCES: missing or None, sc.AUTH_VERIFICATION: verification,
+        sc.GUARD_DECISION: guard,
         sc.REPLAY_OFFENDING_EVENT_ID: offending if decision == sc.REPLAY_TRUNCATED else None,
         sc.REQUIRED_RESOURCES: (FETCH,),
     }, at)

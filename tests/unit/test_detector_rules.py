@@ -159,12 +159,96 @@ def test_timeout_attributed_also_from_the_sdks_own_span_timing_out():
     assert "timeout_attributed" in rules(run(spans))
 
 
+def _broken_stateless_call(fingerprint: str = "f00d") -> list[Span]:
+    return [stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS),
+            call(C, sc.OUTCOME_NO_TERMINAL, session=None, era=sc.ERA_STATELESS, fingerprint=fingerprint)]
+
+
 def test_not_reissued_fires_when_a_broken_stateless_call_is_not_sent_again():
-    broken = stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS)
-    (finding,) = run([broken], after_s=6).findings
+    (finding,) = run(_broken_stateless_call(), after_s=6).findings
     assert (finding.rule, finding.era, finding.session_id) == ("not_reissued", sc.ERA_STATELESS, None)
-    reissued = sdk_call(C, "fetch", at=2.0, request_id="4")
-    assert rules(run([broken, reissued], after_s=6)) == []
+    reissued = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                    fingerprint="f00d", trace="t2")
+    assert rules(run([*_broken_stateless_call(), reissued], after_s=6)) == []
+
+
+def test_not_reissued_is_not_hidden_by_another_call_of_the_same_tool_or_by_the_sdks_span():
+    other_arguments = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                           fingerprint="beef", trace="t2")
+    sdk_span_only = sdk_call(C, "fetch", at=2.0, request_id="4")  # a sampler may drop it: never the re-issue
+    for later in (other_arguments, sdk_span_only):
+        assert rules(run([*_broken_stateless_call(), later], after_s=6)) == ["not_reissued"]
+
+
+def test_not_reissued_needs_the_reissue_from_the_same_client_process():
+    elsewhere = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                     fingerprint="f00d", trace="t2", origin="another-client")
+    assert rules(run([*_broken_stateless_call(), elsewhere], after_s=6)) == ["not_reissued"]
+
+
+def _stored_with_no_stream(at: float = 1.0) -> list[Span]:
+    """The POST dropped before the result; the server stored it with no stream open to carry it."""
+    return [stream(C, "post", "dropped", pending=("3",), last="6"), stream(SV, "post", "dropped", pending=("3",)),
+            call(SV, sc.OUTCOME_RESULT, at=at, stream_kind=None, terminal_event_id="15")]
+
+
+def test_stored_not_delivered_fires_when_a_stored_result_never_reaches_the_client_and_pages_as_a_loss():
+    spans = [*_stored_with_no_stream(), call(C, sc.OUTCOME_CANCELLED, at=3.0)]  # no resume before the timeout
+    assert rules(run(spans, after_s=1)) == []
+    detector = run(spans, after_s=6)
+    by_rule = {f.rule: f for f in detector.findings}
+    assert set(by_rule) == {"stored_not_delivered", "timeout_attributed"}
+    lost = by_rule["stored_not_delivered"]
+    assert (lost.request_id, lost.severity, lost.evidence["stored_event_id"]) == ("3", "critical", "15")
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
+
+
+def test_stored_not_delivered_is_silent_when_a_resume_delivers_the_stored_result():
+    delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15")
+    assert rules(run([*_stored_with_no_stream(), delivered], after_s=60)) == []
+    server_sent = call(SV, sc.OUTCOME_RESULT, stream_kind="post")  # the server sent it on its live stream
+    assert rules(run([stream(SV, "post", "dropped", pending=("3",)), server_sent], after_s=60)) == []
+
+
+def test_a_stored_result_lost_behind_a_clean_empty_resume_is_one_finding_not_two():
+    empty_resume = stream(C, "resume", "clean", pending=("3",), cursor="6")
+    drop, server_drop, stored = _stored_with_no_stream()
+    for spans in ([drop, server_drop, stored, empty_resume], [drop, server_drop, empty_resume, stored]):
+        detector = run(spans, after_s=60)
+        (finding,) = detector.findings
+        assert finding.rule in ("clean_end_pending", "stored_not_delivered")
+        assert finding.evidence["also"] == [({"clean_end_pending", "stored_not_delivered"} - {finding.rule}).pop()]
+        losses = sum(detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                                        {"tool": "fetch", "rule": rule}) or 0
+                     for rule in ("clean_end_pending", "stored_not_delivered"))
+        assert losses == 1.0
+
+
+def test_resumes_that_go_on_after_the_caller_gave_up_stay_on_the_calls_one_resume_loop_finding():
+    before = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 1.2, 1.4)]
+    after = [stream(C, "resume", "clean", ids=(), cursor="6", at=t) for t in (1.6, 1.8, 2.0)]  # the hooks dropped it
+    detector = run([stream(C, "post", "dropped", pending=("3",), last="6"), *before,
+                    call(C, sc.OUTCOME_CANCELLED, at=1.5), *after])
+    loops = [f for f in detector.findings if f.rule == "resume_loop"]
+    assert [f.request_id for f in loops] == ["3"]
+    only_after = run([stream(C, "post", "dropped", pending=("3",), last="6"), call(C, sc.OUTCOME_CANCELLED), *after])
+    assert [f.request_id for f in only_after.findings if f.rule == "resume_loop"] == ["3"]
+
+
+def test_an_opaque_token_has_an_unknown_audience_not_an_empty_one():
+    complete = replay(sc.REPLAY_COMPLETE, sent=4, audience=(), verification=sc.VERIFICATION_OPAQUE)
+    assert rules(run([complete])) == []
+    resume = stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(), missing=(FETCH,))
+    unknown = Span(**{**{f: getattr(resume, f) for f in resume.__slots__}, "attributes": {
+        **resume.attributes, sc.AUTH_VERIFICATION: sc.VERIFICATION_OPAQUE}})  # type: ignore[arg-type]
+    assert "narrowed_resume" not in rules(run([unknown], after_s=1))
+
+
+def test_the_audience_gap_is_computed_from_audience_and_required_when_a_producer_omits_missing():
+    (finding,) = run([replay(sc.REPLAY_COMPLETE, sent=4, audience=(SEARCH,))]).findings
+    assert (finding.rule, finding.evidence["missing_resources"]) == ("narrowed_resume", [FETCH])
+    assert rules(run([replay(sc.REPLAY_COMPLETE, sent=4, audience=(FETCH + "/",))])) == []  # canonical forms
 
 
 def test_a_healthy_call_leaves_nothing_in_the_ledger():
@@ -206,3 +290,11 @@ def test_grace_timers_of_evicted_calls_do_not_pile_up():
     detector.consume([stream(C, "resume", "clean", pending=("1",), cursor="6", session=f"s{i}") for i in range(20_000)])
     assert detector.ledger.sessions == 100
     assert len(detector.ledger.dump()["timers"]) <= 2048
+
+
+def test_every_loss_rule_is_exported_at_zero_before_any_span_so_its_first_loss_pages():
+    registry = Detector(DetectorConfig(tools=("fetch",))).registry
+    for rule in ("stored_not_delivered", "clean_end_pending", "not_reissued"):
+        assert registry.get_sample_value("mcp_stream_silent_losses_total", {"tool": "fetch", "rule": rule}) == 0.0
+        assert registry.get_sample_value("mcp_stream_findings_total",
+                                         {"rule": rule, "severity": "critical", "tool": "fetch"}) == 0.0

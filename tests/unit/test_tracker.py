@@ -109,3 +109,45 @@ def test_a_post_that_delivers_its_calls_terminal_emits_no_span():
     tracker.end_stream(stream, sc.END_CLOSED, 200)
     assert exporter.get_finished_spans() == ()
     assert call.done
+
+
+def test_a_result_stored_with_no_stream_open_ends_the_call_span_then_and_a_resume_still_carries_the_call():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.stored(call, "e0", sc.OUTCOME_RESULT)  # its POST is open: the POST will carry it
+    assert _by(exporter, sc.SPAN_CALL) == []
+    tracker.end_stream(post, sc.END_DROPPED)
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT)  # nothing open carries it now
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert (span.attributes[sc.CALL_OUTCOME], span.attributes[sc.TERMINAL_EVENT_ID]) == (sc.OUTCOME_RESULT, "e2")
+    assert sc.TERMINAL_STREAM_KIND not in span.attributes
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    tracker.end_stream(resume, sc.END_CLEAN)
+    assert call.done and len(_by(exporter, sc.SPAN_CALL)) == 1  # its span is not touched again
+    (resumed,) = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes.get(sc.TERMINAL_REQUEST_IDS)]
+    assert resumed.attributes[sc.TERMINAL_REQUEST_IDS] == ("1",)
+
+
+def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_call_does_not():
+    tracker, exporter = _tracker()
+    computed: list[str] = []
+
+    def identify(fingerprint: str):
+        def compute() -> str:
+            computed.append(fingerprint)
+            return fingerprint
+        return compute
+
+    healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True, identify=identify("a"))
+    assert computed == []  # nothing broke: no fingerprint is computed on the healthy path
+    tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, [healthy], {}, ABSENT, 200), sc.END_DROPPED)
+    other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True, identify=identify("b"))
+    reissue = tracker.start_call(None, _request(3), "2026-07-28", ABSENT, stateless=True, identify=identify("a"))
+    (broken,) = _by(exporter, sc.SPAN_CALL)
+    assert broken.attributes[sc.CALL_ARGUMENTS_HASH] == "a"
+    assert other.span is None  # same tool, other arguments: not the re-issue, still on the healthy path
+    assert reissue.span is not None  # the re-issue: a span of ours, whatever becomes of it
+    assert computed == ["a", "b", "a"]

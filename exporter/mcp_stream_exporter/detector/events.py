@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import canonical_resources
 
 KIND_CLIENT = "client"
 KIND_SERVER = "server"
@@ -19,6 +20,7 @@ KIND_INTERNAL = "internal"
 
 _SDK_CLIENT_PREFIX = "MCP send "
 _TIMEOUT_CODES = frozenset({"-32001"})  # the SDK's "Request timed out"
+_UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,7 +51,11 @@ class Rejected(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class Token:
-    """The ``mcp_stream.auth.*`` view of the token on a request, as the span carries it."""
+    """The ``mcp_stream.auth.*`` view of the token on a request, as the span carries it.
+
+    The gap is the span's ``auth.missing_*`` or, when a producer sent only the audience (and scopes)
+    with ``required.*``, computed here. A token whose audience is unknown (opaque, absent, or no
+    ``auth.audience`` and no ``auth.missing_*``) has no gap: unknown is never "missing"."""
 
     audience: tuple[str, ...] = ()
     fingerprint: str | None = None
@@ -105,6 +111,14 @@ class CallEnd:
     token: Token
     terminal_event_id: str | None
     sdk_span_id: str | None  # client: the SDK's request span, this span's parent
+    terminal_stream_kind: str | None = None  # where the terminal event went; server: absent when only stored
+    fingerprint: str | None = None  # client: the salted hash of tool and arguments (matches a re-issue)
+
+    @property
+    def stored_only(self) -> bool:
+        """(server) The span ended when the terminal event was stored, with no stream open to carry it."""
+        return (self.at.role == sc.ROLE_SERVER and self.outcome in _TERMINAL
+                and self.terminal_stream_kind is None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +155,7 @@ class Operation:
 
 
 Lifecycle = StreamEnd | CallEnd | Replay | Operation
+_TERMINAL = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 
 
 def lifecycle(span: Span) -> Lifecycle | None:
@@ -214,8 +229,18 @@ def _common(span: Span) -> Common:
 
 
 def _token(a: Mapping[str, Any]) -> Token:
-    return Token(_strs(a, sc.AUTH_AUDIENCE), _str(a, sc.AUTH_FINGERPRINT),
-                 _strs(a, sc.AUTH_MISSING_RESOURCES), _strs(a, sc.AUTH_MISSING_SCOPES))
+    audience = _strs(a, sc.AUTH_AUDIENCE)
+    fingerprint = _str(a, sc.AUTH_FINGERPRINT)
+    if _str(a, sc.AUTH_VERIFICATION) in _UNKNOWN_AUDIENCE:
+        return Token(audience, fingerprint)
+    missing_resources = _strs(a, sc.AUTH_MISSING_RESOURCES)
+    missing_scopes = _strs(a, sc.AUTH_MISSING_SCOPES)
+    if sc.AUTH_AUDIENCE in a and sc.AUTH_MISSING_RESOURCES not in a:
+        held = canonical_resources(audience)
+        missing_resources = tuple(sorted(canonical_resources(_strs(a, sc.REQUIRED_RESOURCES)) - held))
+    if sc.AUTH_SCOPES in a and sc.AUTH_MISSING_SCOPES not in a:
+        missing_scopes = tuple(sorted(set(_strs(a, sc.REQUIRED_SCOPES)) - set(_strs(a, sc.AUTH_SCOPES))))
+    return Token(audience, fingerprint, missing_resources, missing_scopes)
 
 
 def _stream(span: Span) -> StreamEnd:
@@ -236,7 +261,8 @@ def _call(span: Span) -> CallEnd:
     request_id = _required(a, sc.JSONRPC_REQUEST_ID)
     outcome = _required(a, sc.CALL_OUTCOME)
     return CallEnd(_common(span), request_id, _str(a, sc.GEN_AI_TOOL_NAME), outcome,
-                   _strs(a, sc.REQUIRED_RESOURCES), _token(a), _str(a, sc.TERMINAL_EVENT_ID), span.parent_span_id)
+                   _strs(a, sc.REQUIRED_RESOURCES), _token(a), _str(a, sc.TERMINAL_EVENT_ID), span.parent_span_id,
+                   _str(a, sc.TERMINAL_STREAM_KIND), _str(a, sc.CALL_ARGUMENTS_HASH))
 
 
 def _replay(span: Span) -> Replay:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 _MAX_SPAN_REFS = 4
+_MAX_CURSORS = 64  # per session: the cursors whose calls a later resume without request ids is told
 _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -32,6 +33,9 @@ class CallState:
     owed_since: int | None = None  # a stream ended with the call pending
     clean_since: int | None = None  # ... and that stream ended cleanly: the silent-loss clock
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
+    stored_since: int | None = None  # the server stored its terminal event with no stream open to carry it
+    stored_event_id: str | None = None
+    fingerprint: str | None = None  # client: salted hash of tool and arguments, what a re-issue repeats
     terminal: bool = False
     timed_out: bool = False  # the client gave up on it (timeout or cancel)
     roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
@@ -75,6 +79,16 @@ class SessionState:
     last_ns: int
     calls: dict[str, CallState] = field(default_factory=dict)  # insertion order: oldest first
     resumes: dict[tuple[str, str], deque[int]] | None = None  # (role, cursor) -> times, once there is one
+    cursors: OrderedDict[str, tuple[str, ...]] | None = None  # event id -> the calls of the stream it ended
+
+    def note_cursor(self, event_id: str, request_ids: tuple[str, ...]) -> None:
+        """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them."""
+        if self.cursors is None:
+            self.cursors = OrderedDict()
+        self.cursors[event_id] = request_ids
+        self.cursors.move_to_end(event_id)
+        if len(self.cursors) > _MAX_CURSORS:
+            self.cursors.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +107,7 @@ class Ledger:
         self._in_flight = 0
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
-        self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, tool) -> last start
+        self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
         self._compact_at = _MIN_COMPACTION
@@ -157,12 +171,13 @@ class Ledger:
         key = self._sdk_spans.get(span_id)
         return self.find(*key) if key is not None else None
 
-    def issued(self, origin: str, tool: str, start_ns: int) -> None:
-        key = (origin, tool)
+    def issued(self, origin: str, call_key: str, start_ns: int) -> None:
+        """A client process (``origin``) issued a call: ``call_key`` is its tool and arguments fingerprint."""
+        key = (origin, call_key)
         _bounded_put(self._issued, key, max(start_ns, self._issued.get(key, 0)), self.limits.max_index)
 
-    def last_issued(self, origin: str, tool: str) -> int:
-        return self._issued.get((origin, tool), 0)
+    def last_issued(self, origin: str, call_key: str) -> int:
+        return self._issued.get((origin, call_key), 0)
 
     # --- timers: grace periods, evaluated by the caller's clock ---
 
@@ -203,7 +218,8 @@ class Ledger:
             "sessions": [{"scope": s.scope, "last_ns": s.last_ns,
                           "calls": [_row(c) for c in s.calls.values()],
                           "resumes": [[role, cursor, list(times), times.maxlen]
-                                      for (role, cursor), times in (s.resumes or {}).items()]}
+                                      for (role, cursor), times in (s.resumes or {}).items()],
+                          "cursors": [[cursor, list(ids)] for cursor, ids in (s.cursors or {}).items()]}
                          for s in self._sessions.values()],
             "evictions": dict(self.evictions),
             "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
@@ -226,6 +242,8 @@ class Ledger:
             if s["resumes"]:
                 session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
                                    for role, cursor, times, maxlen in s["resumes"]}
+            if s.get("cursors"):
+                session.cursors = OrderedDict((cursor, tuple(ids)) for cursor, ids in s["cursors"])
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])

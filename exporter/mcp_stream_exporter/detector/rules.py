@@ -3,6 +3,10 @@
 Each rule has a stable id, a severity, the eras it applies to, and the evidence it records. The
 engine updates the ledger from each lifecycle event and emits a :class:`Finding` when a rule holds;
 rules that need a grace period run from the ledger's timers on :meth:`RuleEngine.tick`.
+
+One loss is one finding: a call has at most one finding of a loss rule; a second loss rule that holds
+for the same call adds its evidence to that finding (``also``) instead of paging again. No rule infers
+a loss from the absence of a span a sampler may drop: the SDK's spans only add counts and give-ups.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import CallEnd, Common, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding, finding_id
-from mcp_stream_exporter.detector.ledger import CallState, Ledger
+from mcp_stream_exporter.detector.ledger import CallState, Ledger, SessionState
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -58,12 +62,17 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "A client gave up on a call (timeout or cancel) after an earlier finding on it: that finding is the cause."),
     Rule("not_reissued", CRITICAL, _MODERN, True,
          "2026-07-28: a response stream broke before the response and the client did not re-issue the call."),
+    Rule("stored_not_delivered", CRITICAL, _LEGACY, True,
+         "The server stored a call's result with no stream open to carry it, and the client never received "
+         "it within the grace period."),
 )}
 
 
 @dataclass(frozen=True, slots=True)
 class RuleConfig:
-    clean_end_grace_s: float = 30.0  # keep above the server's close_sse_stream / polling interval
+    # keep above the server's close_sse_stream / polling interval and the client's reconnection delay (SSE
+    # retry): also how long a result stored with no stream open has to reach the client (stored_not_delivered)
+    clean_end_grace_s: float = 30.0
     reissue_grace_s: float = 30.0
     resume_loop_count: int = 5
     resume_loop_window_s: float = 60.0
@@ -72,6 +81,7 @@ class RuleConfig:
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
+_STORED = "stored"
 
 
 class RuleEngine:
@@ -99,6 +109,10 @@ class RuleEngine:
                 self._emit("foreign_result", calls[rid], at, rid, now_ns, {
                     "stream_kind": e.kind, "wire_ids": foreign, "stream_request_ids": list(e.request_ids),
                     "event_ids": _event_ids(e)})
+        if e.request_ids and at.era == sc.ERA_RESUMABLE:
+            for event_id in (e.cursor, e.last_event_id):
+                if event_id is not None:
+                    session.note_cursor(event_id, e.request_ids)
         progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
         if progressed:
             for call in calls.values():
@@ -108,7 +122,7 @@ class RuleEngine:
         if e.kind == sc.STREAM_KIND_RESUME:
             if session.resumes is None:
                 session.resumes = {}
-            self._resume(e, session.resumes, calls, progressed, now_ns)
+            self._resume(e, session, calls, progressed, now_ns)
         for call in in_flight_before:
             self._emit("session_expired_in_flight", call, at, call.request_id, now_ns, {
                 "status": e.status, "stream_kind": e.kind, "owed_since": (call.owed_since or 0) / 1e9})
@@ -119,9 +133,12 @@ class RuleEngine:
         if at.role == sc.ROLE_CLIENT:
             if e.sdk_span_id is not None:
                 self.ledger.link_sdk_span(e.sdk_span_id, call)
+            call.fingerprint = call.fingerprint or e.fingerprint
             if call.tool is not None:
-                self.ledger.issued(at.origin, call.tool, at.start_ns)
-        if e.outcome in _TERMINAL_OUTCOMES:
+                self.ledger.issued(at.origin, _call_key(call.tool, e.fingerprint), at.start_ns)
+        if e.stored_only:
+            self._stored(call, at.end_ns, e.terminal_event_id, now_ns)
+        elif e.outcome in _TERMINAL_OUTCOMES:
             self.ledger.delivered(call)
         elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
             self._timed_out(call, now_ns)
@@ -155,8 +172,6 @@ class RuleEngine:
     def operation(self, e: Operation, now_ns: int) -> None:
         if e.role != sc.ROLE_CLIENT or e.method != "tools/call":
             return
-        if e.tool is not None:
-            self.ledger.issued(e.origin, e.tool, e.start_ns)
         if e.timed_out:
             call = self.ledger.call_of_sdk_span(e.span_id)
             if call is not None:
@@ -169,6 +184,8 @@ class RuleEngine:
                 self._check_clean_end(call, now_ns)
             elif what == _REISSUE:
                 self._check_reissue(call, now_ns)
+            elif what == _STORED:
+                self._check_stored(call, now_ns)
         self.ledger.expire(now_ns)
 
     # --- the ledger, updated ---
@@ -202,14 +219,23 @@ class RuleEngine:
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
             self._broken(call, e.at.end_ns, now_ns)
 
+    def _stored(self, call: CallState, at_ns: int, event_id: str | None, now_ns: int) -> None:
+        """The server stored the call's terminal event with no stream open: the client must resume to get it."""
+        if call.stored_since is None:
+            call.stored_since = at_ns
+            call.stored_event_id = event_id
+            self.ledger.schedule(now_ns + _ns(self.config.clean_end_grace_s), _STORED, call)
+
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + _ns(self.config.reissue_grace_s), _REISSUE, call)
 
-    def _resume(self, e: StreamEnd, resumes: dict[tuple[str, str], deque[int]], calls: dict[str, CallState],
-                progressed: bool, now_ns: int) -> None:
+    def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState], progressed: bool,
+                now_ns: int) -> None:
         at = e.at
+        resumes = session.resumes
+        assert resumes is not None
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
@@ -222,9 +248,11 @@ class RuleEngine:
         window.append(at.end_ns)
         horizon = at.end_ns - _ns(self.config.resume_loop_window_s)
         if len(window) >= self.config.resume_loop_count and window[0] >= horizon:
-            subjects = e.request_ids or (f"cursor:{e.cursor}",)
-            for rid in subjects:
-                self._emit("resume_loop", calls.get(rid), at, rid, now_ns, {
+            # a resume the hooks no longer tie to a call (its caller gave up, the SDK resumes on) is still that
+            # call's: the calls of the stream that ended at this cursor
+            known = e.request_ids or (session.cursors.get(e.cursor, ()) if session.cursors else ())
+            for rid in known or (f"cursor:{e.cursor}",):
+                self._emit("resume_loop", calls.get(rid) or self.ledger.find(at.scope, rid), at, rid, now_ns, {
                     "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
@@ -254,10 +282,26 @@ class RuleEngine:
             "clean_end_at": call.clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
             "required": list(call.required), "timed_out": call.timed_out})
 
+    def _check_stored(self, call: CallState, now_ns: int) -> None:
+        if call.terminal or call.stored_since is None:
+            return
+        if call.clean_since is not None and not call.finding("clean_end_pending"):
+            # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
+            due = call.clean_since + _ns(self.config.clean_end_grace_s)
+            if now_ns < due:
+                self.ledger.schedule(due, _STORED, call)
+                return
+            self._check_clean_end(call, now_ns)
+        self._emit("stored_not_delivered", call, None, call.request_id, now_ns, {
+            "stored_at": call.stored_since / 1e9, "stored_event_id": call.stored_event_id,
+            "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
+
     def _check_reissue(self, call: CallState, now_ns: int) -> None:
+        """Only a call span of the same client process with the same tool and arguments fingerprint is
+        a re-issue; the hooks always record one (docs/span-model.md), so its absence is meaningful."""
         if call.terminal or call.broken_since is None or call.tool is None:
             return
-        if self.ledger.last_issued(call.origin, call.tool) > call.broken_since:
+        if self.ledger.last_issued(call.origin, _call_key(call.tool, call.fingerprint)) > call.broken_since:
             return
         self._emit("not_reissued", call, None, call.request_id, now_ns, {
             "broken_at": call.broken_since / 1e9, "grace_s": self.config.reissue_grace_s})
@@ -275,7 +319,26 @@ class RuleEngine:
             if existing is not None and at is not None and at.role not in existing.roles:
                 existing.roles.append(at.role)
             return
+        loss = self._loss_finding(call) if RULES[rule].loss else None
+        if loss is not None:  # one loss, one finding: this rule's view joins the call's loss finding
+            also = loss.evidence.setdefault("also", [])
+            if rule not in also:
+                also.append(rule)
+            for key, value in evidence.items():
+                loss.evidence.setdefault(key, value)
+            if at is not None and at.role not in loss.roles:
+                loss.roles.append(at.role)
+            return
         self._record(self._finding(rule, call, era, at, subject, now_ns, evidence), call)
+
+    def _loss_finding(self, call: CallState | None) -> Finding | None:
+        """The call's finding of a loss rule, if it has one."""
+        if call is None or call.findings is None:
+            return None
+        for rule, fid in call.findings.items():
+            if RULES[rule].loss:
+                return self._lookup(fid)
+        return None
 
     def _finding(self, rule: str, call: CallState | None, era: str, at: Common | None, subject: str,
                  now_ns: int, evidence: dict[str, Any]) -> Finding:
@@ -298,6 +361,11 @@ class RuleEngine:
         self._emit_to(finding, call)
         if call is not None and finding.rule != "timeout_attributed":
             self._attribute(call, finding.detected_ns)
+
+
+def _call_key(tool: str, fingerprint: str | None) -> str:
+    """What a re-issue must repeat: the tool and, when the producer records it, the arguments fingerprint."""
+    return f"{tool}#{fingerprint or ''}"
 
 
 def _gap(token: Token, required: Iterable[str]) -> dict[str, Any]:

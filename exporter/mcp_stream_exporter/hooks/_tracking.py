@@ -17,15 +17,16 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
-from opentelemetry.util.types import AttributeValue
+from opentelemetry.util.types import Attributes, AttributeValue
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement
@@ -35,6 +36,58 @@ from mcp_stream_exporter.wire import WireMessage
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _STATELESS_FROM = "2026-07-28"
+_MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
+_UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
+
+
+class DeviationTracer:
+    """Makes this project's spans, recorded and exported whatever the application's sampler decides.
+
+    Our spans are deviations from the healthy path, rare by design, and the detector must see every
+    one: a loss whose spans a 10 % sampler dropped is a loss nobody is told about. So they are made by
+    a tracer provider of our own with an always-on sampler, sharing the application provider's
+    resource, id generator and span processors (its exporters): same destination, our own sampling
+    decision. Parents stay as they are (the SDK's request span): when the application sampled that
+    trace our spans sit in it; when it did not, they still carry its trace id. A provider that is not
+    the OpenTelemetry SDK's (no-op, or a proxy before one is installed) is used as it is."""
+
+    __slots__ = ("_provider", "_tracer")
+
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        self._provider = provider
+        self._tracer: trace.Tracer | None = None
+
+    def _resolve(self) -> trace.Tracer:
+        if self._tracer is not None:
+            return self._tracer
+        provider = self._provider or trace.get_tracer_provider()
+        if not isinstance(provider, TracerProvider):
+            # resolved again next time: an SDK provider may be installed later
+            return provider.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, schema_url=sc.SCHEMA_URL)
+        own = TracerProvider(sampler=ALWAYS_ON, resource=provider.resource, shutdown_on_exit=False,
+                             active_span_processor=provider._active_span_processor,  # pinned: test_sdk_contract
+                             id_generator=provider.id_generator)
+        self._tracer = own.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, schema_url=sc.SCHEMA_URL)
+        return self._tracer
+
+    def start_span(self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
+                   attributes: Attributes = None, links: Sequence[Link] | None = None,
+                   start_time: int | None = None) -> Span:
+        return self._resolve().start_span(name, context=context, kind=kind, attributes=attributes, links=links,
+                                          start_time=start_time)
+
+
+SpanStarter = DeviationTracer | trace.Tracer
+
+
+def audience_known(view: AuthView) -> bool:
+    """An opaque token (or none) says nothing of its audience: unknown, never "empty"."""
+    return view.verification not in _UNKNOWN_AUDIENCE
+
+
+def known_missing(view: AuthView, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
+    """What ``view`` lacks of ``requirement``, when that can be known; nothing when its audience is unknown."""
+    return view.missing(requirement) if audience_known(view) else NOTHING_MISSING
 
 
 def era_of(protocol_version: str | None) -> str:
@@ -59,7 +112,8 @@ def auth_attributes(view: AuthView) -> Mapping[str, AttributeValue]:
     attrs: dict[str, AttributeValue] = {sc.AUTH_VERIFICATION: view.verification}
     if view.fingerprint is not None:
         attrs[sc.AUTH_FINGERPRINT] = view.fingerprint
-        attrs[sc.AUTH_AUDIENCE] = tuple(sorted(view.audience))
+        if audience_known(view):  # an opaque token's audience is unknown: no attribute, not an empty one
+            attrs[sc.AUTH_AUDIENCE] = tuple(sorted(view.audience))
         if view.scopes:
             attrs[sc.AUTH_SCOPES] = tuple(sorted(view.scopes))
     if view.subject_hash is not None:
@@ -93,7 +147,7 @@ class _Deferred:
     Calls and streams are deferred spans. Their name and attributes are only described (``describe``)
     when the span is created: on the healthy path, which creates none, they are never built."""
 
-    __slots__ = ("_events", "_links", "parent", "span", "span_kind", "start_time", "traceparent")
+    __slots__ = ("_events", "_links", "closed", "parent", "span", "span_kind", "start_time", "traceparent")
 
     def __init__(self, span_kind: SpanKind, start_time: int | None, traceparent: str | None) -> None:
         self.span_kind = span_kind
@@ -103,11 +157,14 @@ class _Deferred:
         self._events: list[tuple[str, dict[str, AttributeValue], int]] | None = None
         self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
         self.span: Span | None = None
+        self.closed = False  # the span has ended: nothing more goes on it
 
     def describe(self) -> Description:
         raise NotImplementedError
 
     def event(self, name: str, attrs: dict[str, AttributeValue]) -> None:
+        if self.closed:
+            return
         if self.span is not None:
             self.span.add_event(name, attrs)
         elif self._events is None:
@@ -116,6 +173,8 @@ class _Deferred:
             self._events.append((name, attrs, time.time_ns()))
 
     def link(self, ctx: SpanContext, attrs: Mapping[str, AttributeValue]) -> None:
+        if self.closed:
+            return
         if self.span is not None:
             self.span.add_link(ctx, attrs)
         elif self._links is None:
@@ -123,7 +182,14 @@ class _Deferred:
         else:
             self._links.append((ctx, attrs))
 
-    def create(self, tracer: trace.Tracer) -> Span:
+    def close(self, attributes: Mapping[str, AttributeValue]) -> None:
+        """End the span (it must exist) with its last attributes."""
+        if self.span is not None and not self.closed:
+            self.closed = True
+            self.span.set_attributes(attributes)
+            self.span.end()
+
+    def create(self, tracer: SpanStarter) -> Span:
         if self.span is None:
             if self.parent is None and self.traceparent is not None:
                 self.parent = _sdk_parent(self.traceparent)
@@ -143,12 +209,12 @@ NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("auth", "decision", "done", "key", "method", "missing", "protocol_version", "requirement",
-                 "role", "sdk_span", "stateless", "streams", "tool")
+    __slots__ = ("_fingerprint", "_identify", "auth", "decision", "done", "key", "method", "missing", "open_streams",
+                 "protocol_version", "requirement", "role", "sdk_span", "stateless", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
-                 traceparent: str | None = None) -> None:
+                 traceparent: str | None = None, identify: Callable[[], str] | None = None) -> None:
         super().__init__(SpanKind.INTERNAL, start_time, traceparent)
         self.key = key
         self.tool = tool
@@ -161,14 +227,24 @@ class Call(_Deferred):
         self.missing = NOTHING_MISSING  # of the requirement: resources, scopes
         self.decision: str | None = None  # the server's policy decision
         self.streams = 0
+        self.open_streams = 0  # streams carrying it that have not ended
         self.done = False
+        self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
+        self._fingerprint: str | None = None
         self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+
+    @property
+    def fingerprint(self) -> str | None:
+        """Salted hash of the tool and its canonical arguments: which call this is, for matching a re-issue."""
+        if self._fingerprint is None and self._identify is not None:
+            self._fingerprint, self._identify = self._identify(), None
+        return self._fingerprint
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
                 decision: str | None = None) -> None:
         """What the policy says of this call: recorded on its span, now or when it is created."""
         self.requirement, self.missing, self.decision = requirement, missing, decision
-        if self.span is not None:
+        if self.span is not None and not self.closed:
             self.span.set_attributes(self._policy_attributes())
 
     def describe(self) -> Description:
@@ -187,12 +263,15 @@ class Call(_Deferred):
             attrs[sc.MCP_SESSION_ID] = session_id
         if self.protocol_version is not None:
             attrs[sc.MCP_PROTOCOL_VERSION] = self.protocol_version
+        fingerprint = self.fingerprint
+        if fingerprint is not None:
+            attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
         attrs.update(self._policy_attributes())
         name = f"MCP call {self.method} {self.tool}" if self.tool else f"MCP call {self.method}"
         return name, attrs
 
     def _policy_attributes(self) -> dict[str, AttributeValue]:
-        attrs = requirement_attributes(self.requirement, self.missing)
+        attrs = requirement_attributes(self.requirement, self.missing if audience_known(self.auth) else NOTHING_MISSING)
         if self.decision is not None:
             attrs[sc.POLICY_DECISION] = self.decision
         return attrs
@@ -313,14 +392,14 @@ def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
             requirement = requirement | call.requirement
     if not (requirement.resources or requirement.scopes):
         return {}
-    missing = stream.auth.missing(requirement) if stream.kind != sc.STREAM_KIND_POST else NOTHING_MISSING
+    missing = known_missing(stream.auth, requirement) if stream.kind != sc.STREAM_KIND_POST else NOTHING_MISSING
     return requirement_attributes(requirement, missing)
 
 
 class Tracker:
     """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
 
-    def __init__(self, tracer: trace.Tracer, role: str, *, max_calls: int = 10_000,
+    def __init__(self, tracer: SpanStarter, role: str, *, max_calls: int = 10_000,
                  max_event_index: int = 50_000) -> None:
         self._tracer = tracer
         self._role = role
@@ -329,15 +408,25 @@ class Tracker:
         self._max_event_index = max_event_index
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
+        self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
 
     # --- calls ---
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
-                   auth: AuthView, *, stateless: bool, start_time: int | None = None) -> Call:
-        """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's."""
+                   auth: AuthView, *, stateless: bool, start_time: int | None = None,
+                   identify: Callable[[], str] | None = None) -> Call:
+        """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's.
+
+        A stateless call with the fingerprint of one whose stream broke is its re-issue: a deviation,
+        so it gets a span however it ends, and the detector sees the loss answered (not_reissued).
+        ``identify`` computes the fingerprint: only when a call has broken, or this one gets a span."""
         assert msg.id is not None
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
-                    start_time=start_time, traceparent=msg.traceparent)
+                    start_time=start_time, traceparent=msg.traceparent, identify=identify)
+        fingerprint = call.fingerprint if self._broken else None
+        if fingerprint is not None and fingerprint in self._broken:
+            del self._broken[fingerprint]
+            self.span_of(call)
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)
             if previous is not None:
@@ -366,13 +455,29 @@ class Tracker:
         call.done = True
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
+        fingerprint = call.fingerprint if outcome == sc.OUTCOME_NO_TERMINAL else None
+        if fingerprint is not None:
+            self._broken[fingerprint] = None
+            if len(self._broken) > _MAX_BROKEN:
+                self._broken.popitem(last=False)
+        if call.closed:  # its span ended when its result was stored (``stored``)
+            return
         if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
             if call.sdk_span is not None and call.sdk_span.is_recording() and attributes:
                 call.sdk_span.set_attributes(attributes)  # where its terminal event came: on the SDK's span
             return
-        span = self.span_of(call)
-        span.set_attributes({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
-        span.end()
+        self.span_of(call)
+        call.close({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
+
+    def stored(self, call: Call, event_id: str, outcome: str) -> None:
+        """(server) The call's terminal event was stored. With no stream open to carry it, nothing
+        delivers it unless the client resumes: the call span ends now, without a terminal stream, so
+        the detector knows a result exists (and can tell whether the client ever gets it) even when
+        no stream ever carries it. The call stays tracked: a resume may still deliver it."""
+        if call.done or call.open_streams or call.stateless:
+            return
+        self.span_of(call)
+        call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams})
 
     # --- streams ---
 
@@ -387,6 +492,7 @@ class Tracker:
                         span_kind=self._stream_kind, start_time=start_time)
         for call in calls:
             call.streams += 1
+            call.open_streams += 1
         if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now
             self._create(stream)
         return stream
@@ -399,7 +505,8 @@ class Tracker:
             stream.parent = trace.set_span_in_context(self.span_of(stream.calls[0]))
         span = stream.create(self._tracer)
         for call in stream.pending():
-            self.span_of(call).add_link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
+            self.span_of(call)
+            call.link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_STREAM})
         return span
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
@@ -484,6 +591,8 @@ class Tracker:
         if stream.ended:
             return
         stream.ended = True
+        for call in stream.calls:
+            call.open_streams -= 1
         pending = stream.pending()
         if (stream.span is None and not pending and not stream.error_frames and (status or 0) < 400
                 and {c.key[1] for c in stream.calls}.issuperset(stream.terminal_ids)):

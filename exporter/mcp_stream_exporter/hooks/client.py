@@ -8,6 +8,9 @@ and how each stream ended (the server ended it, the connection broke, or the cli
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -21,13 +24,23 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._tracking import Call, SdkSpans, Stream, Tracker, era_of, stream_kind
+from mcp_stream_exporter.hooks._tracking import (
+    Call,
+    DeviationTracer,
+    SdkSpans,
+    Stream,
+    Tracker,
+    era_of,
+    known_missing,
+    stream_kind,
+)
 from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
 
 _REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
+_FINGERPRINT_CHARS = 16
 
 
 class ClientInstrumentation:
@@ -45,9 +58,7 @@ class ClientInstrumentation:
         self.policy = policy
         self.resolve_error_frames = resolve_error_frames
         self.tokens = token_reader or TokenReader()
-        tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, tracer_provider,
-                                  schema_url=sc.SCHEMA_URL)
-        self.tracker = Tracker(tracer, sc.ROLE_CLIENT, max_calls=max_calls)
+        self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
 
@@ -65,8 +76,11 @@ class ClientInstrumentation:
                 self._protocol_version = msg.protocol_version
             elif msg.method == TOOLS_CALL and msg.id is not None:
                 stateless = era_of(protocol_version) == sc.ERA_STATELESS
+                # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
+                identify = (functools.partial(_fingerprint, self.tokens.subject_salt, msg.tool, msg.arguments)
+                            if stateless else None)
                 call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
-                                               start_time=start)
+                                               start_time=start, identify=identify)
                 if self._sdk_spans is not None:
                     call.sdk_span = self._sdk_spans.get(msg.traceparent)
                 self._annotate_requirement(call, msg.tool, view)
@@ -79,7 +93,7 @@ class ClientInstrumentation:
         requirement = self.policy.requirement(tool) if self.policy is not None else None
         if requirement is None:
             return
-        missing = view.missing(requirement)
+        missing = known_missing(view, requirement)
         call.require(requirement, missing)
         if missing[0] or missing[1]:
             self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
@@ -197,6 +211,14 @@ class _TapStream(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
+    """Which call this is, for matching a re-issue to the call it repeats: a salted hash of the tool
+    and its canonical arguments (sorted keys, no whitespace), never the arguments themselves."""
+    canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    digest = hmac.new(salt, f"{tool}\x00{canonical}".encode(), hashlib.sha256)
+    return digest.hexdigest()[:_FINGERPRINT_CHARS]
+
+
 def _refused(request_id: str, data: str) -> bytes:
     """A JSON-RPC error for a call whose resume the server refused with an ``event: error`` frame.
 
@@ -246,8 +268,9 @@ def instrument_client(
     Without ``client``, builds one with the MCP SDK's default timeouts (``client_options`` go to
     ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
     touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
-    ``resolve_error_frames`` (leg 3): a pending call whose stream brings an ``event: error`` frame
-    is failed at once with ``resume.RESUME_REFUSED`` instead of reconnecting until its timeout.
+    ``resolve_error_frames`` (part 3 of the resume invariant, docs/span-model.md): a pending call whose
+    stream brings an ``event: error`` frame is failed at once with ``resume.RESUME_REFUSED`` instead of
+    reconnecting until its timeout.
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   resolve_error_frames=resolve_error_frames)

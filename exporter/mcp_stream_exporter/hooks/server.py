@@ -42,10 +42,12 @@ from mcp_stream_exporter.hooks._tracking import (
     NOTHING_MISSING,
     Call,
     CallKey,
+    DeviationTracer,
     Stream,
     Tracker,
     auth_attributes,
     era_of,
+    known_missing,
     requirement_attributes,
     stream_kind,
 )
@@ -112,8 +114,7 @@ class ServerInstrumentation:
         self.enforce = enforce
         self.tokens = token_reader or TokenReader()
         self.path = path.rstrip("/")
-        self._tracer = trace.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, tracer_provider,
-                                        schema_url=sc.SCHEMA_URL)
+        self._tracer = DeviationTracer(tracer_provider)
         self.tracker = Tracker(self._tracer, sc.ROLE_SERVER, max_calls=max_calls)
         self._requirements: OrderedDict[CallKey, Requirement] = OrderedDict()
         self._stored: OrderedDict[tuple[str | None, str], deque[_Stored]] = OrderedDict()
@@ -205,7 +206,7 @@ class ServerInstrumentation:
         missing = auth.missing(requirement)
         gap = bool(missing[0] or missing[1])
         call.require(requirement, missing, "refused" if gap and self.enforce else "allowed")
-        if gap:
+        if any(known_missing(auth, requirement)):
             self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
         return call
 
@@ -332,6 +333,8 @@ class ServerInstrumentation:
             call = self.tracker.call((session_id, stream_id))
             if call is not None:
                 call.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+                if request_id == stream_id:
+                    self.tracker.stored(call, event_id, _outcome(message))
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         known = self._stream_of_event.get((session_id, event_id))
@@ -349,10 +352,40 @@ class ServerInstrumentation:
         return sum(1 for e in buffered if e not in delivered and order(e) < last)
 
     def _buffered_after(self, session_id: str | None, stream_id: str, cursor: str) -> list[str]:
+        """Events stored on ``stream_id`` after ``cursor``: after it in that stream, or, for a cursor
+        stored on another stream, after it in store order."""
         events = list(self._stored.get((session_id, stream_id), ()))
         ids = [e.event_id for e in events]
-        after = events[ids.index(cursor) + 1:] if cursor in ids else []
+        if cursor in ids:
+            after = events[ids.index(cursor) + 1:]
+        else:
+            known = self._stream_of_event.get((session_id, cursor))
+            position = known[1] if known is not None else 0
+            after = [e for e in events if self._order(session_id, e.event_id) > position]
         return [e.event_id for e in after if e.kind != sc.FRAME_PRIMING]
+
+    def _order(self, session_id: str | None, event_id: str) -> int:
+        known = self._stream_of_event.get((session_id, event_id))
+        return known[1] if known is not None else 0
+
+    def resumed_stream(self, session_id: str | None, cursor: str) -> tuple[str | None, Call | None]:
+        """The stream a resume from ``cursor`` continues, and its call: the calls the resume really
+        carries (the stream this side sent the cursor event on), not the stream the event was stored
+        on. They differ when a session-wide replay handed another stream's event to this call's stream:
+        the client's next cursor is then that event, and the replay after it is still this call's."""
+        stored_on = self.stream_of(session_id, cursor)
+        carried = self.tracker.calls_of_cursor(session_id, cursor)
+        if len(carried) == 1 and carried[0].key[1] != stored_on and stored_on is not None:
+            return carried[0].key[1], carried[0]
+        return stored_on, self.tracker.call((session_id, stored_on)) if stored_on else None
+
+
+def _outcome(message: JSONRPCMessage | None) -> str:
+    """A stored terminal event's outcome, as the call span records it."""
+    if isinstance(message, JSONRPCError):
+        return sc.OUTCOME_ERROR
+    result = message.result if isinstance(message, JSONRPCResponse) else None
+    return sc.OUTCOME_TOOL_ERROR if isinstance(result, dict) and result.get("isError") is True else sc.OUTCOME_RESULT
 
 
 class _ObservedEventStore(EventStore):
@@ -372,9 +405,8 @@ class _ObservedEventStore(EventStore):
         instr = self._instr
         rs = request_scope.current() or request_scope.RequestScope()
         session_id = rs.session_id
-        stream_id = instr.stream_of(session_id, last_event_id)
+        stream_id, call = instr.resumed_stream(session_id, last_event_id)
         buffered = instr._buffered_after(session_id, stream_id, last_event_id) if stream_id else []
-        call = instr.tracker.call((session_id, stream_id)) if stream_id else None
         sent: list[str] = []
         foreign: list[str] = []
         refusals = 0
@@ -389,13 +421,13 @@ class _ObservedEventStore(EventStore):
                     foreign.append(event.event_id)
             await send_callback(event)
 
-        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER, sc.ERA: sc.ERA_RESUMABLE,
                                             sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
         if session_id is not None:
             attrs[sc.MCP_SESSION_ID] = session_id
         parent = trace.set_span_in_context(instr.tracker.span_of(call)) if call is not None else None
-        with instr._tracer.start_as_current_span("MCP replay", context=parent, kind=SpanKind.INTERNAL,
-                                                 attributes=attrs) as span:
+        span = instr._tracer.start_span("MCP replay", context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
+        with trace.use_span(span, end_on_exit=True):
             result = await self._inner.replay_events_after(last_event_id, observed_send)
             unsent = [e for e in buffered if e not in sent]
             if stream_id is None:
@@ -426,7 +458,7 @@ class _ObservedEventStore(EventStore):
                 out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
             requirement = instr.requirement_of(session_id, stream_id) if stream_id else None
             if requirement is not None:
-                out.update(requirement_attributes(requirement, rs.auth.missing(requirement)))
+                out.update(requirement_attributes(requirement, known_missing(rs.auth, requirement)))
             span.set_attributes(out)
         return result
 

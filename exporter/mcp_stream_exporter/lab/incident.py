@@ -23,6 +23,7 @@ from mcp.server.streamable_http import EventCallback, EventId, EventMessage, Eve
 from mcp_types import JSONRPCMessage
 from pydantic import AnyHttpUrl
 
+from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter.auth import Requirement, ToolPolicy, canonical_resources
 from mcp_stream_exporter.lab.tokens import ISSUER, TokenIssuer
 
@@ -41,6 +42,16 @@ class _Entry:
     event_id: str
     stream_id: StreamId
     message: JSONRPCMessage | None
+    session_id: str | None = None
+
+
+_Key = tuple[str | None, StreamId]  # (session, stream): the SDK's stream ids repeat across sessions
+
+
+def _session() -> str | None:
+    """The session of the request this runs for, where the hooks' observer bound one (else None)."""
+    current = request_scope.current()
+    return current.session_id if current is not None else None
 
 
 class IncidentEventStore(EventStore):
@@ -49,16 +60,20 @@ class IncidentEventStore(EventStore):
 
     ``session_wide_filter=True`` is the other naive store in the wild (as in dunglas/mercure#1321): it
     replays every event stored after the cursor, on any stream, and skips the ones the token may not
-    see, so the cursor moves past them and another call's result can arrive on this stream."""
+    see, so the cursor moves past them and another call's result can arrive on this stream.
+
+    Streams are kept per session where the hooks' observer tells the session (the SDK's stream ids are
+    request ids and repeat across sessions), so many sessions can share one store without a replay
+    crossing sessions: the fleet (``lab.fleet``) runs hundreds."""
 
     def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000,
                  session_wide_filter: bool = False) -> None:
         self._policy = policy
         self._session_wide_filter = session_wide_filter
         self._ids = itertools.count(1)
-        self._streams: dict[StreamId, deque[_Entry]] = {}
+        self._streams: dict[_Key, deque[_Entry]] = {}
         self._index: dict[EventId, _Entry] = {}
-        self._tool_of: dict[StreamId, str] = {}
+        self._tool_of: dict[_Key, str] = {}
         self._max = max_events_per_stream
 
     async def record_tool(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
@@ -66,12 +81,12 @@ class IncidentEventStore(EventStore):
         if ctx.method == "tools/call" and ctx.request_id is not None:
             name = (ctx.params or {}).get("name")
             if isinstance(name, str):
-                self._tool_of[str(ctx.request_id)] = name
+                self._tool_of[(_session(), str(ctx.request_id))] = name
         return await call_next(ctx)
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
-        entry = _Entry(str(next(self._ids)), stream_id, message)
-        buf = self._streams.setdefault(stream_id, deque(maxlen=self._max))
+        entry = _Entry(str(next(self._ids)), stream_id, message, _session())
+        buf = self._streams.setdefault((entry.session_id, stream_id), deque(maxlen=self._max))
         if len(buf) == buf.maxlen:
             self._index.pop(buf[0].event_id, None)
         buf.append(entry)
@@ -80,7 +95,7 @@ class IncidentEventStore(EventStore):
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
         cursor = self._index.get(last_event_id)
-        if cursor is None:
+        if cursor is None or cursor.session_id != _session():
             return None
         token = get_access_token()
         claims = (token.claims or {}) if token is not None else {}
@@ -89,9 +104,9 @@ class IncidentEventStore(EventStore):
         if self._session_wide_filter:
             await self._replay_filtered(last_event_id, audience, send_callback)
             return cursor.stream_id
-        requirement = self._policy.requirement(self._tool_of.get(cursor.stream_id))
+        requirement = self._policy.requirement(self._tool_of.get((cursor.session_id, cursor.stream_id)))
         after = False
-        for entry in self._streams.get(cursor.stream_id, ()):
+        for entry in self._streams.get((cursor.session_id, cursor.stream_id), ()):
             if entry.event_id == last_event_id:
                 after = True
                 continue
@@ -106,10 +121,12 @@ class IncidentEventStore(EventStore):
 
     async def _replay_filtered(self, last_event_id: EventId, audience: frozenset[str],
                                send_callback: EventCallback) -> None:
-        later = sorted((e for e in self._index.values() if int(e.event_id) > int(last_event_id)),
+        session = _session()
+        later = sorted((e for e in self._index.values()
+                        if int(e.event_id) > int(last_event_id) and e.session_id == session),
                        key=lambda e: int(e.event_id))
         for entry in later:
-            requirement = self._policy.requirement(self._tool_of.get(entry.stream_id))
+            requirement = self._policy.requirement(self._tool_of.get((entry.session_id, entry.stream_id)))
             if entry.message is None or not _may_see(requirement, audience):
                 continue
             await send_callback(EventMessage(entry.message, entry.event_id))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Generator, Iterable
@@ -24,6 +25,7 @@ class TokenIssuer:
         self.kid = kid
         self._key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.public_key = self._key.public_key()
+        self._opaque: dict[str, dict[str, Any]] = {}  # opaque token -> its claims, as introspection answers
 
     @property
     def public_pem(self) -> bytes:
@@ -42,12 +44,22 @@ class TokenIssuer:
                   "scope": " ".join(scopes), "iat": now, "exp": now + int(ttl), "jti": uuid.uuid4().hex}
         return jwt.encode(claims, self._key, algorithm="RS256", headers={"kid": self.kid})
 
+    def opaque(self, audience: Iterable[str], *, subject: str = "alice", scopes: Iterable[str] = ("mcp",)) -> str:
+        """An opaque (non-JWT) access token: only this issuer knows its claims, as token introspection
+        (RFC 7662) would tell the server. Observers see no audience in it."""
+        token = secrets.token_urlsafe(32)
+        self._opaque[token] = {"iss": self.issuer, "sub": subject, "aud": list(audience), "client_id": "lab-client",
+                               "scope": " ".join(scopes), "exp": int(time.time()) + 3600}
+        return token
+
     async def verify_token(self, token: str) -> AccessToken | None:
-        try:
-            claims = jwt.decode(token, self.public_key, algorithms=["RS256"], options={"verify_aud": False},
-                                issuer=self.issuer)
-        except jwt.PyJWTError:
-            return None
+        claims: dict[str, Any] | None = self._opaque.get(token)
+        if claims is None:
+            try:
+                claims = jwt.decode(token, self.public_key, algorithms=["RS256"], options={"verify_aud": False},
+                                    issuer=self.issuer)
+            except jwt.PyJWTError:
+                return None
         return AccessToken(token=token, client_id=str(claims.get("client_id", "")),
                            scopes=str(claims.get("scope", "")).split(), expires_at=claims.get("exp"),
                            subject=claims.get("sub"), claims=claims)

@@ -1,0 +1,59 @@
+"""Detection does not depend on the application's sampler: the incident and a re-issue story on the
+real SDK, with the SDK's spans sampled at 10 % (parent-based) or not at all, give the findings an
+unsampled run gives, and no `not_reissued` for a call that was re-issued."""
+
+from __future__ import annotations
+
+import pytest
+from mcp.shared.exceptions import MCPError
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
+
+from mcp_stream_exporter import semconv as sc
+
+from harness import after_grace, detector, incident, ours, play_incident, sampled_by, spans
+
+pytestmark = pytest.mark.anyio
+
+SAMPLERS = {"parent_based_10pct": ParentBased(TraceIdRatioBased(0.1)), "always_off": ALWAYS_OFF}
+INCIDENT_RULES = {"narrowed_resume", "clean_end_pending", "replay_truncated", "resume_loop", "timeout_attributed"}
+
+
+def _sdk_spans() -> list[str]:
+    return [s.name for s in spans() if sc.MCP_METHOD_NAME in (s.attributes or {}) and sc.SPAN not in s.attributes]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+async def test_the_incident_is_found_whatever_the_applications_sampler(sampler: Sampler):
+    with sampled_by(sampler), detector() as (found, clock):
+        async with incident("legacy") as lab:
+            await play_incident(lab)
+        findings = after_grace(found, clock)
+        sdk_spans = _sdk_spans()
+    assert {f.rule for f in findings} == INCIDENT_RULES
+    assert [f.request_id for f in findings if f.rule == "clean_end_pending"] == [findings[0].request_id]
+    assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                           {"tool": "fetch", "rule": "clean_end_pending"}) == 1.0
+    if sampler is ALWAYS_OFF:
+        assert sdk_spans == []  # the application's sampler did apply: the SDK's spans are gone, ours are not
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+async def test_a_reissued_stateless_call_is_no_finding_and_one_not_reissued_is_whatever_the_sampler(sampler: Sampler):
+    with sampled_by(sampler), detector() as (found, clock):
+        async with incident(None) as lab:
+            for _ in range(3):  # several stories: with a 10 % sampler some SDK spans are kept, most are not
+                lab.proxy.arm(b"fetch step 1")
+                with pytest.raises(MCPError):
+                    await lab.call("fetch", {"url": "u", "steps": 4})
+                await lab.call("fetch", {"url": "u", "steps": 4})  # the re-issue
+        assert after_grace(found, clock) == []
+        reissues = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT, mcp_stream__call__outcome=sc.OUTCOME_RESULT)
+    assert len(reissues) == 3  # recorded by our own tracer, whatever the sampler did to the SDK's spans
+
+    with sampled_by(sampler), detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+        (finding,) = after_grace(found, clock)
+    assert (finding.rule, finding.tool) == ("not_reissued", "fetch")
