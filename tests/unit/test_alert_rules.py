@@ -23,6 +23,7 @@ PAGES = {
     "clean_end_pending": {"MCPToolResultSilentlyLost"},
     "foreign_result": {"MCPToolResultSilentlyLost"},
     "not_reissued": {"MCPToolResultSilentlyLost"},
+    "stored_not_delivered": {"MCPToolResultSilentlyLost"},
     "narrowed_resume": {"MCPResumeAudienceNarrowerThanNeeded"},
     "replay_truncated": {"MCPReplayTruncatedWithoutError"},
     "cursor_past_undelivered": {"MCPReplayTruncatedWithoutError"},

@@ -51,6 +51,7 @@ ALERTS: dict[str, str] = {
     "clean_end_pending": "MCPToolResultSilentlyLost",
     "foreign_result": "MCPToolResultSilentlyLost",
     "not_reissued": "MCPToolResultSilentlyLost",
+    "stored_not_delivered": "MCPToolResultSilentlyLost",
     "replay_truncated": "MCPReplayTruncatedWithoutError",
     "cursor_past_undelivered": "MCPReplayTruncatedWithoutError",
     "cross_stream_replay": "MCPReplayCrossedStreams",
@@ -488,6 +489,9 @@ def _gap_line(f: Finding) -> str:
         "duplicate_terminal": lambda: f"The call's result was delivered {ev.get('deliveries', '?')} times.",
         "not_reissued": lambda: (f"The response stream broke before the response and the call was not re-issued "
                                  f"within {ev.get('grace_s', '?')}s."),
+        "stored_not_delivered": lambda: (f"The server stored the result (event {ev.get('stored_event_id', '?')}) while "
+                                         "no stream was open to carry it, and the client never received it within "
+                                         f"{ev.get('grace_s', '?')}s."),
         "timeout_attributed": lambda: "The caller gave up on this call after the findings below: they are the cause.",
     }
     say = sentences.get(f.rule)
