@@ -6,8 +6,6 @@ spans arrive through the span processor, so ``/v1/traces`` is not mounted).
 
 from __future__ import annotations
 
-import base64
-import hmac
 import logging
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -18,6 +16,7 @@ from google.protobuf import json_format
 from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
 
+from mcp_stream_exporter.detector.credentials import basic_matches, bearer_matches
 from mcp_stream_exporter.detector.detector import Detector
 from mcp_stream_exporter.detector.findings import Query as FindingQuery
 from mcp_stream_exporter.detector.ingest import (
@@ -45,16 +44,11 @@ class Access:
 
 
 def _bearer_ok(request: Request, token: str | None) -> bool:
-    if token is None:
-        return True
-    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}")
+    return token is None or bearer_matches(request.headers.get("authorization", ""), token)
 
 
 def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
-    if creds is None:
-        return True
-    expected = "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
-    return hmac.compare_digest(request.headers.get("authorization", ""), expected)
+    return creds is None or basic_matches(request.headers.get("authorization", ""), *creds)
 
 
 def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None) -> FastAPI:
@@ -102,7 +96,8 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
                 return refuse(429, "ingest queue full; retry after the given delay", "queue_full",
                               {"Retry-After": str(limits.retry_after_s)})
             if outcome.rejected:
-                log.info("spans refused", extra={"rejected": outcome.rejected_count, "reason": outcome.message()})
+                log.info("spans refused",
+                         extra={"rejected": outcome.rejected_count, "reason": outcome.message()[:1000]})
             answer = partial_success(outcome)
             if content_type.startswith(JSON):
                 return Response(json_format.MessageToJson(answer), media_type=JSON)

@@ -10,7 +10,6 @@ answer; the rest of their batch is kept.
 from __future__ import annotations
 
 import base64
-import hmac
 import json
 import threading
 import time
@@ -29,6 +28,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Outcome
 from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Lifecycle, Span, origin_of
 
@@ -93,16 +93,22 @@ def decode(body: bytes, content_type: str, limits: IngestLimits) -> Any:
 
 
 def _hex_ids_to_base64(doc: Any) -> Any:
-    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64."""
+    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64. A part of the
+    wrong type is left as it is: ``ParseDict`` refuses it with its path."""
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object")
-    for resource_spans in doc.get("resourceSpans") or ():
-        for scope_spans in (resource_spans or {}).get("scopeSpans") or ():
-            for span in (scope_spans or {}).get("spans") or ():
+    for resource_spans in _objects(doc, "resourceSpans"):
+        for scope_spans in _objects(resource_spans, "scopeSpans"):
+            for span in _objects(scope_spans, "spans"):
                 _rewrite(span)
-                for link in (span or {}).get("links") or ():
+                for link in _objects(span, "links"):
                     _rewrite(link)
     return doc
+
+
+def _objects(parent: Any, key: str) -> list[Any]:
+    items = parent.get(key) if isinstance(parent, dict) else None
+    return items if isinstance(items, list) else []
 
 
 def _rewrite(obj: Any) -> None:
@@ -250,7 +256,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request: Any, context: grpc.ServicerContext) -> Any:
         if self._token is not None:
             sent = dict(context.invocation_metadata()).get("authorization", "")
-            if not hmac.compare_digest(str(sent), f"Bearer {self._token}"):
+            if not bearer_matches(str(sent), self._token):
                 self._queue.detector.metrics.requests_rejected.labels("unauthorized").inc()
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
         rejected = self._queue.detector.metrics.requests_rejected

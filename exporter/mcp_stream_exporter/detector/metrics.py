@@ -7,6 +7,7 @@ labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import version
 
@@ -40,6 +41,11 @@ TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
 INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full")
 SPAN_REJECTIONS = ("span_model",)
 RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
+STREAM_KINDS = (sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE)
+END_REASONS = (sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR)
+ERROR_PLACES = ("ingest", "snapshot")
+# a tool name as MCP defines it (1-128 of these characters); a dynamic tool label is shorter still
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,64}", re.ASCII)
 
 
 class ToolLabels:
@@ -55,7 +61,7 @@ class ToolLabels:
             return OTHER
         if tool in self._seen:
             return tool
-        if not self._fixed and len(self._seen) < self._dynamic:
+        if not self._fixed and len(self._seen) < self._dynamic and _TOOL_NAME.fullmatch(tool):
             self._seen.add(tool)
             return tool
         return OTHER
@@ -64,6 +70,10 @@ class ToolLabels:
     def initial(self) -> tuple[str, ...]:
         """The values known before any span: the policy's tools and ``other``, which a policy implies."""
         return (*sorted(self._seen), OTHER) if self._fixed else ()
+
+
+def _closed(value: str, allowed: tuple[str, ...]) -> str:
+    return value if value in allowed else OTHER
 
 
 def _resume_outcome(e: StreamEnd) -> str:
@@ -161,7 +171,7 @@ class DetectorMetrics:
             self.silent_losses.labels(tool, f.rule).inc(exemplar=exemplar)
 
     def stream_end(self, e: StreamEnd) -> None:
-        self.stream_ends.labels(e.at.role, e.kind, e.reason).inc()
+        self.stream_ends.labels(e.at.role, _closed(e.kind, STREAM_KINDS), _closed(e.reason, END_REASONS)).inc()
         if e.kind == sc.STREAM_KIND_RESUME:
             self.resumes.labels(e.at.role, _resume_outcome(e)).inc()
             if e.token.gap:

@@ -1,0 +1,105 @@
+"""The detector service against an attacker: bad input is a 4xx or a per-span rejection, never a 500
+or a lost batch; decoding costs are bounded before anything is materialised; slow clients do not
+starve others. The real FastAPI app and ingest queue, in-process (TestClient) or over real HTTP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector
+from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
+
+TOKEN = "ingest-secret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def service():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits())
+    access = Access(ingest_token=TOKEN, api_token=TOKEN, metrics_basic_auth=("prom", "scrape"))
+    with TestClient(create_app(detector, queue, access)) as client:
+        yield client, detector, queue
+    queue.close()
+
+
+def _stream_span(session: str, **extra: object) -> OtlpSpan:
+    """A client resume that ended cleanly with call 7 pending."""
+    span = OtlpSpan(trace_id=os.urandom(16), span_id=os.urandom(8), name="MCP stream resume", kind=3,
+                    start_time_unix_nano=1_700_000_000_000_000_000, end_time_unix_nano=1_700_000_001_000_000_000)
+    attrs: dict[str, object] = {
+        sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "resume", sc.END_REASON: sc.END_CLEAN,
+        sc.MCP_SESSION_ID: session, sc.STREAM_REQUEST_IDS: ["7"], sc.PENDING_REQUEST_IDS: ["7"],
+        sc.RESUME_CURSOR: "41", sc.HTTP_RESPONSE_STATUS_CODE: 200, **extra}
+    for key, value in attrs.items():
+        kv = KeyValue(key=key)
+        if isinstance(value, list):
+            kv.value.array_value.values.extend(AnyValue(string_value=v) for v in value)
+        elif isinstance(value, int):
+            kv.value.int_value = value
+        else:
+            kv.value.string_value = str(value)
+        span.attributes.append(kv)
+    return span
+
+
+def _body(*spans: OtlpSpan) -> bytes:
+    request = ExportTraceServiceRequest()
+    request.resource_spans.add().scope_spans.add().spans.extend(spans)
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0661\u0662", "9" * 5000, "1" * 19, "-1", " 1"])
+def test_an_int_attribute_that_is_no_int64_is_one_span_refused_and_the_rest_of_the_batch_kept(service, value):
+    client, detector, queue = service
+    body = _body(_stream_span("bad", **{sc.EVENTS_COUNT: value}), _stream_span("good"))
+    answer = client.post("/v1/traces", content=body, headers={"content-type": PROTOBUF, **AUTH})
+    assert answer.status_code == 200, answer.text
+    partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+    assert partial.rejected_spans == 1 and sc.EVENTS_COUNT in partial.error_message
+    assert queue.wait_idle(10)
+    assert detector.ledger.find("good", "7") is not None and detector.ledger.find("bad", "7") is None
+
+
+@pytest.mark.parametrize("document", [
+    '{"resourceSpans":[{"scopeSpans":"x"}]}', '{"resourceSpans":"x"}', '{"resourceSpans":[1]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":"x"}]}]}', '{"resourceSpans":[{"scopeSpans":[{"spans":[7]}]}]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"links":"x"}]}]}]}', '{"resourceSpans":[{"scopeSpans":[null]}]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"links":[1]}]}]}]}', '{"resourceSpans":{"scopeSpans":[]}}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"spanId":7}]}]}]}', '[]', '"x"'])
+def test_json_whose_parts_have_the_wrong_type_is_a_400_with_a_reason(service, document):
+    client, _, _ = service
+    answer = client.post("/v1/traces", content=document.encode(), headers={"content-type": JSON, **AUTH})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]
+
+
+@pytest.mark.parametrize("header", [b"Bearer \xff", b"Bearer ingest-secret\xe9", b"\xff\xfe", b"Basic \xc3\xa9",
+                                    b"Bearer", b"Bearer ", b"Bearerx ingest-secret", b"Bearer ingest-secret x"])
+def test_a_wrong_authorization_header_of_any_bytes_is_a_401_on_ingest_api_and_metrics(service, header):
+    client, _, _ = service
+    headers = {"authorization": header}
+    assert client.post("/v1/traces", content=_body(), headers={"content-type": PROTOBUF, **headers}).status_code == 401
+    assert client.get("/api/rules", headers=headers).status_code == 401
+    assert client.get("/metrics", headers=headers).status_code == 401
+
+
+@pytest.mark.parametrize(("scheme", "basic"), [("Bearer", "Basic"), ("bearer", "basic"), ("BEARER", "BASIC"),
+                                               ("bEaReR", "bAsIc")])
+def test_the_auth_scheme_is_matched_case_insensitively(service, scheme, basic):
+    client, _, _ = service
+    headers = {"authorization": f"{scheme}  {TOKEN}"}
+    assert client.post("/v1/traces", content=_body(), headers={"content-type": PROTOBUF, **headers}).status_code == 200
+    assert client.get("/api/rules", headers=headers).status_code == 200
+    assert client.get("/metrics", headers={"authorization": f"{basic} cHJvbTpzY3JhcGU="}).status_code == 200
