@@ -4,9 +4,15 @@ starve others. The real FastAPI app and ingest queue, in-process (TestClient) or
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
+from attacks import ATTACKS
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -21,6 +27,7 @@ from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
 
 TOKEN = "ingest-secret"
+DECODING_BUDGET_MIB = 48  # the 16 MiB decompressed body itself, and what walking it costs
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
@@ -103,3 +110,64 @@ def test_the_auth_scheme_is_matched_case_insensitively(service, scheme, basic):
     assert client.post("/v1/traces", content=_body(), headers={"content-type": PROTOBUF, **headers}).status_code == 200
     assert client.get("/api/rules", headers=headers).status_code == 200
     assert client.get("/metrics", headers={"authorization": f"{basic} cHJvbTpzY3JhcGU="}).status_code == 200
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_small_body_that_would_inflate_to_millions_of_objects_is_refused_before_it_costs_memory(attack):
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("attacks.py")), attack], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"\n{attack}: {result}")
+    assert result["status"] == 413 and result["error"]
+    assert result["peak_growth_mib"] < DECODING_BUDGET_MIB
+
+
+def _slots_taken(queue: IngestQueue) -> list:
+    held = [queue.decoding() for _ in range(queue.limits.max_decoding)]  # as by slow decodes
+    for slot in held:
+        slot.__enter__()
+    return held
+
+
+def test_decoding_is_bounded_in_concurrency_and_past_the_wait_a_request_gets_429_with_retry_after():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=2, decoding_wait_s=0.05))
+    with TestClient(create_app(detector, queue)) as client:
+        held = _slots_taken(queue)
+        busy = client.post("/v1/traces", content=_body(_stream_span("busy")), headers={"content-type": PROTOBUF})
+        assert busy.status_code == 429 and busy.headers["retry-after"] and "decoding" in busy.json()["error"]
+        for slot in held:
+            slot.__exit__(None, None, None)
+        assert client.post("/v1/traces", content=_body(_stream_span("free")),
+                           headers={"content-type": PROTOBUF}).status_code == 200
+    queue.close()
+    assert detector.registry.get_sample_value("mcp_stream_detector_ingest_requests_rejected_total",
+                                              {"reason": "busy"}) == 1
+
+
+def test_a_request_waits_for_a_decoding_slot_to_free_up():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=1, decoding_wait_s=60))
+    with TestClient(create_app(detector, queue)) as client:
+        (held,) = _slots_taken(queue)
+        freed = threading.Timer(0.05, held.__exit__, (None, None, None))
+        freed.start()
+        answer = client.post("/v1/traces", content=_body(_stream_span("turn")), headers={"content-type": PROTOBUF})
+        freed.join()
+        assert answer.status_code == 200
+    queue.close()
+
+
+def test_request_bodies_held_at_once_are_bounded_in_bytes():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_buffered_bytes=1024))
+    with TestClient(create_app(detector, queue)) as client:
+        assert queue.reserve(1000)  # another request's body, held
+        answer = client.post("/v1/traces", content=_body(_stream_span("big", **{sc.RESUME_CURSOR: "c" * 200})),
+                             headers={"content-type": PROTOBUF})
+        assert answer.status_code == 429 and answer.headers["retry-after"]
+        queue.release(1000)
+        assert client.post("/v1/traces", content=_body(_stream_span("small")),
+                           headers={"content-type": PROTOBUF}).status_code == 200
+    queue.close()

@@ -74,7 +74,7 @@ def test_a_flood_of_new_values_in_every_attribute_that_reaches_a_label_adds_no_s
     assert labels["kind"] <= {*STREAM_KINDS, OTHER}
     assert labels["reason"] - {*END_REASONS, OTHER} <= {"too_large", "bad_encoding", "malformed", "unauthorized",
                                                          "too_many_spans", "queue_full", "span_model", "ttl",
-                                                         "capacity", "memory", "busy"}
+                                                         "capacity", "memory", "busy", "timeout"}
     assert labels["role"] <= {C, SV}
     assert len(labels["tool"] - {OTHER}) <= CONFIG.max_tool_labels
     assert len(labels["gen_ai_tool_name"] - {OTHER, ""}) <= CONFIG.max_tool_labels

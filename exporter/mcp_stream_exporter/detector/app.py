@@ -6,6 +6,7 @@ spans arrive through the span processor, so ``/v1/traces`` is not mounted).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -74,24 +75,35 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
             declared = request.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
                 return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
-                chunks.append(chunk)
             content_type = request.headers.get("content-type", PROTOBUF)
             encoding = request.headers.get("content-encoding")
-
-            def process() -> Any:
-                body = decompress(b"".join(chunks), encoding, limits)
-                return receive(queue, decode(body, content_type, limits), "otlp_http")
-
+            chunks: list[bytes] = []
+            size = 0  # held, and reserved in the queue's body buffer
             try:
+                try:
+                    async with asyncio.timeout(limits.body_timeout_s):
+                        async for chunk in request.stream():
+                            if size + len(chunk) > limits.max_body_bytes:
+                                return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+                            if not queue.reserve(len(chunk)):
+                                return refuse(429, "too many request bodies held; retry after the given delay",
+                                              "busy", {"Retry-After": str(limits.retry_after_s)})
+                            chunks.append(chunk)
+                            size += len(chunk)
+                except TimeoutError:
+                    return refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout")
+
+                def process() -> Any:
+                    with queue.decoding():
+                        body = decompress(b"".join(chunks), encoding, limits)
+                        return receive(queue, decode(body, content_type, limits), "otlp_http")
+
                 outcome = await run_in_threadpool(process)
             except IngestError as exc:
-                return refuse(exc.status, exc.reason, exc.metric_reason)
+                headers = {"Retry-After": str(limits.retry_after_s)} if exc.status == 429 else None
+                return refuse(exc.status, exc.reason, exc.metric_reason, headers)
+            finally:
+                queue.release(size)
             if outcome is None:
                 return refuse(429, "ingest queue full; retry after the given delay", "queue_full",
                               {"Retry-After": str(limits.retry_after_s)})

@@ -38,7 +38,8 @@ _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
 # every label value known up front is exported at 0 from the start, so that increase() and rate()
 # see the first event (a series born at 1 has no increase) and dashboards show 0, not "no data"
 TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
-INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full")
+INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full",
+                     "busy", "timeout")
 SPAN_REJECTIONS = ("span_model",)
 RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
 STREAM_KINDS = (sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE)
@@ -134,8 +135,12 @@ class DetectorMetrics:
             ["reason"], registry=registry)
         self.requests_rejected = Counter(
             "mcp_stream_detector_ingest_requests_rejected", "Ingest requests refused whole, by reason "
-            "(too_large, bad_encoding, malformed, unauthorized, too_many_spans, queue_full). queue_full means "
-            "backpressure: scale out or raise the queue bound.", ["reason"], registry=registry)
+            "(too_large, bad_encoding, malformed, unauthorized, too_many_spans, queue_full, busy, timeout). "
+            "queue_full and busy (every decoding slot or the body buffer taken) mean backpressure: scale out or "
+            "raise the bounds; timeout, a body sent too slowly.", ["reason"], registry=registry)
+        self.errors = Counter(
+            "mcp_stream_detector_errors", "Internal errors, by where (ingest: a batch not applied; snapshot: a "
+            "snapshot not written or not read). Each one is logged with its cause.", ["where"], registry=registry)
         self.ingest_latency = Histogram(
             "mcp_stream_detector_ingest_duration_seconds", "Time from a batch's arrival to its spans being in "
             "the ledger, queueing included.", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
@@ -162,6 +167,8 @@ class DetectorMetrics:
             self.spans_rejected.labels(reason)
         for reason in INGEST_REJECTIONS:
             self.requests_rejected.labels(reason)
+        for where in ERROR_PLACES:
+            self.errors.labels(where)
 
     def finding(self, f: Finding) -> None:
         tool = self.tools(f.tool)

@@ -57,6 +57,12 @@ class ServiceConfig:
     max_decompressed_bytes: int = 16 * 1024 * 1024
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
+    max_span_bytes: int = 256 * 1024  # one encoded span: bounds what decoding it costs
+    max_json_values: int = 200_000  # values in one OTLP/JSON body, counted before parsing
+    max_decoding: int = 2  # requests decoded at once; the others wait up to decoding_wait_s, then 429
+    decoding_wait_s: float = 5.0
+    max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once
+    body_timeout_s: float = 30.0  # to receive a body; then 408
     snapshot_path: str | None = None  # SQLite file: the ledger survives restarts
     snapshot_interval_s: float = 30.0  # a SIGKILL loses at most this much
     log_level: str = "info"
@@ -71,7 +77,10 @@ class ServiceConfig:
 
     def ingest_limits(self) -> IngestLimits:
         return IngestLimits(self.max_body_bytes, self.max_decompressed_bytes, self.max_spans_per_request,
-                            self.max_queued_spans)
+                            self.max_queued_spans, max_span_bytes=self.max_span_bytes,
+                            max_json_values=self.max_json_values, max_decoding=self.max_decoding,
+                            decoding_wait_s=self.decoding_wait_s, max_buffered_bytes=self.max_buffered_bytes,
+                            body_timeout_s=self.body_timeout_s)
 
     def access(self) -> Access:
         basic = (self.metrics_user, self.metrics_password) if self.metrics_user and self.metrics_password else None
