@@ -4,12 +4,16 @@ kept anywhere; memory bounded in bytes (budget, per-session state, timers, evide
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import tracemalloc
 
+import pytest
 from prometheus_client import generate_latest
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, Span
+from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
+from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
 from mcp_stream_exporter.detector.metrics import END_REASONS, OTHER, STREAM_KINDS
 
 from spans import FETCH, S, call, sdk_call, stream
@@ -102,3 +106,93 @@ def test_token_shaped_values_in_any_attribute_are_redacted_from_ledger_findings_
     assert "[redacted]" in kept
     for secret in (JWT, JWT.split(".")[2], "Bearer"):
         assert secret not in kept
+
+
+BUDGET = 1024 * 1024  # the ledger's
+FINDINGS_BUDGET = 256 * 1024
+LONG = "x" * 240  # ids at the cap: 256 characters with the counter
+
+
+def _budgeted(clock: Clock) -> Detector:
+    return Detector(DetectorConfig(rules=CONFIG.rules, max_findings=10**6, max_findings_bytes=FINDINGS_BUDGET,
+                                   ledger=LedgerLimits(max_sessions=10**6, max_calls_per_session=10**6,
+                                                       max_bytes=BUDGET)), clock=clock)
+
+
+FLOODS = {
+    "a session per call": lambda i: [stream(C, "post", "clean", session=f"s{i}", ids=(str(i),), pending=(str(i),))],
+    "ids at the length cap": lambda i: [stream(C, "resume", "clean", session=f"{LONG}{i:016}",
+                                               ids=(f"{LONG}{i:016}",), pending=(f"{LONG}{i:016}",),
+                                               cursor=f"{LONG}{i:016}", last=LONG, first=LONG, tool=LONG)],
+    "one session, calls past the cap": lambda i: [stream(C, "post", "dropped", session="one", ids=(str(i),),
+                                                         pending=(str(i),))],
+    "one session, a new resume cursor each time": lambda i: [stream(C, "resume", "clean", session="one",
+                                                                    ids=("1",), pending=("1",), cursor=f"c{i}")],
+    "re-ending the same calls": lambda i: [stream(C, "post", "clean", session=f"s{i % 50}", ids=(str(i % 7),),
+                                                  pending=(str(i % 7),))],
+    "findings with the largest evidence": lambda i: [stream(C, "resume", "clean", session=f"f{i}", ids=("3",),
+                                                            terminal=tuple(f"{LONG}{j:016}" for j in range(256)))],
+    "look-ups (SDK spans, tools issued)": lambda i: [
+        dataclasses.replace(call(C, sc.OUTCOME_RESULT, request_id=str(i), session=f"l{i}", tool=f"{LONG}{i:016}",
+                                 parent=f"{i:016x}"), origin=f"{LONG}{i:016}")],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(FLOODS))
+def test_a_flood_of_each_shape_stays_under_the_memory_budget_as_tracemalloc_measures_it(shape):
+    clock = Clock()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        detector = _budgeted(clock)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(0, 5_000, 500):
+            detector.consume([span for j in range(i, i + 500) for span in FLOODS[shape](j)])
+            clock.now += S
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    state = detector.ledger.bytes + detector.findings.bytes
+    print(f"\n{shape}: {used / 2**20:.1f} MiB measured, {state / 2**20:.1f} MiB estimated, "
+          f"sessions {detector.ledger.sessions}, calls {detector.ledger.calls}, findings {len(detector.findings)}, "
+          f"evictions {detector.ledger.evictions}")
+    assert detector.ledger.bytes <= BUDGET and detector.findings.bytes <= FINDINGS_BUDGET
+    assert used <= BUDGET + FINDINGS_BUDGET, "the estimate is below what the state takes"
+    assert used <= state * 1.25 + 128 * 1024, "the estimate is far from what the state takes"
+
+
+def test_memory_evictions_take_the_least_recently_active_sessions_first_and_are_counted():
+    clock = Clock()
+    detector = _budgeted(clock)
+    for i in range(0, 10_000, 500):
+        detector.consume([stream(C, "post", "dropped", session=f"s{j}", ids=("1",), pending=("1",))
+                          for j in range(i, i + 500)])
+    evicted = detector.ledger.evictions["memory"]
+    assert evicted > 0 and detector.ledger.sessions == 10_000 - evicted
+    assert detector.ledger.find("s9999", "1") is not None and detector.ledger.find("s0", "1") is None
+    assert detector.registry.get_sample_value("mcp_stream_detector_ledger_evictions_total",
+                                              {"reason": "memory"}) == evicted
+    assert detector.registry.get_sample_value("mcp_stream_detector_state_bytes", {"part": "ledger"}) <= BUDGET
+
+
+def test_one_session_watches_a_bounded_number_of_resume_cursors():
+    detector = Detector(CONFIG, clock=Clock())
+    detector.consume([stream(C, "resume", "clean", session="one", pending=("1",), cursor=f"c{i}") for i in range(5000)])
+    (session,) = detector.ledger.dump()["sessions"]
+    assert len(session["resumes"]) == LedgerLimits().max_resumes_per_session
+
+
+def test_re_ending_the_same_calls_adds_no_timers():
+    detector = Detector(CONFIG, clock=Clock())
+    for _ in range(50):
+        detector.consume([stream(C, "post", "clean", session="s", ids=(str(i),), pending=(str(i),)) for i in range(20)])
+    assert len(detector.ledger.dump()["timers"]) == 20
+
+
+def test_a_findings_evidence_is_cut_to_its_bound_and_says_so():
+    detector = Detector(CONFIG, clock=Clock())
+    detector.consume([stream(C, "resume", "clean", ids=("3",), terminal=tuple(f"{LONG}{j:016}" for j in range(256)))])
+    (finding,) = detector.findings
+    assert finding.rule == "foreign_result" and finding.evidence["truncated"] is True
+    assert len(json.dumps(finding.to_json()["evidence"])) <= MAX_EVIDENCE_BYTES

@@ -8,7 +8,7 @@ labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from importlib.metadata import version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import Operation, StreamEnd
-from mcp_stream_exporter.detector.findings import Finding
+from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import Ledger
 from mcp_stream_exporter.detector.rules import RULES
 
@@ -197,11 +197,12 @@ class DetectorMetrics:
 
 
 class LedgerCollector(Collector):
-    """The ledger's size, read at scrape time (gauges can go down; evictions only up)."""
+    """The ledger's and the findings' size, read at scrape time (gauges can go down; evictions only up)."""
 
-    def __init__(self, ledger: Ledger, findings_retained: Callable[[], int]) -> None:
+    def __init__(self, ledger: Ledger, findings: FindingStore, budgets: tuple[int, int]) -> None:
         self._ledger = ledger
-        self._findings_retained = findings_retained
+        self._findings = findings
+        self._budgets = budgets  # bytes: ledger, findings
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         ledger = self._ledger
@@ -212,10 +213,22 @@ class LedgerCollector(Collector):
                                 "ledger holds.", value=ledger.sessions)
         yield GaugeMetricFamily("mcp_stream_detector_ledger_calls", "Calls the ledger holds.", value=ledger.calls)
         yield GaugeMetricFamily("mcp_stream_detector_findings_retained", "Findings kept for /api/findings.",
-                                value=self._findings_retained())
+                                value=len(self._findings))
+        size = GaugeMetricFamily("mcp_stream_detector_state_bytes", "The detector's estimate of what its state "
+                                 "holds, in bytes, by part (ledger, findings).", labels=["part"])
+        budget = GaugeMetricFamily("mcp_stream_detector_state_budget_bytes", "The budget of each part of the "
+                                   "state (from --max-memory-mb); past it the oldest sessions (ledger) or findings "
+                                   "are dropped.", labels=["part"])
+        for part, used, limit in (("ledger", ledger.bytes, self._budgets[0]),
+                                  ("findings", self._findings.bytes, self._budgets[1])):
+            size.add_metric([part], used)
+            budget.add_metric([part], limit)
+        yield size
+        yield budget
         evictions = CounterMetricFamily("mcp_stream_detector_ledger_evictions", "Sessions and calls evicted from "
-                                        "the ledger, by reason (ttl, capacity). Capacity evictions mean the "
-                                        "ledger is too small: losses there go undetected.", labels=["reason"])
+                                        "the ledger, by reason (ttl, capacity, memory). Capacity and memory "
+                                        "evictions mean the ledger is too small: losses there go undetected.",
+                                        labels=["reason"])
         for reason, count in sorted(ledger.evictions.items()):
             evictions.add_metric([reason], count)
         yield evictions

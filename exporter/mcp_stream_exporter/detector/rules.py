@@ -7,7 +7,6 @@ rules that need a grace period run from the ledger's timers on :meth:`RuleEngine
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import CallEnd, Common, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding, finding_id
-from mcp_stream_exporter.detector.ledger import CallState, Ledger
+from mcp_stream_exporter.detector.ledger import CallState, Ledger, SessionState
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -106,9 +105,7 @@ class RuleEngine:
         for rid in e.pending_ids:
             self._owed(calls[rid], e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
-            if session.resumes is None:
-                session.resumes = {}
-            self._resume(e, session.resumes, calls, progressed, now_ns)
+            self._resume(e, session, calls, progressed, now_ns)
         for call in in_flight_before:
             self._emit("session_expired_in_flight", call, at, call.request_id, now_ns, {
                 "status": e.status, "stream_kind": e.kind, "owed_since": (call.owed_since or 0) / 1e9})
@@ -207,7 +204,7 @@ class RuleEngine:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + _ns(self.config.reissue_grace_s), _REISSUE, call)
 
-    def _resume(self, e: StreamEnd, resumes: dict[tuple[str, str], deque[int]], calls: dict[str, CallState],
+    def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState],
                 progressed: bool, now_ns: int) -> None:
         at = e.at
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
@@ -218,7 +215,7 @@ class RuleEngine:
                     "events": e.events, "end_reason": e.reason})
         if e.cursor is None or progressed:
             return
-        window = resumes.setdefault((at.role, e.cursor), deque(maxlen=self.config.resume_loop_count))
+        window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
         window.append(at.end_ns)
         horizon = at.end_ns - _ns(self.config.resume_loop_window_s)
         if len(window) >= self.config.resume_loop_count and window[0] >= horizon:
