@@ -171,3 +171,17 @@ def test_request_bodies_held_at_once_are_bounded_in_bytes():
         assert client.post("/v1/traces", content=_body(_stream_span("small")),
                            headers={"content-type": PROTOBUF}).status_code == 200
     queue.close()
+
+
+def test_the_ingest_queue_is_bounded_in_bytes_not_only_in_spans():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_queued_bytes=64 * 1024))
+    big = _body(*[_stream_span(f"q{i}", **{sc.RESUME_CURSOR: f"{i}" + "c" * 250}) for i in range(100)])
+    with TestClient(create_app(detector, queue)) as client:
+        with detector.lock:  # the worker is stuck applying: the queue fills up
+            first = client.post("/v1/traces", content=big, headers={"content-type": PROTOBUF})
+            second = client.post("/v1/traces", content=big, headers={"content-type": PROTOBUF})
+        assert first.status_code == 200  # an empty queue takes any batch: progress is always possible
+        assert second.status_code == 429 and second.headers["retry-after"]
+        assert queue.wait_idle(10)
+    queue.close()

@@ -15,6 +15,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
 from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
 from mcp_stream_exporter.detector.metrics import END_REASONS, OTHER, STREAM_KINDS
+from mcp_stream_exporter.detector.service import load_config
 
 from spans import FETCH, S, call, sdk_call, stream
 
@@ -196,3 +197,11 @@ def test_a_findings_evidence_is_cut_to_its_bound_and_says_so():
     (finding,) = detector.findings
     assert finding.rule == "foreign_result" and finding.evidence["truncated"] is True
     assert len(json.dumps(finding.to_json()["evidence"])) <= MAX_EVIDENCE_BYTES
+
+
+def test_max_memory_mb_splits_into_the_ledger_findings_and_queue_budgets():
+    config = load_config(["--max-memory-mb", "64"], environ={})
+    mib = 1024 * 1024
+    assert config.detector_config().ledger.max_bytes == 48 * mib
+    assert config.detector_config().max_findings_bytes == 8 * mib
+    assert config.ingest_limits().max_queued_bytes == 8 * mib

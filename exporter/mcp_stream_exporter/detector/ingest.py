@@ -37,7 +37,15 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Outcome
-from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Lifecycle, Span, origin_of
+from mcp_stream_exporter.detector.events import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    KIND_SERVER,
+    Lifecycle,
+    Span,
+    origin_of,
+    weight,
+)
 from mcp_stream_exporter.detector.redaction import redact
 
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -57,6 +65,7 @@ class IngestLimits:
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
     retry_after_s: int = 2
+    max_queued_bytes: int = 32 * 1024 * 1024  # an estimate of the events waiting (events.weight)
     max_span_bytes: int = 256 * 1024  # one encoded span (or resource): what decoding it may cost
     max_json_values: int = 200_000  # values in a JSON body, counted before it is parsed
     max_decoding: int = 2  # requests decoded at once (HTTP and gRPC together); others wait their turn
@@ -325,8 +334,9 @@ class IngestQueue:
     def __init__(self, detector: Detector, limits: IngestLimits, tick_interval_s: float = 0.5) -> None:
         self.detector = detector
         self.limits = limits
-        self._batches: deque[tuple[list[Lifecycle], float]] = deque()
+        self._batches: deque[tuple[list[Lifecycle], float, int]] = deque()
         self._queued = 0
+        self._queued_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
         self._tick_interval_s = tick_interval_s
@@ -344,11 +354,14 @@ class IngestQueue:
         return not self._closed and self._worker.is_alive()
 
     def offer(self, events: list[Lifecycle]) -> bool:
+        size = sum(map(weight, events))
         with self._cond:
-            if self._closed or (self._queued and self._queued + len(events) > self.limits.max_queued_spans):
+            if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans
+                                                  or self._queued_bytes + size > self.limits.max_queued_bytes)):
                 return False
-            self._batches.append((events, time.monotonic()))
+            self._batches.append((events, time.monotonic(), size))
             self._queued += len(events)
+            self._queued_bytes += size
             self._cond.notify()
         return True
 
@@ -385,7 +398,7 @@ class IngestQueue:
             if batch is None:
                 self.detector.tick()
                 continue
-            events, arrived = batch
+            events, arrived, size = batch
             try:
                 self.detector.apply(events)
             except Exception:  # a bug must not stop ingest: log its cause, count it, go on
@@ -394,6 +407,7 @@ class IngestQueue:
             finally:
                 with self._cond:
                     self._queued -= len(events)
+                    self._queued_bytes -= size
                     self._cond.notify_all()
                 self.detector.metrics.ingest_latency.observe(time.monotonic() - arrived)
 

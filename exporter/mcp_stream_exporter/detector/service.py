@@ -53,6 +53,9 @@ class ServiceConfig:
     max_calls_per_session: int = 1_000
     session_ttl_s: float = 3600.0
     max_findings: int = 10_000
+    # the detector's state in MiB: 3/4 ledger, 1/8 findings, 1/8 ingest queue; the default leaves the
+    # Helm chart's 512 MiB limit room for the runtime (~100 MiB) and decoding (bodies, 2 slots)
+    max_memory_mb: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_decompressed_bytes: int = 16 * 1024 * 1024
     max_spans_per_request: int = 10_000
@@ -72,12 +75,17 @@ class ServiceConfig:
         return DetectorConfig(
             rules=RuleConfig(self.clean_end_grace_s, self.reissue_grace_s, self.resume_loop_count,
                              self.resume_loop_window_s),
-            ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s),
-            max_findings=self.max_findings, tools=tools)
+            ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s,
+                                max_bytes=self._budget_bytes(3 / 4)),
+            max_findings=self.max_findings, max_findings_bytes=self._budget_bytes(1 / 8), tools=tools)
+
+    def _budget_bytes(self, share: float) -> int:
+        return int(self.max_memory_mb * 1024 * 1024 * share)
 
     def ingest_limits(self) -> IngestLimits:
         return IngestLimits(self.max_body_bytes, self.max_decompressed_bytes, self.max_spans_per_request,
-                            self.max_queued_spans, max_span_bytes=self.max_span_bytes,
+                            self.max_queued_spans, max_queued_bytes=self._budget_bytes(1 / 8),
+                            max_span_bytes=self.max_span_bytes,
                             max_json_values=self.max_json_values, max_decoding=self.max_decoding,
                             decoding_wait_s=self.decoding_wait_s, max_buffered_bytes=self.max_buffered_bytes,
                             body_timeout_s=self.body_timeout_s)
