@@ -298,6 +298,10 @@ class Ledger:
         self._charged.clear()
         for s in data["sessions"]:
             self.load_session(s)
+        self.load_rest(data)
+
+    def load_rest(self, data: dict[str, Any]) -> None:
+        """Take a dump's look-ups, timers and counts (after its sessions)."""
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
@@ -337,7 +341,7 @@ class Ledger:
         return {"evictions": dict(self.evictions),
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
                 "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
-                "timers": [list(timer) for timer in self._timers], "seq": self._seq}
+                "timers": list(self._timers), "seq": self._seq}
 
     def session_scopes(self) -> list[str]:
         """Every session's scope, least recently active first."""

@@ -27,7 +27,7 @@ from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.ledger import LedgerLimits
 from mcp_stream_exporter.detector.rules import RuleConfig
-from mcp_stream_exporter.detector.snapshot import Snapshots
+from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 
 ENV_PREFIX = "MCP_STREAM_"
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -154,7 +154,11 @@ def run(config: ServiceConfig) -> int:
     snapshots = None
     if config.snapshot_path:
         snapshots = Snapshots(detector, config.snapshot_path, config.snapshot_interval_s)
-        snapshots.restore()
+        try:
+            snapshots.restore()
+        except SnapshotLocked as exc:
+            log.error("snapshot refused", extra={"error": str(exc)})
+            return 1
         snapshots.start()
     queue = IngestQueue(detector, config.ingest_limits())
     tls: tuple[bytes, bytes] | None = None
