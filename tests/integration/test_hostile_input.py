@@ -4,14 +4,20 @@ starve others. The real FastAPI app and ingest queue, in-process (TestClient) or
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+import uvicorn
 from attacks import ATTACKS
 from fastapi.testclient import TestClient
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -24,7 +30,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
 from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
+from mcp_stream_exporter.detector.service import _JsonLogs
 
 TOKEN = "ingest-secret"
 DECODING_BUDGET_MIB = 48  # the 16 MiB decompressed body itself, and what walking it costs
@@ -185,3 +193,67 @@ def test_the_ingest_queue_is_bounded_in_bytes_not_only_in_spans():
         assert second.status_code == 429 and second.headers["retry-after"]
         assert queue.wait_idle(10)
     queue.close()
+
+
+@contextlib.contextmanager
+def _bounded_server(limits: ConnectionLimits):
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits())
+    server = uvicorn.Server(server_config(create_app(detector, queue), "127.0.0.1", 0, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        queue.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closes it (after an answer, if any) before the socket's own timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_slow_clients_are_cut_off_and_others_are_still_served():
+    """Slowloris: connections that never finish their headers, idle ones, and more than the limit."""
+    limits = ConnectionLimits(max_connections=40, header_timeout_s=1.0, idle_timeout_s=1.0)
+    with _bounded_server(limits) as port:
+        slow = []
+        for _ in range(30):  # headers started, never finished
+            sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(sock)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(10)]  # nothing sent
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(20)]  # past the limit
+        for sock in extra:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 503"), "past the limit: refused at once"
+        for sock in slow + idle:  # cut off by the header deadline (recv waits for it, up to its socket timeout)
+            assert _closed_by_server(sock)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(5):
+                assert http.get("/healthz").status_code == 200
+        for sock in slow + idle + extra:
+            sock.close()
+
+
+def test_the_json_log_line_of_an_error_carries_its_cause():
+    try:
+        raise RuntimeError("the cause")
+    except RuntimeError:
+        record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application", (),
+                                   sys.exc_info())
+    line = json.loads(_JsonLogs().format(record))
+    assert line["message"] == "Exception in ASGI application"
+    assert "RuntimeError: the cause" in line["exception"] and "Traceback" in line["exception"]

@@ -35,6 +35,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Outcome
 from mcp_stream_exporter.detector.events import (
@@ -72,15 +73,6 @@ class IngestLimits:
     decoding_wait_s: float = 5.0  # then 429 with Retry-After
     max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once, received or waiting
     body_timeout_s: float = 30.0  # to receive a whole body; then 408
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """What one slow or idle client may hold: the HTTP and gRPC servers' connection bounds."""
-
-    max_connections: int = 256  # HTTP: beyond, new requests get 503
-    header_timeout_s: float = 10.0  # to send a request's headers, from connecting or the previous response
-    idle_timeout_s: float = 30.0  # a keep-alive connection with no request
 
 
 class IngestError(Exception):

@@ -23,6 +23,7 @@ import uvicorn
 
 from mcp_stream_exporter.auth import ToolPolicy
 from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
 from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.ledger import LedgerLimits
@@ -66,6 +67,9 @@ class ServiceConfig:
     decoding_wait_s: float = 5.0
     max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once
     body_timeout_s: float = 30.0  # to receive a body; then 408
+    max_connections: int = 256  # HTTP connections at once; beyond, 503 and closed
+    header_timeout_s: float = 10.0  # to send a request's headers; then the connection is closed
+    idle_timeout_s: float = 30.0  # an idle keep-alive connection (HTTP and gRPC) is closed
     snapshot_path: str | None = None  # SQLite file: the ledger survives restarts
     snapshot_interval_s: float = 30.0  # a SIGKILL loses at most this much
     log_level: str = "info"
@@ -89,6 +93,9 @@ class ServiceConfig:
                             max_json_values=self.max_json_values, max_decoding=self.max_decoding,
                             decoding_wait_s=self.decoding_wait_s, max_buffered_bytes=self.max_buffered_bytes,
                             body_timeout_s=self.body_timeout_s)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.header_timeout_s, self.idle_timeout_s)
 
     def access(self) -> Access:
         basic = (self.metrics_user, self.metrics_password) if self.metrics_user and self.metrics_password else None
@@ -137,6 +144,10 @@ class _JsonLogs(logging.Formatter):
         entry: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname.lower(),
                                  "logger": record.name, "message": record.getMessage()}
         entry.update({k: v for k, v in vars(record).items() if k not in self._STANDARD and k != "message"})
+        if record.exc_info:  # the cause of an error (uvicorn logs every 500's exception this way)
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, default=str)
 
 
@@ -166,12 +177,13 @@ def run(config: ServiceConfig) -> int:
         tls = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
     grpc_server = None
     if config.grpc_port >= 0:
-        grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls)
+        grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls,
+                                            config.connection_limits())
         log.info("otlp grpc listening", extra={"host": config.host, "port": grpc_port})
     app = create_app(detector, queue, config.access())
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                                           access_log=False, ssl_certfile=config.tls_cert,
-                                           ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
+    server = uvicorn.Server(server_config(app, config.host, config.port, config.connection_limits(),
+                                          log_config=None, access_log=False, ssl_certfile=config.tls_cert,
+                                          ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
     log.info("detector starting", extra={"host": config.host, "port": config.port,
                                          "tools": list(detector.config.tools)})
     # uvicorn handles SIGTERM/SIGINT (stops listening, finishes in-flight requests), then re-raises the
