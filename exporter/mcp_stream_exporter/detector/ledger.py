@@ -117,7 +117,7 @@ class Ledger:
         self._bytes = 0  # sessions, calls and resume windows
         self._index_bytes = 0
         self._charged: dict[int, int] = {}  # id(call) -> bytes it is charged
-        self._touched: list[CallState] = []  # calls that may have grown since the last account()
+        self._touched: dict[int, CallState] = {}  # calls that may have grown since the last account()
 
     # --- sessions and calls ---
 
@@ -142,7 +142,7 @@ class Ledger:
             if len(session.calls) > self.limits.max_calls_per_session:
                 self._forget(session.calls.pop(next(iter(session.calls))))
                 self.evictions["capacity"] += 1
-        self._touched.append(call)  # the caller fills it in
+        self._touched[id(call)] = call  # the caller fills it in
         return call
 
     def find(self, scope: str, request_id: str) -> CallState | None:
@@ -237,7 +237,7 @@ class Ledger:
             self._scheduled.discard((what, scope, request_id))
             call = self.find(scope, request_id)
             if call is not None:
-                self._touched.append(call)  # a finding may be added to it
+                self._touched[id(call)] = call  # a finding may be added to it
                 yield what, call
 
     def expire(self, now_ns: int) -> int:
@@ -262,7 +262,7 @@ class Ledger:
         """Re-charge the calls touched since the last call, then evict the least recently active
         sessions (counted as ``memory``), then the oldest look-ups, until under the budget; returns how
         many sessions were evicted."""
-        for call in self._touched:
+        for call in self._touched.values():
             old = self._charged.get(id(call))
             if old is not None:  # still held
                 self._bytes -= old
@@ -394,8 +394,8 @@ def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> in
 
 def _size(value: object) -> int:
     """Bytes of a string, a number or a tuple of them (shared strings are counted each time: an upper bound)."""
-    if isinstance(value, tuple):
-        return sys.getsizeof(value) + sum(_size(v) for v in value)
+    if type(value) is tuple:
+        return sys.getsizeof(value) + sum(map(sys.getsizeof, value))
     return sys.getsizeof(value)
 
 
