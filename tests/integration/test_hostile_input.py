@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import uvicorn
@@ -32,7 +33,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
-from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
+from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.service import _JsonLogs
 
 TOKEN = "ingest-secret"
@@ -269,3 +270,33 @@ def test_the_json_log_line_of_an_error_carries_its_cause():
     line = json.loads(_JsonLogs().format(record))
     assert line["message"] == "Exception in ASGI application"
     assert "RuntimeError: the cause" in line["exception"] and "Traceback" in line["exception"]
+
+
+def test_otlp_grpc_decodes_as_http_does_bounded_and_span_by_span():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_spans_per_request=10, max_decoding=1, decoding_wait_s=0.05))
+    server, port = serve_grpc(queue, "127.0.0.1", 0, TOKEN)
+    auth = [("authorization", f"bEaReR {TOKEN}")]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+            with pytest.raises(grpc.RpcError) as refused:
+                export(b"\x0a\x02\x12\x00" + b"\x12\x00" * 5, metadata=[("authorization", "Bearer wrong")])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused:  # 11 empty spans: refused before any is decoded
+                export(ExportTraceServiceRequest.FromString(_body(*[OtlpSpan()] * 11)).SerializeToString(),
+                       metadata=auth)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "more than 10 spans" in refused.value.details()
+            (held,) = _slots_taken(queue)
+            with pytest.raises(grpc.RpcError) as refused:
+                export(_body(_stream_span("busy")), metadata=auth)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable
+            held.__exit__(None, None, None)
+            answer = ExportTraceServiceResponse.FromString(export(_body(_stream_span("grpc")), metadata=auth))
+            assert answer.partial_success.rejected_spans == 0
+        assert queue.wait_idle(10)
+    finally:
+        server.stop(None)
+        queue.close()
+    assert detector.ledger.find("grpc", "7") is not None
