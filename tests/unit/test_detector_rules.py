@@ -277,7 +277,7 @@ def test_the_ledger_is_bounded_and_counts_what_it_evicts():
     detector.consume([stream(C, "post", "dropped", pending=(rid,), ids=(rid,), session="a") for rid in "123"])
     detector.consume([stream(C, "post", "dropped", pending=("1",), ids=("1",), session=s) for s in "bc"])
     assert (detector.ledger.sessions, detector.ledger.calls) == (2, 2)
-    assert detector.ledger.evictions == {"capacity": 2, "ttl": 0}
+    assert detector.ledger.evictions == {"capacity": 2, "ttl": 0, "memory": 0}
     clock.now += 61 * S
     detector.tick()
     assert (detector.ledger.sessions, detector.ledger.calls, detector.ledger.in_flight) == (0, 0, 0)

@@ -24,6 +24,8 @@ from promtool import check_rules
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+from mcp_stream_exporter.detector.service import ServiceConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mcp-stream-exporter"
 TEMPLATES = CHART / "templates"
@@ -98,13 +100,22 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"image": {"tag": "latest"}},
     {"serviceMonitor": {"interval": "five minutes"}},
     {"detector": {"maxSessions": 0}},
+    {"detector": {"maxMemoryMb": 0}},
     {"service": {"grpcPort": 70000}},
     {"ingestToken": {"token": "typo for value"}},
     {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
-], ids=["latest-tag", "bad-duration", "zero-ledger", "bad-port", "unknown-key", "bad-resource"])
+], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource"])
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
+
+
+def test_the_memory_budget_defaults_agree_and_leave_half_the_pods_memory_limit_to_the_runtime():
+    values = _values()
+    limit = values["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi")
+    assert values["detector"]["maxMemoryMb"] == ServiceConfig().max_memory_mb
+    assert values["detector"]["maxMemoryMb"] <= int(limit[:-2]) // 2
 
 
 def test_every_value_is_used_by_a_template():

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
-from mcp_stream_exporter.detector.snapshot import Snapshots
+from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, snapshot
+from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 
 from spans import FETCH, SEARCH, S, replay, stream
 
@@ -49,7 +54,7 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
     clock = Clock()
     before = _fed(clock, _incident_so_far())
     assert "clean_end_pending" not in {f.rule for f in before.findings}
-    Snapshots(before, tmp_path / "ledger.db").save()
+    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
 
     restarted = Detector(CONFIG, clock=clock)
     assert Snapshots(restarted, tmp_path / "ledger.db").restore()
@@ -62,7 +67,7 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
 def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_finding(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far())
-    Snapshots(before, tmp_path / "ledger.db").save()
+    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
     restarted = Detector(CONFIG, clock=clock)
     Snapshots(restarted, tmp_path / "ledger.db").restore()
     restarted.consume([stream(SV, "resume", "clean", pending=("3",), cursor="41")])
@@ -75,7 +80,7 @@ def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_fi
 def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far() * 2)
-    Snapshots(before, tmp_path / "ledger.db").save()
+    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
     restarted = Detector(CONFIG, clock=clock)
     Snapshots(restarted, tmp_path / "ledger.db").restore()
     assert restarted.ledger.dump() == before.ledger.dump()
@@ -83,10 +88,128 @@ def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
     assert restarted.registry.get_sample_value("mcp_stream_detector_snapshot_timestamp_seconds") == clock.now / 1e9
 
 
-def test_no_snapshot_means_a_fresh_start_and_an_unknown_format_is_ignored(tmp_path):
+def test_no_snapshot_means_a_fresh_start(tmp_path):
     fresh = Detector(CONFIG)
     assert not Snapshots(fresh, tmp_path / "ledger.db").restore()
-    with sqlite3.connect(tmp_path / "ledger.db") as db:
-        db.execute("INSERT INTO snapshot VALUES (1, 99, 0, '{}', '[]')")
-    assert not Snapshots(fresh, tmp_path / "ledger.db").restore()
     assert fresh.ledger.sessions == 0
+
+
+def _errors(detector: Detector) -> float:
+    return detector.registry.get_sample_value("mcp_stream_detector_errors_total", {"where": "snapshot"}) or 0
+
+
+def test_a_newer_format_is_refused_and_never_overwritten(tmp_path, caplog):
+    path = tmp_path / "ledger.db"
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE meta (id INTEGER PRIMARY KEY, format INTEGER, taken_ns INTEGER)")
+        db.execute("INSERT INTO meta VALUES (1, 99, 0)")
+        db.commit()
+    written = path.read_bytes()
+    clock = Clock()
+    detector = Detector(CONFIG, clock=clock)
+    snapshots = Snapshots(detector, path)
+    assert not snapshots.restore()
+    detector.consume(_incident_so_far())
+    snapshots.close()
+    assert path.read_bytes() == written
+    assert _errors(detector) == 1 and "newer format" in caplog.text
+
+
+def _valid_snapshot(path: Path) -> None:
+    clock = Clock()
+    Snapshots(_fed(clock, _incident_so_far()), path).close()
+
+
+def _corrupt(kind: str, path: Path) -> None:
+    if kind == "garbage":
+        path.write_bytes(b"not a database at all" * 100)
+        return
+    _valid_snapshot(path)
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+        return
+    with closing(sqlite3.connect(path)) as db:
+        statement = {"bad json": "UPDATE rows SET data = '{not json' WHERE kind = 'sessions'",
+                     "unknown row kind": "UPDATE rows SET kind = 'mystery' WHERE kind = 'findings'",
+                     "wrong types": "UPDATE rows SET data = '[\"x\"]' WHERE kind = 'sessions'",
+                     "missing fields": "UPDATE rows SET data = '[{}]' WHERE kind = 'findings'",
+                     "foreign database": "DROP TABLE meta"}[kind]
+        db.execute(statement)
+        if kind == "foreign database":
+            db.execute("CREATE TABLE users (name TEXT)")
+        db.commit()
+
+
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "bad json", "unknown row kind", "wrong types",
+                                  "missing fields", "foreign database"])
+def test_a_corrupt_snapshot_is_moved_aside_and_the_detector_starts_empty_saying_so(tmp_path, caplog, kind):
+    path = tmp_path / "ledger.db"
+    _corrupt(kind, path)
+    detector = Detector(CONFIG, clock=Clock())
+    snapshots = Snapshots(detector, path)
+    assert not snapshots.restore()
+    (aside,) = tmp_path.glob("ledger.db.corrupt-*")
+    assert aside.stat().st_size > 0 and not path.exists()
+    assert (detector.ledger.sessions, detector.ledger.calls, len(detector.findings)) == (0, 0, 0)
+    assert _errors(detector) == 1 and "moved aside, starting empty" in caplog.text
+    snapshots.close()  # and it writes a fresh one
+    assert Snapshots(Detector(CONFIG), path).restore()
+
+
+def test_a_second_writer_on_the_same_file_is_refused(tmp_path):
+    first = Snapshots(Detector(CONFIG), tmp_path / "ledger.db")
+    first.restore()
+    with pytest.raises(SnapshotLocked, match="in use by another detector"):
+        Snapshots(Detector(CONFIG), tmp_path / "ledger.db").restore()
+    first.close()
+    Snapshots(Detector(CONFIG), tmp_path / "ledger.db").restore()  # free once the first is gone
+
+
+def test_a_failing_write_is_logged_with_its_cause_and_counted_and_never_raises(tmp_path, caplog):
+    path = tmp_path / "ledger.db"
+    path.mkdir()  # not a file SQLite can write
+    detector = Detector(CONFIG, clock=Clock())
+    snapshots = Snapshots(detector, path)
+    assert not snapshots.restore()
+    detector.consume(_incident_so_far())
+    snapshots.close()
+    (failed,) = [r for r in caplog.records if r.getMessage() == "snapshot failed"]
+    assert _errors(detector) == 2 and "OperationalError" in failed.error
+
+
+def test_a_version_1_snapshot_is_read_after_an_upgrade(tmp_path):
+    clock = Clock()
+    before = _fed(clock, _incident_so_far())
+    with closing(sqlite3.connect(tmp_path / "ledger.db")) as db:
+        db.execute("CREATE TABLE snapshot (id INTEGER PRIMARY KEY, format INTEGER, taken_ns INTEGER, ledger TEXT, "
+                   "findings TEXT)")
+        db.execute("INSERT INTO snapshot VALUES (1, 1, ?, ?, ?)", (clock.now, json.dumps(before.ledger.dump()),
+                                                                   json.dumps(before.findings.dump())))
+        db.commit()
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    assert _judged(restarted, clock) == _judged(before, clock)
+
+
+def test_a_large_ledger_is_written_in_bounded_rows_and_never_serialised_under_the_detectors_lock(tmp_path,
+                                                                                                    monkeypatch):
+    clock = Clock()
+    detector = Detector(CONFIG, clock=clock)
+    for i in range(0, 6000, 500):
+        detector.consume([stream(C, "post", "dropped", pending=("1",), session=f"{'s' * 200}{j}")
+                          for j in range(i, i + 500)])
+    real_dumps = snapshot.json.dumps
+
+    def checked_dumps(*args, **kwargs):
+        assert not detector.lock.locked(), "serialising under the detector's lock"
+        return real_dumps(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot.json, "dumps", checked_dumps)
+    Snapshots(detector, tmp_path / "ledger.db").close()
+    monkeypatch.undo()
+    with closing(sqlite3.connect(tmp_path / "ledger.db")) as db:
+        sizes = [n for (n,) in db.execute("SELECT length(data) FROM rows WHERE kind = 'sessions'")]
+    assert len(sizes) > 1 and max(sizes) < 2 * snapshot._CHUNK_BYTES
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    assert restarted.ledger.dump() == detector.ledger.dump()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -151,3 +154,36 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     assert other.span is None  # same tool, other arguments: not the re-issue, still on the healthy path
     assert reissue.span is not None  # the re-issue: a span of ours, whatever becomes of it
     assert computed == ["a", "b", "a"]
+
+
+def _request_with_traceparent(rid, traceparent):
+    meta = json.dumps({"traceparent": traceparent})
+    body = f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"fetch","_meta":{meta}}}}}'
+    return classify(body)[0]
+
+
+@pytest.mark.parametrize("traceparent", [
+    "x" * 55, "-" * 60, "00-" + "g" * 32 + "-" + "0" * 16 + "-01", "00-0x" + "1" * 30 + "-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f0_7aa0ba902b7-01",
+    "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\u0661", "ab-cd", ""])
+def test_a_junk_traceparent_from_the_client_still_lets_the_calls_deviation_spans_out(traceparent):
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request_with_traceparent(1, traceparent), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED, 200)
+    tracker.cancel(("s", "1"))
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.parent is None, "junk is no parent"
+    assert _by(exporter, sc.SPAN_STREAM)
+
+
+def test_a_well_formed_traceparent_makes_the_sdks_request_span_the_calls_parent():
+    tracker, exporter = _tracker()
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    call = tracker.start_call("s", _request_with_traceparent(1, tp), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED, 200)
+    tracker.cancel(("s", "1"))
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"

@@ -6,8 +6,7 @@ spans arrive through the span processor, so ``/v1/traces`` is not mounted).
 
 from __future__ import annotations
 
-import base64
-import hmac
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -18,6 +17,7 @@ from google.protobuf import json_format
 from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
 
+from mcp_stream_exporter.detector.credentials import basic_matches, bearer_matches
 from mcp_stream_exporter.detector.detector import Detector
 from mcp_stream_exporter.detector.findings import Query as FindingQuery
 from mcp_stream_exporter.detector.ingest import (
@@ -46,16 +46,11 @@ class Access:
 
 
 def _bearer_ok(request: Request, token: str | None) -> bool:
-    if token is None:
-        return True
-    return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}")
+    return token is None or bearer_matches(request.headers.get("authorization", ""), token)
 
 
 def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
-    if creds is None:
-        return True
-    expected = "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
-    return hmac.compare_digest(request.headers.get("authorization", ""), expected)
+    return creds is None or basic_matches(request.headers.get("authorization", ""), *creds)
 
 
 def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None,
@@ -82,29 +77,41 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
             declared = request.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
                 return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
-                chunks.append(chunk)
             content_type = request.headers.get("content-type", PROTOBUF)
             encoding = request.headers.get("content-encoding")
-
-            def process() -> Any:
-                body = decompress(b"".join(chunks), encoding, limits)
-                return receive(queue, decode(body, content_type, limits), "otlp_http")
-
+            chunks: list[bytes] = []
+            size = 0  # held, and reserved in the queue's body buffer
             try:
+                try:
+                    async with asyncio.timeout(limits.body_timeout_s):
+                        async for chunk in request.stream():
+                            if size + len(chunk) > limits.max_body_bytes:
+                                return refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+                            if not queue.reserve(len(chunk)):
+                                return refuse(429, "too many request bodies held; retry after the given delay",
+                                              "busy", {"Retry-After": str(limits.retry_after_s)})
+                            chunks.append(chunk)
+                            size += len(chunk)
+                except TimeoutError:
+                    return refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout")
+
+                def process() -> Any:
+                    with queue.decoding():
+                        body = decompress(b"".join(chunks), encoding, limits)
+                        return receive(queue, decode(body, content_type, limits), "otlp_http")
+
                 outcome = await run_in_threadpool(process)
             except IngestError as exc:
-                return refuse(exc.status, exc.reason, exc.metric_reason)
+                headers = {"Retry-After": str(limits.retry_after_s)} if exc.status == 429 else None
+                return refuse(exc.status, exc.reason, exc.metric_reason, headers)
+            finally:
+                queue.release(size)
             if outcome is None:
                 return refuse(429, "ingest queue full; retry after the given delay", "queue_full",
                               {"Retry-After": str(limits.retry_after_s)})
             if outcome.rejected:
-                log.info("spans refused", extra={"rejected": outcome.rejected_count, "reason": outcome.message()})
+                log.info("spans refused",
+                         extra={"rejected": outcome.rejected_count, "reason": outcome.message()[:1000]})
             answer = partial_success(outcome)
             if content_type.startswith(JSON):
                 return Response(json_format.MessageToJson(answer), media_type=JSON)

@@ -29,6 +29,8 @@ class DetectorConfig:
     rules: RuleConfig = field(default_factory=RuleConfig)
     ledger: LedgerLimits = field(default_factory=LedgerLimits)
     max_findings: int = 10_000
+    max_findings_bytes: int = 32 * 1024 * 1024  # an estimate of the findings' size; oldest dropped first
+    max_timelines_bytes: int = 16 * 1024 * 1024  # the findings page's call timelines (timeline.py)
     tools: tuple[str, ...] = ()  # the ToolPolicy's tools: the only tool label values besides `other`
     max_tool_labels: int = 20  # without a policy: the first tools seen, then `other`
 
@@ -56,11 +58,15 @@ class Detector:
         self.clock = clock
         self.lock = threading.Lock()
         self.ledger = Ledger(self.config.ledger)
-        self.findings = FindingStore(self.config.max_findings)
-        self.timelines = Timelines(TimelineLimits(max_findings=self.config.max_findings))
+        self.findings = FindingStore(self.config.max_findings, self.config.max_findings_bytes)
+        self.timelines = Timelines(TimelineLimits(max_findings=self.config.max_findings,
+                                                  max_bytes=self.config.max_timelines_bytes))
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
-        self.registry.register(LedgerCollector(self.ledger, lambda: len(self.findings)))
+        self.registry.register(LedgerCollector(self.ledger, self.findings, (
+            ("ledger", self.ledger, self.config.ledger.max_bytes),
+            ("findings", self.findings, self.config.max_findings_bytes),
+            ("timelines", self.timelines, self.config.max_timelines_bytes))))
         self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
         self._on_finding = on_finding
 
@@ -102,6 +108,7 @@ class Detector:
                     self.metrics.operation(event)
                     self.rules.operation(event, now)
             self.rules.tick(now)
+            self.ledger.account()
 
     def consume(self, spans: Iterable[Span], transport: str = "embedded") -> Outcome:
         """Read and apply a batch on the caller's thread."""
@@ -113,6 +120,7 @@ class Detector:
         """Run the grace-period rules against the clock; call it periodically when idle."""
         with self.lock:
             self.rules.tick(self.clock())
+            self.ledger.account()
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):

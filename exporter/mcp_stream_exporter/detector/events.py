@@ -13,6 +13,7 @@ from typing import Any
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import canonical_resources
+from mcp_stream_exporter.detector.redaction import redact
 
 KIND_CLIENT = "client"
 KIND_SERVER = "server"
@@ -21,6 +22,14 @@ KIND_INTERNAL = "internal"
 _SDK_CLIENT_PREFIX = "MCP send "
 _TIMEOUT_CODES = frozenset({"-32001"})  # the SDK's "Request timed out"
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
+
+# Bounds on what one span may make the detector keep: longer strings and lists are refused, not cut
+# (a cut id would be another call's). Ids are hex of 16 and 8 bytes per OTLP.
+MAX_CHARS = 256
+MAX_ITEMS = 256
+_MAX_TRACE_ID = 32
+_MAX_SPAN_ID = 16
+_MAX_INT_DIGITS = 18  # an int64 as a string; isdigit() alone also takes "²" and 5,000 digits int() refuses
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,6 +167,19 @@ Lifecycle = StreamEnd | CallEnd | Replay | Operation
 _TERMINAL = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 
 
+def weight(value: object) -> int:
+    """About the bytes an event holds while it waits in the ingest queue: its strings and tuples as
+    CPython sizes them, a fixed rate per object and per other field."""
+    if isinstance(value, str):
+        return 49 + len(value)
+    if isinstance(value, tuple):
+        return 56 + sum(8 + weight(v) for v in value)
+    slots = getattr(type(value), "__slots__", None)
+    if slots:
+        return 64 + sum(8 + weight(getattr(value, name)) for name in slots)
+    return 32
+
+
 def lifecycle(span: Span) -> Lifecycle | None:
     """The lifecycle event a span stands for; None for a span outside the model.
 
@@ -172,7 +194,7 @@ def lifecycle(span: Span) -> Lifecycle | None:
         return _call(span)
     if model == sc.SPAN_REPLAY:
         return _replay(span)
-    raise Rejected(f"unknown {sc.SPAN} {str(model)[:40]!r}")
+    raise Rejected(f"unknown {sc.SPAN} {redact(str(model)[:MAX_CHARS])[:40]!r}")
 
 
 def _required(a: Mapping[str, Any], key: str) -> str:
@@ -187,8 +209,14 @@ def _str(a: Mapping[str, Any], key: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, (str, int)) and not isinstance(value, bool):
-        return str(value)  # request ids may arrive as ints from other SDKs
+        return _bounded(key, str(value))  # request ids may arrive as ints from other SDKs
     raise Rejected(f"{key} must be a string")
+
+
+def _bounded(key: str, value: str) -> str:
+    if len(value) > MAX_CHARS:
+        raise Rejected(f"{key} longer than {MAX_CHARS} characters")
+    return redact(value)
 
 
 def _int(a: Mapping[str, Any], key: str) -> int | None:
@@ -196,7 +224,7 @@ def _int(a: Mapping[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.isdigit():
+        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= _MAX_INT_DIGITS:
             return int(value)
         raise Rejected(f"{key} must be an integer")
     return value
@@ -207,9 +235,11 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,)
+        return (_bounded(key, value),)
     if isinstance(value, Sequence) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-        return tuple(str(v) for v in value)
+        if len(value) > MAX_ITEMS:
+            raise Rejected(f"{key} has more than {MAX_ITEMS} items")
+        return tuple(_bounded(key, str(v)) for v in value)
     raise Rejected(f"{key} must be a list of strings")
 
 
@@ -224,8 +254,16 @@ def _common(span: Span) -> Common:
     session_id = _str(a, sc.MCP_SESSION_ID)
     if span.end_ns < span.start_ns:
         raise Rejected("span ends before it starts")
+    if (len(span.trace_id) > _MAX_TRACE_ID or len(span.span_id) > _MAX_SPAN_ID
+            or len(span.parent_span_id or "") > _MAX_SPAN_ID):
+        raise Rejected("trace or span id longer than 16 or 8 bytes")
     return Common(role, era, session_id or f"trace:{span.trace_id}", session_id, span.trace_id, span.span_id,
-                  span.start_ns, span.end_ns, span.origin)
+                  span.start_ns, span.end_ns, _origin(span))
+
+
+def _origin(span: Span) -> str:
+    """The emitting process, cut (not refused: it is the resource's, shared by every span of a batch)."""
+    return redact(span.origin[:MAX_CHARS])
 
 
 def _token(a: Mapping[str, Any]) -> Token:
@@ -284,6 +322,7 @@ def _operation(span: Span) -> Operation:
     tool = _str(a, sc.GEN_AI_TOOL_NAME)
     if tool is None and method == "tools/call" and span.name.startswith(_SDK_CLIENT_PREFIX):
         tool = span.name[len(_SDK_CLIENT_PREFIX) + len(method) + 1:] or None  # the SDK names it only here
+        tool = redact(tool) if tool is not None and len(tool) <= MAX_CHARS else None
     error_type = _str(a, sc.ERROR_TYPE)
     code = _str(a, sc.RPC_RESPONSE_STATUS_CODE)
     timed_out = (code in _TIMEOUT_CODES or error_type in ("timeout", "TimeoutError")
@@ -292,4 +331,4 @@ def _operation(span: Span) -> Operation:
         error_type = "timeout" if timed_out else (span.exception_types[0] if span.exception_types else "error")
     role = KIND_CLIENT if span.kind == KIND_CLIENT else KIND_SERVER
     return Operation(role, method, tool, span.trace_id, span.span_id, span.start_ns,
-                     max(0, span.end_ns - span.start_ns) / 1e9, error_type, timed_out, span.origin)
+                     max(0, span.end_ns - span.start_ns) / 1e9, error_type, timed_out, _origin(span))

@@ -2,15 +2,27 @@
 
 A finding's id is a hash of (rule, session, subject): the client's and the server's spans of one
 loss make the same id, so one loss is one finding, and replicas and restarts agree on it.
+
+Bounded in bytes: a finding's evidence is cut to a few KiB (lists and strings shortened, marked
+``truncated``), its trace, span and role lists to a few entries, and the store drops its oldest
+findings past a count or an estimate of its size.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+MAX_EVIDENCE_BYTES = 4096  # as JSON
+_MAX_ITEMS = 16  # items kept of a list in cut evidence
+_MAX_CHARS = 256  # characters kept of a string in cut evidence
+_MAX_REFS = 8  # trace ids, span ids, roles kept on a finding
+_FINDING_BYTES = 1000  # a finding beyond its evidence and lists (measured with tracemalloc, rounded up)
+_BYTES_PER_JSON_BYTE = 8  # evidence and lists as Python objects, per byte of their JSON (ids: ~2, numbers: ~10)
 
 
 def finding_id(rule: str, scope: str, subject: str) -> str:
@@ -43,6 +55,18 @@ class Finding:
             self.evidence.setdefault(key, value)
         self.trace_ids.extend(t for t in other.trace_ids if t not in self.trace_ids)
         self.span_ids.extend(s for s in other.span_ids if s not in self.span_ids)
+        self.bound()
+
+    def bound(self) -> None:
+        """Cut the evidence and the lists to their bounds."""
+        self.evidence = bounded_evidence(self.evidence)
+        del self.roles[_MAX_REFS:], self.trace_ids[_MAX_REFS:], self.span_ids[_MAX_REFS:]
+
+    @property
+    def bytes(self) -> int:
+        """An estimate of what the finding holds, in bytes."""
+        return _FINDING_BYTES + _BYTES_PER_JSON_BYTE * _json_size([self.evidence, self.roles, self.trace_ids,
+                                                                    self.span_ids])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,12 +95,41 @@ class Query:
                 and (self.until_ns is None or f.detected_ns < self.until_ns))
 
 
-class FindingStore:
-    """The most recent findings, bounded; older ones are dropped first (and counted)."""
+def bounded_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
+    """``evidence`` if it fits ``MAX_EVIDENCE_BYTES`` as JSON, else cut to fit and marked ``truncated``."""
+    if _json_size(evidence) <= MAX_EVIDENCE_BYTES:
+        return evidence
+    cut = {str(key)[:64]: _cut(value) for key, value in list(evidence.items())[:_MAX_ITEMS]}
+    cut["truncated"] = True
+    if _json_size(cut) <= MAX_EVIDENCE_BYTES:
+        return cut
+    return {"truncated": True, "keys": [str(key)[:64] for key in list(evidence)[:_MAX_ITEMS]]}
 
-    def __init__(self, capacity: int = 10_000) -> None:
+
+def _cut(value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:_MAX_CHARS]
+    if isinstance(value, (list, tuple)):
+        return [_cut(v) for v in value[:_MAX_ITEMS]]
+    if isinstance(value, dict):
+        return {str(k)[:64]: _cut(v) for k, v in list(value.items())[:_MAX_ITEMS]}
+    return value
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, default=str, separators=(",", ":")))
+
+
+class FindingStore:
+    """The most recent findings, bounded in count and in estimated bytes; the oldest are dropped first
+    (and counted)."""
+
+    def __init__(self, capacity: int = 10_000, max_bytes: int = 32 * 1024 * 1024) -> None:
         self._capacity = capacity
+        self._max_bytes = max_bytes
         self._findings: OrderedDict[str, Finding] = OrderedDict()
+        self._charged: dict[str, int] = {}
+        self.bytes = 0
         self.dropped = 0
 
     def add(self, finding: Finding) -> bool:
@@ -84,12 +137,20 @@ class FindingStore:
         existing = self._findings.get(finding.id)
         if existing is not None:
             existing.merge(finding)
+            self._charge(existing)
             return False
+        finding.bound()
         self._findings[finding.id] = finding
-        while len(self._findings) > self._capacity:
-            self._findings.popitem(last=False)
+        self._charge(finding)
+        while len(self._findings) > self._capacity or (self.bytes > self._max_bytes and len(self._findings) > 1):
+            self.bytes -= self._charged.pop(self._findings.popitem(last=False)[0])
             self.dropped += 1
         return True
+
+    def _charge(self, finding: Finding) -> None:
+        charge = finding.bytes
+        self.bytes += charge - self._charged.get(finding.id, 0)
+        self._charged[finding.id] = charge
 
     def get(self, fid: str) -> Finding | None:
         return self._findings.get(fid)
@@ -110,4 +171,8 @@ class FindingStore:
         return [asdict(f) for f in self._findings.values()]
 
     def load(self, rows: list[dict[str, Any]]) -> None:
-        self._findings = OrderedDict((row["id"], Finding(**row)) for row in rows[-self._capacity:])
+        self._findings.clear()
+        self._charged.clear()
+        self.bytes = 0
+        for row in rows:
+            self.add(Finding(**row))

@@ -2,36 +2,54 @@
 
 Every refusal has a clear answer (OTLP/HTTP spec): 400 for a body that does not decode, 413 for one
 too large before or after decompression (a gzip bomb is refused while inflating, never inflated
-whole), 415 for an unknown content type, and 429/503 with ``Retry-After`` when the queue is full.
-Spans that decode but break the span model are refused one by one in the OTLP partial-success
-answer; the rest of their batch is kept.
+whole), 415 for an unknown content type, and 429/503 with ``Retry-After`` when the queue is full or
+every decoding slot is taken. Spans that decode but break the span model are refused one by one in
+the OTLP partial-success answer; the rest of their batch is kept.
+
+Decoding costs are known before anything is built: a protobuf body is walked at the wire level to
+find its spans (counted, and each one's size checked) and then decoded one span at a time, so a
+request never exists whole as objects; a JSON body's values are counted before it is parsed.
 """
 
 from __future__ import annotations
 
 import base64
-import hmac
 import json
+import logging
 import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from mcp_stream_exporter.detector.connections import ConnectionLimits
+from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Outcome
-from mcp_stream_exporter.detector.events import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Lifecycle, Span, origin_of
+from mcp_stream_exporter.detector.events import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    KIND_SERVER,
+    Lifecycle,
+    Span,
+    origin_of,
+    weight,
+)
+from mcp_stream_exporter.detector.redaction import redact
 
+log = logging.getLogger("mcp_stream_exporter.detector")
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
 ExportResponse = trace_service_pb2.ExportTraceServiceResponse
 
@@ -48,6 +66,13 @@ class IngestLimits:
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
     retry_after_s: int = 2
+    max_queued_bytes: int = 32 * 1024 * 1024  # an estimate of the events waiting (events.weight)
+    max_span_bytes: int = 256 * 1024  # one encoded span (or resource): what decoding it may cost
+    max_json_values: int = 200_000  # values in a JSON body, counted before it is parsed
+    max_decoding: int = 2  # requests decoded at once (HTTP and gRPC together); others wait their turn
+    decoding_wait_s: float = 5.0  # then 429 with Retry-After
+    max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once, received or waiting
+    body_timeout_s: float = 30.0  # to receive a whole body; then 408
 
 
 class IngestError(Exception):
@@ -75,34 +100,162 @@ def decompress(body: bytes, encoding: str | None, limits: IngestLimits) -> bytes
     return out
 
 
-def decode(body: bytes, content_type: str, limits: IngestLimits) -> Any:
-    """An ``ExportTraceServiceRequest`` from an OTLP/HTTP body (already decompressed)."""
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A decoded request: its spans counted up front, read one at a time."""
+
+    count: int
+    spans: Iterable[Span]
+
+
+def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
+    """The spans of an OTLP/HTTP body (already decompressed), or the reason it is refused."""
     media = content_type.split(";", 1)[0].strip().lower()
+    if media == PROTOBUF:
+        return decode_protobuf(body, limits)
+    if media == JSON:
+        return _decode_json(body, limits)
+    raise IngestError(415, f"unsupported Content-Type {media[:60]!r}: use {PROTOBUF} or {JSON}", "bad_encoding")
+
+
+def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
+    try:
+        located = _locate_spans(memoryview(body), limits)
+    except DecodeError as exc:
+        raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
+    return Batch(len(located), _decoded_spans(located))
+
+
+def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
+    values = body.count(b",") + body.count(b"{") + body.count(b"[") + 1  # an upper bound, at C speed
+    if values > limits.max_json_values:
+        raise IngestError(413, f"about {values} JSON values; at most {limits.max_json_values}: send smaller "
+                          f"batches, or protobuf", "too_large")
     request = ExportRequest()
     try:
-        if media == PROTOBUF:
-            request.ParseFromString(body)
-        elif media == JSON:
-            json_format.ParseDict(_hex_ids_to_base64(json.loads(body)), request, ignore_unknown_fields=True)
+        json_format.ParseDict(_hex_ids_to_base64(json.loads(body)), request, ignore_unknown_fields=True)
+    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+        reason = redact(str(exc)[:400])[:200]
+        raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {reason}", "malformed") from None
+    count = count_spans(request)
+    _check_span_count(count, limits)
+    return Batch(count, spans_of(request))
+
+
+def _check_span_count(count: int, limits: IngestLimits) -> None:
+    if count > limits.max_spans_per_request:
+        raise IngestError(413, f"more than {limits.max_spans_per_request} spans in one request: send smaller "
+                          "batches", "too_many_spans")
+
+
+# --- the protobuf wire format, walked without decoding: ExportTraceServiceRequest.resource_spans (1) ->
+# ResourceSpans.resource (1) and .scope_spans (2) -> ScopeSpans.spans (2) ---
+
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview]]:
+    """(origin, encoded span) of every span in the request; refused as soon as there are too many
+    (spans, or fields around them) or one is too large. Work: at most a few steps per span."""
+    fields = [3 * limits.max_spans_per_request + 64]  # fields walked, left
+    located: list[tuple[str, memoryview]] = []
+    for resource_spans in _messages(body, 1, fields, limits):
+        resource = bytearray()
+        scopes: list[memoryview] = []
+        for number, value in _length_fields(resource_spans, fields, limits):
+            if number == 1:
+                resource += value
+            elif number == 2:
+                scopes.append(value)
+        origin = _resource_origin(resource, limits)
+        for scope in scopes:
+            for span in _messages(scope, 2, fields, limits):
+                if len(span) > limits.max_span_bytes:
+                    raise IngestError(413, f"a span of {len(span)} bytes; at most {limits.max_span_bytes}",
+                                      "too_large")
+                located.append((origin, span))
+                _check_span_count(len(located), limits)
+    return located
+
+
+def _messages(buf: memoryview, number: int, fields: list[int], limits: IngestLimits) -> Iterator[memoryview]:
+    for n, value in _length_fields(buf, fields, limits):
+        if n == number:
+            yield value
+
+
+def _length_fields(buf: memoryview, fields: list[int], limits: IngestLimits) -> Iterator[tuple[int, memoryview]]:
+    """The length-delimited fields of one message (the only kind the walk descends into)."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        fields[0] -= 1
+        if fields[0] < 0:
+            raise IngestError(413, f"too many fields around the spans; at most {limits.max_spans_per_request} "
+                              "spans per request", "too_many_spans")
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        if wire == _LENGTH:
+            length, pos = _varint(buf, pos)
+            if pos + length > end:
+                raise DecodeError("truncated message")
+            yield key >> 3, buf[pos:pos + length]
+            pos += length
+        elif wire == _VARINT:
+            _, pos = _varint(buf, pos)
+        elif wire in (_FIXED64, _FIXED32):
+            pos += 8 if wire == _FIXED64 else 4
         else:
-            raise IngestError(415, f"unsupported Content-Type {media[:60]!r}: use {PROTOBUF} or {JSON}",
-                              "bad_encoding")
-    except (DecodeError, json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-        raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {str(exc)[:200]}", "malformed") from None
-    return request
+            raise DecodeError(f"wire type {wire} where a message field was expected")
+        if pos > end:
+            raise DecodeError("truncated message")
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while shift < 64:
+        if pos >= len(buf):
+            raise DecodeError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise DecodeError("varint longer than 10 bytes")
+
+
+def _resource_origin(encoded: bytearray, limits: IngestLimits) -> str:
+    if len(encoded) > limits.max_span_bytes:
+        raise IngestError(413, f"a resource of {len(encoded)} bytes; at most {limits.max_span_bytes}", "too_large")
+    return origin_of(_attributes(Resource.FromString(bytes(encoded)).attributes))
+
+
+def _decoded_spans(located: list[tuple[str, memoryview]]) -> Iterator[Span]:
+    for origin, encoded in located:
+        try:
+            span = OtlpSpan.FromString(encoded)  # type: ignore[arg-type]  # upb reads any buffer
+        except DecodeError as exc:
+            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+        yield _span(span, origin)
 
 
 def _hex_ids_to_base64(doc: Any) -> Any:
-    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64."""
+    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64. A part of the
+    wrong type is left as it is: ``ParseDict`` refuses it with its path."""
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object")
-    for resource_spans in doc.get("resourceSpans") or ():
-        for scope_spans in (resource_spans or {}).get("scopeSpans") or ():
-            for span in (scope_spans or {}).get("spans") or ():
+    for resource_spans in _objects(doc, "resourceSpans"):
+        for scope_spans in _objects(resource_spans, "scopeSpans"):
+            for span in _objects(scope_spans, "spans"):
                 _rewrite(span)
-                for link in (span or {}).get("links") or ():
+                for link in _objects(span, "links"):
                     _rewrite(link)
     return doc
+
+
+def _objects(parent: Any, key: str) -> list[Any]:
+    items = parent.get(key) if isinstance(parent, dict) else None
+    return items if isinstance(items, list) else []
 
 
 def _rewrite(obj: Any) -> None:
@@ -141,15 +294,16 @@ def spans_of(request: Any) -> Iterator[Span]:
         origin = origin_of(_attributes(resource_spans.resource.attributes))
         for scope_spans in resource_spans.scope_spans:
             for s in scope_spans.spans:
-                exceptions = tuple(str(_attributes(e.attributes).get("exception.type", ""))
-                                   for e in s.events if e.name == "exception")
-                yield Span(
-                    trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                    parent_span_id=s.parent_span_id.hex() or None, name=s.name,
-                    kind=_KINDS.get(s.kind, KIND_INTERNAL), start_ns=s.start_time_unix_nano,
-                    end_ns=s.end_time_unix_nano, attributes=_attributes(s.attributes),
-                    exception_types=exceptions,
-                    error=s.status.code == Status.STATUS_CODE_ERROR, origin=origin)
+                yield _span(s, origin)
+
+
+def _span(s: Any, origin: str) -> Span:
+    exceptions = tuple(str(_attributes(e.attributes).get("exception.type", "")) for e in s.events
+                       if e.name == "exception")
+    return Span(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
+                name=s.name, kind=_KINDS.get(s.kind, KIND_INTERNAL), start_ns=s.start_time_unix_nano,
+                end_ns=s.end_time_unix_nano, attributes=_attributes(s.attributes), exception_types=exceptions,
+                error=s.status.code == Status.STATUS_CODE_ERROR, origin=origin)
 
 
 def count_spans(request: Any) -> int:
@@ -172,11 +326,14 @@ class IngestQueue:
     def __init__(self, detector: Detector, limits: IngestLimits, tick_interval_s: float = 0.5) -> None:
         self.detector = detector
         self.limits = limits
-        self._batches: deque[tuple[list[Lifecycle], float]] = deque()
+        self._batches: deque[tuple[list[Lifecycle], float, int]] = deque()
         self._queued = 0
+        self._queued_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
         self._tick_interval_s = tick_interval_s
+        self._decoding = threading.BoundedSemaphore(limits.max_decoding)
+        self._buffered = 0
         self._worker = threading.Thread(target=self._run, name="mcp-stream-detector-ingest", daemon=True)
         self._worker.start()
 
@@ -189,13 +346,38 @@ class IngestQueue:
         return not self._closed and self._worker.is_alive()
 
     def offer(self, events: list[Lifecycle]) -> bool:
+        size = sum(map(weight, events))
         with self._cond:
-            if self._closed or (self._queued and self._queued + len(events) > self.limits.max_queued_spans):
+            if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans
+                                                  or self._queued_bytes + size > self.limits.max_queued_bytes)):
                 return False
-            self._batches.append((events, time.monotonic()))
+            self._batches.append((events, time.monotonic(), size))
             self._queued += len(events)
+            self._queued_bytes += size
             self._cond.notify()
         return True
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """One of the few decoding slots, waited for in turn; 429 if none frees up in time."""
+        if not self._decoding.acquire(timeout=self.limits.decoding_wait_s):
+            raise IngestError(429, "every decoding slot is busy; retry after the given delay", "busy")
+        try:
+            yield
+        finally:
+            self._decoding.release()
+
+    def reserve(self, size: int) -> bool:
+        """Room for ``size`` more bytes of request bodies (all requests together); False when full."""
+        with self._cond:
+            if self._buffered + size > self.limits.max_buffered_bytes:
+                return False
+            self._buffered += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._cond:
+            self._buffered -= size
 
     def _run(self) -> None:
         while True:
@@ -208,12 +390,16 @@ class IngestQueue:
             if batch is None:
                 self.detector.tick()
                 continue
-            events, arrived = batch
+            events, arrived, size = batch
             try:
                 self.detector.apply(events)
+            except Exception:  # a bug must not stop ingest: log its cause, count it, go on
+                log.exception("a batch could not be applied", extra={"events": len(events)})
+                self.detector.metrics.errors.labels("ingest").inc()
             finally:
                 with self._cond:
                     self._queued -= len(events)
+                    self._queued_bytes -= size
                     self._cond.notify_all()
                 self.detector.metrics.ingest_latency.observe(time.monotonic() - arrived)
 
@@ -229,36 +415,35 @@ class IngestQueue:
         self._worker.join(timeout_s)
 
 
-def receive(queue: IngestQueue, request: Any, transport: str) -> Outcome | None:
+def receive(queue: IngestQueue, batch: Batch, transport: str) -> Outcome | None:
     """Read a decoded request's spans and queue what the ledger needs; None when the queue is full."""
-    limit = queue.limits.max_spans_per_request
-    spans = count_spans(request)
-    if spans > limit:
-        raise IngestError(413, f"{spans} spans in one request; at most {limit}: send smaller batches",
-                          "too_many_spans")
-    events, outcome = queue.detector.read(spans_of(request), transport)
+    events, outcome = queue.detector.read(batch.spans, transport)
     if events and not queue.offer(events):
         return None
     return outcome
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+class _TraceService:
+    """OTLP/gRPC ``Export``, taking the request's bytes: decoded like an HTTP body (bounded, span by span)."""
+
     def __init__(self, queue: IngestQueue, token: str | None) -> None:
         self._queue = queue
         self._token = token
 
-    def Export(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def export(self, body: bytes, context: grpc.ServicerContext) -> Any:
+        rejected = self._queue.detector.metrics.requests_rejected
         if self._token is not None:
             sent = dict(context.invocation_metadata()).get("authorization", "")
-            if not hmac.compare_digest(str(sent), f"Bearer {self._token}"):
-                self._queue.detector.metrics.requests_rejected.labels("unauthorized").inc()
+            if not bearer_matches(str(sent), self._token):
+                rejected.labels("unauthorized").inc()
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
-        rejected = self._queue.detector.metrics.requests_rejected
         try:
-            outcome = receive(self._queue, request, "otlp_grpc")
+            with self._queue.decoding():
+                outcome = receive(self._queue, decode_protobuf(body, self._queue.limits), "otlp_grpc")
         except IngestError as exc:
             rejected.labels(exc.metric_reason).inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.reason)
+            status = grpc.StatusCode.UNAVAILABLE if exc.status == 429 else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(status, exc.reason)
         if outcome is None:  # OTLP/gRPC: UNAVAILABLE is retryable with backoff
             rejected.labels("queue_full").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, "ingest queue full; retry with backoff")
@@ -266,12 +451,22 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = None,
-               tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
+               tls: tuple[bytes, bytes] | None = None,
+               connection: ConnectionLimits | None = None) -> tuple[grpc.Server, int]:
     """The OTLP/gRPC receiver (what the Collector's loadbalancing exporter speaks); returns it and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="mcp-stream-otlp-grpc"),
-                         options=[("grpc.max_receive_message_length", queue.limits.max_body_bytes)])
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        _TraceService(queue, token), server)
+    connection = connection or ConnectionLimits()
+    limits = queue.limits
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=limits.max_decoding, thread_name_prefix="mcp-stream-otlp-grpc"),
+        maximum_concurrent_rpcs=4 * limits.max_decoding,  # beyond: RESOURCE_EXHAUSTED, the sender retries
+        options=[("grpc.max_receive_message_length", min(limits.max_body_bytes, limits.max_decompressed_bytes)),
+                 ("grpc.max_connection_idle_ms", int(connection.idle_timeout_s * 1000)),
+                 ("grpc.max_concurrent_streams", 16)])
+    service = _TraceService(queue, token)
+    handler: grpc.RpcMethodHandler[bytes, Any] = grpc.unary_unary_rpc_method_handler(
+        service.export, request_deserializer=None, response_serializer=ExportResponse.SerializeToString)  # raw bytes in
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService", {"Export": handler}),))
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, grpc.ssl_server_credentials([tls])) if tls
              else server.add_insecure_port(address))

@@ -1,13 +1,21 @@
 """The ledger: per session, the calls still owed a terminal event, their streams and resumes.
 
 Built only from lifecycle events (``events.py``); the clock is the caller's. Bounded: sessions are
-evicted when idle past their TTL or when the session cap is reached, and calls past the per-session
-cap; every eviction is counted by reason, so a full ledger is visible rather than silently lossy.
+evicted when idle past their TTL, when the session cap is reached, or when the ledger's estimate of
+its own size in bytes passes its budget (least recently active first); calls past the per-session
+cap, resume cursors past theirs. Every eviction is counted by reason, so a full ledger is visible
+rather than silently lossy.
+
+The size is an accounting estimate, kept as the ledger changes: each session, call, resume window,
+timer and look-up is charged what CPython takes for it (``sys.getsizeof`` of its strings and
+tuples plus a measured, rounded-up constant per object), so the estimate stays above what
+``tracemalloc`` measures for the same content.
 """
 
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -16,6 +24,11 @@ from typing import Any, TypeVar
 _MAX_SPAN_REFS = 4
 _MAX_CURSORS = 64  # per session: the cursors whose calls a later resume without request ids is told
 _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
+# bytes charged per object beyond its strings and tuples (measured with tracemalloc, rounded up)
+_SESSION_BYTES = 400  # the session, its calls dict, its place in the LRU order
+_CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
+_WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
+_INDEX_BYTES = 250  # one look-up entry
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -80,15 +93,7 @@ class SessionState:
     calls: dict[str, CallState] = field(default_factory=dict)  # insertion order: oldest first
     resumes: dict[tuple[str, str], deque[int]] | None = None  # (role, cursor) -> times, once there is one
     cursors: OrderedDict[str, tuple[str, ...]] | None = None  # event id -> the calls of the stream it ended
-
-    def note_cursor(self, event_id: str, request_ids: tuple[str, ...]) -> None:
-        """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them."""
-        if self.cursors is None:
-            self.cursors = OrderedDict()
-        self.cursors[event_id] = request_ids
-        self.cursors.move_to_end(event_id)
-        if len(self.cursors) > _MAX_CURSORS:
-            self.cursors.popitem(last=False)
+    resume_bytes: int = 0  # what its resume windows and cursors are charged
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,8 @@ class LedgerLimits:
     max_calls_per_session: int = 1_000
     session_ttl_s: float = 3600.0
     max_index: int = 50_000  # SDK-span and re-issue look-ups
+    max_bytes: int = 192 * 1024 * 1024  # the ledger's estimated size; past it, oldest sessions go first
+    max_resumes_per_session: int = 64  # resume cursors watched for loops; the oldest is dropped first
 
 
 class Ledger:
@@ -105,12 +112,17 @@ class Ledger:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently active first
         self._calls = 0
         self._in_flight = 0
-        self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0}
+        self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
         self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
         self._compact_at = _MIN_COMPACTION
+        self._scheduled: set[tuple[str, str, str]] = set()  # (what, scope, request id): one timer each
+        self._bytes = 0  # sessions, calls and resume windows
+        self._index_bytes = 0
+        self._charged: dict[int, int] = {}  # id(call) -> bytes it is charged
+        self._touched: dict[int, CallState] = {}  # calls that may have grown since the last account()
 
     # --- sessions and calls ---
 
@@ -118,6 +130,7 @@ class Ledger:
         session = self._sessions.get(scope)
         if session is None:
             session = self._sessions[scope] = SessionState(scope, now_ns)
+            self._bytes += _SESSION_BYTES + sys.getsizeof(scope)
             while len(self._sessions) > self.limits.max_sessions:
                 self._drop(self._sessions.popitem(last=False)[1], "capacity")
         else:
@@ -130,9 +143,11 @@ class Ledger:
         if call is None:
             call = session.calls[request_id] = CallState(session.scope, request_id, now_ns)
             self._calls += 1
+            self._charge(call)
             if len(session.calls) > self.limits.max_calls_per_session:
                 self._forget(session.calls.pop(next(iter(session.calls))))
                 self.evictions["capacity"] += 1
+        self._touched[id(call)] = call  # the caller fills it in
         return call
 
     def find(self, scope: str, request_id: str) -> CallState | None:
@@ -162,10 +177,47 @@ class Ledger:
         session = self._sessions.get(scope)
         return list(session.calls.values()) if session is not None else []
 
+    def resume_window(self, session: SessionState, key: tuple[str, str], maxlen: int) -> deque[int]:
+        """The times ``key`` (role, cursor) was resumed from in ``session``, at most ``maxlen`` of them;
+        at most ``max_resumes_per_session`` cursors are watched, the least recently new dropped first."""
+        if session.resumes is None:
+            session.resumes = {}
+        resumes = session.resumes
+        window = resumes.get(key)
+        if window is None:
+            window = resumes[key] = deque(maxlen=maxlen)
+            charge = _window_bytes(key, maxlen)
+            session.resume_bytes += charge
+            self._bytes += charge
+            if len(resumes) > self.limits.max_resumes_per_session:
+                oldest = next(iter(resumes))
+                dropped = _window_bytes(oldest, resumes.pop(oldest).maxlen or 0)
+                session.resume_bytes -= dropped
+                self._bytes -= dropped
+        return window
+
+    def note_cursor(self, session: SessionState, event_id: str, request_ids: tuple[str, ...]) -> None:
+        """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them. At
+        most ``_MAX_CURSORS`` a session, charged to it like its resume windows."""
+        if session.cursors is None:
+            session.cursors = OrderedDict()
+        before = session.cursors.pop(event_id, None)
+        if before is not None:
+            self._charge_session(session, -_cursor_bytes(event_id, before))
+        session.cursors[event_id] = request_ids
+        self._charge_session(session, _cursor_bytes(event_id, request_ids))
+        if len(session.cursors) > _MAX_CURSORS:
+            self._charge_session(session, -_cursor_bytes(*session.cursors.popitem(last=False)))
+
+    def _charge_session(self, session: SessionState, charge: int) -> None:
+        session.resume_bytes += charge
+        self._bytes += charge
+
     # --- look-ups that outlive a span: the SDK's request span, and tools (re-)issued ---
 
     def link_sdk_span(self, span_id: str, call: CallState) -> None:
-        _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id), self.limits.max_index)
+        self._index_bytes += _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id),
+                                          self.limits.max_index)
 
     def call_of_sdk_span(self, span_id: str) -> CallState | None:
         key = self._sdk_spans.get(span_id)
@@ -174,7 +226,8 @@ class Ledger:
     def issued(self, origin: str, call_key: str, start_ns: int) -> None:
         """A client process (``origin``) issued a call: ``call_key`` is its tool and arguments fingerprint."""
         key = (origin, call_key)
-        _bounded_put(self._issued, key, max(start_ns, self._issued.get(key, 0)), self.limits.max_index)
+        self._index_bytes += _bounded_put(self._issued, key, max(start_ns, self._issued.get(key, 0)),
+                                          self.limits.max_index)
 
     def last_issued(self, origin: str, call_key: str) -> int:
         return self._issued.get((origin, call_key), 0)
@@ -182,20 +235,32 @@ class Ledger:
     # --- timers: grace periods, evaluated by the caller's clock ---
 
     def schedule(self, due_ns: int, what: str, call: CallState) -> None:
+        """A timer for ``what`` on ``call``; one at a time: while one is set, another is not added (the
+        checks it runs re-arm it when it fires early), so re-ending the same calls adds no timers."""
+        key = (what, call.scope, call.request_id)
+        if key in self._scheduled:
+            return
+        self._scheduled.add(key)
         self._seq += 1
         heapq.heappush(self._timers, (due_ns, self._seq, what, call.scope, call.request_id))
         if len(self._timers) > self._compact_at:
             # timers of evicted calls would otherwise stay until due: drop them; the heap at least
             # doubles between two compactions, so each push pays O(1) for them
-            self._timers = [t for t in self._timers if self.find(t[3], t[4]) is not None]
-            heapq.heapify(self._timers)
-            self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
+            self._compact_timers()
+
+    def _compact_timers(self) -> None:
+        self._timers = [t for t in self._timers if self.find(t[3], t[4]) is not None]
+        heapq.heapify(self._timers)
+        self._scheduled = {(what, scope, rid) for _, _, what, scope, rid in self._timers}
+        self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
 
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
             _, _, what, scope, request_id = heapq.heappop(self._timers)
+            self._scheduled.discard((what, scope, request_id))
             call = self.find(scope, request_id)
             if call is not None:
+                self._touched[id(call)] = call  # a finding may be added to it
                 yield what, call
 
     def expire(self, now_ns: int) -> int:
@@ -210,47 +275,102 @@ class Ledger:
             expired += 1
         return expired
 
+    # --- size in bytes: an accounting estimate, kept under the budget ---
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes + self._index_bytes
+
+    def account(self) -> int:
+        """Re-charge the calls touched since the last call, then evict the least recently active
+        sessions (counted as ``memory``), then the oldest look-ups, until under the budget; returns how
+        many sessions were evicted."""
+        for call in self._touched.values():
+            old = self._charged.get(id(call))
+            if old is not None:  # still held
+                self._bytes -= old
+                self._charge(call)
+        self._touched.clear()
+        evicted = 0
+        while self.bytes > self.limits.max_bytes and self._sessions:
+            self._drop(self._sessions.popitem(last=False)[1], "memory")
+            evicted += 1
+        while self.bytes > self.limits.max_bytes and (self._sdk_spans or self._issued):
+            larger = len(self._sdk_spans) >= len(self._issued)
+            index: OrderedDict[Any, Any] = self._sdk_spans if larger else self._issued
+            self._index_bytes -= _entry_bytes(*index.popitem(last=False))
+        if evicted:
+            self._compact_timers()
+        return evicted
+
+    def _charge(self, call: CallState) -> None:
+        charge = _call_bytes(call)
+        self._charged[id(call)] = charge
+        self._bytes += charge
+
     # --- snapshots (snapshot.py): JSON-able data, never pickles ---
 
     def dump(self) -> dict[str, Any]:
         """Everything a restarted detector needs to go on judging the calls this one holds."""
-        return {
-            "sessions": [{"scope": s.scope, "last_ns": s.last_ns,
-                          "calls": [_row(c) for c in s.calls.values()],
-                          "resumes": [[role, cursor, list(times), times.maxlen]
-                                      for (role, cursor), times in (s.resumes or {}).items()],
-                          "cursors": [[cursor, list(ids)] for cursor, ids in (s.cursors or {}).items()]}
-                         for s in self._sessions.values()],
-            "evictions": dict(self.evictions),
-            "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
-            "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
-            "timers": [list(timer) for timer in self._timers],
-            "seq": self._seq,
-        }
+        return {"sessions": [self.dump_session(scope) for scope in self._sessions], **self.dump_rest()}
 
     def load(self, data: dict[str, Any]) -> None:
         """Take a dump's content in place of this ledger's (at start, before any span)."""
         self._sessions.clear()
-        self._calls = self._in_flight = 0
+        self._calls = self._in_flight = self._bytes = 0
+        self._charged.clear()
         for s in data["sessions"]:
-            session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"])
-            for row in s["calls"]:
-                values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
-                call = session.calls[row["request_id"]] = CallState(**values)
-                self._calls += 1
-                self._in_flight += call.in_flight
-            if s["resumes"]:
-                session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
-                                   for role, cursor, times, maxlen in s["resumes"]}
-            if s.get("cursors"):
-                session.cursors = OrderedDict((cursor, tuple(ids)) for cursor, ids in s["cursors"])
+            self.load_session(s)
+        self.load_rest(data)
+
+    def load_rest(self, data: dict[str, Any]) -> None:
+        """Take a dump's look-ups, timers and counts (after its sessions)."""
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
+        self._index_bytes = sum(_entry_bytes(k, v) for k, v in self._sdk_spans.items()) + sum(
+            _entry_bytes(k, v) for k, v in self._issued.items())
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
-        heapq.heapify(self._timers)
-        self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
+        self._compact_timers()
         self._seq = data["seq"]
+
+    def dump_session(self, scope: str) -> dict[str, Any] | None:
+        """One session as JSON-able data (a snapshot row); None if it is gone."""
+        s = self._sessions.get(scope)
+        if s is None:
+            return None
+        return {"scope": s.scope, "last_ns": s.last_ns, "calls": [_row(c) for c in s.calls.values()],
+                "resumes": [[role, cursor, list(times), times.maxlen]
+                            for (role, cursor), times in (s.resumes or {}).items()],
+                "cursors": [[cursor, list(ids)] for cursor, ids in (s.cursors or {}).items()]}
+
+    def load_session(self, s: dict[str, Any]) -> None:
+        """Take one dumped session (at start, before any span), as the most recently active."""
+        session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"])
+        self._bytes += _SESSION_BYTES + sys.getsizeof(session.scope)
+        for row in s["calls"]:
+            values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
+            call = session.calls[row["request_id"]] = CallState(**values)
+            self._calls += 1
+            self._in_flight += call.in_flight
+            self._charge(call)
+        if s["resumes"]:
+            session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
+                               for role, cursor, times, maxlen in s["resumes"]}
+            self._charge_session(session, sum(_window_bytes(k, w.maxlen or 0) for k, w in session.resumes.items()))
+        for cursor, ids in s.get("cursors", ()):
+            self.note_cursor(session, cursor, tuple(ids))
+
+    def dump_rest(self) -> dict[str, Any]:
+        """Everything but the sessions (a snapshot row)."""
+        return {"evictions": dict(self.evictions),
+                "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
+                "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
+                "timers": list(self._timers), "seq": self._seq}
+
+    def session_scopes(self) -> list[str]:
+        """Every session's scope, least recently active first."""
+        return list(self._sessions)
 
     # --- size ---
 
@@ -269,10 +389,12 @@ class Ledger:
     def _drop(self, session: SessionState, reason: str) -> None:
         for call in session.calls.values():
             self._forget(call)
+        self._bytes -= _SESSION_BYTES + sys.getsizeof(session.scope) + session.resume_bytes
         self.evictions[reason] += 1
 
     def _forget(self, call: CallState) -> None:
         self._calls -= 1
+        self._bytes -= self._charged.pop(id(call), 0)
         if call.in_flight:
             self._in_flight -= 1
 
@@ -284,8 +406,39 @@ def _row(call: CallState) -> dict[str, Any]:
     return {f.name: getattr(call, f.name) for f in fields(CallState)}
 
 
-def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> None:
+def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> int:
+    """Put, dropping the oldest entry past ``cap``; returns the change in the entries' bytes."""
+    old = index.get(key)
+    change = _entry_bytes(key, value) - (_entry_bytes(key, old) if old is not None else 0)
     index[key] = value
     index.move_to_end(key)
     if len(index) > cap:
-        index.popitem(last=False)
+        change -= _entry_bytes(*index.popitem(last=False))
+    return change
+
+
+def _size(value: object) -> int:
+    """Bytes of a string, a number or a tuple of them (shared strings are counted each time: an upper bound)."""
+    if type(value) is tuple:
+        return sys.getsizeof(value) + sum(map(sys.getsizeof, value))
+    return sys.getsizeof(value)
+
+
+def _entry_bytes(key: object, value: object) -> int:
+    return _INDEX_BYTES + _size(key) + _size(value)
+
+
+def _cursor_bytes(event_id: str, request_ids: tuple[str, ...]) -> int:
+    return _WINDOW_BYTES + _size(event_id) + sum(_size(r) for r in request_ids)
+
+
+def _window_bytes(key: tuple[str, str], maxlen: int) -> int:
+    return _WINDOW_BYTES + _size(key) + 32 * maxlen
+
+
+def _call_bytes(call: CallState) -> int:
+    findings = call.findings
+    return (_CALL_BYTES + _size(call.request_id) + _size(call.required) + _size(call.roles)
+            + _size(call.span_ids) + (_size(call.tool) if call.tool else 0)
+            + (_size(call.trace_id) if call.trace_id else 0) + _size(call.origin)
+            + (sys.getsizeof(findings) + sum(_size(k) + _size(v) for k, v in findings.items()) if findings else 0))

@@ -7,8 +7,10 @@ labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from importlib.metadata import version
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import Operation, StreamEnd
-from mcp_stream_exporter.detector.findings import Finding
+from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import Ledger
 from mcp_stream_exporter.detector.rules import RULES
 
@@ -37,9 +39,15 @@ _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
 # every label value known up front is exported at 0 from the start, so that increase() and rate()
 # see the first event (a series born at 1 has no increase) and dashboards show 0, not "no data"
 TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
-INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full")
+INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "too_many_spans", "queue_full",
+                     "busy", "timeout")
 SPAN_REJECTIONS = ("span_model",)
 RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
+STREAM_KINDS = (sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE)
+END_REASONS = (sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR)
+ERROR_PLACES = ("ingest", "snapshot")
+# a tool name as MCP defines it (1-128 of these characters); a dynamic tool label is shorter still
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,64}", re.ASCII)
 
 
 class ToolLabels:
@@ -55,7 +63,7 @@ class ToolLabels:
             return OTHER
         if tool in self._seen:
             return tool
-        if not self._fixed and len(self._seen) < self._dynamic:
+        if not self._fixed and len(self._seen) < self._dynamic and _TOOL_NAME.fullmatch(tool):
             self._seen.add(tool)
             return tool
         return OTHER
@@ -64,6 +72,10 @@ class ToolLabels:
     def initial(self) -> tuple[str, ...]:
         """The values known before any span: the policy's tools and ``other``, which a policy implies."""
         return (*sorted(self._seen), OTHER) if self._fixed else ()
+
+
+def _closed(value: str, allowed: tuple[str, ...]) -> str:
+    return value if value in allowed else OTHER
 
 
 def _resume_outcome(e: StreamEnd) -> str:
@@ -124,8 +136,12 @@ class DetectorMetrics:
             ["reason"], registry=registry)
         self.requests_rejected = Counter(
             "mcp_stream_detector_ingest_requests_rejected", "Ingest requests refused whole, by reason "
-            "(too_large, bad_encoding, malformed, unauthorized, too_many_spans, queue_full). queue_full means "
-            "backpressure: scale out or raise the queue bound.", ["reason"], registry=registry)
+            "(too_large, bad_encoding, malformed, unauthorized, too_many_spans, queue_full, busy, timeout). "
+            "queue_full and busy (every decoding slot or the body buffer taken) mean backpressure: scale out or "
+            "raise the bounds; timeout, a body sent too slowly.", ["reason"], registry=registry)
+        self.errors = Counter(
+            "mcp_stream_detector_errors", "Internal errors, by where (ingest: a batch not applied; snapshot: a "
+            "snapshot not written or not read). Each one is logged with its cause.", ["where"], registry=registry)
         self.ingest_latency = Histogram(
             "mcp_stream_detector_ingest_duration_seconds", "Time from a batch's arrival to its spans being in "
             "the ledger, queueing included.", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
@@ -152,6 +168,8 @@ class DetectorMetrics:
             self.spans_rejected.labels(reason)
         for reason in INGEST_REJECTIONS:
             self.requests_rejected.labels(reason)
+        for where in ERROR_PLACES:
+            self.errors.labels(where)
 
     def finding(self, f: Finding) -> None:
         tool = self.tools(f.tool)
@@ -161,7 +179,7 @@ class DetectorMetrics:
             self.silent_losses.labels(tool, f.rule).inc(exemplar=exemplar)
 
     def stream_end(self, e: StreamEnd) -> None:
-        self.stream_ends.labels(e.at.role, e.kind, e.reason).inc()
+        self.stream_ends.labels(e.at.role, _closed(e.kind, STREAM_KINDS), _closed(e.reason, END_REASONS)).inc()
         if e.kind == sc.STREAM_KIND_RESUME:
             self.resumes.labels(e.at.role, _resume_outcome(e)).inc()
             if e.token.gap:
@@ -179,12 +197,20 @@ class DetectorMetrics:
             self.calls.labels(e.role, self.tools(e.tool), outcome).inc()
 
 
-class LedgerCollector(Collector):
-    """The ledger's size, read at scrape time (gauges can go down; evictions only up)."""
+class Sized(Protocol):
+    """A part of the detector's state that keeps an estimate of its size."""
 
-    def __init__(self, ledger: Ledger, findings_retained: Callable[[], int]) -> None:
+    @property
+    def bytes(self) -> int: ...
+
+
+class LedgerCollector(Collector):
+    """The ledger's and the findings' size, read at scrape time (gauges can go down; evictions only up)."""
+
+    def __init__(self, ledger: Ledger, findings: FindingStore, parts: Sequence[tuple[str, Sized, int]]) -> None:
         self._ledger = ledger
-        self._findings_retained = findings_retained
+        self._findings = findings
+        self._parts = parts  # (part, what keeps its size in ``bytes``, its budget in bytes)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         ledger = self._ledger
@@ -195,10 +221,21 @@ class LedgerCollector(Collector):
                                 "ledger holds.", value=ledger.sessions)
         yield GaugeMetricFamily("mcp_stream_detector_ledger_calls", "Calls the ledger holds.", value=ledger.calls)
         yield GaugeMetricFamily("mcp_stream_detector_findings_retained", "Findings kept for /api/findings.",
-                                value=self._findings_retained())
+                                value=len(self._findings))
+        size = GaugeMetricFamily("mcp_stream_detector_state_bytes", "The detector's estimate of what its state "
+                                 "holds, in bytes, by part (ledger, findings, timelines).", labels=["part"])
+        budget = GaugeMetricFamily("mcp_stream_detector_state_budget_bytes", "The budget of each part of the "
+                                   "state (from --max-memory-mb); past it the oldest sessions (ledger) or findings "
+                                   "are dropped.", labels=["part"])
+        for part, sized, limit in self._parts:
+            size.add_metric([part], sized.bytes)
+            budget.add_metric([part], limit)
+        yield size
+        yield budget
         evictions = CounterMetricFamily("mcp_stream_detector_ledger_evictions", "Sessions and calls evicted from "
-                                        "the ledger, by reason (ttl, capacity). Capacity evictions mean the "
-                                        "ledger is too small: losses there go undetected.", labels=["reason"])
+                                        "the ledger, by reason (ttl, capacity, memory). Capacity and memory "
+                                        "evictions mean the ledger is too small: losses there go undetected.",
+                                        labels=["reason"])
         for reason, count in sorted(ledger.evictions.items()):
             evictions.add_metric([reason], count)
         yield evictions

@@ -11,7 +11,6 @@ a loss from the absence of a span a sampler may drop: the SDK's spans only add c
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +111,7 @@ class RuleEngine:
         if e.request_ids and at.era == sc.ERA_RESUMABLE:
             for event_id in (e.cursor, e.last_event_id):
                 if event_id is not None:
-                    session.note_cursor(event_id, e.request_ids)
+                    self.ledger.note_cursor(session, event_id, e.request_ids)
         progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
         if progressed:
             for call in calls.values():
@@ -231,8 +230,8 @@ class RuleEngine:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + _ns(self.config.reissue_grace_s), _REISSUE, call)
 
-    def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState], progressed: bool,
-                now_ns: int) -> None:
+    def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState],
+                progressed: bool, now_ns: int) -> None:
         at = e.at
         resumes = session.resumes
         assert resumes is not None
@@ -244,7 +243,7 @@ class RuleEngine:
                     "events": e.events, "end_reason": e.reason})
         if e.cursor is None or progressed:
             return
-        window = resumes.setdefault((at.role, e.cursor), deque(maxlen=self.config.resume_loop_count))
+        window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
         window.append(at.end_ns)
         horizon = at.end_ns - _ns(self.config.resume_loop_window_s)
         if len(window) >= self.config.resume_loop_count and window[0] >= horizon:

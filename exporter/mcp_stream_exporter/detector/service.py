@@ -23,11 +23,12 @@ import uvicorn
 
 from mcp_stream_exporter.auth import ToolPolicy
 from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
 from mcp_stream_exporter.detector.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.ledger import LedgerLimits
 from mcp_stream_exporter.detector.rules import RuleConfig
-from mcp_stream_exporter.detector.snapshot import Snapshots
+from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 from mcp_stream_exporter.detector.ui import RUNBOOK_BASE_URL, UiLinks
 
 ENV_PREFIX = "MCP_STREAM_"
@@ -54,10 +55,22 @@ class ServiceConfig:
     max_calls_per_session: int = 1_000
     session_ttl_s: float = 3600.0
     max_findings: int = 10_000
+    # the detector's state in MiB: 3/4 ledger, 1/8 findings, 1/8 ingest queue; the default leaves the
+    # Helm chart's 512 MiB limit room for the runtime (~100 MiB) and decoding (bodies, 2 slots)
+    max_memory_mb: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     max_decompressed_bytes: int = 16 * 1024 * 1024
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
+    max_span_bytes: int = 256 * 1024  # one encoded span: bounds what decoding it costs
+    max_json_values: int = 200_000  # values in one OTLP/JSON body, counted before parsing
+    max_decoding: int = 2  # requests decoded at once; the others wait up to decoding_wait_s, then 429
+    decoding_wait_s: float = 5.0
+    max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once
+    body_timeout_s: float = 30.0  # to receive a body; then 408
+    max_connections: int = 256  # HTTP connections at once; beyond, 503 and closed
+    header_timeout_s: float = 10.0  # to send a request's headers; then the connection is closed
+    idle_timeout_s: float = 30.0  # an idle keep-alive connection (HTTP and gRPC) is closed
     snapshot_path: str | None = None  # SQLite file: the ledger survives restarts
     snapshot_interval_s: float = 30.0  # a SIGKILL loses at most this much
     log_level: str = "info"
@@ -69,12 +82,24 @@ class ServiceConfig:
         return DetectorConfig(
             rules=RuleConfig(self.clean_end_grace_s, self.reissue_grace_s, self.resume_loop_count,
                              self.resume_loop_window_s),
-            ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s),
-            max_findings=self.max_findings, tools=tools)
+            ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s,
+                                max_bytes=self._budget_bytes(5 / 8)),
+            max_findings=self.max_findings, max_findings_bytes=self._budget_bytes(1 / 8),
+            max_timelines_bytes=self._budget_bytes(1 / 8), tools=tools)
+
+    def _budget_bytes(self, share: float) -> int:
+        return int(self.max_memory_mb * 1024 * 1024 * share)
 
     def ingest_limits(self) -> IngestLimits:
         return IngestLimits(self.max_body_bytes, self.max_decompressed_bytes, self.max_spans_per_request,
-                            self.max_queued_spans)
+                            self.max_queued_spans, max_queued_bytes=self._budget_bytes(1 / 8),
+                            max_span_bytes=self.max_span_bytes,
+                            max_json_values=self.max_json_values, max_decoding=self.max_decoding,
+                            decoding_wait_s=self.decoding_wait_s, max_buffered_bytes=self.max_buffered_bytes,
+                            body_timeout_s=self.body_timeout_s)
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.header_timeout_s, self.idle_timeout_s)
 
     def links(self) -> UiLinks:
         return UiLinks(self.trace_url_template, self.runbook_base_url or RUNBOOK_BASE_URL)
@@ -126,6 +151,10 @@ class _JsonLogs(logging.Formatter):
         entry: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname.lower(),
                                  "logger": record.name, "message": record.getMessage()}
         entry.update({k: v for k, v in vars(record).items() if k not in self._STANDARD and k != "message"})
+        if record.exc_info:  # the cause of an error (uvicorn logs every 500's exception this way)
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, default=str)
 
 
@@ -143,7 +172,11 @@ def run(config: ServiceConfig) -> int:
     snapshots = None
     if config.snapshot_path:
         snapshots = Snapshots(detector, config.snapshot_path, config.snapshot_interval_s)
-        snapshots.restore()
+        try:
+            snapshots.restore()
+        except SnapshotLocked as exc:
+            log.error("snapshot refused", extra={"error": str(exc)})
+            return 1
         snapshots.start()
     queue = IngestQueue(detector, config.ingest_limits())
     tls: tuple[bytes, bytes] | None = None
@@ -151,12 +184,13 @@ def run(config: ServiceConfig) -> int:
         tls = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
     grpc_server = None
     if config.grpc_port >= 0:
-        grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls)
+        grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, config.ingest_token, tls,
+                                            config.connection_limits())
         log.info("otlp grpc listening", extra={"host": config.host, "port": grpc_port})
     app = create_app(detector, queue, config.access(), config.links())
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                                           access_log=False, ssl_certfile=config.tls_cert,
-                                           ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
+    server = uvicorn.Server(server_config(app, config.host, config.port, config.connection_limits(),
+                                          log_config=None, access_log=False, ssl_certfile=config.tls_cert,
+                                          ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
     listener = server.config.bind_socket()  # bound here so that the log says the port: --port=0 picks one
     log.info("detector starting", extra={"host": config.host, "port": listener.getsockname()[1],
                                          "tools": list(detector.config.tools)})

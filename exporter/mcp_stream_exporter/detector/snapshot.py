@@ -2,28 +2,51 @@
 
 A call pending across a restart is still flagged when its grace period runs out: the ledger (calls,
 resumes, grace-period timers, look-ups) and the findings are the snapshot. Counters are not: Prometheus
-handles a counter reset. One row, replaced in one transaction, so a crash mid-write leaves the previous
-snapshot whole; a crash (SIGKILL) between snapshots loses at most the interval's spans. JSON, never
-pickle: a snapshot file is data, not code. Tokens never reach the ledger, so they never reach the file.
+handles a counter reset. JSON, never pickle: a snapshot file is data, not code. Tokens never reach
+the ledger (and token-shaped values are redacted at ingest), so they never reach the file.
+
+It scales with the ledger and never stalls ingest: the state is written as many rows of at most about
+a MiB, each taken under the detector's lock for one chunk of sessions (or findings, timers, look-ups)
+and serialised outside it. All rows of a snapshot are replaced in one transaction, so a crash
+mid-write leaves the previous snapshot whole; a crash (SIGKILL) between snapshots loses at most the
+interval's spans. A failed write is logged with its cause and counted
+(``mcp_stream_detector_errors_total{where="snapshot"}``), and the next interval tries again.
+
+At start: a file that is not a readable snapshot is moved aside (``<path>.corrupt-<time>``) and the
+detector starts empty, saying so; a file of a newer format is left untouched and never overwritten;
+a file another detector holds (an exclusive ``flock`` on ``<path>.lock``) is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from mcp_stream_exporter.detector.detector import Detector
 
 log = logging.getLogger("mcp_stream_exporter.detector")
-_FORMAT = 1
-_SCHEMA = """CREATE TABLE IF NOT EXISTS snapshot (
-    id INTEGER PRIMARY KEY CHECK (id = 1), format INTEGER NOT NULL, taken_ns INTEGER NOT NULL,
-    ledger TEXT NOT NULL, findings TEXT NOT NULL)"""
+_FORMAT = 2  # 1: one row holding everything (read, for upgrades); 2: rows of chunks
+_CHUNK_BYTES = 1024 * 1024  # a row's JSON, about
+_SESSIONS_PER_LOCK = 256  # sessions copied per hold of the detector's lock
+_FINDINGS_PER_LOCK = 512
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 1), format INTEGER NOT NULL, "
+           "taken_ns INTEGER NOT NULL)",
+           "CREATE TABLE IF NOT EXISTS rows (seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, data TEXT NOT NULL)")
+_UNREADABLE = (sqlite3.DatabaseError, ValueError, KeyError, TypeError, IndexError, AttributeError)
+
+
+class SnapshotLocked(RuntimeError):
+    """Another detector process writes to the same snapshot file."""
 
 
 class Snapshots:
@@ -35,44 +58,180 @@ class Snapshots:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        with closing(self._connect()) as db:
-            db.execute(_SCHEMA)
+        self._lock_file: int | None = None
+        self._refused = False  # a newer format: never overwritten
+
+    # --- the file lock: one writer per path ---
+
+    def _hold_lock(self) -> None:
+        if self._lock_file is not None:
+            return
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise SnapshotLocked(f"{self.path} is in use by another detector (pid {holder or 'unknown'}); "
+                                 "give each detector its own --snapshot-path") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_file = fd
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=10, isolation_level=None)
 
+    # --- restore ---
+
     def restore(self) -> bool:
-        """Load the last snapshot into the (fresh) detector; False when there is none to load."""
-        with closing(self._connect()) as db:
-            row = db.execute("SELECT format, taken_ns, ledger, findings FROM snapshot WHERE id = 1").fetchone()
-        if row is None:
+        """Load the last snapshot into the (fresh) detector; False when there is none to load. Never
+        raises for the file's content; raises :class:`SnapshotLocked` if another detector holds it."""
+        try:
+            self._hold_lock()
+        except OSError as exc:
+            self._failed("snapshot unavailable: starting empty, writes will be retried", exc)
             return False
-        fmt, taken_ns, ledger, findings = row
-        if fmt != _FORMAT:
-            log.warning("snapshot ignored: unknown format", extra={"format": fmt, "path": str(self.path)})
+        if not self.path.exists():
             return False
-        with self.detector.lock:
-            self.detector.ledger.load(json.loads(ledger))
-            self.detector.findings.load(json.loads(findings))
+        try:
+            taken_ns = self._read()
+        except (OSError, sqlite3.OperationalError) as exc:  # cannot open or read it: not known to be corrupt
+            self._failed("snapshot unavailable: starting empty, writes will be retried", exc)
+            return False
+        except _UNREADABLE as exc:
+            self._set_aside(exc)
+            return False
+        if taken_ns is None:
+            return False
         self.detector.metrics.snapshot_time.set(taken_ns / 1e9)
         log.info("snapshot restored", extra={"path": str(self.path), "taken_at": taken_ns / 1e9,
                                              "sessions": self.detector.ledger.sessions,
                                              "calls": self.detector.ledger.calls})
         return True
 
-    def save(self) -> int:
-        """Write the detector's state now; returns the snapshot's size in bytes."""
-        with self.detector.lock:
-            taken_ns = self.detector.clock()
-            ledger = json.dumps(self.detector.ledger.dump(), separators=(",", ":"))
-            findings = json.dumps(self.detector.findings.dump(), separators=(",", ":"))
+    def _read(self) -> int | None:
         with closing(self._connect()) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "meta" in tables:
+                meta = db.execute("SELECT format, taken_ns FROM meta WHERE id = 1").fetchone()
+            elif "snapshot" in tables:
+                meta = db.execute("SELECT format, taken_ns FROM snapshot WHERE id = 1").fetchone()
+            else:
+                meta = None
+            if meta is None:
+                if tables - {"meta", "rows", "snapshot"}:
+                    raise ValueError(f"not a snapshot: tables {sorted(tables)[:5]}")
+                return None
+            fmt, taken_ns = int(meta[0]), int(meta[1])
+            if fmt > _FORMAT:
+                self._refused = True
+                self.detector.metrics.errors.labels("snapshot").inc()
+                log.error("snapshot of a newer format: starting empty, and it will not be overwritten; run the "
+                          "newer version or move the file", extra={"format": fmt, "path": str(self.path)})
+                return None
+            with self.detector.lock:
+                try:
+                    if fmt == 1:
+                        ledger, findings = db.execute("SELECT ledger, findings FROM snapshot WHERE id = 1").fetchone()
+                        self.detector.ledger.load(json.loads(ledger))
+                        self.detector.findings.load(json.loads(findings))
+                    else:
+                        self._load_rows(db)
+                except BaseException:
+                    self._empty()  # nothing half-loaded
+                    raise
+        return taken_ns
+
+    def _load_rows(self, db: sqlite3.Connection) -> None:
+        ledger = self.detector.ledger
+        rest: dict[str, Any] = {"sdk_spans": [], "issued": [], "timers": []}
+        found: list[dict[str, Any]] = []
+        self._empty()
+        for kind, data in db.execute("SELECT kind, data FROM rows ORDER BY seq"):
+            items = json.loads(data)
+            if kind == "sessions":
+                for session in items:
+                    ledger.load_session(session)
+            elif kind == "findings":
+                found.extend(items)
+            elif kind == "rest":
+                for item in items:
+                    rest.update(item)
+            elif kind in ("sdk_spans", "issued", "timers"):
+                rest[kind].extend(items)
+            else:
+                raise ValueError(f"unknown row kind {kind[:40]!r}")
+        ledger.load_rest(rest)  # after the sessions: timers are checked against them
+        self.detector.findings.load(found)
+
+    def _empty(self) -> None:
+        self.detector.ledger.load({"sessions": [], "evictions": {}, "sdk_spans": [], "issued": [], "timers": [],
+                                   "seq": 0})
+        self.detector.findings.load([])
+
+    def _set_aside(self, exc: BaseException) -> None:
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            self.path.rename(aside)
+        except OSError as move:
+            self._failed("snapshot unreadable and not moved aside: starting empty", move)
+            self._refused = True  # never overwrite what could not be kept
+            return
+        self._failed("snapshot unreadable: moved aside, starting empty", exc, aside=str(aside))
+
+    def _failed(self, message: str, exc: BaseException, **extra: str) -> None:
+        self.detector.metrics.errors.labels("snapshot").inc()
+        log.error(message, extra={"path": str(self.path), "error": f"{type(exc).__name__}: {exc}"[:500], **extra})
+
+    # --- save ---
+
+    def save(self) -> int:
+        """Write the detector's state now; returns the snapshot's size in bytes (0 if refused)."""
+        if self._refused:
+            return 0
+        self._hold_lock()
+        detector = self.detector
+        with detector.lock:  # cheap copies only; serialising happens outside the lock
+            taken_ns = detector.clock()
+            scopes = detector.ledger.session_scopes()
+            finding_ids = [f.id for f in detector.findings]
+            rest = detector.ledger.dump_rest()
+        size = 0
+        with closing(self._connect()) as db:
+            for statement in _SCHEMA:
+                db.execute(statement)
             db.execute("BEGIN IMMEDIATE")
-            db.execute("INSERT OR REPLACE INTO snapshot (id, format, taken_ns, ledger, findings) "
-                       "VALUES (1, ?, ?, ?, ?)", (_FORMAT, taken_ns, ledger, findings))
-            db.execute("COMMIT")
-        self.detector.metrics.snapshot_time.set(taken_ns / 1e9)
-        return len(ledger) + len(findings)
+            try:
+                db.execute("DELETE FROM rows")
+                rows = _Rows(db)
+                rows.add_all("sessions", self._chunks(scopes, _SESSIONS_PER_LOCK, self._sessions))
+                rows.add_all("findings", self._chunks(finding_ids, _FINDINGS_PER_LOCK, self._findings))
+                for kind in ("sdk_spans", "issued", "timers"):
+                    rows.add_all(kind, iter([rest.pop(kind)]))
+                rows.add_all("rest", iter([[rest]]))
+                db.execute("INSERT OR REPLACE INTO meta (id, format, taken_ns) VALUES (1, ?, ?)", (_FORMAT, taken_ns))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            size = rows.bytes
+        detector.metrics.snapshot_time.set(taken_ns / 1e9)
+        return size
+
+    def _chunks(self, keys: list[str], per_lock: int,
+                read: Callable[[list[str]], list[Any]]) -> Iterator[list[Any]]:
+        for start in range(0, len(keys), per_lock):
+            with self.detector.lock:
+                chunk = read(keys[start:start + per_lock])
+            yield chunk
+
+    def _sessions(self, scopes: list[str]) -> list[Any]:
+        dumped = (self.detector.ledger.dump_session(scope) for scope in scopes)
+        return [s for s in dumped if s is not None]
+
+    def _findings(self, ids: list[str]) -> list[Any]:
+        found = (self.detector.findings.get(fid) for fid in ids)
+        return [asdict(f) for f in found if f is not None]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mcp-stream-detector-snapshot", daemon=True)
@@ -80,16 +239,49 @@ class Snapshots:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                started = time.monotonic()
-                size = self.save()
-                log.debug("snapshot written", extra={"bytes": size, "seconds": time.monotonic() - started})
-            except (sqlite3.Error, OSError) as exc:  # keep serving; the timestamp metric goes stale
-                log.error("snapshot failed", extra={"error": str(exc), "path": str(self.path)})
+            self._save_logged()
+
+    def _save_logged(self) -> None:
+        try:
+            started = time.monotonic()
+            size = self.save()
+            log.debug("snapshot written", extra={"bytes": size, "seconds": time.monotonic() - started})
+        except Exception as exc:  # keep serving; the timestamp metric goes stale and the error is counted
+            self._failed("snapshot failed", exc)
 
     def close(self) -> None:
         """Stop the periodic writes and write the final snapshot (after ingest has drained)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
-        self.save()
+            self._thread.join(timeout=60)
+        self._save_logged()
+        if self._lock_file is not None:
+            os.close(self._lock_file)  # releases the flock
+            self._lock_file = None
+
+
+class _Rows:
+    """Items of one kind written as rows of about ``_CHUNK_BYTES`` of JSON each."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+        self.bytes = 0
+
+    def add_all(self, kind: str, chunks: Iterator[list[Any]]) -> None:
+        pending: list[str] = []
+        held = 0
+        for chunk in chunks:
+            for item in chunk:
+                text = json.dumps(item, separators=(",", ":"))
+                pending.append(text)
+                held += len(text)
+                if held >= _CHUNK_BYTES:
+                    self._write(kind, pending)
+                    pending, held = [], 0
+        if pending:
+            self._write(kind, pending)
+
+    def _write(self, kind: str, items: list[str]) -> None:
+        data = "[" + ",".join(items) + "]"
+        self._db.execute("INSERT INTO rows (kind, data) VALUES (?, ?)", (kind, data))
+        self.bytes += len(data)

@@ -13,6 +13,7 @@ findings' timelines).
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,8 +23,7 @@ from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Oper
 from mcp_stream_exporter.detector.findings import Finding
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
-_ENTRY_OVERHEAD = 160  # bytes: an entry's object and slots, roughly, before its strings
-_TIMELINE_OVERHEAD = 400  # bytes: a timeline, its deque and its place in the maps
+_MAP_ENTRY = 200  # bytes: a place in an OrderedDict, its key tuple and the key's strings, roughly
 SESSION_LEVEL = ""  # the request id of a session's resumes and replays that name no call
 
 Key = tuple[str, str]  # (scope, request id)
@@ -73,16 +73,16 @@ class Entry:
     duration_s: float | None = None
 
     def size(self) -> int:
-        """Roughly the bytes it holds: what the byte budget counts."""
-        total = _ENTRY_OVERHEAD
+        """The bytes it holds, from C-level sizes (shared strings counted each time): what the budget counts."""
+        total = sys.getsizeof(self)
         for name in _STR_FIELDS:
             value = getattr(self, name)
             if value:
-                total += len(value)
+                total += sys.getsizeof(value)
         for name in _TUPLE_FIELDS:
             values = getattr(self, name)
             if values:
-                total += 8 + sum(map(len, values))
+                total += sys.getsizeof(values) + sum(map(sys.getsizeof, values))
         return total
 
 
@@ -99,7 +99,8 @@ class Timeline:
         self.head: list[Entry] = []
         self.tail: deque[Entry] = deque(maxlen=max(1, max_entries - max_entries // 2))
         self.omitted = 0
-        self.bytes = _TIMELINE_OVERHEAD
+        self.bytes = (sys.getsizeof(self) + sys.getsizeof(self.head) + 8 * (self.tail.maxlen or 1)
+                      + sys.getsizeof(self.tail) + _MAP_ENTRY)
         self.refs = 0  # the calls map and each finding holding it
 
     def add(self, entry: Entry) -> int:

@@ -13,6 +13,7 @@ it, and the hooks then cost next to nothing (docs/span-model.md, "The healthy pa
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ from mcp_stream_exporter.wire import WireMessage
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _STATELESS_FROM = "2026-07-28"
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 
@@ -124,15 +126,15 @@ def auth_attributes(view: AuthView) -> Mapping[str, AttributeValue]:
 def _sdk_parent(traceparent: str | None) -> Context | None:
     """The SDK's own request span, from the W3C ``traceparent`` it injects into ``params._meta``.
 
-    Parsed here rather than through the propagator API: this runs once per call on the hot path."""
-    if traceparent is None or len(traceparent) < 55:
+    Parsed here rather than through the propagator API: this runs once per call on the hot path. The
+    client writes it, so anything that is not a W3C ``traceparent`` means no parent, never an error."""
+    if traceparent is None:
         return None
-    version, trace_id, span_id, flags = traceparent[:55].split("-")
-    try:
-        ctx = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True,
-                          trace_flags=TraceFlags(int(flags, 16)))
-    except ValueError:
+    parsed = _TRACEPARENT.match(traceparent)
+    if parsed is None:
         return None
+    version, trace_id, span_id, flags = parsed.groups()
+    ctx = SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)))
     if version == "ff" or not ctx.is_valid:
         return None
     return trace.set_span_in_context(NonRecordingSpan(ctx))

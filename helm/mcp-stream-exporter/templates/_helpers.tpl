@@ -73,6 +73,7 @@ spec:
         - --max-calls-per-session={{ .Values.detector.maxCallsPerSession }}
         - --session-ttl-s={{ .Values.detector.sessionTtlSeconds }}
         - --max-queued-spans={{ .Values.detector.maxQueuedSpans }}
+        - --max-memory-mb={{ .Values.detector.maxMemoryMb }}
         - --log-level={{ .Values.detector.logLevel }}
         {{- if .Values.toolPolicy }}
         - --policy=/etc/mcp-stream-exporter/policy.json

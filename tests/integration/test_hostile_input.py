@@ -1,0 +1,302 @@
+"""The detector service against an attacker: bad input is a 4xx or a per-span rejection, never a 500
+or a lost batch; decoding costs are bounded before anything is materialised; slow clients do not
+starve others. The real FastAPI app and ingest queue, in-process (TestClient) or over real HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import uvicorn
+from attacks import ATTACKS
+from fastapi.testclient import TestClient
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector
+from mcp_stream_exporter.detector.app import Access, create_app
+from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
+from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue, serve_grpc
+from mcp_stream_exporter.detector.service import _JsonLogs
+
+TOKEN = "ingest-secret"
+DECODING_BUDGET_MIB = 48  # the 16 MiB decompressed body itself, and what walking it costs
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def service():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits())
+    access = Access(ingest_token=TOKEN, api_token=TOKEN, metrics_basic_auth=("prom", "scrape"))
+    with TestClient(create_app(detector, queue, access)) as client:
+        yield client, detector, queue
+    queue.close()
+
+
+def _stream_span(session: str, **extra: object) -> OtlpSpan:
+    """A client resume that ended cleanly with call 7 pending."""
+    span = OtlpSpan(trace_id=os.urandom(16), span_id=os.urandom(8), name="MCP stream resume", kind=3,
+                    start_time_unix_nano=1_700_000_000_000_000_000, end_time_unix_nano=1_700_000_001_000_000_000)
+    attrs: dict[str, object] = {
+        sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "resume", sc.END_REASON: sc.END_CLEAN,
+        sc.MCP_SESSION_ID: session, sc.STREAM_REQUEST_IDS: ["7"], sc.PENDING_REQUEST_IDS: ["7"],
+        sc.RESUME_CURSOR: "41", sc.HTTP_RESPONSE_STATUS_CODE: 200, **extra}
+    for key, value in attrs.items():
+        kv = KeyValue(key=key)
+        if isinstance(value, list):
+            kv.value.array_value.values.extend(AnyValue(string_value=v) for v in value)
+        elif isinstance(value, int):
+            kv.value.int_value = value
+        else:
+            kv.value.string_value = str(value)
+        span.attributes.append(kv)
+    return span
+
+
+def _body(*spans: OtlpSpan) -> bytes:
+    request = ExportTraceServiceRequest()
+    request.resource_spans.add().scope_spans.add().spans.extend(spans)
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0661\u0662", "9" * 5000, "1" * 19, "-1", " 1"])
+def test_an_int_attribute_that_is_no_int64_is_one_span_refused_and_the_rest_of_the_batch_kept(service, value):
+    client, detector, queue = service
+    body = _body(_stream_span("bad", **{sc.EVENTS_COUNT: value}), _stream_span("good"))
+    answer = client.post("/v1/traces", content=body, headers={"content-type": PROTOBUF, **AUTH})
+    assert answer.status_code == 200, answer.text
+    partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+    assert partial.rejected_spans == 1 and sc.EVENTS_COUNT in partial.error_message
+    assert queue.wait_idle(10)
+    assert detector.ledger.find("good", "7") is not None and detector.ledger.find("bad", "7") is None
+
+
+@pytest.mark.parametrize("document", [
+    '{"resourceSpans":[{"scopeSpans":"x"}]}', '{"resourceSpans":"x"}', '{"resourceSpans":[1]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":"x"}]}]}', '{"resourceSpans":[{"scopeSpans":[{"spans":[7]}]}]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"links":"x"}]}]}]}', '{"resourceSpans":[{"scopeSpans":[null]}]}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"links":[1]}]}]}]}', '{"resourceSpans":{"scopeSpans":[]}}',
+    '{"resourceSpans":[{"scopeSpans":[{"spans":[{"spanId":7}]}]}]}', '[]', '"x"'])
+def test_json_whose_parts_have_the_wrong_type_is_a_400_with_a_reason(service, document):
+    client, _, _ = service
+    answer = client.post("/v1/traces", content=document.encode(), headers={"content-type": JSON, **AUTH})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]
+
+
+@pytest.mark.parametrize("header", [b"Bearer \xff", b"Bearer ingest-secret\xe9", b"\xff\xfe", b"Basic \xc3\xa9",
+                                    b"Bearer", b"Bearer ", b"Bearerx ingest-secret", b"Bearer ingest-secret x"])
+def test_a_wrong_authorization_header_of_any_bytes_is_a_401_on_ingest_api_and_metrics(service, header):
+    client, _, _ = service
+    headers = {"authorization": header}
+    assert client.post("/v1/traces", content=_body(), headers={"content-type": PROTOBUF, **headers}).status_code == 401
+    assert client.get("/api/rules", headers=headers).status_code == 401
+    assert client.get("/metrics", headers=headers).status_code == 401
+
+
+@pytest.mark.parametrize(("scheme", "basic"), [("Bearer", "Basic"), ("bearer", "basic"), ("BEARER", "BASIC"),
+                                               ("bEaReR", "bAsIc")])
+def test_the_auth_scheme_is_matched_case_insensitively(service, scheme, basic):
+    client, _, _ = service
+    headers = {"authorization": f"{scheme}  {TOKEN}"}
+    assert client.post("/v1/traces", content=_body(), headers={"content-type": PROTOBUF, **headers}).status_code == 200
+    assert client.get("/api/rules", headers=headers).status_code == 200
+    assert client.get("/metrics", headers={"authorization": f"{basic} cHJvbTpzY3JhcGU="}).status_code == 200
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_small_body_that_would_inflate_to_millions_of_objects_is_refused_before_it_costs_memory(attack):
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("attacks.py")), attack], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"\n{attack}: {result}")
+    assert result["status"] == 413 and result["error"]
+    assert result["peak_growth_mib"] < DECODING_BUDGET_MIB
+
+
+def _slots_taken(queue: IngestQueue) -> list:
+    held = [queue.decoding() for _ in range(queue.limits.max_decoding)]  # as by slow decodes
+    for slot in held:
+        slot.__enter__()
+    return held
+
+
+def test_decoding_is_bounded_in_concurrency_and_past_the_wait_a_request_gets_429_with_retry_after():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=2, decoding_wait_s=0.05))
+    with TestClient(create_app(detector, queue)) as client:
+        held = _slots_taken(queue)
+        busy = client.post("/v1/traces", content=_body(_stream_span("busy")), headers={"content-type": PROTOBUF})
+        assert busy.status_code == 429 and busy.headers["retry-after"] and "decoding" in busy.json()["error"]
+        for slot in held:
+            slot.__exit__(None, None, None)
+        assert client.post("/v1/traces", content=_body(_stream_span("free")),
+                           headers={"content-type": PROTOBUF}).status_code == 200
+    queue.close()
+    assert detector.registry.get_sample_value("mcp_stream_detector_ingest_requests_rejected_total",
+                                              {"reason": "busy"}) == 1
+
+
+def test_a_request_waits_for_a_decoding_slot_to_free_up():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=1, decoding_wait_s=60))
+    with TestClient(create_app(detector, queue)) as client:
+        (held,) = _slots_taken(queue)
+        freed = threading.Timer(0.05, held.__exit__, (None, None, None))
+        freed.start()
+        answer = client.post("/v1/traces", content=_body(_stream_span("turn")), headers={"content-type": PROTOBUF})
+        freed.join()
+        assert answer.status_code == 200
+    queue.close()
+
+
+def test_request_bodies_held_at_once_are_bounded_in_bytes():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_buffered_bytes=1024))
+    with TestClient(create_app(detector, queue)) as client:
+        assert queue.reserve(1000)  # another request's body, held
+        answer = client.post("/v1/traces", content=_body(_stream_span("big", **{sc.RESUME_CURSOR: "c" * 200})),
+                             headers={"content-type": PROTOBUF})
+        assert answer.status_code == 429 and answer.headers["retry-after"]
+        queue.release(1000)
+        assert client.post("/v1/traces", content=_body(_stream_span("small")),
+                           headers={"content-type": PROTOBUF}).status_code == 200
+    queue.close()
+
+
+def test_the_ingest_queue_is_bounded_in_bytes_not_only_in_spans():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_queued_bytes=64 * 1024))
+    big = _body(*[_stream_span(f"q{i}", **{sc.RESUME_CURSOR: f"{i}" + "c" * 250}) for i in range(100)])
+    with TestClient(create_app(detector, queue)) as client:
+        with detector.lock:  # the worker is stuck applying: the queue fills up
+            first = client.post("/v1/traces", content=big, headers={"content-type": PROTOBUF})
+            second = client.post("/v1/traces", content=big, headers={"content-type": PROTOBUF})
+        assert first.status_code == 200  # an empty queue takes any batch: progress is always possible
+        assert second.status_code == 429 and second.headers["retry-after"]
+        assert queue.wait_idle(10)
+    queue.close()
+
+
+@contextlib.contextmanager
+def _bounded_server(limits: ConnectionLimits):
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits())
+    server = uvicorn.Server(server_config(create_app(detector, queue), "127.0.0.1", 0, limits, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        queue.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closes it (after an answer, if any) before the socket's own timeout."""
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_during_a_slowloris_other_clients_are_still_served_and_the_slow_ones_make_way():
+    limits = ConnectionLimits(max_connections=40, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
+    with _bounded_server(limits) as port:
+        slow = []
+        for _ in range(100):  # more than the limit, headers started and never finished
+            sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(sock)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(5):
+                assert http.get("/healthz").status_code == 200
+        closed, _, _ = select.select(slow, [], [], 1.0)  # readable: EOF, the server closed it
+        assert len(slow) - len(closed) <= limits.max_connections
+        for sock in slow:
+            sock.close()
+
+
+def test_connections_that_never_send_their_headers_are_cut_off_at_the_deadline():
+    limits = ConnectionLimits(max_connections=100, header_timeout_s=1.0, idle_timeout_s=1.0)
+    with _bounded_server(limits) as port:
+        slow = []
+        for _ in range(30):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(sock)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(10)]  # nothing sent
+        kept_alive = socket.create_connection(("127.0.0.1", port), timeout=15)
+        kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
+        for sock in [*slow, *idle, kept_alive]:  # recv waits for the server to close it, up to 15 s
+            assert _closed_by_server(sock)
+            sock.close()
+
+
+def test_the_json_log_line_of_an_error_carries_its_cause():
+    try:
+        raise RuntimeError("the cause")
+    except RuntimeError:
+        record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "Exception in ASGI application", (),
+                                   sys.exc_info())
+    line = json.loads(_JsonLogs().format(record))
+    assert line["message"] == "Exception in ASGI application"
+    assert "RuntimeError: the cause" in line["exception"] and "Traceback" in line["exception"]
+
+
+def test_otlp_grpc_decodes_as_http_does_bounded_and_span_by_span():
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_spans_per_request=10, max_decoding=1, decoding_wait_s=0.05))
+    server, port = serve_grpc(queue, "127.0.0.1", 0, TOKEN)
+    auth = [("authorization", f"bEaReR {TOKEN}")]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+            with pytest.raises(grpc.RpcError) as refused:
+                export(b"\x0a\x02\x12\x00" + b"\x12\x00" * 5, metadata=[("authorization", "Bearer wrong")])
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused:  # 11 empty spans: refused before any is decoded
+                export(ExportTraceServiceRequest.FromString(_body(*[OtlpSpan()] * 11)).SerializeToString(),
+                       metadata=auth)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "more than 10 spans" in refused.value.details()
+            (held,) = _slots_taken(queue)
+            with pytest.raises(grpc.RpcError) as refused:
+                export(_body(_stream_span("busy")), metadata=auth)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # retryable
+            held.__exit__(None, None, None)
+            answer = ExportTraceServiceResponse.FromString(export(_body(_stream_span("grpc")), metadata=auth))
+            assert answer.partial_success.rejected_spans == 0
+        assert queue.wait_idle(10)
+    finally:
+        server.stop(None)
+        queue.close()
+    assert detector.ledger.find("grpc", "7") is not None

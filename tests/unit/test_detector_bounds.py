@@ -1,0 +1,211 @@
+"""The detector's bounds under hostile spans: label values from closed sets, capped strings, no token
+kept anywhere; memory bounded in bytes (budget, per-session state, timers, evidence)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import tracemalloc
+
+import pytest
+from prometheus_client import generate_latest
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
+from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
+from mcp_stream_exporter.detector.metrics import END_REASONS, OTHER, STREAM_KINDS
+from mcp_stream_exporter.detector.service import load_config
+
+from spans import FETCH, S, call, sdk_call, stream
+
+C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
+CONFIG = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5, resume_loop_count=3,
+                                         resume_loop_window_s=10))
+JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ1c2VyIn0.c2lnbmF0dXJlLWJ5dGVz"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _with(span: Span, **attributes: object) -> Span:
+    return dataclasses.replace(span, attributes={**span.attributes, **attributes})
+
+
+def _label_flood(values: list[str]) -> Detector:
+    """Every attribute that reaches a metric label, one new value per span."""
+    clock = Clock()
+    detector = Detector(CONFIG, clock=clock)
+    for i, v in enumerate(values):
+        rid = str(i)
+        detector.consume([
+            stream(C, v, v, tool=v, ids=(rid,), session=f"s{i}"),
+            stream(C, "resume", "clean", tool=v, ids=(rid,), pending=(rid,), cursor=f"c{i}", missing=(FETCH,),
+                   session=f"s{i}"),
+            call(C, sc.OUTCOME_CANCELLED, request_id=rid, tool=v, session=f"s{i}"),
+            sdk_call(C, v, request_id=rid, error_type=v),
+            sdk_call(SV, v, request_id=rid, error_type=v),
+            _with(sdk_call(SV, "fetch", request_id=rid), **{sc.MCP_METHOD_NAME: v, sc.RPC_RESPONSE_STATUS_CODE: v}),
+            dataclasses.replace(sdk_call(C, "fetch", request_id=rid, timed_out=True), name=f"MCP send tools/call {v}",
+                                exception_types=(v,)),
+        ])
+    clock.now += 6 * S
+    detector.tick()
+    return detector
+
+
+def _series(detector: Detector) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    return {(s.name, tuple(sorted(s.labels.items()))) for m in detector.registry.collect() for s in m.samples}
+
+
+def _flood_values(n: int) -> list[str]:
+    shapes = ["tool{}", "Bearer {}", "x" * 300 + "{}", "\u00e9\u00e8{}", "a b {}", f"{JWT}{{}}", "{}/../../etc"]
+    return [shapes[i % len(shapes)].format(i) for i in range(n)]
+
+
+def test_a_flood_of_new_values_in_every_attribute_that_reaches_a_label_adds_no_series_past_the_bounded_sets():
+    small, large = _label_flood(_flood_values(100)), _label_flood(_flood_values(400))
+    assert len(_series(small)) == len(_series(large)), "series grow with the values sent"
+    assert len(large.findings) > 0, "the flood went through the rules"
+    labels: dict[str, set[str]] = {}
+    for _, pairs in _series(large):
+        for name, value in pairs:
+            labels.setdefault(name, set()).add(value)
+    assert labels["kind"] <= {*STREAM_KINDS, OTHER}
+    assert labels["reason"] - {*END_REASONS, OTHER} <= {"too_large", "bad_encoding", "malformed", "unauthorized",
+                                                         "too_many_spans", "queue_full", "span_model", "ttl",
+                                                         "capacity", "memory", "busy", "timeout"}
+    assert labels["role"] <= {C, SV}
+    assert len(labels["tool"] - {OTHER}) <= CONFIG.max_tool_labels
+    assert len(labels["gen_ai_tool_name"] - {OTHER, ""}) <= CONFIG.max_tool_labels
+    assert labels["mcp_method_name"] <= {"tools/call", OTHER}
+    assert labels["error_type"] <= {"", "timeout", OTHER}
+    for value in set().union(*labels.values()):
+        assert len(value) <= 64 and "Bearer" not in value and "eyJ" not in value, value
+    print(f"\nseries after 400 new values in every attribute that reaches a label: {len(_series(large))}")
+
+
+def test_token_shaped_values_in_any_attribute_are_redacted_from_ledger_findings_metrics_and_logs():
+    clock = Clock()
+    detector = Detector(CONFIG, clock=clock)
+    bearer = f"Bearer {JWT}"
+    spans = [stream(C, "resume", "clean", pending=(bearer,), ids=(bearer,), cursor=bearer, session=bearer,
+                    tool=bearer, audience=(JWT,), missing=(f"https://x/{JWT}",), last=bearer, first=JWT),
+             call(C, sc.OUTCOME_CANCELLED, request_id=bearer, session=bearer, tool=bearer)]
+    spans = [dataclasses.replace(s, origin=f"svc {bearer}") for s in spans]
+    outcome = detector.consume([*spans, _with(spans[0], **{sc.SPAN: bearer})])
+    clock.now += 6 * S
+    detector.tick()
+    assert outcome.rejected_count == 1 and JWT not in outcome.message()
+    assert {f.rule for f in detector.findings} >= {"clean_end_pending", "narrowed_resume"}
+    kept = json.dumps([detector.ledger.dump(), detector.findings.dump()]) + generate_latest(detector.registry).decode()
+    assert "[redacted]" in kept
+    for secret in (JWT, JWT.split(".")[2], "Bearer"):
+        assert secret not in kept
+
+
+BUDGET = 1024 * 1024  # the ledger's
+FINDINGS_BUDGET = 256 * 1024
+TIMELINES_BUDGET = 256 * 1024
+LONG = "x" * 240  # ids at the cap: 256 characters with the counter
+
+
+def _budgeted(clock: Clock) -> Detector:
+    return Detector(DetectorConfig(rules=CONFIG.rules, max_findings=10**6, max_findings_bytes=FINDINGS_BUDGET,
+                                   max_timelines_bytes=TIMELINES_BUDGET,
+                                   ledger=LedgerLimits(max_sessions=10**6, max_calls_per_session=10**6,
+                                                       max_bytes=BUDGET)), clock=clock)
+
+
+FLOODS = {
+    "a session per call": lambda i: [stream(C, "post", "clean", session=f"s{i}", ids=(str(i),), pending=(str(i),))],
+    "ids at the length cap": lambda i: [stream(C, "resume", "clean", session=f"{LONG}{i:016}",
+                                               ids=(f"{LONG}{i:016}",), pending=(f"{LONG}{i:016}",),
+                                               cursor=f"{LONG}{i:016}", last=LONG, first=LONG, tool=LONG)],
+    "one session, calls past the cap": lambda i: [stream(C, "post", "dropped", session="one", ids=(str(i),),
+                                                         pending=(str(i),))],
+    "one session, a new resume cursor each time": lambda i: [stream(C, "resume", "clean", session="one",
+                                                                    ids=("1",), pending=("1",), cursor=f"c{i}")],
+    "re-ending the same calls": lambda i: [stream(C, "post", "clean", session=f"s{i % 50}", ids=(str(i % 7),),
+                                                  pending=(str(i % 7),))],
+    "findings with the largest evidence": lambda i: [stream(C, "resume", "clean", session=f"f{i}", ids=("3",),
+                                                            terminal=tuple(f"{LONG}{j:016}" for j in range(256)))],
+    "look-ups (SDK spans, tools issued)": lambda i: [
+        dataclasses.replace(call(C, sc.OUTCOME_RESULT, request_id=str(i), session=f"l{i}", tool=f"{LONG}{i:016}",
+                                 parent=f"{i:016x}"), origin=f"{LONG}{i:016}")],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(FLOODS))
+def test_a_flood_of_each_shape_stays_under_the_memory_budget_as_tracemalloc_measures_it(shape):
+    clock = Clock()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        detector = _budgeted(clock)
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(0, 5_000, 500):
+            detector.consume([span for j in range(i, i + 500) for span in FLOODS[shape](j)])
+            clock.now += S
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    state = detector.ledger.bytes + detector.findings.bytes + detector.timelines.bytes
+    print(f"\n{shape}: {used / 2**20:.1f} MiB measured, {state / 2**20:.1f} MiB estimated, "
+          f"sessions {detector.ledger.sessions}, calls {detector.ledger.calls}, findings {len(detector.findings)}, "
+          f"evictions {detector.ledger.evictions}")
+    assert detector.ledger.bytes <= BUDGET and detector.findings.bytes <= FINDINGS_BUDGET
+    assert detector.timelines.bytes <= TIMELINES_BUDGET
+    assert used <= BUDGET + FINDINGS_BUDGET + TIMELINES_BUDGET, "the estimate is below what the state takes"
+    assert used <= state * 1.25 + 128 * 1024, "the estimate is far from what the state takes"
+
+
+def test_memory_evictions_take_the_least_recently_active_sessions_first_and_are_counted():
+    clock = Clock()
+    detector = _budgeted(clock)
+    for i in range(0, 10_000, 500):
+        detector.consume([stream(C, "post", "dropped", session=f"s{j}", ids=("1",), pending=("1",))
+                          for j in range(i, i + 500)])
+    evicted = detector.ledger.evictions["memory"]
+    assert evicted > 0 and detector.ledger.sessions == 10_000 - evicted
+    assert detector.ledger.find("s9999", "1") is not None and detector.ledger.find("s0", "1") is None
+    assert detector.registry.get_sample_value("mcp_stream_detector_ledger_evictions_total",
+                                              {"reason": "memory"}) == evicted
+    assert detector.registry.get_sample_value("mcp_stream_detector_state_bytes", {"part": "ledger"}) <= BUDGET
+
+
+def test_one_session_watches_a_bounded_number_of_resume_cursors():
+    detector = Detector(CONFIG, clock=Clock())
+    detector.consume([stream(C, "resume", "clean", session="one", pending=("1",), cursor=f"c{i}") for i in range(5000)])
+    (session,) = detector.ledger.dump()["sessions"]
+    assert len(session["resumes"]) == LedgerLimits().max_resumes_per_session
+
+
+def test_re_ending_the_same_calls_adds_no_timers():
+    detector = Detector(CONFIG, clock=Clock())
+    for _ in range(50):
+        detector.consume([stream(C, "post", "clean", session="s", ids=(str(i),), pending=(str(i),)) for i in range(20)])
+    assert len(detector.ledger.dump()["timers"]) == 20
+
+
+def test_a_findings_evidence_is_cut_to_its_bound_and_says_so():
+    detector = Detector(CONFIG, clock=Clock())
+    detector.consume([stream(C, "resume", "clean", ids=("3",), terminal=tuple(f"{LONG}{j:016}" for j in range(256)))])
+    (finding,) = detector.findings
+    assert finding.rule == "foreign_result" and finding.evidence["truncated"] is True
+    assert len(json.dumps(finding.to_json()["evidence"])) <= MAX_EVIDENCE_BYTES
+
+
+def test_max_memory_mb_splits_into_the_ledger_findings_timelines_and_queue_budgets():
+    config = load_config(["--max-memory-mb", "64"], environ={})
+    mib = 1024 * 1024
+    assert config.detector_config().ledger.max_bytes == 40 * mib
+    assert config.detector_config().max_findings_bytes == 8 * mib
+    assert config.detector_config().max_timelines_bytes == 8 * mib
+    assert config.ingest_limits().max_queued_bytes == 8 * mib
