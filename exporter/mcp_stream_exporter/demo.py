@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None, *, as_json: bool = False, serve_port: in
     naive_detector = feed.detector
     if not as_json:
         _print_run(naive)
-    _say("\nRun 2/2, the same with the replay guard (guard.py) on the server ...")
+    _say("\nRun 2/2, the same with the replay guard (guard/) on the server ...")
     guarded = asyncio.run(run_incident(feed, guarded=True, grace_s=grace_s))
     if not as_json:
         _print_run(guarded)

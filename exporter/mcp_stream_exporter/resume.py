@@ -25,7 +25,7 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """The data of a server's ``event: error`` frame for a refused resume (guard.py)."""
+    """The data of a server's ``event: error`` frame for a refused resume (guard/)."""
 
     error: str
     cursor: str | None

@@ -123,7 +123,7 @@ VERIFICATION_ABSENT: Final = "absent"  # no bearer token
 AUTH_MISSING_RESOURCES: Final = "mcp_stream.auth.missing_resources"
 AUTH_MISSING_SCOPES: Final = "mcp_stream.auth.missing_scopes"
 
-# --- the replay guard's verdict, on the replay span it runs under (guard.py) ---
+# --- the replay guard's verdict, on the replay span it runs under (guard/) ---
 GUARD_MODE: Final = "mcp_stream.guard.mode"  # enforce | observe
 GUARD_DECISION: Final = "mcp_stream.guard.decision"
 GUARD_ALLOW: Final = "allow"

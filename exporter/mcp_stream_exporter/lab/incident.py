@@ -4,7 +4,7 @@ Two tools, ``search`` and ``fetch``, each requiring its own resource indicator, 
 the incident describes: the SDK example's per-stream store plus a per-event audience check that, at
 the first buffered event the resuming token is not authorised for, stops the replay and lets the
 stream end cleanly. Nothing in it is wrong on its own; composed with a narrowed refresh it loses a
-result with no signal. The guard (guard.py) is the fix; this is the reproduction.
+result with no signal. The guard (guard/) is the fix; this is the reproduction.
 """
 
 from __future__ import annotations
