@@ -15,6 +15,9 @@ from mcp_stream_exporter import semconv as sc
 TOOLS_CALL: Final = "tools/call"
 CANCELLED: Final = "notifications/cancelled"
 INITIALIZE: Final = "initialize"
+# JSON-RPC error code (the implementation-defined server range) for a call or a resume refused because
+# the token does not grant what it requires: the guard answers with it, the hooks recognise it
+REFUSED_ERROR_CODE: Final = -32003
 
 
 class WireMessage(NamedTuple):

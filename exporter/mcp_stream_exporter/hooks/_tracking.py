@@ -267,7 +267,7 @@ class Call(_Deferred):
         if fingerprint is not None:
             attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
         attrs.update(self._policy_attributes())
-        name = f"MCP call {self.method} {self.tool}" if self.tool else f"MCP call {self.method}"
+        name = f"{sc.SPAN_NAME_CALL} {self.method}" + (f" {self.tool}" if self.tool else "")
         return name, attrs
 
     def _policy_attributes(self) -> dict[str, AttributeValue]:
@@ -302,7 +302,7 @@ class SdkSpans(SpanProcessor):
         self._open: dict[int, Span] = {}
 
     def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
-        if span.name.startswith(_SDK_CLIENT_CALL):
+        if span.name.startswith(sc.SDK_CLIENT_CALL_SPAN):
             self._open[span.get_span_context().span_id] = span
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -331,7 +331,6 @@ class SdkSpans(SpanProcessor):
         return index
 
 
-_SDK_CLIENT_CALL = "MCP send tools/call"
 _INDEXES: weakref.WeakKeyDictionary[TracerProvider, SdkSpans] = weakref.WeakKeyDictionary()
 _INSTALL_LOCK = threading.Lock()
 
@@ -377,7 +376,7 @@ class Stream(_Deferred):
             attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in self.calls]
             if len(self.calls) == 1 and self.calls[0].tool is not None:
                 attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
-        return f"MCP stream {self.kind}", attrs
+        return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})

@@ -34,9 +34,16 @@ from mcp_stream_exporter.hooks._tracking import (
     known_missing,
     stream_kind,
 )
-from mcp_stream_exporter.resume import RESUME_REFUSED
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, classify, classify_frame
+from mcp_stream_exporter.wire import (
+    CANCELLED,
+    INITIALIZE,
+    MAX_PARSED_BODY,
+    REFUSED_ERROR_CODE,
+    TOOLS_CALL,
+    classify,
+    classify_frame,
+)
 
 _REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
@@ -236,7 +243,7 @@ def _refused(request_id: str, data: str) -> bytes:
                f"not in the token's audience; re-authorise and resume from cursor "
                f"{detail.get('cursor') if isinstance(detail, dict) else None}, or re-issue the call")
     error = {"jsonrpc": "2.0", "id": int(request_id) if request_id.isdigit() else request_id,
-             "error": {"code": RESUME_REFUSED, "message": message, "data": detail}}
+             "error": {"code": REFUSED_ERROR_CODE, "message": message, "data": detail}}
     return render(SSEFrame(json.dumps(error), event="message"))
 
 
@@ -269,7 +276,7 @@ def instrument_client(
     ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
     touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
     ``resolve_error_frames`` (part 3 of the resume invariant, docs/span-model.md): a pending call whose
-    stream brings an ``event: error`` frame is failed at once with ``resume.RESUME_REFUSED`` instead of
+    stream brings an ``event: error`` frame is failed at once with ``wire.REFUSED_ERROR_CODE`` instead of
     reconnecting until its timeout.
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,

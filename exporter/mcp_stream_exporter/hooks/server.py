@@ -56,13 +56,13 @@ from mcp_stream_exporter.wire import (
     CANCELLED,
     INITIALIZE,
     MAX_PARSED_BODY,
+    REFUSED_ERROR_CODE,
     TOOLS_CALL,
     WireMessage,
     classify,
     classify_frame,
 )
 
-INSUFFICIENT_AUDIENCE: Final = -32003  # implementation-defined JSON-RPC server error range
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 _REQUEST_HEADERS = frozenset({b"mcp-session-id", b"authorization", b"mcp-protocol-version", b"last-event-id"})
 _RESPONSE_HEADERS = frozenset({b"mcp-session-id", b"content-type"})
@@ -280,7 +280,7 @@ class ServerInstrumentation:
             missing_resources, missing_scopes = view.missing(requirement) if requirement else NOTHING_MISSING
         if self.enforce and (missing_resources or missing_scopes):
             raise MCPError(
-                code=INSUFFICIENT_AUDIENCE,
+                code=REFUSED_ERROR_CODE,
                 message=f"token does not grant what tool {tool!r} requires: resource indicators "
                 f"{sorted(missing_resources)}, scopes {sorted(missing_scopes)}",
                 data={"tool": tool, "required_resources": sorted(requirement.resources if requirement else ()),
@@ -426,7 +426,7 @@ class _ObservedEventStore(EventStore):
         if session_id is not None:
             attrs[sc.MCP_SESSION_ID] = session_id
         parent = trace.set_span_in_context(instr.tracker.span_of(call)) if call is not None else None
-        span = instr._tracer.start_span("MCP replay", context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
+        span = instr._tracer.start_span(sc.SPAN_NAME_REPLAY, context=parent, kind=SpanKind.INTERNAL, attributes=attrs)
         with trace.use_span(span, end_on_exit=True):
             result = await self._inner.replay_events_after(last_event_id, observed_send)
             unsent = [e for e in buffered if e not in sent]
