@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.guard import GuardedEventStore, resolve_refusals
 from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
 from mcp_stream_exporter.lab import (
     BASE_RESOURCE,
@@ -84,7 +84,7 @@ async def client(issuer: TokenIssuer, proxy: CutProxy) -> AsyncIterator[Incident
     narrow = issuer.mint([SEARCH_RESOURCE])
     TOKENS_USED.extend((broad, narrow))
     auth = BearerAuth(broad)
-    http = instrument_client(auth=auth, policy=incident_policy())
+    http = resolve_refusals(instrument_client(auth=auth, policy=incident_policy()))
     async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
                             mode="legacy") as sdk:
         yield Incident(sdk, proxy, auth, issuer, broad, narrow)

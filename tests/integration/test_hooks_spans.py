@@ -181,8 +181,8 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
     assert ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_COMPLETE)
 
 
-async def test_enforce_refuses_a_call_whose_token_lacks_the_tools_resource():
-    async with incident("legacy", enforce=True) as s:
+async def test_the_call_guard_refuses_a_call_whose_token_lacks_the_tools_resource_and_the_hooks_record_it():
+    async with incident("legacy", guard_calls=True) as s:
         s.auth.token = s.narrow
         with pytest.raises(MCPError) as refused:
             await s.call("fetch", {"url": "u"})

@@ -35,7 +35,6 @@ from mcp_stream_exporter.wire import WireMessage
 
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
-_STATELESS_FROM = "2026-07-28"
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 
@@ -88,22 +87,6 @@ def audience_known(view: AuthView) -> bool:
 def known_missing(view: AuthView, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
     """What ``view`` lacks of ``requirement``, when that can be known; nothing when its audience is unknown."""
     return view.missing(requirement) if audience_known(view) else NOTHING_MISSING
-
-
-def era_of(protocol_version: str | None) -> str:
-    """2026-07-28 and later have no sessions and no resumption; earlier versions do."""
-    if protocol_version is not None and protocol_version >= _STATELESS_FROM:
-        return sc.ERA_STATELESS
-    return sc.ERA_RESUMABLE
-
-
-def stream_kind(http_method: str, cursor: str | None) -> str:
-    """A POST answers requests; a GET with ``Last-Event-ID`` resumes, without it opens the standalone stream."""
-    if http_method == "POST":
-        return sc.STREAM_KIND_POST
-    if http_method == "DELETE":
-        return sc.STREAM_KIND_DELETE
-    return sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
 
 
 @functools.lru_cache(maxsize=1024)
@@ -291,6 +274,23 @@ def requirement_attributes(requirement: Requirement | None,
     if missing_scopes:
         attrs[sc.AUTH_MISSING_SCOPES] = sorted(missing_scopes)
     return attrs
+
+
+class Requirements:
+    """What each call of a session required, kept after the call ends (a resume may come later), bounded:
+    the server's replay span compares the resuming token with it."""
+
+    def __init__(self, max_calls: int) -> None:
+        self._max_calls = max_calls
+        self._of: OrderedDict[CallKey, Requirement] = OrderedDict()
+
+    def remember(self, key: CallKey, requirement: Requirement) -> None:
+        self._of[key] = requirement
+        if len(self._of) > self._max_calls:
+            self._of.popitem(last=False)
+
+    def get(self, key: CallKey) -> Requirement | None:
+        return self._of.get(key)
 
 
 class SdkSpans(SpanProcessor):
