@@ -112,12 +112,13 @@ class Incident:
 
 @contextlib.asynccontextmanager
 async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_calls: bool = False,
-                   session_wide_filter: bool = False,
+                   resolve: bool = True, session_wide_filter: bool = False,
                    retry_interval: int = 200, step_delay: float = 0.05,
                    tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
     """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
     ``guarded`` serves with the replay guard instead of the incident's naive replay store;
     ``guard_calls`` installs the call guard, which refuses a call whose token lacks the tool's resource;
+    ``resolve`` wraps the client with the guard's resolver, so a refused resume fails its call at once;
     ``session_wide_filter`` makes the naive store skip what the token may not see and replay the rest
     of the session (``IncidentEventStore``)."""
     issuer = TokenIssuer()
@@ -139,8 +140,9 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_
         proxy = CutProxy(port)
         await proxy.start()
         auth = BearerAuth(broad)
-        # the client done right: a refused resume fails its pending call at once (the tap sees only the wire)
-        http = resolve_refusals(instrument_client(auth=auth, policy=policy, tracer_provider=tracer_provider))
+        http = instrument_client(auth=auth, policy=policy, tracer_provider=tracer_provider)
+        if resolve:  # last, around the tap: the tap sees only the wire
+            http = resolve_refusals(http)
         options: dict[str, Any] = {"mode": mode} if mode else {}
         try:
             async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
