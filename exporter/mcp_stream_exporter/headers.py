@@ -19,3 +19,10 @@ def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes]) -> dict[st
         if key in names:
             found[key.decode("latin-1")] = value.decode("latin-1")
     return found
+
+
+def values(raw: Iterable[tuple[bytes, bytes]], name: str) -> list[str]:
+    """Every value of one header (``name`` lower-case; latin-1): a repeat is kept, so it can be refused,
+    not guessed at."""
+    key = name.encode("latin-1")
+    return [v.decode("latin-1") for k, v in raw if k.lower() == key]

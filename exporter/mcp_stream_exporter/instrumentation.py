@@ -30,7 +30,14 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.instrumentation.utils import unwrap
 
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy
-from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation, instrument_client, instrument_server
+from mcp_stream_exporter.guard.refusals import RefusalResolver
+from mcp_stream_exporter.hooks import (
+    ClientInstrumentation,
+    ClientTap,
+    ServerInstrumentation,
+    instrument_client,
+    instrument_server,
+)
 
 # the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
 _instruments = ("mcp >= 2.3, < 3",)
@@ -91,9 +98,15 @@ class _Options:
     def client_transport(self, wrapped: Callable[..., Any], instance: StreamableHTTPTransport,
                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``StreamableHTTPTransport.post_writer(client, ...)``, the first use of the client the SDK sends
-        with: tap it in place, once."""
+        with: tap it in place, once; beneath the guard's ``RefusalResolver`` when it has one, so the tap
+        sees the wire and not the errors the resolver adds."""
         client = args[0] if args else kwargs.get("client")
-        if isinstance(client, httpx2.AsyncClient) and not isinstance(client._transport, ClientTap):
-            instrument_client(client, policy=self.policy, token_reader=self.token_reader,
-                              tracer_provider=self.tracer_provider)
+        if isinstance(client, httpx2.AsyncClient):
+            resolver = client._transport if isinstance(client._transport, RefusalResolver) else None
+            if resolver is None and not isinstance(client._transport, ClientTap):
+                instrument_client(client, policy=self.policy, token_reader=self.token_reader,
+                                  tracer_provider=self.tracer_provider)
+            elif resolver is not None and not isinstance(resolver.inner, ClientTap):
+                resolver.inner = ClientTap(resolver.inner, ClientInstrumentation(
+                    policy=self.policy, token_reader=self.token_reader, tracer_provider=self.tracer_provider))
         return wrapped(*args, **kwargs)

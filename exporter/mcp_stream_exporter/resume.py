@@ -10,11 +10,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement
-
-RESUME_REFUSED: Final = -32003  # the JSON-RPC error code a refused resume resolves the pending call with
 
 
 class Action(enum.Enum):

@@ -27,6 +27,13 @@ NETWORK_PROTOCOL_NAME: Final = "network.protocol.name"
 NETWORK_TRANSPORT: Final = "network.transport"
 RPC_RESPONSE_STATUS_CODE: Final = "rpc.response.status_code"
 
+# --- span names: ours (for humans; ``SPAN`` below is for machines) and the MCP SDK's own ---
+SPAN_NAME_CALL: Final = "MCP call"  # "MCP call tools/call {tool}"
+SPAN_NAME_STREAM: Final = "MCP stream"  # "MCP stream {kind}"
+SPAN_NAME_REPLAY: Final = "MCP replay"
+SDK_CLIENT_SPAN_PREFIX: Final = "MCP send "  # the SDK client's request span: "MCP send {method} {target}"
+SDK_CLIENT_CALL_SPAN: Final = SDK_CLIENT_SPAN_PREFIX + "tools/call"  # ... " {tool}": pinned by test_sdk_contract
+
 # --- which span of the model a span is (names are for humans, this is for machines) ---
 SPAN: Final = "mcp_stream.span"
 SPAN_STREAM: Final = "stream"

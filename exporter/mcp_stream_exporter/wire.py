@@ -15,6 +15,9 @@ from mcp_stream_exporter import semconv as sc
 TOOLS_CALL: Final = "tools/call"
 CANCELLED: Final = "notifications/cancelled"
 INITIALIZE: Final = "initialize"
+# JSON-RPC error code (the implementation-defined server range) for a call or a resume refused because
+# the token does not grant what it requires: the guard answers with it, the hooks recognise it
+REFUSED_ERROR_CODE: Final = -32003
 
 
 class WireMessage(NamedTuple):
@@ -29,6 +32,7 @@ class WireMessage(NamedTuple):
     cancelled_id: str | None = None  # params.requestId of notifications/cancelled
     protocol_version: str | None = None  # params.protocolVersion of initialize / its result
     arguments: Any = None  # params.arguments of a tools/call, as parsed: for a fingerprint, never kept
+    error_code: int | None = None  # error.code of an error response
 
     @property
     def is_terminal(self) -> bool:
@@ -74,7 +78,10 @@ def _classify(obj: Any) -> WireMessage:
             cancelled_id=_id(params.get("requestId")) if method == CANCELLED else None,
         )
     if "error" in obj:
-        return WireMessage(sc.FRAME_ERROR, _id(obj.get("id")))
+        error = obj["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        return WireMessage(sc.FRAME_ERROR, _id(obj.get("id")),
+                           error_code=code if isinstance(code, int) and not isinstance(code, bool) else None)
     if "result" in obj:
         result = obj["result"]
         result = result if isinstance(result, dict) else {}
@@ -90,18 +97,20 @@ def _classify(obj: Any) -> WireMessage:
 
 _FAST_RESPONSE = re.compile(r'\{"jsonrpc":"2\.0","id":(?:"([^"\\]*)"|(-?\d+)),"(result|error)":')
 _FAST_NOTIFICATION = re.compile(r'\{"jsonrpc":"2\.0","method":"([^"\\]+)"')
+_FAST_ERROR_CODE = re.compile(r'\{"code":(-?\d+)[,}]')
 _TOOL_ERROR = '"isError":true'
 
 
 def classify_frame(data: str) -> list[WireMessage]:
     """``classify`` for an SSE ``data:`` field, without parsing the whole payload when the SDK's
     serialisation makes that unnecessary: a tool result can be megabytes, and all we need of it is
-    its id, whether it is an error, and ``isError`` (a key, so never inside an escaped string)."""
+    its id, whether it is an error (and its code), and ``isError`` (a key, so never inside an escaped string)."""
     m = _FAST_RESPONSE.match(data)
     if m is not None:
         request_id = m.group(1) if m.group(1) is not None else m.group(2)
         if m.group(3) == "error":
-            return [WireMessage(sc.FRAME_ERROR, request_id)]
+            code = _FAST_ERROR_CODE.match(data, m.end())
+            return [WireMessage(sc.FRAME_ERROR, request_id, error_code=int(code.group(1)))] if code else classify(data)
         return [WireMessage(sc.FRAME_RESPONSE, request_id, is_tool_error=_TOOL_ERROR in data)]
     m = _FAST_NOTIFICATION.match(data)
     if m is not None and m.group(1) != CANCELLED:

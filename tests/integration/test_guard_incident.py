@@ -10,7 +10,8 @@ from mcp.shared.exceptions import MCPError
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import TokenReader
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
-from mcp_stream_exporter.resume import RESUME_REFUSED, Action, Refusal, decide_resume
+from mcp_stream_exporter.resume import Action, Refusal, decide_resume
+from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
 from harness import incident, ours, span_exporter, spans
 
@@ -39,7 +40,7 @@ async def test_the_naive_store_loses_fetch_and_the_guard_refuses_then_delivers_i
         search, fetch = await _incident_run(guarded, fetch_timeout=20)
         assert "search results" in search.content[0].text
         assert isinstance(fetch, MCPError)
-        assert fetch.code == RESUME_REFUSED  # an explicit, immediate error, not a timeout
+        assert fetch.code == REFUSED_ERROR_CODE  # an explicit, immediate error, not a timeout
         refusal = Refusal.from_data(fetch.data)
         assert refusal.error == "insufficient_audience"
         assert refusal.requirement.resources == {FETCH_RESOURCE}

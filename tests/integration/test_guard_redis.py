@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.guard import GuardedEventStore, resolve_refusals
 from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
 from mcp_stream_exporter.lab import (
     BASE_RESOURCE,
@@ -35,7 +35,8 @@ from mcp_stream_exporter.lab import (
     incident_policy,
     serve,
 )
-from mcp_stream_exporter.resume import RESUME_REFUSED, Refusal
+from mcp_stream_exporter.resume import Refusal
+from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
 from harness import TOKENS_USED, ours, span_exporter, spans
 
@@ -83,7 +84,7 @@ async def client(issuer: TokenIssuer, proxy: CutProxy) -> AsyncIterator[Incident
     narrow = issuer.mint([SEARCH_RESOURCE])
     TOKENS_USED.extend((broad, narrow))
     auth = BearerAuth(broad)
-    http = instrument_client(auth=auth, policy=incident_policy())
+    http = resolve_refusals(instrument_client(auth=auth, policy=incident_policy()))
     async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
                             mode="legacy") as sdk:
         yield Incident(sdk, proxy, auth, issuer, broad, narrow)
@@ -150,7 +151,7 @@ async def test_a_narrowed_resume_on_another_replica_is_refused_explicitly(redis_
         proxy.arm(b"fetch step 1", on_cut=reroute_and_narrow)
         with pytest.raises(MCPError) as refused:
             await lab.call("fetch", FETCH, timeout=15)
-        assert refused.value.code == RESUME_REFUSED  # the error frame, not a timeout
+        assert refused.value.code == REFUSED_ERROR_CODE  # the error frame, not a timeout
         refusal = Refusal.from_data(refused.value.data)
         assert refusal.error == "insufficient_audience"
         assert refusal.requirement.resources == {FETCH_RESOURCE}
@@ -203,7 +204,7 @@ async def test_a_call_whose_replica_died_ends_with_an_error_frame_not_a_silent_e
         proxy.upstream_port = other.port
         with pytest.raises(MCPError) as refused:
             await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
-    assert refused.value.code == RESUME_REFUSED  # explicit and at once, not the caller's timeout
+    assert refused.value.code == REFUSED_ERROR_CODE  # explicit and at once, not the caller's timeout
     assert Refusal.from_data(refused.value.data).error == "session_owner_gone"
     assert ("GET", 200) in other.requests
 
@@ -221,7 +222,7 @@ async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_sti
             proxy.upstream_port = a.port
             with pytest.raises(MCPError) as refused:
                 await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
-            assert refused.value.code == RESUME_REFUSED
+            assert refused.value.code == REFUSED_ERROR_CODE
             assert Refusal.from_data(refused.value.data).error == "store_unavailable"
             assert _store_errors() > errors_before  # what MCPGuardStoreErrors pages on
             async with client(issuer, proxy) as fresh:  # a new session while Redis is down

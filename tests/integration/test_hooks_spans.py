@@ -9,8 +9,9 @@ from mcp.shared.exceptions import MCPError
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
+from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
-from harness import incident, ours, spans
+from harness import incident, ours, play_incident, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -181,8 +182,8 @@ async def test_incident_narrowed_resume_ends_clean_with_fetch_pending_and_the_ga
     assert ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER, mcp_stream__replay__decision=sc.REPLAY_COMPLETE)
 
 
-async def test_enforce_refuses_a_call_whose_token_lacks_the_tools_resource():
-    async with incident("legacy", enforce=True) as s:
+async def test_the_call_guard_refuses_a_call_whose_token_lacks_the_tools_resource_and_the_hooks_record_it():
+    async with incident("legacy", guard_calls=True) as s:
         s.auth.token = s.narrow
         with pytest.raises(MCPError) as refused:
             await s.call("fetch", {"url": "u"})
@@ -193,3 +194,13 @@ async def test_enforce_refuses_a_call_whose_token_lacks_the_tools_resource():
     assert _attr(call, sc.POLICY_DECISION) == "refused"
     assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_ERROR
     assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)
+
+
+async def test_the_client_tap_records_a_refusal_and_changes_nothing_without_the_guards_resolver():
+    """The hooks observe: the guard's error frame is on the client's stream span, and the call is left
+    to the SDK (which drops the frame and waits for its timeout) unless the guard's resolver answers it."""
+    async with incident("legacy", guarded=True, resolve=False) as s:
+        _, fetch = await play_incident(s, fetch_timeout=2.5)
+    assert isinstance(fetch, MCPError) and fetch.code != REFUSED_ERROR_CODE  # the SDK's own give-up
+    refused = [sp for sp in ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT) if _attr(sp, sc.ERROR_FRAMES_COUNT)]
+    assert refused and all(_attr(sp, sc.PENDING_REQUEST_IDS) for sp in refused)

@@ -19,6 +19,7 @@ from mcp.server.mcpserver import MCPServer
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.guard import RefusalResolver, resolve_refusals
 from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation
 from mcp_stream_exporter.instrumentation import McpStreamInstrumentor
 from mcp_stream_exporter.lab import serve
@@ -101,3 +102,28 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
     plain = MCPServer("plain")
     plain.streamable_http_app()
     assert not any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in plain.middleware)
+
+
+@pytest.mark.anyio
+async def test_a_client_with_the_guards_refusal_resolver_is_tapped_once_beneath_it():
+    """The tap observes the wire, not the errors the resolver adds: it goes under the resolver, once."""
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        server = MCPServer("probe")
+
+        @server.tool()
+        def echo(text: str) -> str:
+            return text
+
+        by_hand, bare = resolve_refusals(instrument_client()), resolve_refusals()
+        async with serve(server.streamable_http_app()) as port:
+            for http in (by_hand, bare):
+                async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                                        mode="legacy") as client:
+                    assert (await client.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
+                resolver = http._transport
+                assert isinstance(resolver, RefusalResolver) and isinstance(resolver.inner, ClientTap)
+                assert not isinstance(resolver.inner._inner, ClientTap)
+    finally:
+        instrumentor.uninstrument()

@@ -6,10 +6,19 @@ from __future__ import annotations
 import inspect
 
 import httpx2
-from mcp.server.mcpserver import MCPServer
-from mcp.server.streamable_http import EventStore
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http import GET_STREAM_KEY, EventStore
+from mcp_types import JSONRPCNotification, JSONRPCResponse
 
 from mcp_stream_exporter import instrument_client, instrument_server
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID, request_id_of, stream_id_of
+from mcp_stream_exporter.lab import serve
+
+from harness import span_exporter, spans
 
 
 def test_httpx2_async_client_keeps_its_transport_in_underscore_transport():
@@ -74,3 +83,45 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
     provider.get_tracer("app").start_span("the application's, sampled out").end()
     tracer.start_span("ours").end()
     assert [s.name for s in exporter.get_finished_spans()] == ["ours"]
+
+
+@pytest.mark.anyio
+async def test_the_sdk_files_a_requests_events_under_its_request_id_and_the_rest_under_the_standalone_stream():
+    """``exchange.stream_id_of``: the SDK's event store gets a POST's events under the stream id ``str(request
+    id)``, and a message related to no request under ``GET_STREAM_KEY``; the hooks and the guard rely on it.
+    And the SDK client's span for the call is named as ``semconv.SDK_CLIENT_CALL_SPAN`` says."""
+    span_exporter().clear()
+    stored: list[tuple[str, object]] = []
+
+    class Recording(EventStore):
+        async def store_event(self, stream_id, message):
+            stored.append((stream_id, message))
+            return str(len(stored))
+
+        async def replay_events_after(self, last_event_id, send_callback):
+            return None
+
+    server = MCPServer("contract")
+
+    @server.tool()
+    async def ping(ctx: Context) -> str:
+        await ctx.report_progress(1, 1, "half way")  # this request's
+        await ctx.session.send_tool_list_changed()  # no request's
+        return "pong"
+
+    async with (serve(server.streamable_http_app(event_store=Recording())) as port,
+                Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp"), mode="legacy") as client):
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            pass
+
+        assert (await client.call_tool("ping", {}, progress_callback=on_progress)).content[0].text == "pong"
+    assert f"{sc.SDK_CLIENT_CALL_SPAN} ping" in {s.name for s in spans()}
+    assert STANDALONE_STREAM_ID == GET_STREAM_KEY
+    ((response_stream, response),) = [(s, m) for s, m in stored
+                                      if isinstance(m, JSONRPCResponse) and m.result.get("content")]
+    assert response_stream == stream_id_of(str(response.id)) == str(response.id)
+    assert request_id_of(response_stream) == str(response.id)
+    progress = [s for s, m in stored if isinstance(m, JSONRPCNotification) and m.method == "notifications/progress"]
+    assert progress == [stream_id_of(str(response.id))]
+    changed = [s for s, m in stored if isinstance(m, JSONRPCNotification) and m.method.endswith("list_changed")]
+    assert changed == [stream_id_of(None)] and request_id_of(changed[0]) is None

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
+from mcp_stream_exporter.detector import RULES, Detector, DetectorConfig, LedgerLimits, RuleConfig, RuleId, Span
 
 from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
+
+ROOT = Path(__file__).resolve().parents[2]
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 
@@ -34,6 +37,13 @@ def run(spans: Sequence[Span], *, after_s: float = 0.0) -> Detector:
 
 def rules(detector: Detector) -> list[str]:
     return sorted(f.rule for f in detector.findings)
+
+
+def test_every_rule_is_named_by_its_id_enum_whose_values_are_the_documented_ids():
+    assert list(RULES) == list(RuleId)
+    assert all(RULES[rule.value].id is rule for rule in RuleId)  # looked up by the plain id a label carries
+    documented = (ROOT / "docs" / "rules.md").read_text()
+    assert all(f"| `{rule.value}` |" in documented for rule in RuleId)
 
 
 def test_clean_end_pending_fires_after_the_grace_period_and_not_before():

@@ -4,7 +4,7 @@ from mcp_stream_exporter.detector.detector import Detector, DetectorConfig, Outc
 from mcp_stream_exporter.detector.events import Span
 from mcp_stream_exporter.detector.findings import Finding, FindingStore, Query
 from mcp_stream_exporter.detector.ledger import LedgerLimits
-from mcp_stream_exporter.detector.rules import RULES, Rule, RuleConfig
+from mcp_stream_exporter.detector.rules import RULES, Rule, RuleConfig, RuleId
 
 __all__ = ["RULES", "Detector", "DetectorConfig", "Finding", "FindingStore", "LedgerLimits", "Outcome", "Query",
-           "Rule", "RuleConfig", "Span"]
+           "Rule", "RuleConfig", "RuleId", "Span"]

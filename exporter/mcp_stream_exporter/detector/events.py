@@ -19,7 +19,7 @@ KIND_CLIENT = "client"
 KIND_SERVER = "server"
 KIND_INTERNAL = "internal"
 
-_SDK_CLIENT_PREFIX = "MCP send "
+_SDK_CLIENT_PREFIX = sc.SDK_CLIENT_SPAN_PREFIX
 _TIMEOUT_CODES = frozenset({"-32001"})  # the SDK's "Request timed out"
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from mcp_stream_exporter import semconv as sc
@@ -27,9 +28,28 @@ _LEGACY = frozenset({sc.ERA_RESUMABLE})
 _MODERN = frozenset({sc.ERA_STATELESS})
 
 
+class RuleId(StrEnum):
+    """Every rule's stable id. The values are the ``rule`` label of the metrics, what alerts and
+    docs/rules.md name: never change one."""
+
+    CLEAN_END_PENDING = "clean_end_pending"
+    NARROWED_RESUME = "narrowed_resume"
+    REPLAY_TRUNCATED = "replay_truncated"
+    CURSOR_PAST_UNDELIVERED = "cursor_past_undelivered"
+    RESUME_LOOP = "resume_loop"
+    SESSION_EXPIRED_IN_FLIGHT = "session_expired_in_flight"
+    UNKNOWN_CURSOR = "unknown_cursor"
+    CROSS_STREAM_REPLAY = "cross_stream_replay"
+    FOREIGN_RESULT = "foreign_result"
+    DUPLICATE_TERMINAL = "duplicate_terminal"
+    TIMEOUT_ATTRIBUTED = "timeout_attributed"
+    NOT_REISSUED = "not_reissued"
+    STORED_NOT_DELIVERED = "stored_not_delivered"
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
-    id: str
+    id: RuleId
     severity: str
     eras: frozenset[str]
     loss: bool  # a call's result never reached its caller (or a wrong one did): counted as a silent loss
@@ -37,31 +57,31 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {r.id: r for r in (
-    Rule("clean_end_pending", CRITICAL, _ALL, True,
+    Rule(RuleId.CLEAN_END_PENDING, CRITICAL, _ALL, True,
          "A stream ended cleanly while a call on it had no terminal event, and none arrived in the grace period."),
-    Rule("narrowed_resume", WARNING, _LEGACY, False,
+    Rule(RuleId.NARROWED_RESUME, WARNING, _LEGACY, False,
          "A resume's token lacks a resource (or scope) its pending call requires, and no error frame said so."),
-    Rule("replay_truncated", CRITICAL, _LEGACY, False,
+    Rule(RuleId.REPLAY_TRUNCATED, CRITICAL, _LEGACY, False,
          "The server ended a replay cleanly before sending every buffered event, without an error frame."),
-    Rule("cursor_past_undelivered", CRITICAL, _LEGACY, False,
+    Rule(RuleId.CURSOR_PAST_UNDELIVERED, CRITICAL, _LEGACY, False,
          "A replay skipped buffered events and sent later ones: the client's cursor moved past undelivered events."),
-    Rule("resume_loop", WARNING, _LEGACY, False,
+    Rule(RuleId.RESUME_LOOP, WARNING, _LEGACY, False,
          "A stream was resumed again and again from the same cursor without progress."),
-    Rule("session_expired_in_flight", WARNING, _LEGACY, True,
+    Rule(RuleId.SESSION_EXPIRED_IN_FLIGHT, WARNING, _LEGACY, True,
          "The session was gone (404) while a call on it was still owed its result."),
-    Rule("unknown_cursor", WARNING, _LEGACY, False,
+    Rule(RuleId.UNKNOWN_CURSOR, WARNING, _LEGACY, False,
          "A resume to an unknown or evicted event id was answered with an empty stream, not an error."),
-    Rule("cross_stream_replay", CRITICAL, _LEGACY, False,
+    Rule(RuleId.CROSS_STREAM_REPLAY, CRITICAL, _LEGACY, False,
          "A replay sent events stored on another stream or session."),
-    Rule("foreign_result", CRITICAL, _LEGACY, True,
+    Rule(RuleId.FOREIGN_RESULT, CRITICAL, _LEGACY, True,
          "A stream delivered another call's result; the SDK client hands it to this stream's caller as its own."),
-    Rule("duplicate_terminal", WARNING, _ALL, False,
+    Rule(RuleId.DUPLICATE_TERMINAL, WARNING, _ALL, False,
          "A call's terminal event was delivered more than once."),
-    Rule("timeout_attributed", WARNING, _ALL, False,
+    Rule(RuleId.TIMEOUT_ATTRIBUTED, WARNING, _ALL, False,
          "A client gave up on a call (timeout or cancel) after an earlier finding on it: that finding is the cause."),
-    Rule("not_reissued", CRITICAL, _MODERN, True,
+    Rule(RuleId.NOT_REISSUED, CRITICAL, _MODERN, True,
          "2026-07-28: a response stream broke before the response and the client did not re-issue the call."),
-    Rule("stored_not_delivered", CRITICAL, _LEGACY, True,
+    Rule(RuleId.STORED_NOT_DELIVERED, CRITICAL, _LEGACY, True,
          "The server stored a call's result with no stream open to carry it, and the client never received "
          "it within the grace period."),
 )}
@@ -105,7 +125,7 @@ class RuleEngine:
         foreign = [t for t in e.terminal_ids if t not in calls]
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
-                self._emit("foreign_result", calls[rid], at, rid, now_ns, {
+                self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, {
                     "stream_kind": e.kind, "wire_ids": foreign, "stream_request_ids": list(e.request_ids),
                     "event_ids": _event_ids(e)})
         if e.request_ids and at.era == sc.ERA_RESUMABLE:
@@ -123,7 +143,7 @@ class RuleEngine:
                 session.resumes = {}
             self._resume(e, session, calls, progressed, now_ns)
         for call in in_flight_before:
-            self._emit("session_expired_in_flight", call, at, call.request_id, now_ns, {
+            self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, at, call.request_id, now_ns, {
                 "status": e.status, "stream_kind": e.kind, "owed_since": (call.owed_since or 0) / 1e9})
 
     def call(self, e: CallEnd, now_ns: int) -> None:
@@ -153,19 +173,19 @@ class RuleEngine:
                                     "decision": e.decision}
         if e.decision == sc.REPLAY_TRUNCATED:
             if e.skipped:
-                self._emit("cursor_past_undelivered", call, at, subject, now_ns, {
+                self._emit(RuleId.CURSOR_PAST_UNDELIVERED, call, at, subject, now_ns, {
                     **evidence, "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
                     "cursor_after": e.sent_last_id})
             else:
-                self._emit("replay_truncated", call, at, subject, now_ns, {
+                self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, {
                     **evidence, "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if e.token.gap and not explicit:
-            self._emit("narrowed_resume", call, at, subject, now_ns, {**evidence, **_gap(e.token, e.required)})
+            self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns, {**evidence, **_gap(e.token, e.required)})
         if e.decision == sc.REPLAY_UNKNOWN_CURSOR and not explicit and e.sent == 0:
-            self._emit("unknown_cursor", None, at, f"cursor:{e.cursor}", now_ns, evidence)
+            self._emit(RuleId.UNKNOWN_CURSOR, None, at, f"cursor:{e.cursor}", now_ns, evidence)
         if e.foreign_event_ids:
-            self._emit("cross_stream_replay", call, at, subject, now_ns, {
+            self._emit(RuleId.CROSS_STREAM_REPLAY, call, at, subject, now_ns, {
                 **evidence, "foreign_event_ids": list(e.foreign_event_ids)})
 
     def operation(self, e: Operation, now_ns: int) -> None:
@@ -203,7 +223,7 @@ class RuleEngine:
         deliveries = call.delivered_to(role)
         self.ledger.delivered(call)
         if deliveries > 1:
-            self._emit("duplicate_terminal", call, e.at, call.request_id, now_ns, {
+            self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
     def _owed(self, call: CallState, e: StreamEnd, now_ns: int) -> None:
@@ -238,7 +258,7 @@ class RuleEngine:
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
-                self._emit("narrowed_resume", calls[rid], at, rid, now_ns, {
+                self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, {
                     "cursor": e.cursor, **_gap(e.token, e.required or calls[rid].required),
                     "events": e.events, "end_reason": e.reason})
         if e.cursor is None or progressed:
@@ -251,7 +271,7 @@ class RuleEngine:
             # call's: the calls of the stream that ended at this cursor
             known = e.request_ids or (session.cursors.get(e.cursor, ()) if session.cursors else ())
             for rid in known or (f"cursor:{e.cursor}",):
-                self._emit("resume_loop", calls.get(rid) or self.ledger.find(at.scope, rid), at, rid, now_ns, {
+                self._emit(RuleId.RESUME_LOOP, calls.get(rid) or self.ledger.find(at.scope, rid), at, rid, now_ns, {
                     "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
@@ -260,38 +280,38 @@ class RuleEngine:
 
     def _attribute(self, call: CallState, now_ns: int) -> None:
         """A client that gave up on a call with a finding: link the give-up to its cause."""
-        if not call.timed_out or call.findings is None or "timeout_attributed" in call.findings:
+        if not call.timed_out or call.findings is None or RuleId.TIMEOUT_ATTRIBUTED in call.findings:
             return
-        causes = [fid for rule, fid in call.findings.items() if rule != "timeout_attributed"]
+        causes = [fid for rule, fid in call.findings.items() if rule != RuleId.TIMEOUT_ATTRIBUTED]
         if not causes:
             return
-        finding = self._finding("timeout_attributed", call, call.era, None, call.request_id, now_ns,
+        finding = self._finding(RuleId.TIMEOUT_ATTRIBUTED, call, call.era, None, call.request_id, now_ns,
                                 {"causes": causes})
         finding.caused_by = causes[0]
         self._record(finding, call)
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.clean_since is None or call.finding("clean_end_pending"):
+        if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING):
             return
         due = call.clean_since + _ns(self.config.clean_end_grace_s)
         if now_ns < due:
             self.ledger.schedule(due, _CLEAN_END, call)
             return
-        self._emit("clean_end_pending", call, None, call.request_id, now_ns, {
+        self._emit(RuleId.CLEAN_END_PENDING, call, None, call.request_id, now_ns, {
             "clean_end_at": call.clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
             "required": list(call.required), "timed_out": call.timed_out})
 
     def _check_stored(self, call: CallState, now_ns: int) -> None:
         if call.terminal or call.stored_since is None:
             return
-        if call.clean_since is not None and not call.finding("clean_end_pending"):
+        if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
             due = call.clean_since + _ns(self.config.clean_end_grace_s)
             if now_ns < due:
                 self.ledger.schedule(due, _STORED, call)
                 return
             self._check_clean_end(call, now_ns)
-        self._emit("stored_not_delivered", call, None, call.request_id, now_ns, {
+        self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, {
             "stored_at": call.stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
 
@@ -302,12 +322,12 @@ class RuleEngine:
             return
         if self.ledger.last_issued(call.origin, _call_key(call.tool, call.fingerprint)) > call.broken_since:
             return
-        self._emit("not_reissued", call, None, call.request_id, now_ns, {
+        self._emit(RuleId.NOT_REISSUED, call, None, call.request_id, now_ns, {
             "broken_at": call.broken_since / 1e9, "grace_s": self.config.reissue_grace_s})
 
     # --- findings ---
 
-    def _emit(self, rule: str, call: CallState | None, at: Common | None, subject: str, now_ns: int,
+    def _emit(self, rule: RuleId, call: CallState | None, at: Common | None, subject: str, now_ns: int,
               evidence: dict[str, Any]) -> None:
         era = at.era if at is not None else (call.era if call is not None else sc.ERA_RESUMABLE)
         if era not in RULES[rule].eras:
@@ -339,7 +359,7 @@ class RuleEngine:
                 return self._lookup(fid)
         return None
 
-    def _finding(self, rule: str, call: CallState | None, era: str, at: Common | None, subject: str,
+    def _finding(self, rule: RuleId, call: CallState | None, era: str, at: Common | None, subject: str,
                  now_ns: int, evidence: dict[str, Any]) -> Finding:
         scope = at.scope if at is not None else (call.scope if call is not None else "")
         session_id = scope if not scope.startswith("trace:") else None
@@ -358,7 +378,7 @@ class RuleEngine:
         if call is not None:
             call.add_finding(finding.rule, finding.id)
         self._emit_to(finding, call)
-        if call is not None and finding.rule != "timeout_attributed":
+        if call is not None and finding.rule != RuleId.TIMEOUT_ATTRIBUTED:
             self._attribute(call, finding.detected_ns)
 
 

@@ -1,6 +1,10 @@
-"""The replay guard: a session-scoped ``EventStore`` that enforces the superset-audience invariant
-(``store``), over a storage seam with an in-process and a Redis implementation."""
+"""The guard enforces: the replay guard, a session-scoped ``EventStore`` that enforces the
+superset-audience invariant (``store``) over a storage seam with an in-process and a Redis
+implementation; the call guard, a ``ServerMiddleware`` that refuses a ``tools/call`` whose token lacks
+what the tool requires (``calls``); and on the client, refused resumes resolved at once (``refusals``)."""
 
+from mcp_stream_exporter.guard.calls import CallGuard
+from mcp_stream_exporter.guard.refusals import RefusalResolver, resolve_refusals
 from mcp_stream_exporter.guard.storage import (
     EventStorage,
     InMemoryEventStorage,
@@ -12,10 +16,13 @@ from mcp_stream_exporter.guard.store import REFUSAL_METHOD, GuardedEventStore
 
 __all__ = [
     "REFUSAL_METHOD",
+    "CallGuard",
     "EventStorage",
     "GuardedEventStore",
     "InMemoryEventStorage",
+    "RefusalResolver",
     "SharedEventStorage",
     "StorageError",
     "StoredEvent",
+    "resolve_refusals",
 ]

@@ -36,20 +36,22 @@ from typing import Any, Final, Literal
 
 import anyio
 from mcp.server.mcpserver import MCPServer
-from mcp.server.streamable_http import (
-    GET_STREAM_KEY,
-    EventCallback,
-    EventId,
-    EventMessage,
-    EventStore,
-    StreamId,
-)
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
 from opentelemetry import trace
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.exchange import (
+    AUTHORIZATION,
+    LAST_EVENT_ID,
+    SESSION_ID,
+    STANDALONE_STREAM_ID,
+    read_body,
+    request_id_of,
+    requirement_of,
+)
 from mcp_stream_exporter.guard.storage import (
     EventStorage,
     InMemoryEventStorage,
@@ -57,8 +59,9 @@ from mcp_stream_exporter.guard.storage import (
     StorageError,
     StoredEvent,
 )
+from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
+from mcp_stream_exporter.wire import MAX_PARSED_BODY
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -96,7 +99,6 @@ _DETAILS: Final = {
                         "re-issue it",
 }
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
-_REQUEST_HEADERS: Final = (b"mcp-session-id", b"authorization")
 _log = logging.getLogger(__name__)
 
 
@@ -154,15 +156,12 @@ class GuardedEventStore(EventStore):
         """A request was received: its stream's events require the tool's policy (``tool`` None: a
         request other than ``tools/call``, which requires nothing). A request id used again in the
         session only ever adds to what its stream requires."""
-        await self.storage.require(session_id, request_id, self._requirement_of(tool))
-
-    def _requirement_of(self, tool: str | None) -> Requirement:
-        return self.policy.requirement(tool) or NO_REQUIREMENT
+        await self.storage.require(session_id, request_id, requirement_of(self.policy, tool))
 
     async def open_session(self, session_id: str) -> None:
         """A session is born (its initialize response named it): only now may its events be stored."""
         await self.storage.open(session_id)
-        await self.storage.require(session_id, GET_STREAM_KEY, NO_REQUIREMENT)  # server-initiated, not a call's
+        await self.storage.require(session_id, STANDALONE_STREAM_ID, NO_REQUIREMENT)  # server-initiated, not a call's
 
     # --- EventStore ---
 
@@ -264,7 +263,7 @@ class GuardedEventStore(EventStore):
                 return
             raw_headers = scope.get("headers", ())
             request = self._request(raw_headers)
-            cursors = _values(raw_headers, b"last-event-id")
+            cursors = values(raw_headers, LAST_EVENT_ID)
             elsewhere = (isinstance(self.storage, SharedEventStorage) and scope.get("method") == "GET"
                          and len(cursors) == 1 and request.session_id is not None)
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
@@ -284,7 +283,7 @@ class GuardedEventStore(EventStore):
                     held.append(message)
                     return
                 if message["type"] == "http.response.start" and request.session_id is None:
-                    session_ids = _values(message.get("headers", ()), b"mcp-session-id")
+                    session_ids = values(message.get("headers", ()), SESSION_ID)
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
                         await self._born(request)
@@ -303,15 +302,15 @@ class GuardedEventStore(EventStore):
         return guarded
 
     def _request(self, headers: Iterable[tuple[bytes, bytes]]) -> _Request:
-        session_ids, authorizations = (_values(headers, name) for name in _REQUEST_HEADERS)
+        session_ids, authorizations = values(headers, SESSION_ID), values(headers, AUTHORIZATION)
         ambiguous = len(session_ids) > 1 or len(authorizations) > 1
         auth = ABSENT if ambiguous or not authorizations else self.tokens.from_authorization(authorizations[0])
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
     async def _record(self, request: _Request, body: bytes) -> None:
-        for msg in classify(body):
-            if msg.method is not None and msg.id is not None:
-                request.pending.append((msg.id, self._requirement_of(msg.tool if msg.method == TOOLS_CALL else None)))
+        for msg in read_body(body).requests:
+            assert msg.id is not None
+            request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))  # tool: None but for tools/call
         if request.session_id is not None:
             await self._flush(request)
 
@@ -402,11 +401,6 @@ class GuardedEventStore(EventStore):
         return self.asgi(server.streamable_http_app(event_store=self, **app_options))
 
 
-def _values(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> list[str]:
-    """Every value of one header (latin-1): a repeat is kept, so it can be refused, not guessed at."""
-    return [v.decode("latin-1") for k, v in headers if k.lower() == name]
-
-
 def _request_refusal(request: _Request | None, cursor: str) -> dict[str, Any]:
     if request is None:
         _log.warning("replay refused: GuardedEventStore.asgi() is not in front of the server "
@@ -425,7 +419,7 @@ def _refusal_data(error: str, event_id: str | None, stream_id: str, requirement:
     return {
         "error": error,
         "event_id": event_id,  # None: the live tail of the stream, not a buffered event
-        "request_id": None if stream_id == GET_STREAM_KEY else stream_id,
+        "request_id": request_id_of(stream_id),
         "required_resources": sorted(known.resources),
         "required_scopes": sorted(known.scopes),
         "missing_resources": sorted(missing[0]),

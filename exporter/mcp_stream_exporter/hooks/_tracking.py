@@ -36,7 +36,6 @@ from mcp_stream_exporter.wire import WireMessage
 
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
-_STATELESS_FROM = "2026-07-28"
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
@@ -90,22 +89,6 @@ def audience_known(view: AuthView) -> bool:
 def known_missing(view: AuthView, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
     """What ``view`` lacks of ``requirement``, when that can be known; nothing when its audience is unknown."""
     return view.missing(requirement) if audience_known(view) else NOTHING_MISSING
-
-
-def era_of(protocol_version: str | None) -> str:
-    """2026-07-28 and later have no sessions and no resumption; earlier versions do."""
-    if protocol_version is not None and protocol_version >= _STATELESS_FROM:
-        return sc.ERA_STATELESS
-    return sc.ERA_RESUMABLE
-
-
-def stream_kind(http_method: str, cursor: str | None) -> str:
-    """A POST answers requests; a GET with ``Last-Event-ID`` resumes, without it opens the standalone stream."""
-    if http_method == "POST":
-        return sc.STREAM_KIND_POST
-    if http_method == "DELETE":
-        return sc.STREAM_KIND_DELETE
-    return sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
 
 
 @functools.lru_cache(maxsize=1024)
@@ -269,7 +252,7 @@ class Call(_Deferred):
         if fingerprint is not None:
             attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
         attrs.update(self._policy_attributes())
-        name = f"MCP call {self.method} {self.tool}" if self.tool else f"MCP call {self.method}"
+        name = f"{sc.SPAN_NAME_CALL} {self.method}" + (f" {self.tool}" if self.tool else "")
         return name, attrs
 
     def _policy_attributes(self) -> dict[str, AttributeValue]:
@@ -295,6 +278,23 @@ def requirement_attributes(requirement: Requirement | None,
     return attrs
 
 
+class Requirements:
+    """What each call of a session required, kept after the call ends (a resume may come later), bounded:
+    the server's replay span compares the resuming token with it."""
+
+    def __init__(self, max_calls: int) -> None:
+        self._max_calls = max_calls
+        self._of: OrderedDict[CallKey, Requirement] = OrderedDict()
+
+    def remember(self, key: CallKey, requirement: Requirement) -> None:
+        self._of[key] = requirement
+        if len(self._of) > self._max_calls:
+            self._of.popitem(last=False)
+
+    def get(self, key: CallKey) -> Requirement | None:
+        return self._of.get(key)
+
+
 class SdkSpans(SpanProcessor):
     """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
     recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start
@@ -304,7 +304,7 @@ class SdkSpans(SpanProcessor):
         self._open: dict[int, Span] = {}
 
     def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
-        if span.name.startswith(_SDK_CLIENT_CALL):
+        if span.name.startswith(sc.SDK_CLIENT_CALL_SPAN):
             self._open[span.get_span_context().span_id] = span
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -333,7 +333,6 @@ class SdkSpans(SpanProcessor):
         return index
 
 
-_SDK_CLIENT_CALL = "MCP send tools/call"
 _INDEXES: weakref.WeakKeyDictionary[TracerProvider, SdkSpans] = weakref.WeakKeyDictionary()
 _INSTALL_LOCK = threading.Lock()
 
@@ -379,7 +378,7 @@ class Stream(_Deferred):
             attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in self.calls]
             if len(self.calls) == 1 and self.calls[0].tool is not None:
                 attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
-        return f"MCP stream {self.kind}", attrs
+        return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})

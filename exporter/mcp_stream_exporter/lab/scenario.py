@@ -20,7 +20,7 @@ from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
 from opentelemetry import trace
 
 from mcp_stream_exporter.auth import TokenReader
-from mcp_stream_exporter.guard import GuardedEventStore
+from mcp_stream_exporter.guard import CallGuard, GuardedEventStore, resolve_refusals
 from mcp_stream_exporter.hooks import instrument_client, instrument_server
 from mcp_stream_exporter.lab.incident import (
     BASE_RESOURCE,
@@ -111,12 +111,14 @@ class Incident:
 
 
 @contextlib.asynccontextmanager
-async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforce: bool = False,
-                   session_wide_filter: bool = False,
+async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_calls: bool = False,
+                   resolve: bool = True, session_wide_filter: bool = False,
                    retry_interval: int = 200, step_delay: float = 0.05,
                    tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
     """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
     ``guarded`` serves with the replay guard instead of the incident's naive replay store;
+    ``guard_calls`` installs the call guard, which refuses a call whose token lacks the tool's resource;
+    ``resolve`` wraps the client with the guard's resolver, so a refused resume fails its call at once;
     ``session_wide_filter`` makes the naive store skip what the token may not see and replay the rest
     of the session (``IncidentEventStore``)."""
     issuer = TokenIssuer()
@@ -128,7 +130,9 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforc
     else:
         store = naive = IncidentEventStore(policy, session_wide_filter=session_wide_filter)
         server = build_incident_server(issuer, store=naive, step_delay=step_delay)
-    app = instrument_server(server, policy=policy, enforce=enforce, event_store=store,
+    if guard_calls:
+        server.middleware.append(CallGuard(policy))
+    app = instrument_server(server, policy=policy, event_store=store,
                             retry_interval=retry_interval, tracer_provider=tracer_provider)
     broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
     narrow = issuer.mint([SEARCH_RESOURCE])
@@ -137,6 +141,8 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, enforc
         await proxy.start()
         auth = BearerAuth(broad)
         http = instrument_client(auth=auth, policy=policy, tracer_provider=tracer_provider)
+        if resolve:  # last, around the tap: the tap sees only the wire
+            http = resolve_refusals(http)
         options: dict[str, Any] = {"mode": mode} if mode else {}
         try:
             async with http, Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),

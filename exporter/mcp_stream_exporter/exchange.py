@@ -1,0 +1,124 @@
+"""One exchange on the MCP endpoint, an HTTP request and its response, as the hooks and the guard read it.
+
+Which headers matter, what a request body asks for (its ``tools/call`` requests, the protocol version
+it negotiates, the calls it cancels), what each request requires under a tool policy, which stream
+the SDK's event store files a request's events under, and the attributes a stream span opens with.
+Both hooks and the guard read an exchange through this module, so they cannot disagree about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from opentelemetry.util.types import AttributeValue
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
+from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, WireMessage, classify
+
+SESSION_ID: Final = "mcp-session-id"
+AUTHORIZATION: Final = "authorization"
+PROTOCOL_VERSION: Final = "mcp-protocol-version"
+LAST_EVENT_ID: Final = "last-event-id"
+CONTENT_TYPE: Final = "content-type"
+REQUEST_HEADERS: Final = frozenset(n.encode() for n in (SESSION_ID, AUTHORIZATION, PROTOCOL_VERSION, LAST_EVENT_ID))
+RESPONSE_HEADERS: Final = frozenset(n.encode() for n in (SESSION_ID, CONTENT_TYPE))
+
+CONTENT_SSE: Final = "sse"
+CONTENT_JSON: Final = "json"
+CONTENT_NONE: Final = "none"
+
+# The SDK's event-store stream id of the standalone GET stream (``streamable_http.GET_STREAM_KEY``);
+# every other stream's id is its request's JSON-RPC id. Pinned by tests/integration/test_sdk_contract.py.
+STANDALONE_STREAM_ID: Final = "_GET_stream"
+_STATELESS_FROM: Final = "2026-07-28"
+
+
+def stream_id_of(request_id: str | None) -> str:
+    """The stream the SDK's event store files a message's events under: a POST's SSE stream is its
+    request's JSON-RPC id (as a string); a message related to no request goes to the standalone GET's."""
+    return STANDALONE_STREAM_ID if request_id is None else request_id
+
+
+def request_id_of(stream_id: str) -> str | None:
+    """The JSON-RPC id of the request whose stream this is; None for the standalone GET stream."""
+    return None if stream_id == STANDALONE_STREAM_ID else stream_id
+
+
+def content_of(content_type: str) -> str:
+    """What a response carries: an SSE stream, one JSON body, or neither."""
+    if content_type.startswith("text/event-stream"):
+        return CONTENT_SSE
+    if content_type.startswith("application/json"):
+        return CONTENT_JSON
+    return CONTENT_NONE
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """What one POST body asks for, as far as streams and calls are concerned."""
+
+    calls: tuple[WireMessage, ...] = ()  # tools/call requests, each with an id
+    requests: tuple[WireMessage, ...] = ()  # every request with an id, tools/call included
+    protocol_version: str | None = None  # what an initialize request proposes
+    cancelled: tuple[str, ...] = ()  # request ids of notifications/cancelled
+
+
+UNREAD: Final = Body()
+
+
+def read_body(body: bytes) -> Body:
+    """The requests in a POST body; ``UNREAD`` for one too large to parse (observed, not read)."""
+    if not body or len(body) > MAX_PARSED_BODY:
+        return UNREAD
+    calls: list[WireMessage] = []
+    requests: list[WireMessage] = []
+    cancelled: list[str] = []
+    protocol_version = None
+    for msg in classify(body):
+        if msg.method is None:
+            continue
+        if msg.id is not None:
+            requests.append(msg)
+            if msg.method == TOOLS_CALL:
+                calls.append(msg)
+            elif msg.method == INITIALIZE and msg.protocol_version is not None:
+                protocol_version = msg.protocol_version
+        elif msg.method == CANCELLED and msg.cancelled_id is not None:
+            cancelled.append(msg.cancelled_id)
+    return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled))
+
+
+def requirement_of(policy: ToolPolicy, tool: str | None) -> Requirement:
+    """What a request's stream requires: the policy's requirement for a ``tools/call`` of ``tool``;
+    nothing for a tool the policy does not name, or for any other request (``tool`` None)."""
+    return policy.requirement(tool) or NO_REQUIREMENT
+
+
+def era_of(protocol_version: str | None) -> str:
+    """2026-07-28 and later have no sessions and no resumption; earlier versions do."""
+    if protocol_version is not None and protocol_version >= _STATELESS_FROM:
+        return sc.ERA_STATELESS
+    return sc.ERA_RESUMABLE
+
+
+def stream_kind(http_method: str, cursor: str | None) -> str:
+    """A POST answers requests; a GET with ``Last-Event-ID`` resumes, without it opens the standalone stream."""
+    if http_method == "POST":
+        return sc.STREAM_KIND_POST
+    if http_method == "DELETE":
+        return sc.STREAM_KIND_DELETE
+    return sc.STREAM_KIND_RESUME if cursor else sc.STREAM_KIND_GET
+
+
+def stream_attributes(http_method: str, content: str, protocol_version: str | None,
+                      cursor: str | None) -> dict[str, AttributeValue]:
+    """The attributes a stream span opens with, on either side."""
+    attrs: dict[str, AttributeValue] = {sc.HTTP_REQUEST_METHOD: http_method, sc.STREAM_CONTENT: content,
+                                        sc.ERA: era_of(protocol_version)}
+    if protocol_version is not None:
+        attrs[sc.MCP_PROTOCOL_VERSION] = protocol_version
+    if cursor:
+        attrs[sc.RESUME_CURSOR] = cursor
+    return attrs

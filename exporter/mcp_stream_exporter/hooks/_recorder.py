@@ -1,0 +1,213 @@
+"""The server's event store, observed: which event ids the author's ``EventStore`` assigned to what, and
+what each replay sent against what was stored, as replay spans and call-span events.
+
+A delegating ``EventStore``: every call goes to the author's store unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from opentelemetry.util.types import AttributeValue
+
+from mcp_stream_exporter import scope as request_scope
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import AuthView
+from mcp_stream_exporter.exchange import request_id_of, stream_id_of
+from mcp_stream_exporter.hooks._tracking import (
+    Call,
+    Requirements,
+    SpanStarter,
+    Tracker,
+    auth_attributes,
+    known_missing,
+    requirement_attributes,
+)
+
+
+@dataclass(slots=True)
+class _Stored:
+    event_id: str
+    kind: str
+    request_id: str | None
+
+
+class StoreRecorder:
+    """What the server's event store holds, per session and stream, bounded; and the observed store."""
+
+    def __init__(self, tracker: Tracker, tracer: SpanStarter, requirements: Requirements, *,
+                 max_events_per_stream: int = 1_000, max_streams: int = 10_000) -> None:
+        self.tracker = tracker
+        self.tracer = tracer
+        self._requirements = requirements
+        self._stored: OrderedDict[tuple[str | None, str], deque[_Stored]] = OrderedDict()
+        # (session, event id) -> (stream id, store order): whose event it is, and what came before it
+        self._stream_of_event: OrderedDict[tuple[str | None, str], tuple[str, int]] = OrderedDict()
+        self._store_order = 0
+        self._max_events_per_stream = max_events_per_stream
+        self._max_streams = max_streams
+
+    def event_store(self, inner: EventStore) -> EventStore:
+        return _ObservedEventStore(inner, self)
+
+    def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:
+        kind, request_id = sc.FRAME_PRIMING, None
+        if isinstance(message, JSONRPCResponse | JSONRPCError):
+            kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
+                                None if message.id is None else str(message.id))
+        elif message is not None:
+            kind = sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
+        key = (session_id, stream_id)
+        events = self._stored.get(key)
+        if events is None:
+            events = self._stored[key] = deque(maxlen=self._max_events_per_stream)
+            while len(self._stored) > self._max_streams:
+                self._stored.popitem(last=False)
+        events.append(_Stored(event_id, kind, request_id))
+        self._store_order += 1
+        self._stream_of_event[(session_id, event_id)] = (stream_id, self._store_order)
+        while len(self._stream_of_event) > self._max_streams * 10:
+            self._stream_of_event.popitem(last=False)
+        owner = request_id_of(stream_id)
+        if request_id is not None and owner is not None:
+            call = self.tracker.call((session_id, owner))
+            if call is not None:
+                call.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
+                if request_id == owner:
+                    self.tracker.stored(call, event_id, _outcome(message))
+
+    def stream_of(self, session_id: str | None, event_id: str) -> str | None:
+        known = self._stream_of_event.get((session_id, event_id))
+        return known[0] if known is not None else None
+
+    def skipped(self, session_id: str | None, buffered: Sequence[str], sent: Sequence[str]) -> int:
+        """Buffered events not sent that were stored before the last event sent: a client that takes
+        that event's id as its cursor has moved past them."""
+        last = max((self._order(session_id, e) for e in sent), default=0)
+        delivered = set(sent)
+        return sum(1 for e in buffered if e not in delivered and self._order(session_id, e) < last)
+
+    def buffered_after(self, session_id: str | None, stream_id: str, cursor: str) -> list[str]:
+        """Events stored on ``stream_id`` after ``cursor``: after it in that stream, or, for a cursor
+        stored on another stream, after it in store order."""
+        events = list(self._stored.get((session_id, stream_id), ()))
+        ids = [e.event_id for e in events]
+        if cursor in ids:
+            after = events[ids.index(cursor) + 1:]
+        else:
+            position = self._order(session_id, cursor)
+            after = [e for e in events if self._order(session_id, e.event_id) > position]
+        return [e.event_id for e in after if e.kind != sc.FRAME_PRIMING]
+
+    def _order(self, session_id: str | None, event_id: str) -> int:
+        known = self._stream_of_event.get((session_id, event_id))
+        return known[1] if known is not None else 0
+
+    def resumed_stream(self, session_id: str | None, cursor: str) -> tuple[str | None, Call | None]:
+        """The stream a resume from ``cursor`` continues, and its call: the calls the resume really
+        carries (the stream this side sent the cursor event on), not the stream the event was stored
+        on. They differ when a session-wide replay handed another stream's event to this call's stream:
+        the client's next cursor is then that event, and the replay after it is still this call's."""
+        stored_on = self.stream_of(session_id, cursor)
+        carried = self.tracker.calls_of_cursor(session_id, cursor)
+        if len(carried) == 1 and stream_id_of(carried[0].key[1]) != stored_on and stored_on is not None:
+            return stream_id_of(carried[0].key[1]), carried[0]
+        owner = request_id_of(stored_on) if stored_on else None
+        return stored_on, self.tracker.call((session_id, owner)) if owner else None
+
+    def replay_attributes(self, session_id: str | None, stream_id: str | None, buffered: list[str], sent: list[str],
+                          foreign: list[str], refusals: int, auth: AuthView) -> dict[str, AttributeValue]:
+        """What a replay did against what was stored: the replay span's closing attributes."""
+        unsent = [e for e in buffered if e not in sent]
+        if stream_id is None:
+            decision = sc.REPLAY_UNKNOWN_CURSOR
+        elif refusals:
+            decision = sc.REPLAY_REFUSED
+        elif unsent:
+            decision = sc.REPLAY_TRUNCATED
+        else:
+            decision = sc.REPLAY_COMPLETE
+        out: dict[str, AttributeValue] = {
+            sc.REPLAY_DECISION: decision,
+            sc.REPLAY_BUFFERED: len(buffered),
+            sc.REPLAY_SENT: len(sent),
+        }
+        owner = request_id_of(stream_id) if stream_id is not None else None
+        if stream_id is not None:
+            out[sc.REPLAY_STREAM_ID] = stream_id
+            if owner is not None:
+                out[sc.JSONRPC_REQUEST_ID] = owner
+        if sent:
+            out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
+        if unsent:
+            out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
+            skipped = self.skipped(session_id, buffered, sent)
+            if skipped:
+                out[sc.REPLAY_SKIPPED] = skipped
+        if foreign:
+            out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
+        requirement = self._requirements.get((session_id, owner)) if owner is not None else None
+        if requirement is not None:
+            out.update(requirement_attributes(requirement, known_missing(auth, requirement)))
+        return out
+
+
+def _outcome(message: JSONRPCMessage | None) -> str:
+    """A stored terminal event's outcome, as the call span records it."""
+    if isinstance(message, JSONRPCError):
+        return sc.OUTCOME_ERROR
+    result = message.result if isinstance(message, JSONRPCResponse) else None
+    return sc.OUTCOME_TOOL_ERROR if isinstance(result, dict) and result.get("isError") is True else sc.OUTCOME_RESULT
+
+
+class _ObservedEventStore(EventStore):
+    """Delegates to the author's store; records what was stored and what each replay sent."""
+
+    def __init__(self, inner: EventStore, recorder: StoreRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        event_id = await self._inner.store_event(stream_id, message)
+        rs = request_scope.current()
+        self._recorder.on_stored(rs.session_id if rs else None, stream_id, event_id, message)
+        return event_id
+
+    async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        recorder = self._recorder
+        rs = request_scope.current() or request_scope.RequestScope()
+        session_id = rs.session_id
+        stream_id, call = recorder.resumed_stream(session_id, last_event_id)
+        buffered = recorder.buffered_after(session_id, stream_id, last_event_id) if stream_id else []
+        sent: list[str] = []
+        foreign: list[str] = []
+        refusals = 0
+
+        async def observed_send(event: EventMessage) -> None:
+            nonlocal refusals
+            if event.event_id is None:
+                refusals += 1  # a frame without an id cannot be a replayed event: a refusal
+            else:
+                sent.append(event.event_id)
+                if recorder.stream_of(session_id, event.event_id) != stream_id:
+                    foreign.append(event.event_id)
+            await send_callback(event)
+
+        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER, sc.ERA: sc.ERA_RESUMABLE,
+                                            sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        parent = trace.set_span_in_context(recorder.tracker.span_of(call)) if call is not None else None
+        span = recorder.tracer.start_span(sc.SPAN_NAME_REPLAY, context=parent, kind=SpanKind.INTERNAL,
+                                           attributes=attrs)
+        with trace.use_span(span, end_on_exit=True):
+            result = await self._inner.replay_events_after(last_event_id, observed_send)
+            span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign, refusals,
+                                                           rs.auth))
+        return result

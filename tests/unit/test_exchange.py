@@ -1,0 +1,59 @@
+"""One exchange read the same way by every role: what a body asks for, what a request requires, what a
+response carries."""
+
+from __future__ import annotations
+
+import json
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
+from mcp_stream_exporter.exchange import (
+    CONTENT_JSON,
+    CONTENT_NONE,
+    CONTENT_SSE,
+    UNREAD,
+    content_of,
+    read_body,
+    requirement_of,
+    stream_attributes,
+)
+from mcp_stream_exporter.wire import MAX_PARSED_BODY
+
+FETCH = "https://mcp.example.com/tools/fetch"
+
+
+def test_a_body_gives_its_calls_its_other_requests_the_proposed_version_and_the_calls_it_cancels():
+    batch = [
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch"}},
+        {"jsonrpc": "2.0", "id": "p", "method": "ping"},
+        {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}},
+        {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1}},
+    ]
+    asked = read_body(json.dumps(batch).encode())
+    assert [(m.id, m.tool) for m in asked.calls] == [("1", "fetch")]
+    assert [m.id for m in asked.requests] == ["1", "p"]
+    assert asked.cancelled == ("0",)
+    init = read_body(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25"}}')
+    assert init.protocol_version == "2025-11-25" and init.calls == ()
+
+
+def test_an_empty_unparseable_or_oversized_body_is_observed_not_read():
+    call = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"fetch"}}'
+    assert read_body(call) != UNREAD
+    assert read_body(b"") == read_body(b"not json") == UNREAD
+    assert read_body(call + b" " * MAX_PARSED_BODY) == UNREAD
+
+
+def test_a_request_requires_its_tools_policy_and_anything_else_nothing():
+    policy = ToolPolicy.from_mapping({"fetch": {"resources": [FETCH]}})
+    assert requirement_of(policy, "fetch") == Requirement.of([FETCH], [])
+    assert requirement_of(policy, "unnamed") == requirement_of(policy, None) == NO_REQUIREMENT
+
+
+def test_content_kind_and_the_attributes_every_stream_span_opens_with():
+    assert [content_of(t) for t in ("text/event-stream; charset=utf-8", "application/json", "")] == [
+        CONTENT_SSE, CONTENT_JSON, CONTENT_NONE]
+    assert stream_attributes("GET", CONTENT_SSE, "2025-11-25", "41") == {
+        sc.HTTP_REQUEST_METHOD: "GET", sc.STREAM_CONTENT: CONTENT_SSE, sc.ERA: sc.ERA_RESUMABLE,
+        sc.MCP_PROTOCOL_VERSION: "2025-11-25", sc.RESUME_CURSOR: "41"}
+    assert stream_attributes("POST", CONTENT_JSON, "2026-07-28", None)[sc.ERA] == sc.ERA_STATELESS
