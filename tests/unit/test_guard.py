@@ -331,3 +331,31 @@ def test_an_evicted_session_is_never_recreated_by_a_later_write():
     _, delivered, (notice,) = victim.resume(fetch[0], NARROW)
     assert delivered == []
     assert notice["error"] == "unknown_cursor"
+
+
+def test_the_call_guard_never_trusts_a_token_whose_signature_failed():
+    from types import SimpleNamespace
+
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from mcp.shared.exceptions import MCPError
+
+    from mcp_stream_exporter.guard import CallGuard
+
+    issuer, forger = (rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2))
+    claims = {"sub": "alice", "aud": [SEARCH, FETCH]}
+    guard = CallGuard(POLICY, token_reader=TokenReader(key=issuer.public_key()))
+
+    def call(token):
+        ctx = SimpleNamespace(method="tools/call", params={"name": "fetch"},
+                              request=SimpleNamespace(headers={"authorization": f"Bearer {token}"}))
+
+        async def handler(ctx):
+            return "ran"
+
+        return run(guard(ctx, handler))
+
+    assert call(jwt.encode(claims, issuer, algorithm="RS256")) == "ran"
+    with pytest.raises(MCPError) as refused:
+        call(jwt.encode(claims, forger, algorithm="RS256"))
+    assert refused.value.error.data["missing_resources"] == [FETCH]

@@ -21,7 +21,8 @@ from mcp_stream_exporter.wire import REFUSED_ERROR_CODE, TOOLS_CALL
 class CallGuard:
     """Refuses a ``tools/call`` whose bearer token does not grant the tool's resource indicators and
     scopes under ``policy``. A tool the policy does not name, and every other method, pass. The token is
-    read with ``token_reader`` (pass one with ``key=`` or ``jwks_url=`` to verify signatures)."""
+    read with ``token_reader`` (pass one with ``key=`` or ``jwks_url=`` to verify signatures: then only
+    a verified token grants anything; a failed one never does)."""
 
     def __init__(self, policy: ToolPolicy, *, token_reader: TokenReader | None = None) -> None:
         self.policy = policy
@@ -37,7 +38,10 @@ class CallGuard:
             return await call_next(ctx)
         headers = getattr(ctx.request, "headers", None)
         view = self.tokens.from_authorization(headers.get(AUTHORIZATION) if headers is not None else None)
-        missing_resources, missing_scopes = view.missing(requirement)
+        trusted = view.verification == "verified" or (view.verification == "unverified" and not self.tokens.verifies)
+        # a token whose signature failed (or went unchecked where keys are configured) grants nothing
+        missing_resources, missing_scopes = (view.missing(requirement) if trusted
+                                             else (requirement.resources, requirement.scopes))
         if missing_resources or missing_scopes:
             raise MCPError(
                 code=REFUSED_ERROR_CODE,
