@@ -225,7 +225,7 @@ def test_the_same_properties_hold_on_redis(redis_url):
         check()
     finally:
         LOOP.run_until_complete(client.aclose())
-    assert REPLAYED[0] > 10
+    assert REPLAYED[0] > 0
 
 
 async def _redis_client(url):
