@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import TOKENS_USED, detector_process, free_port, incident, play_incident, spans, wait_for
+from harness import TOKENS_USED, detector_process, incident, play_incident, spans, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio, pytest.mark.timeout(180)]
 
@@ -59,7 +59,7 @@ async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
 def test_a_second_detector_on_the_same_snapshot_file_is_refused_and_a_corrupt_one_moved_aside(tmp_path):
     path = tmp_path / "ledger.db"
     with detector_process(f"--snapshot-path={path}"):
-        second = subprocess.run([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={free_port()}",
+        second = subprocess.run([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
                                  "--grpc-port=-1", f"--snapshot-path={path}"], capture_output=True, text=True,
                                 timeout=60, check=False)
     assert second.returncode == 1 and "in use by another detector" in second.stderr

@@ -8,6 +8,7 @@ import gzip
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -224,6 +225,10 @@ def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     entries = [json.loads(line) for line in logs.read_text().splitlines() if line.startswith("{")]
     assert any(entry["message"] == "detector stopped" for entry in entries)
     assert all("api-secret" not in json.dumps(entry) for entry in entries)
+    # every line machine-readable: ISO 8601 UTC times, no terminal colours (uvicorn's lines included)
+    assert any(entry["logger"].startswith("uvicorn") for entry in entries)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", entry["time"]) for entry in entries)
+    assert all("\x1b" not in json.dumps(entry, ensure_ascii=False) for entry in entries)
 
 
 def _self_signed(tmp_path):

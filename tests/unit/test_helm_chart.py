@@ -24,7 +24,7 @@ from promtool import check_rules
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from mcp_stream_exporter.detector.service import ServiceConfig
+from mcp_stream_exporter.detector.settings import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mcp-stream-exporter"
