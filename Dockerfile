@@ -8,6 +8,6 @@ COPY exporter ./exporter
 RUN pip install --no-cache-dir '.[detector]' && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin detector
 USER 10001
 ENV PYTHONDONTWRITEBYTECODE=1
-EXPOSE 9464 4317
+EXPOSE 9464 4317 4318
 ENTRYPOINT ["mcp-stream-exporter"]
 CMD ["serve", "--host=0.0.0.0"]

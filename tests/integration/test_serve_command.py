@@ -15,8 +15,8 @@ from mcp_stream_exporter import __version__
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("MCP_STREAM_")}
     return subprocess.run([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0", "--grpc-port=-1",
-                           *args], env={**clean, **(env or {})}, capture_output=True, text=True, timeout=60,
-                          check=False)
+                           "--otlp-http-port=-1", *args], env={**clean, **(env or {})}, capture_output=True,
+                          text=True, timeout=60, check=False)
 
 
 def _refused(result: subprocess.CompletedProcess[str], said: str) -> None:

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from mcp_stream_exporter import __version__
+from mcp_stream_exporter.asgi import ASGIApp, Receive, Scope, Send
 from mcp_stream_exporter.detector.app import create_app
 from mcp_stream_exporter.detector.connections import server_config
 from mcp_stream_exporter.detector.detector import Detector
@@ -60,8 +62,38 @@ def _configure_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _otlp_port_serves_traces_only(app: ASGIApp, port: int) -> ASGIApp:
+    """The OTLP/HTTP port (4318, where OTLP exporters send by default) answers ``/v1/traces`` alone:
+    ``/metrics``, ``/api`` and the findings page stay on ``--port`` behind their own credentials."""
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope.get("server") or (None, None))[1] == port \
+                and scope["path"] != "/v1/traces":
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": "this port serves /v1/traces only"}'})
+            return
+        await app(scope, receive, send)
+
+    return route
+
+
 def run(config: ServiceConfig) -> int:
     _configure_logging(config.log_level)
+    otlp_http = None  # the same server on a second socket: one set of limits, one shutdown
+    if config.otlp_http_port >= 0:
+        try:
+            otlp_http = _listen(config.host, config.otlp_http_port)
+        except OSError as exc:
+            log.error("cannot listen for otlp http", extra={"port": config.otlp_http_port, "error": str(exc)})
+            return 1
     detector = Detector(config.detector_config())
     snapshots = None
     if config.snapshot_path:
@@ -82,7 +114,10 @@ def run(config: ServiceConfig) -> int:
         grpc_server, grpc_port = serve_grpc(queue, config.host, config.grpc_port, access.ingest_token, tls,
                                             config.connection_limits())
         log.info("otlp grpc listening", extra={"host": config.host, "port": grpc_port})
-    app = create_app(detector, queue, access, config.links())
+    app: ASGIApp = create_app(detector, queue, access, config.links())
+    if otlp_http is not None:
+        app = _otlp_port_serves_traces_only(app, otlp_http.getsockname()[1])
+        log.info("otlp http listening", extra={"host": config.host, "port": otlp_http.getsockname()[1]})
     server = uvicorn.Server(server_config(app, config.host, config.port, config.connection_limits(),
                                           log_config=None, access_log=False, ssl_certfile=config.tls_cert,
                                           ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
@@ -93,7 +128,7 @@ def run(config: ServiceConfig) -> int:
     # signal to the handler it found: make that one a no-op so the drain below still runs.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    server.run(sockets=[listener])
+    server.run(sockets=[listener] if otlp_http is None else [listener, otlp_http])
     if grpc_server is not None:
         grpc_server.stop(grace=5).wait()
     queue.close()  # drain what was accepted before exiting

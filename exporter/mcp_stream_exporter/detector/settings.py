@@ -62,6 +62,8 @@ class ServiceConfig(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in a container)")
     port: Port = Field(9464, description="HTTP: OTLP/HTTP /v1/traces, /metrics, /api, /ui; 0 picks a free port")
     grpc_port: OptionalPort = Field(4317, description="OTLP/gRPC; 0 picks a free port, -1 turns it off")
+    otlp_http_port: OptionalPort = Field(4318, description="OTLP/HTTP /v1/traces alone, on the OTLP port; 0 picks a "
+                                                           "free port, -1 turns it off")
     # who may use it
     ingest_token: SecretStr | None = Field(None, description="bearer token required on OTLP ingest (HTTP, gRPC)")
     api_token: SecretStr | None = Field(None, description="bearer token required on /api and /ui")
@@ -139,6 +141,10 @@ class ServiceConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServiceConfig:
+        fixed = [p for p in (self.port, self.grpc_port, self.otlp_http_port) if p > 0]
+        if len(set(fixed)) < len(fixed):
+            raise ValueError(f"--port, --grpc-port and --otlp-http-port must differ (got {self.port}, "
+                             f"{self.grpc_port}, {self.otlp_http_port})")
         if self.metrics_user and not self.metrics_password:
             raise ValueError("--metrics-user needs --metrics-password (or MCP_STREAM_METRICS_PASSWORD)")
         if self.metrics_password and not self.metrics_user:
