@@ -8,7 +8,6 @@ with one readable line; the command prints it and exits 2.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import ssl
 import tomllib
@@ -202,6 +201,7 @@ class Invocation:
 
     config: ServiceConfig
     sources: dict[str, str]  # setting -> where its value came from: a flag, a variable, the file, "default"
+    file: Path | None = None
     check_only: bool = False
     version: bool = False
 
@@ -270,7 +270,7 @@ def load(argv: Sequence[str]) -> Invocation:
     named = args["config"] or os.environ.get(_env("config"))
     path = Path(named) if named else None
     if path is not None and not path.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise ConfigError(f"--config {path}: {'not a file' if path.exists() else 'no such file'}")
     try:
         with _reading(path):
             config = ServiceConfig(**flags)
@@ -282,7 +282,7 @@ def load(argv: Sequence[str]) -> Invocation:
         raise ConfigError(_explain(exc, flags, path)) from None
     sources = {n: _source(n, flags, path) if n in config.model_fields_set else "default"
                for n in ServiceConfig.model_fields}
-    return Invocation(config, sources, check_only=args["check_config"])
+    return Invocation(config, sources, path, check_only=args["check_config"])
 
 
 def _source(name: str, flags: dict[str, Any], path: Path | None) -> str:
@@ -296,8 +296,7 @@ def _source(name: str, flags: dict[str, Any], path: Path | None) -> str:
 
 def effective(invocation: Invocation) -> str:
     """The settings as a TOML file would say them, secrets masked, each with where its value came from."""
-    files = sorted({w for w in invocation.sources.values() if w != "default" and not w.startswith(("-", ENV_PREFIX))})
-    lines = [f"# {PROG}: the effective settings (flags > {ENV_PREFIX}* > {', '.join(files) or 'no file'} > "
+    lines = [f"# {PROG}: the effective settings (flags > {ENV_PREFIX}* > {invocation.file or 'no file'} > "
              f"defaults)"]
     for name in ServiceConfig.model_fields:
         value = getattr(invocation.config, name)
@@ -311,8 +310,6 @@ def effective(invocation: Invocation) -> str:
 
 
 def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
@@ -330,20 +327,14 @@ def _explain(exc: ValidationError, flags: dict[str, Any], path: Path | None) -> 
         elif error["type"] == "extra_forbidden":
             problems.append(f"{path}: unknown setting {name!r}")
         else:
-            shown = "********" if name in _SECRET else _shown(error.get("input"))
+            shown = "********" if name in _SECRETS else str(error.get("input"))
             where = _source(name, flags, path)
             said = f"{name}={shown} in {where}" if where == str(path) else f"{where}={shown}"
             problems.append(f"{said}: {message}")
     return "invalid settings: " + "; ".join(problems)
 
 
-_SECRET = frozenset({"ingest_token", "api_token", "metrics_password"})
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return str(value)
+_SECRETS = frozenset(n for n, f in ServiceConfig.model_fields.items() if SecretStr in get_args(f.annotation))
 
 
 def _reason(exc: BaseException) -> str:
