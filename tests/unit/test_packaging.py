@@ -33,26 +33,23 @@ from mcp_stream_exporter import instrument_client, instrument_server, ToolPolicy
 REPORT = "\nimport json\nprint(json.dumps({m: getattr(v, '__file__', None) for m, v in list(sys.modules.items())}))"
 
 
-def _loaded(code: str) -> dict[str, str | None]:
-    """The modules (and their files) a fresh interpreter holds after running ``code``."""
-    done = subprocess.run([sys.executable, "-c", f"import sys\n{code}{REPORT}"], capture_output=True, text=True,
-                          timeout=120, check=False, env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @cache
-def _owners() -> dict[Path, str]:
-    """Every installed file -> the distribution that installed it (from the RECORD files)."""
-    owners = {}
-    for dist in distributions():
-        for file in dist.files or ():
-            owners[Path(dist.locate_file(file)).resolve()] = _norm(dist.metadata["Name"])
-    return owners
+def _owners() -> dict[str, str]:
+    """Every installed file, relative to site-packages -> the distribution that installed it (its RECORD)."""
+    return {str(file): _norm(dist.metadata["Name"]) for dist in distributions() for file in dist.files or ()}
+
+
+@cache
+def _loaded(code: str) -> dict[str, str | None]:
+    """The modules (and their files) a fresh interpreter holds after running ``code``."""
+    done = subprocess.run([sys.executable, "-c", f"import sys\n{code}{REPORT}"], capture_output=True, text=True,
+                          timeout=120, check=False, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.splitlines()[-1]))
 
 
 def _installed_by(modules: dict[str, str | None]) -> set[str]:
@@ -62,9 +59,10 @@ def _installed_by(modules: dict[str, str | None]) -> set[str]:
         if not file:
             continue
         path = Path(file).resolve()
-        if not any(path.is_relative_to(s) for s in site):
+        base = next((s for s in site if path.is_relative_to(s)), None)
+        if base is None:
             continue  # the standard library, or this project (installed editable)
-        owner = _owners().get(path)
+        owner = _owners().get(path.relative_to(base).as_posix())
         if owner is None:
             unowned.append(name)
         else:
