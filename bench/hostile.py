@@ -57,7 +57,8 @@ def _service(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = _free_port()
     with tempfile.TemporaryFile("w+") as logs:
         proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", f"--port={port}",
-                                 "--grpc-port=-1", *flags], stdout=subprocess.DEVNULL, stderr=logs, text=True)
+                                 "--grpc-port=-1", "--otlp-http-port=-1", *flags], stdout=subprocess.DEVNULL,
+                                stderr=logs, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
             for _ in range(600):

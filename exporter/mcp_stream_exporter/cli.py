@@ -1,4 +1,8 @@
-"""``mcp-stream-exporter``: the command line."""
+"""``mcp-stream-exporter``: the command line.
+
+Both commands run the detector, whose dependencies are the ``detector`` extra; the hooks alone do not
+need them, so each command imports what it runs only once it runs.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,26 @@ import sys
 
 from mcp_stream_exporter import __version__
 
+# the top-level modules of the `detector` extra: missing, the command says how to install them
+_DETECTOR_EXTRA = frozenset({"fastapi", "uvicorn", "grpc", "prometheus_client", "pydantic_settings", "google",
+                             "opentelemetry"})
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> int:
+    if (exc.name or "").split(".")[0] not in _DETECTOR_EXTRA:
+        raise exc
+    print(f"mcp-stream-exporter {command}: the detector's dependencies are not installed ({exc.name}): "
+          f"pip install 'mcp-stream-exporter[detector]'", file=sys.stderr)
+    return 1
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the service parses its own flags (they mirror its config file and env)
-        from mcp_stream_exporter.detector import service
-
+        try:
+            from mcp_stream_exporter.detector import service
+        except ModuleNotFoundError as exc:
+            return _missing_extra("serve", exc)
         return service.main(argv[1:])
     parser = argparse.ArgumentParser(prog="mcp-stream-exporter",
                                      description="Catch MCP tool results lost on resumable SSE streams.")
@@ -28,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("serve", help="run the detector service (OTLP in, /metrics and /api out); serve --help")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from mcp_stream_exporter import demo as demo_module
-        from mcp_stream_exporter.detector.ui import UiLinks
+        try:
+            from mcp_stream_exporter import demo as demo_module
+            from mcp_stream_exporter.detector.ui import UiLinks
+        except ModuleNotFoundError as exc:
+            return _missing_extra("demo", exc)
 
         return demo_module.main(as_json=args.json, serve_port=args.serve,
                                 links=UiLinks(args.trace_url_template))

@@ -183,10 +183,12 @@ def spans() -> list[ReadableSpan]:
 class DetectorProcess:
     """``mcp-stream-exporter serve`` in a subprocess on 127.0.0.1: the real service, as deployed."""
 
-    def __init__(self, proc: subprocess.Popen[str], port: int, grpc_port: int | None, ca: str | None = None) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int, grpc_port: int | None, ca: str | None = None,
+                 otlp_http_port: int | None = None) -> None:
         self.proc = proc
         self.port = port
         self.grpc_port = grpc_port
+        self.otlp_http_port = otlp_http_port
         self.url = f"{'https' if ca else 'http'}://127.0.0.1:{port}"
         self.http = httpx.Client(base_url=self.url, timeout=30,
                                  verify=ssl.create_default_context(cafile=ca) if ca else True)
@@ -204,24 +206,26 @@ class DetectorProcess:
 
 @contextlib.contextmanager
 def detector_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[DetectorProcess]:
-    """Start the service with ``flags`` (gRPC off unless a flag says otherwise) on ports it picks itself
-    (port 0), read the ports back from its log, and wait until ready. Its logs go to a file (a pipe nobody
-    reads would fill and block the service)."""
+    """Start the service with ``flags`` (gRPC and the OTLP/HTTP port off unless a flag says otherwise) on
+    ports it picks itself (port 0), read the ports back from its log, and wait until ready. Its logs go to
+    a file (a pipe nobody reads would fill and block the service)."""
     ca = next((f.split("=", 1)[1] for f in flags if f.startswith("--tls-cert=")), None)
     with tempfile.TemporaryDirectory() as workdir:
         logs = Path(workdir) / "detector.log"
         with logs.open("a") as sink:
             proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
-                                     "--grpc-port=-1", *flags], env={**os.environ, **(env or {})},
-                                    stdout=subprocess.DEVNULL, stderr=sink, text=True)
+                                     "--grpc-port=-1", "--otlp-http-port=-1", *flags],
+                                    env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=sink,
+                                    text=True)
         service = None
         try:
             started = wait_for(lambda: proc.poll() is not None or logged(logs, "detector starting"), 30,
                                "the detector to bind its port", every_s=0.05)
             if proc.poll() is not None:
                 raise RuntimeError(f"the detector did not start: {logs.read_text()[-2000:]}")
-            grpc = logged(logs, "otlp grpc listening")
-            service = DetectorProcess(proc, int(started["port"]), int(grpc["port"]) if grpc else None, ca)
+            grpc, otlp_http = logged(logs, "otlp grpc listening"), logged(logs, "otlp http listening")
+            service = DetectorProcess(proc, int(started["port"]), int(grpc["port"]) if grpc else None, ca,
+                                      int(otlp_http["port"]) if otlp_http else None)
             wait_for(lambda: proc.poll() is not None or answers(f"{service.url}/readyz", service.http), 30,
                      "the detector to be ready", every_s=0.05)
             if proc.poll() is not None:

@@ -60,7 +60,8 @@ def test_a_second_detector_on_the_same_snapshot_file_is_refused_and_a_corrupt_on
     path = tmp_path / "ledger.db"
     with detector_process(f"--snapshot-path={path}"):
         second = subprocess.run([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
-                                 "--grpc-port=-1", f"--snapshot-path={path}"], capture_output=True, text=True,
+                                 "--grpc-port=-1", "--otlp-http-port=-1", f"--snapshot-path={path}"],
+                                capture_output=True, text=True,
                                 timeout=60, check=False)
     assert second.returncode == 1 and "in use by another detector" in second.stderr
     path.write_bytes(b"\x00 not a snapshot " * 64)

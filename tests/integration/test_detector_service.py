@@ -8,6 +8,7 @@ import gzip
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,7 +203,7 @@ async def test_metrics_pass_promtool_and_can_require_basic_auth():
 
 def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     config = tmp_path / "detector.toml"
-    config.write_text('port = 0\ngrpc_port = -1\nclean_end_grace_s = 2.5\n')  # 0: the service picks a port
+    config.write_text('port = 0\ngrpc_port = -1\notlp_http_port = -1\nclean_end_grace_s = 2.5\n')  # 0: picks a port
     env = {**os.environ, "MCP_STREAM_API_TOKEN": "api-secret"}
     logs = tmp_path / "serve.log"
     with logs.open("a") as sink:
@@ -224,6 +225,25 @@ def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
     entries = [json.loads(line) for line in logs.read_text().splitlines() if line.startswith("{")]
     assert any(entry["message"] == "detector stopped" for entry in entries)
     assert all("api-secret" not in json.dumps(entry) for entry in entries)
+    # every line machine-readable: ISO 8601 UTC times, no terminal colours (uvicorn's lines included)
+    assert any(entry["logger"].startswith("uvicorn") for entry in entries)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", entry["time"]) for entry in entries)
+    assert all("\x1b" not in json.dumps(entry, ensure_ascii=False) for entry in entries)
+
+
+def test_otlp_http_is_also_served_on_the_otlp_port_with_nothing_else_there():
+    body = _request().SerializeToString()
+    with detector_process("--otlp-http-port=0", env={"MCP_STREAM_INGEST_TOKEN": TOKEN}) as service:
+        assert service.otlp_http_port not in (None, service.port)
+        otlp = httpx.Client(base_url=f"http://127.0.0.1:{service.otlp_http_port}", timeout=30)
+        with otlp:
+            sent = {"content-type": "application/x-protobuf"}
+            assert otlp.post("/v1/traces", content=body, headers=sent).status_code == 401
+            ok = otlp.post("/v1/traces", content=body, headers=sent | {"authorization": f"Bearer {TOKEN}"})
+            assert ok.status_code == 200
+            for path in ("/metrics", "/api/findings", "/ui/", "/healthz"):  # those stay on --port
+                assert otlp.get(path).status_code == 404, path
+        assert 'mcp_stream_detector_spans_received_total{transport="otlp_http"} 1.0' in service.metrics()
 
 
 def _self_signed(tmp_path):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from promtool import check_rules
 
 from panel_queries import DASHBOARDS, dashboards, panels, queries, substitute
@@ -15,6 +17,7 @@ sys.path.insert(0, str(DASHBOARDS))
 import generate
 
 BOARDS = dashboards()
+ROOT = Path(__file__).resolve().parents[2]
 # Grafana unit ids (packages/grafana-data/src/valueFormats/categories.ts) this project may use
 UNITS = {"short", "none", "percentunit", "s", "ms", "reqps", "ops", "bytes", "decbytes", "dtdurations"}
 DATA_PANELS = {"stat", "singlestat", "graph", "table", "timeseries", "gauge"}
@@ -101,3 +104,43 @@ def test_every_query_and_variable_query_parses_with_promtool(tmp_path):
                                                          for i, e in enumerate(exprs)]}]}
     check = check_rules(rules, tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_every_panel_has_a_stable_id_of_its_own(name):
+    """Explicit ids, set in the generator: links to a panel (viewPanel=<id>) survive regeneration."""
+    ids = [panel.get("id") for panel in panels(BOARDS[name])]
+    assert all(isinstance(i, int) and i > 0 for i in ids), ids
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_runbook_links_open_the_runbook_of_an_alert_that_exists(name):
+    alerts = {r["alert"]: r["annotations"]["runbook_url"]
+              for g in yaml.safe_load((ROOT / "alerts" / "mcp-stream-exporter.yaml").read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    linked = [link for panel in panels(BOARDS[name]) for link in panel.get("links", [])]
+    assert linked, "each dashboard links the runbooks of the alerts its panels feed"
+    for link in linked:
+        alert = link["title"].removeprefix("Runbook: ")
+        assert link["url"] == alerts[alert]  # the same URL the alert's annotation carries
+        assert (ROOT / "docs" / "runbooks" / f"{alert}.md").is_file()
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_thresholds_start_at_the_base_colour_and_rise(name):
+    coloured = 0
+    for panel in panels(BOARDS[name]):
+        steps = panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps")
+        if not steps:
+            continue
+        values = [s["value"] for s in steps]
+        assert values[0] is None and values[1:] == sorted(values[1:]), panel["title"]
+        coloured += len(steps) > 1
+    assert coloured, "some panel marks where its values turn bad"
+
+
+def test_every_dashboard_links_the_findings_page_and_api():
+    for board in BOARDS.values():
+        urls = {link["url"] for link in board["links"]}
+        assert {"${detector_url}/ui/", "${detector_url}/api/findings"} <= urls

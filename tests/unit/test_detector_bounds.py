@@ -15,7 +15,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
 from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
 from mcp_stream_exporter.detector.metrics import END_REASONS, OTHER, STREAM_KINDS
-from mcp_stream_exporter.detector.service import load_config
+from mcp_stream_exporter.detector.settings import load
 
 from spans import FETCH, S, call, sdk_call, stream
 
@@ -203,7 +203,7 @@ def test_a_findings_evidence_is_cut_to_its_bound_and_says_so():
 
 
 def test_max_memory_mb_splits_into_the_ledger_findings_timelines_and_queue_budgets():
-    config = load_config(["--max-memory-mb", "64"], environ={})
+    config = load(["--max-memory-mb", "64"]).config
     mib = 1024 * 1024
     assert config.detector_config().ledger.max_bytes == 40 * mib
     assert config.detector_config().max_findings_bytes == 8 * mib

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import tomllib
@@ -24,7 +25,7 @@ from promtool import check_rules
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
-from mcp_stream_exporter.detector.service import ServiceConfig
+from mcp_stream_exporter.detector.settings import ServiceConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "mcp-stream-exporter"
@@ -272,3 +273,23 @@ def test_the_chart_works_as_a_subchart_with_global_values(tmp_path):
     objects = _render(parent, {CHART.name: {"replicaCount": 1}}, ())
     assert "Deployment" in {o["kind"] for o in objects}
     assert [error for obj in objects for error in _validate(obj)] == []
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+def test_the_detectors_args_are_settings_serve_accepts_on_the_ports_the_service_exposes(values, tmp_path,
+                                                                                         monkeypatch):
+    for name in [n for n in os.environ if n.upper().startswith("MCP_STREAM_")]:
+        monkeypatch.delenv(name)
+    objects = _render(CHART, yaml.safe_load(values.read_text()) or {}, (MONITORING,))
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    args = list(container["args"])
+    assert args.pop(0) == "serve"
+    for policy in [o["data"]["policy.json"] for o in objects if o["metadata"]["name"].endswith("-policy")]:
+        (tmp_path / "policy.json").write_text(policy)  # the ConfigMap the pod mounts, here
+        args = [f"--policy={tmp_path / 'policy.json'}" if a.startswith("--policy=") else a for a in args]
+    config = load(args).config
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": config.port, "otlp-grpc": config.grpc_port, "otlp-http": config.otlp_http_port}
+    (service,) = [o for o in objects if o["kind"] == "Service" and "clusterIP" not in o["spec"]]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)

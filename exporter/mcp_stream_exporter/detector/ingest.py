@@ -336,6 +336,7 @@ class IngestQueue:
         self._buffered = 0
         self._worker = threading.Thread(target=self._run, name="mcp-stream-detector-ingest", daemon=True)
         self._worker.start()
+        detector.metrics.ingest_queue_spans.set_function(lambda: self._queued)  # read at scrape time
 
     @property
     def queued(self) -> int:

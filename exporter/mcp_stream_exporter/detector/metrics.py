@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from importlib.metadata import version
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -150,8 +150,13 @@ class DetectorMetrics:
             "mcp_stream_detector_snapshot_timestamp_seconds", "When the ledger was last written to (or read from) "
             "its SQLite snapshot; 0 with snapshots off. Older than --snapshot-interval-s means writes fail and a "
             "restart would lose more than the interval.", registry=registry)
+        self.ingest_queue_spans = Gauge(
+            "mcp_stream_detector_ingest_queue_spans", "Spans accepted over OTLP and waiting for the ledger; at "
+            "--max-queued-spans (or the queue's share of --max-memory-mb) ingest answers 429. 0 when embedded.",
+            registry=registry)
         Gauge("mcp_stream_detector_build_info", "The detector's version; always 1.", ["version"],
               registry=registry).labels(version("mcp-stream-exporter")).set(1)
+        ProcessCollector(registry=registry)  # process_*: the CPU, memory and file descriptors of its process
         for tool in tools.initial:
             for rule in RULES.values():
                 self.findings.labels(rule.id, rule.severity, tool)

@@ -67,6 +67,7 @@ spec:
         - --host=0.0.0.0
         - --port={{ .Values.service.httpPort }}
         - --grpc-port={{ .Values.service.grpcPort }}
+        - --otlp-http-port={{ .Values.service.otlpHttpPort }}
         - --clean-end-grace-s={{ .Values.detector.cleanEndGraceSeconds }}
         - --reissue-grace-s={{ .Values.detector.reissueGraceSeconds }}
         - --max-sessions={{ .Values.detector.maxSessions }}
@@ -99,6 +100,9 @@ spec:
           protocol: TCP
         - name: otlp-grpc
           containerPort: {{ .Values.service.grpcPort }}
+          protocol: TCP
+        - name: otlp-http
+          containerPort: {{ .Values.service.otlpHttpPort }}
           protocol: TCP
       startupProbe:
         httpGet: {path: /healthz, port: http}
