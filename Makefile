@@ -1,5 +1,5 @@
 # Two targets a newcomer needs: `make demo` and `make test`. Both set themselves up.
-# `make test-fast` runs the unit tier alone (under a minute) while you edit.
+# `make test-fast` runs the unit tier alone, its property and flood tests left out (under a minute), while you edit.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -34,7 +34,7 @@ test: lint system-deps
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP) system-deps
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) -m pytest -q -p no:cacheprovider -m "not fuzz and not load" tests/unit
 
 bench: $(STAMP)
 	$(PY) bench/hooks_overhead.py

@@ -9,7 +9,9 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from mcp_stream_exporter.semconv import INSTRUMENTATION_VERSION
+
+__version__ = INSTRUMENTATION_VERSION  # the installed distribution's, one source
 
 _LAZY = {
     "AuthView": "mcp_stream_exporter.auth",

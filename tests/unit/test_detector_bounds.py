@@ -141,6 +141,7 @@ FLOODS = {
 }
 
 
+@pytest.mark.load
 @pytest.mark.parametrize("shape", sorted(FLOODS))
 def test_a_flood_of_each_shape_stays_under_the_memory_budget_as_tracemalloc_measures_it(shape):
     clock = Clock()

@@ -36,6 +36,7 @@ OPENERS = {"s1": "alice", "s2": "bob", "s3": None}  # the subject each session w
 OTHERS = ["evil1", "evil2", "evil3"]  # sessions the adversary opens to fill the tables
 VERIFICATIONS = ["verified", "unverified", "failed", "opaque", "absent"]
 LOOP = asyncio.new_event_loop()
+pytestmark = pytest.mark.fuzz  # thousands of adversarial schedules: `make test` runs them, `make test-fast` not
 REPLAYED = [0]  # events honest resumes got: the properties must not hold only because everything is refused
 
 tokens = st.builds(

@@ -19,7 +19,6 @@ from typing import Any
 
 import uvicorn
 
-from mcp_stream_exporter import __version__
 from mcp_stream_exporter.asgi import ASGIApp, Receive, Scope, Send
 from mcp_stream_exporter.detector.app import create_app
 from mcp_stream_exporter.detector.connections import server_config
@@ -27,6 +26,7 @@ from mcp_stream_exporter.detector.detector import Detector
 from mcp_stream_exporter.detector.ingest import IngestQueue, serve_grpc
 from mcp_stream_exporter.detector.settings import PROG, ConfigError, ServiceConfig, effective, load
 from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
+from mcp_stream_exporter.semconv import INSTRUMENTATION_VERSION
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 
@@ -146,7 +146,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     if invocation.version:
-        print(f"mcp-stream-exporter {__version__}")
+        print(f"mcp-stream-exporter {INSTRUMENTATION_VERSION}")
         return 0
     if invocation.check_only:
         print(effective(invocation))
