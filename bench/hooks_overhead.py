@@ -1,13 +1,17 @@
-"""Overhead of the hooks on an MCP tools/call round trip: instrumented (B) against uninstrumented (A).
+"""Overhead of the hooks on an MCP tools/call round trip, against the SDK's own tracing and against none.
 
-Method: both configurations run side by side in one process,
-each with its own server and client on 127.0.0.1, with the SDK's own OpenTelemetry spans on (one
-provider, a dropping exporter), so the only difference is our hooks. Calls alternate in small blocks
-(A B B A ...) so that the machine slowing down hits both alike; each worker process reports the median
-round trip of each configuration and the result is the median over fresh worker processes of the
-ratio B/A; which configuration is set up first alternates between workers. An A-against-A control
-run measures the method's own bias. ``--sides`` adds runs with only the server's or only the
-client's hooks (an operator may instrument one side). Bounded: WORKERS x 2 x CALLS calls per run.
+Three configurations run side by side in one process, each with its own server and client on
+127.0.0.1: (A) no tracing, (S) the SDK's own OpenTelemetry spans on, no hooks, (H) the SDK's spans and
+our hooks. One tracer provider with a dropping exporter serves the process (a process has one global
+provider); A's spans are sampled out by a sampler that reads which configuration is calling, so A
+pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls cycle in
+small blocks through the configurations, forwards then backwards (A S H H S A ...), so that the
+machine slowing down hits all alike; each worker process reports the median round trip of each
+configuration; the results are the medians over fresh worker processes of the ratios H/S (the hooks
+on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing alone), with their spreads.
+The order in which the configurations are set up rotates between workers. An A-against-A control run
+measures the method's own bias. ``--sides`` adds runs with only the server's or only the client's
+hooks in H (an operator may instrument one side). Bounded: WORKERS x 3 x CALLS calls per run.
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
 """
@@ -25,11 +29,17 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 _BLOCK = 10
 
 
-def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -> tuple[float, float]:
+CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
+
+
+def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str) -> dict[str, float]:
+    import contextvars
+
     import httpx2
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
@@ -37,6 +47,7 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -
     from opentelemetry import trace
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 
     from mcp_stream_exporter import instrument_client, instrument_server
     from mcp_stream_exporter.lab import (
@@ -51,11 +62,26 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -
         serve,
     )
 
+    untraced = contextvars.ContextVar("untraced", default=False)
+
     class Drop(SpanExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    provider = TracerProvider()
+    class Configured(Sampler):
+        """A's spans out: its client's (set in the calling task) and its server's (an unsampled parent)."""
+
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
+                          attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            if untraced.get() or (parent.is_valid and not parent.trace_flags.sampled):
+                return SamplingResult(Decision.DROP)
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+        def get_description(self) -> str:
+            return "bench configuration"
+
+    provider = TracerProvider(sampler=Configured())
     provider.add_span_processor(SimpleSpanProcessor(Drop()))
     trace.set_tracer_provider(provider)
     warnings.filterwarnings("ignore")
@@ -65,16 +91,16 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -
     request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": "q"}))
     options = {"mode": "legacy"} if mode == "legacy" else {}
 
-    async def setup(stack: contextlib.AsyncExitStack, instrumented: bool) -> Client:
-        instrumented = instrumented and not control
+    async def setup(stack: contextlib.AsyncExitStack, configuration: str) -> Client:
+        hooked = configuration == "H" and not control
         policy = incident_policy()
         store = IncidentEventStore(policy)
         server = build_incident_server(issuer, store=store, step_delay=0)
-        if instrumented and side in ("both", "server"):
+        if hooked and side in ("both", "server"):
             app = instrument_server(server, policy=policy, event_store=store)
         else:
             app = server.streamable_http_app(event_store=store)
-        if instrumented and side in ("both", "client"):
+        if hooked and side in ("both", "client"):
             http = instrument_client(auth=BearerAuth(token), policy=policy)
         else:
             http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=httpx2.Timeout(30.0, read=300.0))
@@ -83,25 +109,38 @@ def _worker(mode: str, calls: int, *, b_first: bool, control: bool, side: str) -
         return await stack.enter_async_context(
             Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http), **options))
 
-    async def run() -> tuple[float, float]:
+    async def call(client: Client, configuration: str) -> float:
+        token = untraced.set(configuration == "A" or (control and configuration != "S"))
+        try:
+            started = time.perf_counter()
+            await client.session.send_request(request, CallToolResult)
+            return time.perf_counter() - started
+        finally:
+            untraced.reset(token)
+
+    async def run() -> dict[str, float]:
         async with contextlib.AsyncExitStack() as stack:
-            clients = {}
-            for flag in ((True, False) if b_first else (False, True)):  # which is set up first is balanced
-                clients[flag] = await setup(stack, flag)
-            timings: dict[bool, list[float]] = {False: [], True: []}
-            for client in clients.values():  # warm-up
+            order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # which is set up first rotates
+            clients = {configuration: await setup(stack, configuration) for configuration in order}
+            timings: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
+            for configuration, client in clients.items():  # warm-up
                 for _ in range(20):
-                    await client.session.send_request(request, CallToolResult)
-            for block in range(2 * calls // _BLOCK):
-                instrumented = block % 4 in (1, 2)  # A B B A
-                client = clients[instrumented]
+                    await call(client, configuration)
+            cycle = CONFIGURATIONS + CONFIGURATIONS[::-1]  # A S H H S A
+            for block in range(3 * calls // _BLOCK):
+                configuration = cycle[block % len(cycle)]
                 for _ in range(_BLOCK):
-                    t = time.perf_counter()
-                    await client.session.send_request(request, CallToolResult)
-                    timings[instrumented].append(time.perf_counter() - t)
-        return statistics.median(timings[False]) * 1000, statistics.median(timings[True]) * 1000
+                    timings[configuration].append(await call(clients[configuration], configuration))
+        return {configuration: statistics.median(times) * 1000 for configuration, times in timings.items()}
 
     return asyncio.run(run())
+
+
+def _ratios(num: list[float], den: list[float]) -> dict[str, float]:
+    """Per worker, the ratio of two configurations' median round trips: median and spread over workers."""
+    ratios = [n / d for n, d in zip(num, den, strict=True)]
+    return {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+            "max": round(max(ratios), 3)}
 
 
 def main() -> None:
@@ -109,42 +148,41 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--modes", default="legacy,default")
-    parser.add_argument("--sides", default="both", help="which hooks B has: both, server, client (comma list)")
+    parser.add_argument("--sides", default="both", help="which hooks H has: both, server, client (comma list)")
     parser.add_argument("--side", default="both")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--mode", default="legacy")
-    parser.add_argument("--b-first", action="store_true")
+    parser.add_argument("--rotate", type=int, default=0)
     parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
     args = parser.parse_args()
     if args.worker:
-        print(*_worker(args.mode, args.calls, b_first=args.b_first, control=args.control, side=args.side))
+        print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side)))
         return
     report = {}
     modes, sides = args.modes.split(","), args.sides.split(",")
     runs = [(mode, side, False) for side in sides for mode in modes] + [(modes[0], "both", True)]
     for mode, side, control in runs:
         name = f"{mode} A/A control" if control else (mode if side == "both" else f"{mode} {side} only")
-        a_ms, b_ms, ratios = [], [], []
+        medians: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
         for worker in range(args.workers):
-            command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls)]
-            command += ["--b-first"] if worker % 2 else []
+            command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls),
+                       "--rotate", str(worker)]
             command += ["--control"] if control else []
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
-            a, b = (float(x) for x in out.stdout.strip().splitlines()[-1].split())
-            a_ms.append(a)
-            b_ms.append(b)
-            ratios.append(b / a)
+            for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                medians[configuration].append(ms)
+        a, s, h = (medians[c] for c in CONFIGURATIONS)
         report[name] = {
             "workers": args.workers, "calls_per_configuration": args.calls,
-            "uninstrumented_median_ms": round(statistics.median(a_ms), 3),
-            "instrumented_median_ms": round(statistics.median(b_ms), 3),
-            "ratio_median": round(statistics.median(ratios), 3),
-            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+            **{f"{c}_median_ms": round(statistics.median(medians[c]), 3) for c in CONFIGURATIONS},
+            **({"A/A": _ratios(h, a)} if control else
+               {"H/S": _ratios(h, s), "H/A": _ratios(h, a), "S/A": _ratios(s, a)}),
         }
         r = report[name]
-        print(f"{name}: instrumented/uninstrumented median ratio {r['ratio_median']} "
-              f"(spread {r['ratio_min']}..{r['ratio_max']} over {args.workers} workers; "
-              f"{r['uninstrumented_median_ms']} ms vs {r['instrumented_median_ms']} ms)", flush=True)
+        print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']})"
+                                       for k, v in r.items() if "/" in k)
+              + f" over {args.workers} workers; medians A {r['A_median_ms']} ms, S {r['S_median_ms']} ms, "
+              f"H {r['H_median_ms']} ms", flush=True)
     print(json.dumps(report, indent=2))
 
 

@@ -1,22 +1,34 @@
-"""Detector throughput against a bare OTLP decode of the same payloads, and memory per tracked call.
+"""Detector throughput, a core, on two span mixes, against decoding baselines; memory per tracked call.
 
-Payload: OTLP protobuf batches encoded by the OpenTelemetry SDK's own encoder from spans shaped
-like the hooks' (docs/span-model.md): per session, one healthy call (the SDK's client and server
-spans) and one deviating call as in the incident (a dropped POST, three resumes ending clean with the
-call pending and a narrowed token, a truncated replay, the call span). Each round times, on the same
-batches and alternating which goes first, (A) the bare decode, ``ExportTraceServiceRequest.FromString``,
-and (B) the detector's whole path: decode, read every span into the model, apply to the ledger,
-rules and metrics. Reported: the median over rounds of rate(B) / rate(A) (target >= 0.5).
+Mixes (OTLP protobuf batches encoded by the OpenTelemetry SDK's own encoder, two processes' resources,
+the SDK's scope and ours, as docs/span-model.md describes them):
 
-A second baseline, (W), decodes and reads every span's fields and attributes into Python (the least
-any Python consumer of OTLP does): rate(B) / rate(W) shows what the ledger and rules themselves cost.
+- realistic: per session the SDK's spans of ``initialize``, ``notifications/initialized`` and
+  ``tools/list``, then ``tools/call`` requests with their two SDK spans each (the client's carrying the
+  hooks' terminal attributes); 1 % of calls are lost as in the incident, with their spans (the call,
+  the dropped POST, three resumes ending clean with the call pending and a narrowed token, the
+  truncated replay) and the client's SDK span timing out.
+- all-lost: per session one healthy call and one lost call: the hooks' spans dominate.
 
-Memory: tracemalloc's traced bytes after ingesting N calls into a fresh detector (spans already
-decoded), divided by N: a tracked call (its POST dropped with it pending, owed a result; target
-<= 1 KiB) and a lost call with its findings and their evidence (the incident's shape).
-Bounded: ROUNDS x SESSIONS.
+In-process, each round measures CPU time (``time.process_time``) of, on the same batches and
+alternating the order: (A) the bare decode, ``ExportTraceServiceRequest.FromString``; (W) decode and
+walk, what a Python consumer of OTLP did before the lean path (every span's ids, name, kind, times,
+status, events and every attribute read into Python); (D) the detector as the service runs it:
+``decode_protobuf`` (bounded, span by span), ``Detector.read`` and ``Detector.apply`` on a fresh
+detector. Reported: medians over rounds with their spread (min..max), D/W and D/A.
 
-    python bench/ingest.py [--sessions 2000] [--rounds 7] [--memory-calls 20000]
+End to end: a real ``mcp-stream-exporter serve`` (a subprocess) takes the realistic mix over OTLP/HTTP
+and over OTLP/gRPC from two sender threads; each round's rate is the spans sent over the CPU time the
+service spent until the last batch was in its ledger (``/proc/<pid>/stat``), and over wall time.
+
+Memory: tracemalloc's traced bytes after applying N calls' events to a fresh detector, divided by N:
+a tracked call (its POST dropped with it pending, owed a result; target <= 1 KiB) and a lost call with
+its findings and their evidence (the incident's shape).
+
+The generated spans are frozen out of the garbage collector (``gc.freeze``), so that the collector
+does not walk the bench's own data. Bounded: ROUNDS x SESSIONS, and the end-to-end rounds.
+
+    python bench/ingest.py [--sessions 1000] [--calls 10] [--rounds 7] [--memory-calls 20000] [--no-e2e]
 """
 
 from __future__ import annotations
@@ -24,99 +36,225 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig
-from mcp_stream_exporter.detector.ingest import spans_of
+from mcp_stream_exporter.detector.ingest import IngestLimits, decode_protobuf
 
 FETCH = "https://mcp.example.com/tools/fetch"
 SEARCH = "https://mcp.example.com/tools/search"
-BATCH = 512
+BATCH = 512  # the Collector's and the SDK's BatchSpanProcessor default
+LOST_EVERY = 100  # realistic mix: one call in 100 lost
+SDK_SCOPE = "mcp-python-sdk"
+HOOKS_SCOPE = "mcp_stream_exporter"
+PROTOCOL = "2025-11-25"
 
 
-def _sessions(n: int, *, lost: bool = True) -> list:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("bench")
-    for i in range(n):
-        session = f"session-{i:08d}"
-        with (tracer.start_as_current_span("MCP send tools/call search", kind=SpanKind.CLIENT, attributes={
-                  sc.MCP_METHOD_NAME: "tools/call", sc.JSONRPC_REQUEST_ID: "2"}),
-              tracer.start_as_current_span("tools/call search", kind=SpanKind.SERVER, attributes={
-                  sc.MCP_METHOD_NAME: "tools/call", sc.JSONRPC_REQUEST_ID: "2", sc.GEN_AI_TOOL_NAME: "search"})):
+class _Sides:
+    """Two processes' tracers (a client and a server), each with the SDK's scope and the hooks'."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.tracers: dict[tuple[str, str], Tracer] = {}
+        for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
+            provider = TracerProvider(resource=Resource.create({
+                "service.name": f"bench-{role}", "service.instance.id": f"bench-{role}-0"}))
+            provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+            for scope in (SDK_SCOPE, HOOKS_SCOPE):
+                self.tracers[role, scope] = provider.get_tracer(scope)
+
+    def sdk(self, role: str) -> Tracer:
+        return self.tracers[role, SDK_SCOPE]
+
+    def hooks(self, role: str) -> Tracer:
+        return self.tracers[role, HOOKS_SCOPE]
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+
+def _sdk_request(sides: _Sides, method: str, request_id: str, name: str = "",
+                 client_attributes: dict[str, Any] | None = None, timed_out: bool = False) -> Any:
+    """The SDK's two spans of one request: the client's ``MCP send ...`` and the server's child."""
+    suffix = f" {name}" if name else ""
+    client = sides.sdk(sc.ROLE_CLIENT).start_span(f"MCP send {method}{suffix}", kind=SpanKind.CLIENT, attributes={
+        sc.MCP_METHOD_NAME: method, sc.JSONRPC_REQUEST_ID: request_id, **(client_attributes or {})})
+    server_attributes = {sc.MCP_METHOD_NAME: method, sc.JSONRPC_REQUEST_ID: request_id,
+                         sc.MCP_PROTOCOL_VERSION: PROTOCOL}
+    if method == "tools/call":
+        server_attributes.update({"gen_ai.operation.name": "execute_tool", sc.GEN_AI_TOOL_NAME: name})
+    sides.sdk(sc.ROLE_SERVER).start_span(f"{method}{suffix}", kind=SpanKind.SERVER, attributes=server_attributes,
+                                         context=set_span_in_context(client)).end()
+    if timed_out:
+        client.set_attributes({sc.ERROR_TYPE: "-32001", sc.RPC_RESPONSE_STATUS_CODE: "-32001"})
+        client.set_status(Status(StatusCode.ERROR, "Request timed out"))
+    return client
+
+
+def _lost_call(sides: _Sides, session: str, request_id: str, parent: Any, resumes: int = 3) -> None:
+    """The incident: a dropped POST, resumes ending clean with the call pending and a narrowed token,
+    a truncated replay, the call span (cancelled)."""
+    common = {sc.ROLE: sc.ROLE_CLIENT, sc.ERA: sc.ERA_RESUMABLE, sc.MCP_SESSION_ID: session,
+              sc.MCP_PROTOCOL_VERSION: PROTOCOL}
+    stream = {**common, sc.SPAN: sc.SPAN_STREAM, sc.STREAM_REQUEST_IDS: [request_id], sc.GEN_AI_TOOL_NAME: "fetch",
+              sc.HTTP_REQUEST_METHOD: "GET", sc.STREAM_CONTENT: "sse", sc.HTTP_RESPONSE_STATUS_CODE: 200}
+    client, server = sides.hooks(sc.ROLE_CLIENT), sides.hooks(sc.ROLE_SERVER)
+    with client.start_as_current_span("MCP call tools/call fetch", context=set_span_in_context(parent), attributes={
+            **common, sc.SPAN: sc.SPAN_CALL, sc.JSONRPC_REQUEST_ID: request_id, sc.GEN_AI_TOOL_NAME: "fetch",
+            sc.REQUIRED_RESOURCES: [FETCH], sc.CALL_OUTCOME: sc.OUTCOME_CANCELLED, sc.CALL_STREAMS: 1 + resumes}):
+        with client.start_as_current_span("MCP stream post", kind=SpanKind.CLIENT, attributes={
+                **stream, sc.HTTP_REQUEST_METHOD: "POST", sc.STREAM_KIND: "post", sc.END_REASON: "dropped",
+                sc.PENDING_REQUEST_IDS: [request_id], sc.EVENTS_COUNT: 2, sc.EVENT_FIRST_ID: "4",
+                sc.EVENT_LAST_ID: "6"}):
             pass
-        common = {sc.ROLE: sc.ROLE_CLIENT, sc.ERA: sc.ERA_RESUMABLE, sc.MCP_SESSION_ID: session,
-                  sc.MCP_PROTOCOL_VERSION: "2025-11-25"}
-        stream = {**common, sc.SPAN: sc.SPAN_STREAM, sc.STREAM_REQUEST_IDS: ["3"], sc.GEN_AI_TOOL_NAME: "fetch",
-                  sc.HTTP_REQUEST_METHOD: "GET", sc.STREAM_CONTENT: "sse", sc.HTTP_RESPONSE_STATUS_CODE: 200}
-        with tracer.start_as_current_span("MCP call tools/call fetch", attributes={
-                **common, sc.SPAN: sc.SPAN_CALL, sc.JSONRPC_REQUEST_ID: "3", sc.GEN_AI_TOOL_NAME: "fetch",
-                sc.REQUIRED_RESOURCES: [FETCH], sc.CALL_OUTCOME: sc.OUTCOME_CANCELLED, sc.CALL_STREAMS: 4}):
-            with tracer.start_as_current_span("MCP stream post", kind=SpanKind.CLIENT, attributes={
-                    **stream, sc.STREAM_KIND: "post", sc.END_REASON: "dropped", sc.PENDING_REQUEST_IDS: ["3"],
-                    sc.EVENTS_COUNT: 2, sc.EVENT_FIRST_ID: "4", sc.EVENT_LAST_ID: "6"}):
+        for _ in range(resumes):
+            with client.start_as_current_span("MCP stream resume", kind=SpanKind.CLIENT, attributes={
+                    **stream, sc.STREAM_KIND: "resume", sc.END_REASON: "clean", sc.RESUME_CURSOR: "6",
+                    sc.PENDING_REQUEST_IDS: [request_id], sc.EVENTS_COUNT: 0, sc.AUTH_AUDIENCE: [SEARCH],
+                    sc.AUTH_FINGERPRINT: "0123456789abcdef", sc.REQUIRED_RESOURCES: [FETCH],
+                    sc.AUTH_MISSING_RESOURCES: [FETCH]}):
                 pass
-            for _ in range(3 if lost else 0):
-                with tracer.start_as_current_span("MCP stream resume", kind=SpanKind.CLIENT, attributes={
-                        **stream, sc.STREAM_KIND: "resume", sc.END_REASON: "clean", sc.RESUME_CURSOR: "6",
-                        sc.PENDING_REQUEST_IDS: ["3"], sc.EVENTS_COUNT: 0, sc.AUTH_AUDIENCE: [SEARCH],
-                        sc.AUTH_FINGERPRINT: "0123456789abcdef", sc.REQUIRED_RESOURCES: [FETCH],
-                        sc.AUTH_MISSING_RESOURCES: [FETCH]}):
-                    pass
-            if not lost:
-                continue
-            with tracer.start_as_current_span("MCP replay", attributes={
+            with server.start_as_current_span("MCP replay", attributes={
                     **common, sc.ROLE: sc.ROLE_SERVER, sc.SPAN: sc.SPAN_REPLAY, sc.RESUME_CURSOR: "6",
-                    sc.JSONRPC_REQUEST_ID: "3", sc.REPLAY_DECISION: sc.REPLAY_TRUNCATED, sc.REPLAY_BUFFERED: 4,
-                    sc.REPLAY_SENT: 0, sc.REPLAY_OFFENDING_EVENT_ID: "8", sc.AUTH_AUDIENCE: [SEARCH],
-                    sc.REQUIRED_RESOURCES: [FETCH], sc.AUTH_MISSING_RESOURCES: [FETCH]}):
+                    sc.JSONRPC_REQUEST_ID: request_id, sc.REPLAY_DECISION: sc.REPLAY_TRUNCATED,
+                    sc.REPLAY_BUFFERED: 4, sc.REPLAY_SENT: 0, sc.REPLAY_OFFENDING_EVENT_ID: "8",
+                    sc.AUTH_AUDIENCE: [SEARCH], sc.REQUIRED_RESOURCES: [FETCH],
+                    sc.AUTH_MISSING_RESOURCES: [FETCH]}):
                 pass
-    return list(exporter.get_finished_spans())
 
 
-def _batches(spans: list) -> list[bytes]:
+def realistic(sessions: int, calls: int) -> list[ReadableSpan]:
+    sides = _Sides()
+    n = 0
+    for i in range(sessions):
+        session = f"session-{i:08d}"
+        _sdk_request(sides, "initialize", "0").end()
+        sides.sdk(sc.ROLE_SERVER).start_span("notifications/initialized", kind=SpanKind.SERVER, attributes={
+            sc.MCP_METHOD_NAME: "notifications/initialized", sc.MCP_PROTOCOL_VERSION: PROTOCOL}).end()
+        _sdk_request(sides, "tools/list", "1").end()
+        for c in range(calls):
+            n += 1
+            request_id = str(c + 2)
+            if n % LOST_EVERY:
+                _sdk_request(sides, "tools/call", request_id, "search", {
+                    sc.TERMINAL_STREAM_KIND: "post", sc.TERMINAL_EVENT_ID: f"{request_id}_1"}).end()
+                continue
+            sdk_span = _sdk_request(sides, "tools/call", request_id, "fetch", timed_out=True)
+            _lost_call(sides, session, request_id, sdk_span)
+            sdk_span.end()
+    return sides.spans()
+
+
+def all_lost(sessions: int, *, lost: bool = True) -> list[ReadableSpan]:
+    """Per session a healthy call and a call whose POST dropped with it pending (lost: and its resumes)."""
+    sides = _Sides()
+    for i in range(sessions):
+        _sdk_request(sides, "tools/call", "2", "search").end()
+        sdk_span = _sdk_request(sides, "tools/call", "3", "fetch")
+        _lost_call(sides, f"session-{i:08d}", "3", sdk_span, resumes=3 if lost else 0)
+        sdk_span.end()
+    return sides.spans()
+
+
+def _batches(spans: list[ReadableSpan]) -> list[bytes]:
     return [encode_spans(spans[i:i + BATCH]).SerializeToString() for i in range(0, len(spans), BATCH)]
 
 
-def _bare(batches: list[bytes]) -> float:
-    started = time.perf_counter()
+# --- in-process: the same batches, three ways ---
+
+def _bare(batches: list[bytes]) -> None:
     for body in batches:
         ExportTraceServiceRequest.FromString(body)
-    return time.perf_counter() - started
 
 
-def _walk(batches: list[bytes]) -> float:
-    """The least any Python consumer does: decode, and read each span's fields and attributes."""
-    started = time.perf_counter()
+def _any(v: Any) -> Any:
+    which = v.WhichOneof("value")
+    if which == "array_value":
+        return tuple(_any(x) for x in v.array_value.values)
+    return getattr(v, which) if which else None
+
+
+def _walk(batches: list[bytes]) -> None:
+    """Decode and read every span into Python: what the detector did before its lean path."""
     for body in batches:
-        for _ in spans_of(ExportTraceServiceRequest.FromString(body)):
-            pass
-    return time.perf_counter() - started
+        for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+            resource = {kv.key: _any(kv.value) for kv in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    (s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), s.name, s.kind,
+                     s.start_time_unix_nano, s.end_time_unix_nano, s.status.code, resource,
+                     {kv.key: _any(kv.value) for kv in s.attributes},
+                     [{kv.key: _any(kv.value) for kv in e.attributes} for e in s.events if e.name == "exception"])
 
 
-def _full(batches: list[bytes]) -> float:
+def _detector(batches: list[bytes]) -> None:
     detector = Detector(DetectorConfig())
-    started = time.perf_counter()
+    limits = IngestLimits()
     for body in batches:
-        events, _ = detector.read(spans_of(ExportTraceServiceRequest.FromString(body)), "otlp_http")
+        events, _ = detector.read(decode_protobuf(body, limits).spans, "otlp_http")
         detector.apply(events)
-    return time.perf_counter() - started
 
 
-def _memory_per_call(calls: int, *, lost: bool) -> float:
-    spans = list(spans_of(encode_spans(_sessions(calls, lost=lost))))
-    events, _ = Detector().read(spans, "bench")
+def _cpu(run: Callable[[list[bytes]], None], batches: list[bytes]) -> float:
+    gc.collect()
+    started = time.process_time()
+    run(batches)
+    return time.process_time() - started
+
+
+def _summary(values: list[float], digits: int = 0) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), digits or None),
+            "spread": [round(min(values), digits or None), round(max(values), digits or None)]}
+
+
+def _ratios(baseline: list[float], detector: list[float]) -> list[float]:
+    """Per round, the detector's rate over the baseline's (CPU time of the baseline over the detector's)."""
+    return [b / d for b, d in zip(baseline, detector, strict=True)]
+
+
+def in_process(spans: int, batches: list[bytes], rounds: int) -> dict[str, Any]:
+    runs: list[Callable[[list[bytes]], None]] = [_bare, _walk, _detector]
+    took: dict[str, list[float]] = {run.__name__: [] for run in runs}
+    for r in range(rounds):
+        for run in (runs if r % 2 == 0 else runs[::-1]):
+            took[run.__name__].append(_cpu(run, batches))
+    rate = {name: [spans / t for t in times] for name, times in took.items()}
+    return {
+        "spans": spans, "batches": len(batches), "rounds": rounds,
+        "detector_spans_per_cpu_s": _summary(rate["_detector"]),
+        "decode_and_walk_spans_per_cpu_s": _summary(rate["_walk"]),
+        "bare_decode_spans_per_cpu_s": _summary(rate["_bare"]),
+        "detector_to_decode_and_walk": _summary(_ratios(took["_walk"], took["_detector"]), 3),
+        "detector_to_bare_decode": _summary(_ratios(took["_bare"], took["_detector"]), 3),
+    }
+
+
+def memory_per_call(calls: int, *, lost: bool) -> float:
+    events = []
+    reader = Detector()
+    for body in _batches(all_lost(calls, lost=lost)):
+        events += reader.read(decode_protobuf(body, IngestLimits()).spans, "bench")[0]
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -129,33 +267,135 @@ def _memory_per_call(calls: int, *, lost: bool) -> float:
     return (after - before) / calls
 
 
+# --- end to end: the real service, over OTLP/HTTP and OTLP/gRPC ---
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _logged(path: Path, message: str) -> dict[str, Any] | None:
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("message") == message:
+            return entry
+    return None
+
+
+@contextmanager
+def _service() -> Iterator[tuple[int, str, int]]:
+    """A fresh ``serve`` on ports of its choosing: (pid, HTTP base URL, gRPC port)."""
+    import httpx
+
+    with tempfile.TemporaryDirectory() as workdir:
+        logs = Path(workdir) / "detector.log"
+        with logs.open("a") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
+                                     "--grpc-port=0"], stdout=subprocess.DEVNULL,
+                                    stderr=sink)
+        try:
+            deadline = time.monotonic() + 30
+            while (proc.poll() is None and time.monotonic() < deadline
+                   and not (_logged(logs, "detector starting") and _logged(logs, "otlp grpc listening"))):
+                time.sleep(0.05)
+            http, grpc_ = _logged(logs, "detector starting"), _logged(logs, "otlp grpc listening")
+            if http is None or grpc_ is None:
+                raise RuntimeError(f"the detector did not start: {logs.read_text()[-2000:]}")
+            url = f"http://127.0.0.1:{http['port']}"
+            while httpx.get(f"{url}/readyz").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            yield proc.pid, url, int(grpc_["port"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+_APPLIED = re.compile(r"^mcp_stream_detector_ingest_duration_seconds_count (\S+)$", re.M)
+
+
+def _applied(http: Any, url: str) -> int:
+    """Batches the service has put in its ledger so far."""
+    match = _APPLIED.search(http.get(f"{url}/metrics").text)
+    return int(float(match.group(1))) if match else 0
+
+
+def _sender(transport: str, url: str, http: Any, channel: Any) -> Callable[[bytes], None]:
+    """Send one batch, retrying while the service is busy (429 / UNAVAILABLE), as an OTLP exporter does."""
+    import grpc
+
+    export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                                 request_serializer=None, response_deserializer=None)
+
+    def send(body: bytes) -> None:
+        for _ in range(100):
+            if transport == "otlp_http":
+                answer = http.post(f"{url}/v1/traces", content=body, headers={"content-type": "application/x-protobuf"})
+                if answer.status_code == 200:
+                    return
+            else:
+                try:
+                    export(body, timeout=60)
+                    return
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.01)
+        raise RuntimeError("the service kept refusing a batch")
+
+    return send
+
+
+def end_to_end(spans: int, batches: list[bytes], rounds: int, senders: int = 2) -> dict[str, Any]:
+    import grpc
+    import httpx
+
+    report: dict[str, Any] = {"spans": spans, "batches": len(batches), "rounds": rounds, "senders": senders}
+    for transport in ("otlp_http", "otlp_grpc"):
+        with _service() as (pid, url, grpc_port), httpx.Client(timeout=60) as http, \
+                grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            send = _sender(transport, url, http, channel)
+            cpu_rates, wall_rates = [], []
+            done = _applied(http, url)
+            for _ in range(rounds):
+                cpu, wall = _cpu_s(pid), time.perf_counter()
+                with ThreadPoolExecutor(senders) as pool:
+                    list(pool.map(send, batches))
+                done += len(batches)
+                deadline = time.monotonic() + 120
+                while _applied(http, url) < done and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                cpu_rates.append(spans / (_cpu_s(pid) - cpu))
+                wall_rates.append(spans / (time.perf_counter() - wall))
+            report[transport] = {"spans_per_service_cpu_s": _summary(cpu_rates),
+                                 "spans_per_wall_s": _summary(wall_rates)}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=2000)
+    parser.add_argument("--sessions", type=int, default=1000, help="realistic mix; the all-lost mix has twice as many")
+    parser.add_argument("--calls", type=int, default=10, help="tools/call requests per session (realistic mix)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--memory-calls", type=int, default=20000)
+    parser.add_argument("--e2e-rounds", type=int, default=5)
+    parser.add_argument("--no-e2e", action="store_true", help="in-process only")
     args = parser.parse_args()
-    spans = _sessions(args.sessions)
-    batches = _batches(spans)
-    ratios, walk_ratios, bare_rates, full_rates = [], [], [], []
-    for r in range(args.rounds):
-        order = [_bare, _walk, _full] if r % 2 == 0 else [_full, _walk, _bare]
-        took = {f.__name__: f(batches) for f in order}
-        bare, walk, full = took["_bare"], took["_walk"], took["_full"]
-        bare_rates.append(len(spans) / bare)
-        full_rates.append(len(spans) / full)
-        ratios.append(bare / full)
-        walk_ratios.append(walk / full)
-    print(json.dumps({
-        "spans_per_round": len(spans), "batches": len(batches), "rounds": args.rounds,
-        "bare_decode_spans_per_s": round(statistics.median(bare_rates)),
-        "detector_spans_per_s": round(statistics.median(full_rates)),
-        "ratio_detector_to_bare": round(statistics.median(ratios), 3),
-        "ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
-        "ratio_detector_to_decode_and_attribute_walk": round(statistics.median(walk_ratios), 3),
-        "bytes_per_tracked_call": round(_memory_per_call(args.memory_calls, lost=False)),
-        "bytes_per_lost_call_with_its_findings": round(_memory_per_call(args.memory_calls, lost=True)),
-    }, indent=2))
+    mixes = {"realistic": realistic(args.sessions, args.calls), "all_lost": all_lost(2 * args.sessions)}
+    encoded = {name: (len(spans), _batches(spans)) for name, spans in mixes.items()}
+    del mixes
+    gc.collect()
+    gc.freeze()  # the bench's own data is not the detector's garbage
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    for name, (count, batches) in encoded.items():
+        report[f"in_process_{name}"] = in_process(count, batches, args.rounds)
+        print(json.dumps({name: report[f"in_process_{name}"]}), file=sys.stderr, flush=True)
+    report["bytes_per_tracked_call"] = round(memory_per_call(args.memory_calls, lost=False))
+    report["bytes_per_lost_call_with_its_findings"] = round(memory_per_call(args.memory_calls, lost=True))
+    if not args.no_e2e:
+        report["end_to_end_realistic"] = end_to_end(*encoded["realistic"], args.e2e_rounds)
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,31 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from mcp_stream_exporter.detector.events import CallEnd, Lifecycle, Rejected, Replay, Span, StreamEnd, lifecycle
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector.events import (
+    CallEnd,
+    Lifecycle,
+    Operation,
+    Rejected,
+    Replay,
+    Span,
+    StreamEnd,
+    lifecycle,
+)
 from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import CallState, Ledger, LedgerLimits
-from mcp_stream_exporter.detector.metrics import SPAN_REJECTIONS, DetectorMetrics, LedgerCollector, ToolLabels
+from mcp_stream_exporter.detector.metrics import (
+    SPAN_REJECTIONS,
+    DetectorMetrics,
+    LedgerCollector,
+    OperationCounts,
+    ToolLabels,
+)
 from mcp_stream_exporter.detector.rules import RuleConfig, RuleEngine
 from mcp_stream_exporter.detector.timeline import TimelineLimits, Timelines
 
 Clock = Callable[[], int]  # nanoseconds since the epoch, like span timestamps
+Event = Lifecycle | OperationCounts  # what ``read`` hands to ``apply``
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,32 +87,45 @@ class Detector:
         self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
         self._on_finding = on_finding
 
-    def read(self, spans: Iterable[Span], transport: str) -> tuple[list[Lifecycle], Outcome]:
+    def read(self, spans: Iterable[Span | Operation], transport: str) -> tuple[list[Event], Outcome]:
         """Spans -> lifecycle events, without touching the ledger (no lock: callers may run it on
         their own thread). A span that breaks the span model is refused with its reason; spans
-        outside the model are taken and ignored."""
-        events: list[Lifecycle] = []
+        outside the model are taken and ignored. The SDK's request spans (as spans, or already read by
+        an OTLP reader) are counted for the metrics in one :class:`OperationCounts` per batch; only a
+        client's give-up or failure of a ``tools/call``, which rules and timelines read, is an event."""
+        events: list[Event] = []
+        counts = OperationCounts()
         outcome = Outcome()
         for span in spans:
             try:
-                event = lifecycle(span)
+                event = span if isinstance(span, Operation) else lifecycle(span)
             except Rejected as rejected:
                 reason = str(rejected)
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + 1
                 continue
             outcome.accepted += 1
-            if event is not None:
+            if type(event) is Operation:
+                counts.add(event)
+                if event.role == sc.ROLE_CLIENT and event.method == "tools/call" and (
+                        event.timed_out or event.error_type is not None):
+                    events.append(event)
+            elif event is not None:
                 events.append(event)
+        if counts:
+            events.append(counts)
         self.metrics.spans_received.labels(transport).inc(outcome.accepted + outcome.rejected_count)
         if outcome.rejected:
             self.metrics.spans_rejected.labels(SPAN_REJECTIONS[0]).inc(outcome.rejected_count)
         return events, outcome
 
-    def apply(self, events: Iterable[Lifecycle]) -> None:
+    def apply(self, events: Iterable[Event]) -> None:
         """Lifecycle events -> ledger, rules, findings and metrics."""
         with self.lock:
             now = self.clock()
             for event in events:
+                if isinstance(event, OperationCounts):
+                    self.metrics.operations.add(event)
+                    continue
                 self.timelines.record(event)
                 if isinstance(event, StreamEnd):
                     self.metrics.stream_end(event)
@@ -105,12 +135,11 @@ class Detector:
                 elif isinstance(event, Replay):
                     self.rules.replay(event, now)
                 else:
-                    self.metrics.operation(event)
                     self.rules.operation(event, now)
             self.rules.tick(now)
             self.ledger.account()
 
-    def consume(self, spans: Iterable[Span], transport: str = "embedded") -> Outcome:
+    def consume(self, spans: Iterable[Span | Operation], transport: str = "embedded") -> Outcome:
         """Read and apply a batch on the caller's thread."""
         events, outcome = self.read(spans, transport)
         self.apply(events)

@@ -32,7 +32,7 @@ _MAX_SPAN_ID = 16
 _MAX_INT_DIGITS = 18  # an int64 as a string; isdigit() alone also takes "²" and 5,000 digits int() refuses
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Span:
     """One finished span, from any source; ids are lower-case hex."""
 
@@ -49,6 +49,19 @@ class Span:
     origin: str = ""  # the emitting process: resource service.instance.id, else service.name
 
 
+# every attribute the readers below look at: an OTLP reader may skip the others without reading their values
+READ_KEYS = frozenset({
+    sc.SPAN, sc.ROLE, sc.ERA, sc.MCP_SESSION_ID, sc.STREAM_KIND, sc.END_REASON, sc.HTTP_RESPONSE_STATUS_CODE,
+    sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT,
+    sc.EVENT_FIRST_ID, sc.EVENT_LAST_ID, sc.RESUME_CURSOR, sc.GEN_AI_TOOL_NAME, sc.REQUIRED_RESOURCES,
+    sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION, sc.AUTH_MISSING_RESOURCES,
+    sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES, sc.JSONRPC_REQUEST_ID, sc.CALL_OUTCOME, sc.TERMINAL_EVENT_ID,
+    sc.TERMINAL_STREAM_KIND, sc.CALL_ARGUMENTS_HASH, sc.REPLAY_DECISION, sc.REPLAY_BUFFERED, sc.REPLAY_SENT,
+    sc.REPLAY_SENT_LAST_ID, sc.REPLAY_OFFENDING_EVENT_ID, sc.REPLAY_SKIPPED, sc.REPLAY_FOREIGN_EVENT_IDS,
+    sc.GUARD_DECISION, sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
+})
+
+
 def origin_of(resource: Mapping[str, Any]) -> str:
     """Which process emitted a span, from its resource: ``service.instance.id``, else ``service.name``."""
     return str(resource.get("service.instance.id") or resource.get("service.name") or "")
@@ -58,7 +71,7 @@ class Rejected(ValueError):
     """A span that claims to be part of the model but breaks it; the reason goes back to the sender."""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Token:
     """The ``mcp_stream.auth.*`` view of the token on a request, as the span carries it.
 
@@ -76,7 +89,7 @@ class Token:
         return bool(self.missing_resources or self.missing_scopes)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Common:
     """What every event of the model has: who saw it, where it sits in a trace, whose session."""
 
@@ -91,7 +104,7 @@ class Common:
     origin: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class StreamEnd:
     at: Common
     kind: str
@@ -110,7 +123,7 @@ class StreamEnd:
     token: Token
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class CallEnd:
     at: Common
     request_id: str
@@ -130,7 +143,7 @@ class CallEnd:
                 and self.terminal_stream_kind is None)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Replay:
     at: Common
     cursor: str
@@ -147,7 +160,7 @@ class Replay:
     token: Token
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Operation:
     """The SDK's own span of an MCP request (semconv ``mcp.*``): counts, durations, timeouts."""
 
@@ -172,8 +185,10 @@ def weight(value: object) -> int:
     CPython sizes them, a fixed rate per object and per other field."""
     if isinstance(value, str):
         return 49 + len(value)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return 56 + sum(8 + weight(v) for v in value)
+    if isinstance(value, dict):
+        return 232 + sum(16 + weight(k) + weight(v) for k, v in value.items())
     slots = getattr(type(value), "__slots__", None)
     if slots:
         return 64 + sum(8 + weight(getattr(value, name)) for name in slots)
@@ -205,12 +220,22 @@ def _required(a: Mapping[str, Any], key: str) -> str:
 
 
 def _str(a: Mapping[str, Any], key: str) -> str | None:
+    value = _plain(a, key)
+    return redact(value) if value is not None else None
+
+
+def _plain(a: Mapping[str, Any], key: str) -> str | None:
+    """A bounded string, not redacted: only for values that are compared, or become a label from a closed set."""
     value = a.get(key)
     if value is None:
         return None
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
-        return _bounded(key, str(value))  # request ids may arrive as ints from other SDKs
-    raise Rejected(f"{key} must be a string")
+    if not isinstance(value, str):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise Rejected(f"{key} must be a string")
+        value = str(value)  # request ids may arrive as ints from other SDKs
+    if len(value) > MAX_CHARS:
+        raise Rejected(f"{key} longer than {MAX_CHARS} characters")
+    return value
 
 
 def _bounded(key: str, value: str) -> str:
@@ -317,18 +342,27 @@ def _replay(span: Span) -> Replay:
 
 
 def _operation(span: Span) -> Operation:
-    a = span.attributes
-    method = _str(a, sc.MCP_METHOD_NAME) or ""
-    tool = _str(a, sc.GEN_AI_TOOL_NAME)
-    if tool is None and method == "tools/call" and span.name.startswith(_SDK_CLIENT_PREFIX):
-        tool = span.name[len(_SDK_CLIENT_PREFIX) + len(method) + 1:] or None  # the SDK names it only here
-        tool = redact(tool) if tool is not None and len(tool) <= MAX_CHARS else None
+    return operation(span.kind, span.name, span.attributes, span.exception_types, span.error, span.trace_id,
+                     span.span_id, span.start_ns, span.end_ns, _origin(span))
+
+
+def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple[str, ...], error: bool,
+              trace_id: str, span_id: str, start_ns: int, end_ns: int, origin: str) -> Operation:
+    """The SDK's request span (``mcp.method.name`` set, kind CLIENT or SERVER) read from its parts, so that
+    a reader of OTLP needs no :class:`Span` for it; ``origin`` already cut and redacted."""
+    # the method and the tool only become labels from closed sets (metrics.py), where a token-shaped value
+    # cannot go: they are not redacted
+    method = _plain(a, sc.MCP_METHOD_NAME) or ""
+    tool = _plain(a, sc.GEN_AI_TOOL_NAME)
+    if tool is None and method == "tools/call" and name.startswith(_SDK_CLIENT_PREFIX):
+        tool = name[len(_SDK_CLIENT_PREFIX) + len(method) + 1:] or None  # the SDK names it only here
+        tool = tool if tool is not None and len(tool) <= MAX_CHARS else None
     error_type = _str(a, sc.ERROR_TYPE)
-    code = _str(a, sc.RPC_RESPONSE_STATUS_CODE)
+    code = _plain(a, sc.RPC_RESPONSE_STATUS_CODE)
     timed_out = (code in _TIMEOUT_CODES or error_type in ("timeout", "TimeoutError")
-                 or "TimeoutError" in span.exception_types)
-    if error_type is None and (span.error or span.exception_types):
-        error_type = "timeout" if timed_out else (span.exception_types[0] if span.exception_types else "error")
-    role = KIND_CLIENT if span.kind == KIND_CLIENT else KIND_SERVER
-    return Operation(role, method, tool, span.trace_id, span.span_id, span.start_ns,
-                     max(0, span.end_ns - span.start_ns) / 1e9, error_type, timed_out, _origin(span))
+                 or "TimeoutError" in exception_types)
+    if error_type is None and (error or exception_types):
+        error_type = "timeout" if timed_out else (exception_types[0] if exception_types else "error")
+    role = KIND_CLIENT if kind == KIND_CLIENT else KIND_SERVER
+    return Operation(role, method, tool, trace_id, span_id, start_ns, max(0, end_ns - start_ns) / 1e9, error_type,
+                     timed_out, origin)

@@ -22,28 +22,33 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Status
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
-from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.credentials import bearer_matches
-from mcp_stream_exporter.detector.detector import Detector, Outcome
+from mcp_stream_exporter.detector.detector import Detector, Event, Outcome
 from mcp_stream_exporter.detector.events import (
     KIND_CLIENT,
     KIND_INTERNAL,
     KIND_SERVER,
-    Lifecycle,
+    MAX_CHARS,
+    READ_KEYS,
+    Operation,
+    Rejected,
     Span,
+    operation,
     origin_of,
     weight,
 )
@@ -57,6 +62,8 @@ PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 _KINDS = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
 _MAX_ARRAY = 1_000  # values kept from one array attribute
+_ERROR = Status.STATUS_CODE_ERROR
+_EXCEPTION_TYPE = "exception.type"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +112,7 @@ class Batch:
     """A decoded request: its spans counted up front, read one at a time."""
 
     count: int
-    spans: Iterable[Span]
+    spans: Iterable[Span | Operation]
 
 
 def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
@@ -123,7 +130,7 @@ def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
         located = _locate_spans(memoryview(body), limits)
     except DecodeError as exc:
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
-    return Batch(len(located), _decoded_spans(located))
+    return Batch(sum(n for _, _, n in located), _decoded_spans(located))
 
 
 def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
@@ -137,9 +144,7 @@ def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         reason = redact(str(exc)[:400])[:200]
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {reason}", "malformed") from None
-    count = count_spans(request)
-    _check_span_count(count, limits)
-    return Batch(count, spans_of(request))
+    return decode_protobuf(request.SerializeToString(), limits)  # one reader, the same limits
 
 
 def _check_span_count(count: int, limits: IngestLimits) -> None:
@@ -154,51 +159,72 @@ def _check_span_count(count: int, limits: IngestLimits) -> None:
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 
-def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview]]:
-    """(origin, encoded span) of every span in the request; refused as soon as there are too many
-    (spans, or fields around them) or one is too large. Work: at most a few steps per span."""
+def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview, int]]:
+    """(origin, encoded spans, how many) for runs of consecutive spans of the request, each run at most
+    ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as soon as there are too
+    many (spans, or fields around them) or one is too large. Work: at most a few steps per span."""
     fields = [3 * limits.max_spans_per_request + 64]  # fields walked, left
-    located: list[tuple[str, memoryview]] = []
+    located: list[tuple[str, memoryview, int]] = []
+    count = 0
     for resource_spans in _messages(body, 1, fields, limits):
         resource = bytearray()
         scopes: list[memoryview] = []
-        for number, value in _length_fields(resource_spans, fields, limits):
+        for number, value, _, _ in _length_fields(resource_spans, fields, limits):
             if number == 1:
                 resource += value
             elif number == 2:
                 scopes.append(value)
         origin = _resource_origin(resource, limits)
         for scope in scopes:
-            for span in _messages(scope, 2, fields, limits):
+            run_start = run_end = run_spans = 0
+            for number, span, start, end in _length_fields(scope, fields, limits):
+                if number != 2:
+                    continue
                 if len(span) > limits.max_span_bytes:
                     raise IngestError(413, f"a span of {len(span)} bytes; at most {limits.max_span_bytes}",
                                       "too_large")
-                located.append((origin, span))
-                _check_span_count(len(located), limits)
+                count += 1
+                _check_span_count(count, limits)
+                if run_spans and end - run_start > limits.max_span_bytes:
+                    located.append((origin, scope[run_start:run_end], run_spans))
+                    run_spans = 0
+                if not run_spans:
+                    run_start = start
+                run_end = end
+                run_spans += 1
+            if run_spans:
+                located.append((origin, scope[run_start:run_end], run_spans))
     return located
 
 
 def _messages(buf: memoryview, number: int, fields: list[int], limits: IngestLimits) -> Iterator[memoryview]:
-    for n, value in _length_fields(buf, fields, limits):
+    for n, value, _, _ in _length_fields(buf, fields, limits):
         if n == number:
             yield value
 
 
-def _length_fields(buf: memoryview, fields: list[int], limits: IngestLimits) -> Iterator[tuple[int, memoryview]]:
-    """The length-delimited fields of one message (the only kind the walk descends into)."""
+def _length_fields(buf: memoryview, fields: list[int],
+                   limits: IngestLimits) -> Iterator[tuple[int, memoryview, int, int]]:
+    """The length-delimited fields of one message (the only kind the walk descends into): number,
+    value, and where the whole field starts and ends in ``buf``."""
     pos, end = 0, len(buf)
     while pos < end:
         fields[0] -= 1
         if fields[0] < 0:
             raise IngestError(413, f"too many fields around the spans; at most {limits.max_spans_per_request} "
                               "spans per request", "too_many_spans")
-        key, pos = _varint(buf, pos)
+        start = pos
+        key = buf[pos]
+        if key < 0x80:  # a one-byte varint: every field number the walk descends into
+            pos += 1
+        else:
+            key, pos = _varint(buf, pos)
         wire = key & 7
         if wire == _LENGTH:
             length, pos = _varint(buf, pos)
             if pos + length > end:
                 raise DecodeError("truncated message")
-            yield key >> 3, buf[pos:pos + length]
+            yield key >> 3, buf[pos:pos + length], start, pos + length
             pos += length
         elif wire == _VARINT:
             _, pos = _varint(buf, pos)
@@ -211,6 +237,8 @@ def _length_fields(buf: memoryview, fields: list[int], limits: IngestLimits) -> 
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos + 1 < len(buf) and buf[pos + 1] < 0x80 <= buf[pos]:  # two bytes: most spans' lengths
+        return (buf[pos] & 0x7F) | (buf[pos + 1] << 7), pos + 2
     value = shift = 0
     while shift < 64:
         if pos >= len(buf):
@@ -227,16 +255,118 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 def _resource_origin(encoded: bytearray, limits: IngestLimits) -> str:
     if len(encoded) > limits.max_span_bytes:
         raise IngestError(413, f"a resource of {len(encoded)} bytes; at most {limits.max_span_bytes}", "too_large")
-    return origin_of(_attributes(Resource.FromString(bytes(encoded)).attributes))
+    return _origin(_attributes(Resource.FromString(bytes(encoded)).attributes))
 
 
-def _decoded_spans(located: list[tuple[str, memoryview]]) -> Iterator[Span]:
-    for origin, encoded in located:
+def _origin(resource: dict[str, Any]) -> str:
+    """The emitting process, cut and redacted once for all the spans of its resource."""
+    return redact(origin_of(resource)[:MAX_CHARS])
+
+
+def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span | Operation]:
+    for origin, encoded, _ in located:
         try:
-            span = OtlpSpan.FromString(encoded)  # type: ignore[arg-type]  # upb reads any buffer
+            spans = _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-        yield _span(span, origin)
+        for span in spans:
+            yield _read(span, origin)
+
+
+# --- the lean schema: OTLP's ScopeSpans and Span as the detector decodes them. Wire-compatible with
+# OTLP: ``attributes`` (repeated KeyValue {1: key, 2: AnyValue}) is read as a map of key -> encoded
+# AnyValue, so upb indexes the keys and only the values the detector reads are decoded; fields it
+# never reads (trace state, links, dropped counts, ...) are skipped as unknown. ---
+
+_T = descriptor_pb2.FieldDescriptorProto
+_LEAN = "mcp_stream_exporter.lean"
+
+
+def _field(message: Any, name: str, number: int, kind: int, type_name: str | None = None) -> None:
+    field = message.field.add(name=name, number=number, type=kind, label=_T.LABEL_OPTIONAL)
+    if type_name is not None:
+        field.type_name = f".{_LEAN}.{type_name}"
+        if name != "status":
+            field.label = _T.LABEL_REPEATED
+
+
+def _attribute_map(message: Any, owner: str, number: int) -> None:
+    entry = message.nested_type.add(name="AttributesEntry")
+    entry.options.map_entry = True
+    _field(entry, "key", 1, _T.TYPE_STRING)
+    _field(entry, "value", 2, _T.TYPE_BYTES)
+    _field(message, "attributes", number, _T.TYPE_MESSAGE, f"{owner}.AttributesEntry")
+
+
+def _lean_scope_spans() -> Any:
+    number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
+    file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
+                                              syntax="proto3")
+    status = file.message_type.add(name="Status")
+    _field(status, "code", Status.DESCRIPTOR.fields_by_name["code"].number, _T.TYPE_INT32)
+    span = file.message_type.add(name="Span")
+    for name, kind in (("trace_id", _T.TYPE_BYTES), ("span_id", _T.TYPE_BYTES), ("parent_span_id", _T.TYPE_BYTES),
+                       ("name", _T.TYPE_STRING), ("kind", _T.TYPE_INT32), ("start_time_unix_nano", _T.TYPE_FIXED64),
+                       ("end_time_unix_nano", _T.TYPE_FIXED64)):
+        _field(span, name, number[name], kind)
+    _attribute_map(span, "Span", number["attributes"])
+    event = span.nested_type.add(name="Event")
+    _field(event, "name", OtlpSpan.Event.DESCRIPTOR.fields_by_name["name"].number, _T.TYPE_STRING)
+    _attribute_map(event, "Span.Event", OtlpSpan.Event.DESCRIPTOR.fields_by_name["attributes"].number)
+    _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event")
+    _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
+    scope_spans = file.message_type.add(name="ScopeSpans")
+    _field(scope_spans, "spans", ScopeSpans.DESCRIPTOR.fields_by_name["spans"].number, _T.TYPE_MESSAGE, "Span")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.ScopeSpans"))
+
+
+_LeanScopeSpans = _lean_scope_spans()
+_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
+
+
+def _any(encoded: bytes) -> Any:
+    """An encoded AnyValue's value. The shapes of nearly every attribute (a short string, an int, an
+    array of short strings) are read without building messages; anything else by protobuf."""
+    size = len(encoded)
+    if size >= 2 and encoded[1] < 0x80:
+        tag = encoded[0]
+        if tag == 0x0A and encoded[1] == size - 2:  # string_value
+            return _utf8(encoded[2:])
+        if tag == 0x2A and encoded[1] == size - 2:  # array_value
+            values = _strings(encoded, 2)
+            if values is not None:
+                return values
+        if tag == 0x18 and size == 2:  # int_value, 0..127
+            return encoded[1]
+    try:
+        return _value(AnyValue.FromString(encoded))
+    except DecodeError as exc:
+        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+
+
+def _strings(encoded: bytes, pos: int) -> tuple[str, ...] | None:
+    """An ArrayValue of short strings only (each value {1: {1: text}}); None for any other shape."""
+    values: list[str] = []
+    end = len(encoded)
+    while pos < end:
+        if pos + 4 > end or encoded[pos] != 0x0A or encoded[pos + 2] != 0x0A or encoded[pos + 1] >= 0x80:
+            return None
+        length = encoded[pos + 3]
+        if length >= 0x80 or encoded[pos + 1] != length + 2 or pos + 4 + length > end:
+            return None
+        if len(values) < _MAX_ARRAY:
+            values.append(_utf8(encoded[pos + 4:pos + 4 + length]))
+        pos += 4 + length
+    return tuple(values)
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise IngestError(400, "a span does not decode: a string attribute is not UTF-8", "malformed") from None
 
 
 def _hex_ids_to_base64(doc: Any) -> Any:
@@ -288,26 +418,30 @@ def _attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def spans_of(request: Any) -> Iterator[Span]:
-    """Every span of a request, read as the detector reads it."""
-    for resource_spans in request.resource_spans:
-        origin = origin_of(_attributes(resource_spans.resource.attributes))
-        for scope_spans in resource_spans.scope_spans:
-            for s in scope_spans.spans:
-                yield _span(s, origin)
-
-
-def _span(s: Any, origin: str) -> Span:
-    exceptions = tuple(str(_attributes(e.attributes).get("exception.type", "")) for e in s.events
-                       if e.name == "exception")
+def _read(s: Any, origin: str) -> Span | Operation:
+    """A lean-decoded span as the detector reads it: only the values of the keys it reads are decoded
+    (none for a span outside the model), and the SDK's request spans become their :class:`Operation` at
+    once, with no :class:`Span` between (one that breaks the model stays a span, for ``Detector.read``
+    to refuse with its reason)."""
+    encoded = s.attributes
+    model = sc.SPAN in encoded
+    if model:
+        attributes = {key: _any(value) for key, value in encoded.items() if key in READ_KEYS}
+    elif sc.MCP_METHOD_NAME in encoded:
+        attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
+    else:
+        attributes = {}  # outside the model: nothing of it is read
+    kind = _KINDS.get(s.kind, KIND_INTERNAL)
+    exceptions = tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
+                       for e in s.events if e.name == "exception") if s.events else ()
+    error = s.status.code == _ERROR
+    if not model and attributes and kind != KIND_INTERNAL:
+        with suppress(Rejected):
+            return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
+                             s.start_time_unix_nano, s.end_time_unix_nano, origin)
     return Span(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
-                name=s.name, kind=_KINDS.get(s.kind, KIND_INTERNAL), start_ns=s.start_time_unix_nano,
-                end_ns=s.end_time_unix_nano, attributes=_attributes(s.attributes), exception_types=exceptions,
-                error=s.status.code == Status.STATUS_CODE_ERROR, origin=origin)
-
-
-def count_spans(request: Any) -> int:
-    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                name=s.name, kind=kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                attributes=attributes, exception_types=exceptions, error=error, origin=origin)
 
 
 def partial_success(outcome: Outcome) -> Any:
@@ -326,7 +460,7 @@ class IngestQueue:
     def __init__(self, detector: Detector, limits: IngestLimits, tick_interval_s: float = 0.5) -> None:
         self.detector = detector
         self.limits = limits
-        self._batches: deque[tuple[list[Lifecycle], float, int]] = deque()
+        self._batches: deque[tuple[list[Event], float, int]] = deque()
         self._queued = 0
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -346,7 +480,7 @@ class IngestQueue:
     def accepting(self) -> bool:
         return not self._closed and self._worker.is_alive()
 
-    def offer(self, events: list[Lifecycle]) -> bool:
+    def offer(self, events: list[Event]) -> bool:
         size = sum(map(weight, events))
         with self._cond:
             if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans

@@ -8,18 +8,21 @@ labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead
 from __future__ import annotations
 
 import re
+import threading
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from importlib.metadata import version
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import Operation, StreamEnd
 from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import Ledger
+from mcp_stream_exporter.detector.redaction import redact
 from mcp_stream_exporter.detector.rules import RULES
 
 OTHER = "other"
@@ -63,7 +66,8 @@ class ToolLabels:
             return OTHER
         if tool in self._seen:
             return tool
-        if not self._fixed and len(self._seen) < self._dynamic and _TOOL_NAME.fullmatch(tool):
+        if (not self._fixed and len(self._seen) < self._dynamic and _TOOL_NAME.fullmatch(tool)
+                and redact(tool) == tool):
             self._seen.add(tool)
             return tool
         return OTHER
@@ -72,6 +76,91 @@ class ToolLabels:
     def initial(self) -> tuple[str, ...]:
         """The values known before any span: the policy's tools and ``other``, which a policy implies."""
         return (*sorted(self._seen), OTHER) if self._fixed else ()
+
+
+_BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
+_LE = (*(repr(float(b)) for b in SEMCONV_DURATION_BUCKETS), "+Inf")  # as prometheus_client writes them
+
+
+class OperationCounts:
+    """The SDK's request spans of one batch, counted per (role, method, tool, error): what the semconv
+    duration histograms and the calls counter take, added to them at once (``Operations.add``) instead
+    of span by span. The method and the error are already from their closed sets; the tool is mapped
+    to its label when added (``ToolLabels`` keeps state)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        # key -> [count per bucket (+Inf last), sum of durations]
+        self.counts: dict[tuple[str, str, str | None, str], list[float]] = {}
+
+    def add(self, e: Operation) -> None:
+        method = e.method if e.method in _METHODS else OTHER
+        error = "timeout" if e.timed_out else ("" if e.error_type is None else
+                                               e.error_type if e.error_type in _ERROR_TYPES else OTHER)
+        key = (e.role, method, e.tool, error)
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [0.0] * (len(_BOUNDS) + 1)
+        counts[bisect_left(_BOUNDS, e.duration_s)] += 1
+        counts[-1] += e.duration_s
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+
+class Operations(Collector):
+    """The semconv ``mcp.{client,server}.operation.duration`` histograms and ``mcp_stream_calls``, kept as
+    plain counts per label set and exposed at scrape time: one dictionary update per batch and label set."""
+
+    def __init__(self, tools: ToolLabels) -> None:
+        self._tools = tools
+        self._lock = threading.Lock()
+        self._histograms: dict[tuple[str, str, str, str], list[float]] = {}  # (role, method, tool, error)
+        self._calls: dict[tuple[str, str, str], float] = {}  # (role, tool, outcome)
+
+    def add(self, batch: OperationCounts) -> None:
+        with self._lock:
+            for (role, method, tool, error), counts in batch.counts.items():
+                key = (role, method, self._tools(tool) if tool is not None else "", error)
+                total = self._histograms.get(key)
+                if total is None:
+                    self._histograms[key] = list(counts)
+                else:
+                    for i, n in enumerate(counts):
+                        total[i] += n
+                if method == "tools/call":
+                    outcome = "result" if not error else (error if error in ("tool_error", "timeout") else "error")
+                    calls = (role, self._tools(tool), outcome)
+                    self._calls[calls] = self._calls.get(calls, 0) + sum(counts[:-1])
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["mcp_method_name", "gen_ai_tool_name", "error_type"]
+        client = HistogramMetricFamily(
+            "mcp_client_operation_duration_seconds", "Semconv mcp.client.operation.duration: an MCP request as "
+            "the client saw it, from sending to its response (including any reconnect and replay time).",
+            labels=labels)
+        server = HistogramMetricFamily(
+            "mcp_server_operation_duration_seconds", "Semconv mcp.server.operation.duration: an MCP request as "
+            "the server handled it.", labels=labels)
+        calls = CounterMetricFamily(
+            "mcp_stream_calls", "tools/call operations finished, by the side that saw them (role), tool and "
+            "outcome (result, tool_error, error, timeout), from the SDK's own request spans.",
+            labels=["role", "tool", "outcome"])
+        with self._lock:
+            histograms = [(key, list(counts)) for key, counts in self._histograms.items()]
+            totals = list(self._calls.items())
+        for (role, method, tool, error), counts in histograms:
+            cumulative, buckets = 0.0, []
+            for le, n in zip(_LE, counts, strict=False):
+                cumulative += n
+                buckets.append((le, cumulative))
+            (client if role == sc.ROLE_CLIENT else server).add_metric([method, tool, error], buckets, counts[-1])
+        for key, value in totals:
+            calls.add_metric(list(key), value)
+        yield client
+        yield server
+        yield calls
 
 
 def _closed(value: str, allowed: tuple[str, ...]) -> str:
@@ -96,10 +185,7 @@ class DetectorMetrics:
     def __init__(self, registry: CollectorRegistry, tools: ToolLabels) -> None:
         self.registry = registry
         self.tools = tools
-        self.calls = Counter(
-            "mcp_stream_calls", "tools/call operations finished, by the side that saw them (role), tool and "
-            "outcome (result, tool_error, error, timeout), from the SDK's own request spans.",
-            ["role", "tool", "outcome"], registry=registry)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.silent_losses = Counter(
             "mcp_stream_silent_losses", "Tool calls whose result never reached the caller (or a wrong one did) "
             "without any error, by tool and rule. Any increase is a lost result: see /api/findings?rule=<rule>.",
@@ -119,14 +205,8 @@ class DetectorMetrics:
             "mcp_stream_stream_ends", "MCP streams that told something about a call's fate, by role, kind "
             "(post, get, resume, delete) and end reason (clean, dropped, closed, http_error). Healthy calls "
             "answered on their own POST are not counted here.", ["role", "kind", "reason"], registry=registry)
-        labels = ["mcp_method_name", "gen_ai_tool_name", "error_type"]
-        self.client_duration = Histogram(
-            "mcp_client_operation_duration_seconds", "Semconv mcp.client.operation.duration: an MCP request as "
-            "the client saw it, from sending to its response (including any reconnect and replay time).",
-            labels, buckets=SEMCONV_DURATION_BUCKETS, registry=registry)
-        self.server_duration = Histogram(
-            "mcp_server_operation_duration_seconds", "Semconv mcp.server.operation.duration: an MCP request as "
-            "the server handled it.", labels, buckets=SEMCONV_DURATION_BUCKETS, registry=registry)
+        self.operations = Operations(tools)
+        registry.register(self.operations)
         self.spans_received = Counter(
             "mcp_stream_detector_spans_received", "Spans received by the detector, by transport.",
             ["transport"], registry=registry)
@@ -178,28 +258,26 @@ class DetectorMetrics:
 
     def finding(self, f: Finding) -> None:
         tool = self.tools(f.tool)
-        self.findings.labels(f.rule, f.severity, tool).inc()
+        self._child(self.findings, f.rule, f.severity, tool).inc()
         if RULES[f.rule].loss:
             exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
-            self.silent_losses.labels(tool, f.rule).inc(exemplar=exemplar)
+            self._child(self.silent_losses, tool, f.rule).inc(exemplar=exemplar)
 
     def stream_end(self, e: StreamEnd) -> None:
-        self.stream_ends.labels(e.at.role, _closed(e.kind, STREAM_KINDS), _closed(e.reason, END_REASONS)).inc()
+        role = e.at.role
+        self._child(self.stream_ends, role, _closed(e.kind, STREAM_KINDS), _closed(e.reason, END_REASONS)).inc()
         if e.kind == sc.STREAM_KIND_RESUME:
-            self.resumes.labels(e.at.role, _resume_outcome(e)).inc()
+            self._child(self.resumes, role, _resume_outcome(e)).inc()
             if e.token.gap:
-                self.audience_gaps.labels(e.at.role, self.tools(e.tool)).inc()
+                self._child(self.audience_gaps, role, self.tools(e.tool)).inc()
 
-    def operation(self, e: Operation) -> None:
-        method = e.method if e.method in _METHODS else OTHER
-        tool = self.tools(e.tool) if e.tool is not None else ""
-        error = "timeout" if e.timed_out else ("" if e.error_type is None else
-                                               e.error_type if e.error_type in _ERROR_TYPES else OTHER)
-        histogram = self.client_duration if e.role == sc.ROLE_CLIENT else self.server_duration
-        histogram.labels(method, tool, error).observe(e.duration_s)
-        if method == "tools/call":
-            outcome = "result" if not error else (error if error in ("tool_error", "timeout") else "error")
-            self.calls.labels(e.role, self.tools(e.tool), outcome).inc()
+    def _child(self, metric: Counter, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: label values come from closed sets, so this stays small."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
 
 class Sized(Protocol):
