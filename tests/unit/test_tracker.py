@@ -187,3 +187,17 @@ def test_a_well_formed_traceparent_makes_the_sdks_request_span_the_calls_parent(
     tracker.cancel(("s", "1"))
     (span,) = _by(exporter, sc.SPAN_CALL)
     assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
+
+
+def test_a_failed_stream_has_an_error_status_and_type_and_a_clean_end_has_neither():
+    from opentelemetry.trace import StatusCode
+
+    tracker, exporter = _tracker()
+    for rid, reason, status in ((1, sc.END_DROPPED, 200), (2, sc.END_HTTP_ERROR, 503), (3, sc.END_CLEAN, 200)):
+        call = tracker.start_call("s", _request(rid), "2025-11-25", ABSENT, stateless=False)
+        tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, status), reason, status)
+    dropped, refused, clean = _by(exporter, sc.SPAN_STREAM)
+    assert (dropped.status.status_code, dropped.attributes[sc.ERROR_TYPE]) == (StatusCode.ERROR, "dropped")
+    assert (refused.status.status_code, refused.attributes[sc.ERROR_TYPE]) == (StatusCode.ERROR, "503")
+    assert clean.status.status_code == StatusCode.UNSET and sc.ERROR_TYPE not in clean.attributes
+    assert {s.attributes[sc.NETWORK_TRANSPORT] for s in (dropped, refused, clean)} == {"tcp"}

@@ -26,7 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes, AttributeValue
 
 from mcp_stream_exporter import semconv as sc
@@ -37,6 +37,7 @@ from mcp_stream_exporter.wire import WireMessage
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
+_TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 
@@ -599,9 +600,14 @@ class Tracker:
                 and {c.key[1] for c in stream.calls}.issuperset(stream.terminal_ids)):
             return
         span = self._create(stream)
-        attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events}
+        attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,
+                                            sc.NETWORK_TRANSPORT: _TRANSPORT}
         if status:
             attrs[sc.HTTP_RESPONSE_STATUS_CODE] = status
+        error_type = _error_type(reason, status, stream.error_frames)
+        if error_type is not None:  # the stream failed: semconv's error.type and an ERROR status
+            attrs[sc.ERROR_TYPE] = error_type
+            span.set_status(StatusCode.ERROR)
         if stream.error_frames:
             attrs[sc.ERROR_FRAMES_COUNT] = stream.error_frames
         if stream.first_event_id is not None:
@@ -627,3 +633,12 @@ class Tracker:
         """End every pending call span (as evicted) so nothing is left open at exit."""
         for call in list(self._calls.values()):
             self._finish(call, sc.OUTCOME_EVICTED)
+
+
+def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:
+    """Why a stream failed, as semconv's ``error.type`` (its HTTP status, a drop, an error frame), or None."""
+    if status is not None and status >= 400:
+        return str(status)
+    if reason == sc.END_DROPPED:
+        return sc.END_DROPPED
+    return sc.FRAME_ERROR_FRAME if error_frames else None
