@@ -359,3 +359,19 @@ def test_the_call_guard_never_trusts_a_token_whose_signature_failed():
     with pytest.raises(MCPError) as refused:
         call(jwt.encode(claims, forger, algorithm="RS256"))
     assert refused.value.error.data["missing_resources"] == [FETCH]
+
+
+def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
+    from mcp_stream_exporter.guard.store import _MAX_ID
+
+    s = Session(GuardedEventStore(POLICY))
+    huge = "9" * (_MAX_ID + 1)
+    request = GuardRequest("s1", BROAD)
+    body = json.dumps([{"jsonrpc": "2.0", "id": huge, "method": "tools/call", "params": {"name": "fetch"}},
+                       {"jsonrpc": "2.0", "id": "2", "method": "tools/call", "params": {"name": "fetch"}}])
+    run(s.store._record(request, body.encode()))
+    assert run(s.store.storage.requirement("s1", huge)) is None
+    assert run(s.store.storage.requirement("s1", "2")) == Requirement.of([FETCH])
+    cursor = s.store_event(huge, None)
+    assert cursor.startswith("unstored-")
+    assert s.resume(cursor, BROAD)[2][0]["error"] == "unknown_cursor"

@@ -199,19 +199,9 @@ def test_no_event_reaches_another_session_or_an_uncovering_token_and_honest_call
     play(storage, policy_mode, replay, opaque, verifies, calls, start, schedule)
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    from redis_server import RedisServer
-
-    server = RedisServer()
-    server.start()
-    yield server.url
-    server.close()
-
-
-def test_the_same_properties_hold_on_redis(redis_url):
+def test_the_same_properties_hold_on_redis(redis_server):
     """The same adversary against ``RedisEventStorage`` on a real redis-server (a key prefix an example)."""
-    client = LOOP.run_until_complete(_redis_client(redis_url))
+    client = LOOP.run_until_complete(_redis_client(redis_server.url))
     prefixes = itertools.count()
 
     @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -115,9 +115,9 @@ class InMemoryEventStorage:
         now = self._clock()
         self._expire(now)
         session = self._sessions.get(session_id) if session_id is not None else None
-        if session is not None:
+        if session is not None and session_id is not None:
             session.touched = now
-            self._sessions.move_to_end(session_id)  # type: ignore[arg-type]  # most recently touched last
+            self._sessions.move_to_end(session_id)  # most recently touched last
         return session
 
     async def open(self, session_id: str) -> None:

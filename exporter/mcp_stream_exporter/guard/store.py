@@ -98,6 +98,7 @@ _DETAILS: Final = {
     SESSION_OWNER_GONE: "the server process that ran this session is gone and the call did not finish: "
                         "re-issue it",
 }
+_MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ class GuardedEventStore(EventStore):
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
+        if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
+            return f"unstored-{next(self._unstored)}"
         try:
             event_id = await self.storage.append(request.session_id if request is not None else None, stream_id,
                                                  message, request.auth.subject_hash if request is not None else None)
@@ -310,6 +313,8 @@ class GuardedEventStore(EventStore):
     async def _record(self, request: _Request, body: bytes) -> None:
         for msg in read_body(body).requests:
             assert msg.id is not None
+            if len(msg.id) > _MAX_ID:
+                continue  # unknown, so its stream's events are refused, never replayed
             request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))  # tool: None but for tools/call
         if request.session_id is not None:
             await self._flush(request)
