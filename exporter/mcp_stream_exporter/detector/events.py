@@ -229,19 +229,19 @@ def _plain(a: Mapping[str, Any], key: str) -> str | None:
     value = a.get(key)
     if value is None:
         return None
-    if not isinstance(value, str):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise Rejected(f"{key} must be a string")
-        value = str(value)  # request ids may arrive as ints from other SDKs
+    if type(value) is not str:
+        value = _coerced(key, value)
     if len(value) > MAX_CHARS:
         raise Rejected(f"{key} longer than {MAX_CHARS} characters")
     return value
 
 
-def _bounded(key: str, value: str) -> str:
-    if len(value) > MAX_CHARS:
-        raise Rejected(f"{key} longer than {MAX_CHARS} characters")
-    return redact(value)
+def _coerced(key: str, value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise Rejected(f"{key} must be a string")
+    return str(value)  # request ids may arrive as ints from other SDKs
 
 
 def _int(a: Mapping[str, Any], key: str) -> int | None:
@@ -259,13 +259,23 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
     value = a.get(key)
     if value is None:
         return ()
-    if isinstance(value, str):
-        return (_bounded(key, value),)
-    if isinstance(value, Sequence) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-        if len(value) > MAX_ITEMS:
-            raise Rejected(f"{key} has more than {MAX_ITEMS} items")
-        return tuple(_bounded(key, str(v)) for v in value)
-    raise Rejected(f"{key} must be a list of strings")
+    if type(value) is str:
+        value = (value,)
+    elif type(value) not in (tuple, list) and (
+            not isinstance(value, Sequence) or isinstance(value, (str, bytes, bytearray))):
+        raise Rejected(f"{key} must be a list of strings")
+    if len(value) > MAX_ITEMS:
+        raise Rejected(f"{key} has more than {MAX_ITEMS} items")
+    items = []
+    for v in value:
+        if type(v) is not str:
+            if isinstance(v, bool) or not isinstance(v, (str, int)):
+                raise Rejected(f"{key} must be a list of strings")
+            v = str(v)
+        if len(v) > MAX_CHARS:
+            raise Rejected(f"{key} longer than {MAX_CHARS} characters")
+        items.append(redact(v))
+    return tuple(items)
 
 
 def _common(span: Span) -> Common:

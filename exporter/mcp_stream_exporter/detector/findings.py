@@ -46,8 +46,9 @@ class Finding:
     span_ids: list[str] = field(default_factory=list)
     caused_by: str | None = None
 
-    def merge(self, other: Finding) -> None:
-        """The other side's view of the same finding: more roles and evidence, never a second one."""
+    def merge(self, other: Finding) -> int:
+        """The other side's view of the same finding: more roles and evidence, never a second one;
+        returns the finding's new size estimate."""
         for role in other.roles:
             if role not in self.roles:
                 self.roles.append(role)
@@ -55,18 +56,15 @@ class Finding:
             self.evidence.setdefault(key, value)
         self.trace_ids.extend(t for t in other.trace_ids if t not in self.trace_ids)
         self.span_ids.extend(s for s in other.span_ids if s not in self.span_ids)
-        self.bound()
+        return self.bound()
 
-    def bound(self) -> None:
-        """Cut the evidence and the lists to their bounds."""
-        self.evidence = bounded_evidence(self.evidence)
+    def bound(self) -> int:
+        """Cut the evidence and the lists to their bounds; returns an estimate of what the finding then
+        holds, in bytes (the evidence is serialised once, for both)."""
+        self.evidence, evidence_json = _bounded(self.evidence)
         del self.roles[_MAX_REFS:], self.trace_ids[_MAX_REFS:], self.span_ids[_MAX_REFS:]
-
-    @property
-    def bytes(self) -> int:
-        """An estimate of what the finding holds, in bytes."""
-        return _FINDING_BYTES + _BYTES_PER_JSON_BYTE * _json_size([self.evidence, self.roles, self.trace_ids,
-                                                                    self.span_ids])
+        refs_json = sum(len(v) + 3 for v in (*self.roles, *self.trace_ids, *self.span_ids))
+        return _FINDING_BYTES + _BYTES_PER_JSON_BYTE * (evidence_json + refs_json)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,15 +93,19 @@ class Query:
                 and (self.until_ns is None or f.detected_ns < self.until_ns))
 
 
-def bounded_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
-    """``evidence`` if it fits ``MAX_EVIDENCE_BYTES`` as JSON, else cut to fit and marked ``truncated``."""
-    if _json_size(evidence) <= MAX_EVIDENCE_BYTES:
-        return evidence
+def _bounded(evidence: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``evidence`` if it fits ``MAX_EVIDENCE_BYTES`` as JSON, else cut to fit and marked ``truncated``;
+    and its size as JSON."""
+    size = _json_size(evidence)
+    if size <= MAX_EVIDENCE_BYTES:
+        return evidence, size
     cut = {str(key)[:64]: _cut(value) for key, value in list(evidence.items())[:_MAX_ITEMS]}
     cut["truncated"] = True
-    if _json_size(cut) <= MAX_EVIDENCE_BYTES:
-        return cut
-    return {"truncated": True, "keys": [str(key)[:64] for key in list(evidence)[:_MAX_ITEMS]]}
+    size = _json_size(cut)
+    if size <= MAX_EVIDENCE_BYTES:
+        return cut, size
+    short = {"truncated": True, "keys": [str(key)[:64] for key in list(evidence)[:_MAX_ITEMS]]}
+    return short, _json_size(short)
 
 
 def _cut(value: Any) -> Any:
@@ -116,8 +118,11 @@ def _cut(value: Any) -> Any:
     return value
 
 
+_JSON = json.JSONEncoder(default=str, separators=(",", ":"))  # one encoder: json.dumps builds one per call
+
+
 def _json_size(value: Any) -> int:
-    return len(json.dumps(value, default=str, separators=(",", ":")))
+    return len(_JSON.encode(value))
 
 
 class FindingStore:
@@ -136,21 +141,18 @@ class FindingStore:
         """True when the finding is new; an existing one absorbs the new view."""
         existing = self._findings.get(finding.id)
         if existing is not None:
-            existing.merge(finding)
-            self._charge(existing)
+            self._charge(existing.id, existing.merge(finding))
             return False
-        finding.bound()
         self._findings[finding.id] = finding
-        self._charge(finding)
+        self._charge(finding.id, finding.bound())
         while len(self._findings) > self._capacity or (self.bytes > self._max_bytes and len(self._findings) > 1):
             self.bytes -= self._charged.pop(self._findings.popitem(last=False)[0])
             self.dropped += 1
         return True
 
-    def _charge(self, finding: Finding) -> None:
-        charge = finding.bytes
-        self.bytes += charge - self._charged.get(finding.id, 0)
-        self._charged[finding.id] = charge
+    def _charge(self, fid: str, charge: int) -> None:
+        self.bytes += charge - self._charged.get(fid, 0)
+        self._charged[fid] = charge
 
     def get(self, fid: str) -> Finding | None:
         return self._findings.get(fid)

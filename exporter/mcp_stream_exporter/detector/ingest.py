@@ -270,7 +270,11 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
-            yield _read(span, origin)
+            try:
+                read = _read(span, origin)
+            except UnicodeDecodeError:
+                raise IngestError(400, _NOT_UTF8, "malformed") from None
+            yield read
 
 
 # --- the lean schema: OTLP's ScopeSpans and Span as the detector decodes them. Wire-compatible with
@@ -366,7 +370,10 @@ def _utf8(raw: bytes) -> str:
     try:
         return raw.decode()
     except UnicodeDecodeError:
-        raise IngestError(400, "a span does not decode: a string attribute is not UTF-8", "malformed") from None
+        raise IngestError(400, _NOT_UTF8, "malformed") from None
+
+
+_NOT_UTF8 = "a span does not decode: a string attribute is not UTF-8"
 
 
 def _hex_ids_to_base64(doc: Any) -> Any:
@@ -426,7 +433,13 @@ def _read(s: Any, origin: str) -> Span | Operation:
     encoded = s.attributes
     model = sc.SPAN in encoded
     if model:
-        attributes = {key: _any(value) for key, value in encoded.items() if key in READ_KEYS}
+        attributes = {}
+        for key in encoded:
+            if key in READ_KEYS:
+                value = encoded[key]
+                # a short string, nearly every attribute of the model, without a call
+                attributes[key] = (value[2:].decode() if len(value) > 1 and value[0] == 0x0A
+                                   and value[1] == len(value) - 2 and value[1] < 0x80 else _any(value))
     elif sc.MCP_METHOD_NAME in encoded:
         attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
     else:

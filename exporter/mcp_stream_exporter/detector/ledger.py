@@ -429,7 +429,7 @@ def _entry_bytes(key: object, value: object) -> int:
 
 
 def _cursor_bytes(event_id: str, request_ids: tuple[str, ...]) -> int:
-    return _WINDOW_BYTES + _size(event_id) + sum(_size(r) for r in request_ids)
+    return _WINDOW_BYTES + sys.getsizeof(event_id) + sum(map(sys.getsizeof, request_ids))
 
 
 def _window_bytes(key: tuple[str, str], maxlen: int) -> int:

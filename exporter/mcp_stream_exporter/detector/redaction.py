@@ -14,6 +14,21 @@ _TOKEN = re.compile(r"\b(?:bearer|basic)\s+[^\s,;\"']+|eyJ[A-Za-z0-9_-]+\.[A-Za-
                     re.IGNORECASE | re.ASCII)
 
 
+_CLEAN_CACHE = 4096  # strings of at most 256 characters (the span bounds): about 1.5 MiB at most
+_clean: dict[str, None] = {}
+
+
 def redact(text: str) -> str:
-    """``text`` with every token-shaped part replaced by ``[redacted]``."""
-    return _TOKEN.sub(REDACTED, text)
+    """``text`` with every token-shaped part replaced by ``[redacted]``.
+
+    Text found clean is remembered (bounded): the same session ids, tools, resources and audiences
+    come back on every span of a session, and a look-up costs a tenth of the scan. Text that held a
+    token is never remembered, so no credential stays in the cache."""
+    if text in _clean:
+        return text
+    redacted = _TOKEN.sub(REDACTED, text)
+    if redacted == text and len(text) <= 256:
+        if len(_clean) >= _CLEAN_CACHE:
+            _clean.clear()
+        _clean[text] = None
+    return redacted

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict, deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from mcp_stream_exporter import semconv as sc
@@ -39,9 +39,10 @@ class TimelineLimits:
     max_index: int = 50_000  # SDK span ids -> calls, for the caller's timeout
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
-    """One step of a call's story: a stream, a replay, the call's end, or the caller giving up."""
+    """One step of a call's story: a stream, a replay, the call's end, or the caller giving up. Not
+    frozen: a frozen dataclass's ``__init__`` costs a call per field, and one is built per deviating span."""
 
     at_ns: int
     end_ns: int
@@ -74,20 +75,21 @@ class Entry:
 
     def size(self) -> int:
         """The bytes it holds, from C-level sizes (shared strings counted each time): what the budget counts."""
-        total = sys.getsizeof(self)
-        for name in _STR_FIELDS:
-            value = getattr(self, name)
+        total = _ENTRY_BYTES
+        for value in (self.role, self.step, self.trace_id, self.span_id, self.origin, self.reason,
+                      self.first_event_id, self.last_event_id, self.cursor, self.decision, self.guard_decision,
+                      self.offending_event_id, self.outcome, self.error_type):
             if value:
-                total += sys.getsizeof(value)
-        for name in _TUPLE_FIELDS:
-            values = getattr(self, name)
+                total += _getsizeof(value)
+        for values in (self.pending, self.terminal, self.audience, self.required, self.missing_resources,
+                       self.missing_scopes):
             if values:
-                total += sys.getsizeof(values) + sum(map(sys.getsizeof, values))
+                total += _getsizeof(values) + sum(map(_getsizeof, values))
         return total
 
 
-_STR_FIELDS = tuple(f.name for f in fields(Entry) if f.type in ("str", "str | None"))
-_TUPLE_FIELDS = tuple(f.name for f in fields(Entry) if f.type == "tuple[str, ...]")
+_getsizeof = sys.getsizeof
+_ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
 
 
 class Timeline:
@@ -226,6 +228,8 @@ class Timelines:
         return value[:self.limits.max_chars] if value is not None else None
 
     def _caps(self, values: tuple[str, ...]) -> tuple[str, ...]:
+        if not values:
+            return values
         return tuple(v[:self.limits.max_chars] for v in values[:self.limits.max_items])
 
     # --- the maps, bounded ---
