@@ -28,6 +28,7 @@ _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' t
 _SESSION_BYTES = 400  # the session, its calls dict, its place in the LRU order
 _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
+_CURSOR_BYTES = 100  # one cursor's dict slot (its event id and request ids tuple counted besides)
 _INDEX_BYTES = 250  # one look-up entry
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -92,7 +93,7 @@ class SessionState:
     last_ns: int
     calls: dict[str, CallState] = field(default_factory=dict)  # insertion order: oldest first
     resumes: dict[tuple[str, str], deque[int]] | None = None  # (role, cursor) -> times, once there is one
-    cursors: OrderedDict[str, tuple[str, ...]] | None = None  # event id -> the calls of the stream it ended
+    cursors: dict[str, tuple[str, ...]] | None = None  # event id -> the calls of the stream it ended, oldest first
     resume_bytes: int = 0  # what its resume windows and cursors are charged
 
 
@@ -200,14 +201,15 @@ class Ledger:
         """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them. At
         most ``_MAX_CURSORS`` a session, charged to it like its resume windows."""
         if session.cursors is None:
-            session.cursors = OrderedDict()
+            session.cursors = {}  # a dict keeps insertion order, for a third of an OrderedDict's bytes
         before = session.cursors.pop(event_id, None)
         if before is not None:
             self._charge_session(session, -_cursor_bytes(event_id, before))
         session.cursors[event_id] = request_ids
         self._charge_session(session, _cursor_bytes(event_id, request_ids))
         if len(session.cursors) > _MAX_CURSORS:
-            self._charge_session(session, -_cursor_bytes(*session.cursors.popitem(last=False)))
+            oldest = next(iter(session.cursors))
+            self._charge_session(session, -_cursor_bytes(oldest, session.cursors.pop(oldest)))
 
     def _charge_session(self, session: SessionState, charge: int) -> None:
         session.resume_bytes += charge
@@ -429,7 +431,8 @@ def _entry_bytes(key: object, value: object) -> int:
 
 
 def _cursor_bytes(event_id: str, request_ids: tuple[str, ...]) -> int:
-    return _WINDOW_BYTES + sys.getsizeof(event_id) + sum(map(sys.getsizeof, request_ids))
+    return (_CURSOR_BYTES + sys.getsizeof(event_id) + sys.getsizeof(request_ids)
+            + sum(map(sys.getsizeof, request_ids)))
 
 
 def _window_bytes(key: tuple[str, str], maxlen: int) -> int:

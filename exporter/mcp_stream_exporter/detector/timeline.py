@@ -14,7 +14,7 @@ findings' timelines).
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,33 +93,33 @@ _ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
 
 
 class Timeline:
-    """One call's entries: the first ``max_entries // 2`` and the latest ones, and how many fell between."""
+    """One call's entries: the first ``max_entries // 2`` and the latest ones, and how many fell between.
 
-    __slots__ = ("bytes", "head", "omitted", "refs", "tail")
+    One list, grown as entries come (most calls have two or three): no ring buffer allocated up front."""
+
+    __slots__ = ("bytes", "kept", "max_entries", "omitted", "refs")
 
     def __init__(self, max_entries: int) -> None:
-        self.head: list[Entry] = []
-        self.tail: deque[Entry] = deque(maxlen=max(1, max_entries - max_entries // 2))
+        self.kept: list[Entry] = []  # the head, then the latest entries in order
+        self.max_entries = max(2, max_entries)
         self.omitted = 0
-        self.bytes = (sys.getsizeof(self) + sys.getsizeof(self.head) + 8 * (self.tail.maxlen or 1)
-                      + sys.getsizeof(self.tail) + _MAP_ENTRY)
+        self.bytes = sys.getsizeof(self) + sys.getsizeof(self.kept) + _MAP_ENTRY
         self.refs = 0  # the calls map and each finding holding it
 
     def add(self, entry: Entry) -> int:
         """Append; returns the change in bytes."""
-        grown = entry.size()
-        if len(self.head) < (self.tail.maxlen or 1):
-            self.head.append(entry)
-        else:
-            if len(self.tail) == self.tail.maxlen:
-                grown -= self.tail[0].size()
-                self.omitted += 1
-            self.tail.append(entry)
+        kept = self.kept
+        grown = entry.size() - sys.getsizeof(kept)
+        if len(kept) == self.max_entries:
+            grown -= kept.pop(self.max_entries // 2).size()  # the oldest of the latest
+            self.omitted += 1
+        kept.append(entry)
+        grown += sys.getsizeof(kept)
         self.bytes += grown
         return grown
 
     def entries(self) -> list[Entry]:
-        return sorted([*self.head, *self.tail], key=lambda e: (e.at_ns, e.end_ns))
+        return sorted(self.kept, key=lambda e: (e.at_ns, e.end_ns))
 
 
 class Timelines:
