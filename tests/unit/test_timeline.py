@@ -94,8 +94,8 @@ def test_a_long_story_keeps_its_first_and_last_steps_and_counts_the_middle():
     assert cursors == ["0", "1", "2", "47", "48", "49"] and timeline.omitted == 44
 
 
-def test_strings_and_lists_a_producer_sent_are_cut_to_the_limits():
-    timelines = Timelines(TimelineLimits(max_chars=10, max_items=2))
+def test_lists_a_producer_sent_are_cut_and_its_longest_strings_are_charged():
+    timelines = Timelines(TimelineLimits(max_items=2))
     huge = "x" * 250  # the longest a producer's string gets through ingest (events.MAX_CHARS)
     timelines.record(_event(stream(C, "resume", "clean", pending=("3",), cursor=huge, audience=(huge,) * 50,
                                    missing=(huge,) * 50)))
@@ -103,8 +103,8 @@ def test_strings_and_lists_a_producer_sent_are_cut_to_the_limits():
     timeline = timelines.of(_lost())
     assert timeline is not None
     (entry,) = timeline.entries()
-    assert entry.cursor == "x" * 10 and entry.audience == ("x" * 10,) * 2 and entry.missing_resources == ("x" * 10,) * 2
-    assert timelines.bytes < 3_000
+    assert entry.cursor == huge and entry.audience == (huge,) * 2 and entry.missing_resources == (huge,) * 2
+    assert 5 * 250 < timelines.bytes < 4_000
 
 
 def test_the_byte_budget_holds_and_evicts_unflagged_calls_before_findings_timelines():
@@ -138,3 +138,23 @@ def _event(span: Span):
 def _lost(session: str = "s1") -> Finding:
     return Finding(id=f"lost-{session}", rule="clean_end_pending", severity="critical", era="resumable", tool="fetch",
                    session_id=session, request_id="3", detected_ns=200 * S, summary="")
+
+
+def test_an_entry_is_charged_for_every_string_and_list_it_holds() -> None:
+    """Entry.size lists its fields by hand (for speed): a field added without being charged fails here."""
+    import sys
+    from dataclasses import fields, replace
+
+    from mcp_stream_exporter.detector.timeline import Entry
+
+    bare = Entry(0, 0, "", "", "", "")
+    for f in fields(Entry):
+        if f.type in ("str", "str | None"):
+            value: object = "x" * 50
+        elif f.type == "tuple[str, ...]":
+            value = ("y" * 50,)
+        else:
+            continue
+        grown = replace(bare, **{f.name: value}).size() - bare.size()
+        expected = sys.getsizeof(value) + (sum(map(sys.getsizeof, value)) if isinstance(value, tuple) else 0)
+        assert grown == expected, f.name

@@ -125,7 +125,7 @@ class RuleEngine:
         foreign = [t for t in e.terminal_ids if t not in calls]
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
-                self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, {
+                self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, lambda: {
                     "stream_kind": e.kind, "wire_ids": foreign, "stream_request_ids": list(e.request_ids),
                     "event_ids": _event_ids(e)})
         if e.request_ids and at.era == sc.ERA_RESUMABLE:
@@ -143,8 +143,9 @@ class RuleEngine:
                 session.resumes = {}
             self._resume(e, session, calls, progressed, now_ns)
         for call in in_flight_before:
-            self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, at, call.request_id, now_ns, {
-                "status": e.status, "stream_kind": e.kind, "owed_since": (call.owed_since or 0) / 1e9})
+            self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, at, call.request_id, now_ns, lambda: {
+                "status": e.status, "stream_kind": e.kind,
+                "owed_since": (call.owed_since or 0) / 1e9})  # noqa: B023 (called before the loop moves on)
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
@@ -169,24 +170,27 @@ class RuleEngine:
         self.ledger.session(at.scope, now_ns)
         subject = e.request_id or f"cursor:{e.cursor}"
         call = self._call(at, e.request_id, now_ns, None, e.required) if e.request_id else None
-        evidence: dict[str, Any] = {"cursor": e.cursor, "buffered": e.buffered, "sent": e.sent,
-                                    "decision": e.decision}
+
+        def evidence() -> dict[str, Any]:
+            return {"cursor": e.cursor, "buffered": e.buffered, "sent": e.sent, "decision": e.decision}
+
         if e.decision == sc.REPLAY_TRUNCATED:
             if e.skipped:
-                self._emit(RuleId.CURSOR_PAST_UNDELIVERED, call, at, subject, now_ns, {
-                    **evidence, "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
+                self._emit(RuleId.CURSOR_PAST_UNDELIVERED, call, at, subject, now_ns, lambda: {
+                    **evidence(), "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
                     "cursor_after": e.sent_last_id})
             else:
-                self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, {
-                    **evidence, "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
+                self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, lambda: {
+                    **evidence(), "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if e.token.gap and not explicit:
-            self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns, {**evidence, **_gap(e.token, e.required)})
+            self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
+                       lambda: {**evidence(), **_gap(e.token, e.required)})
         if e.decision == sc.REPLAY_UNKNOWN_CURSOR and not explicit and e.sent == 0:
             self._emit(RuleId.UNKNOWN_CURSOR, None, at, f"cursor:{e.cursor}", now_ns, evidence)
         if e.foreign_event_ids:
-            self._emit(RuleId.CROSS_STREAM_REPLAY, call, at, subject, now_ns, {
-                **evidence, "foreign_event_ids": list(e.foreign_event_ids)})
+            self._emit(RuleId.CROSS_STREAM_REPLAY, call, at, subject, now_ns, lambda: {
+                **evidence(), "foreign_event_ids": list(e.foreign_event_ids)})
 
     def operation(self, e: Operation, now_ns: int) -> None:
         if e.role != sc.ROLE_CLIENT or e.method != "tools/call":
@@ -223,7 +227,7 @@ class RuleEngine:
         deliveries = call.delivered_to(role)
         self.ledger.delivered(call)
         if deliveries > 1:
-            self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, {
+            self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
     def _owed(self, call: CallState, e: StreamEnd, now_ns: int) -> None:
@@ -258,8 +262,9 @@ class RuleEngine:
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
-                self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, {
-                    "cursor": e.cursor, **_gap(e.token, e.required or calls[rid].required),
+                self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
+                    "cursor": e.cursor,
+                    **_gap(e.token, e.required or calls[rid].required),  # noqa: B023 (called at once)
                     "events": e.events, "end_reason": e.reason})
         if e.cursor is None or progressed:
             return
@@ -271,7 +276,8 @@ class RuleEngine:
             # call's: the calls of the stream that ended at this cursor
             known = e.request_ids or (session.cursors.get(e.cursor, ()) if session.cursors else ())
             for rid in known or (f"cursor:{e.cursor}",):
-                self._emit(RuleId.RESUME_LOOP, calls.get(rid) or self.ledger.find(at.scope, rid), at, rid, now_ns, {
+                call = calls.get(rid) or self.ledger.find(at.scope, rid)
+                self._emit(RuleId.RESUME_LOOP, call, at, rid, now_ns, lambda: {
                     "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
@@ -297,8 +303,9 @@ class RuleEngine:
         if now_ns < due:
             self.ledger.schedule(due, _CLEAN_END, call)
             return
-        self._emit(RuleId.CLEAN_END_PENDING, call, None, call.request_id, now_ns, {
-            "clean_end_at": call.clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
+        clean_since = call.clean_since
+        self._emit(RuleId.CLEAN_END_PENDING, call, None, call.request_id, now_ns, lambda: {
+            "clean_end_at": clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
             "required": list(call.required), "timed_out": call.timed_out})
 
     def _check_stored(self, call: CallState, now_ns: int) -> None:
@@ -311,8 +318,9 @@ class RuleEngine:
                 self.ledger.schedule(due, _STORED, call)
                 return
             self._check_clean_end(call, now_ns)
-        self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, {
-            "stored_at": call.stored_since / 1e9, "stored_event_id": call.stored_event_id,
+        stored_since = call.stored_since
+        self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, lambda: {
+            "stored_at": stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
 
     def _check_reissue(self, call: CallState, now_ns: int) -> None:
@@ -322,13 +330,16 @@ class RuleEngine:
             return
         if self.ledger.last_issued(call.origin, _call_key(call.tool, call.fingerprint)) > call.broken_since:
             return
-        self._emit(RuleId.NOT_REISSUED, call, None, call.request_id, now_ns, {
-            "broken_at": call.broken_since / 1e9, "grace_s": self.config.reissue_grace_s})
+        broken_since = call.broken_since
+        self._emit(RuleId.NOT_REISSUED, call, None, call.request_id, now_ns, lambda: {
+            "broken_at": broken_since / 1e9, "grace_s": self.config.reissue_grace_s})
 
     # --- findings ---
 
     def _emit(self, rule: RuleId, call: CallState | None, at: Common | None, subject: str, now_ns: int,
-              evidence: dict[str, Any]) -> None:
+              evidence: Callable[[], dict[str, Any]]) -> None:
+        """Raise ``rule`` on ``call`` (or join what the call already has); ``evidence`` is built only
+        when it is used: most resumes and replays of a call repeat a finding already raised."""
         era = at.era if at is not None else (call.era if call is not None else sc.ERA_RESUMABLE)
         if era not in RULES[rule].eras:
             return
@@ -343,12 +354,12 @@ class RuleEngine:
             also = loss.evidence.setdefault("also", [])
             if rule not in also:
                 also.append(rule)
-            for key, value in evidence.items():
+            for key, value in evidence().items():
                 loss.evidence.setdefault(key, value)
             if at is not None and at.role not in loss.roles:
                 loss.roles.append(at.role)
             return
-        self._record(self._finding(rule, call, era, at, subject, now_ns, evidence), call)
+        self._record(self._finding(rule, call, era, at, subject, now_ns, evidence()), call)
 
     def _loss_finding(self, call: CallState | None) -> Finding | None:
         """The call's finding of a loss rule, if it has one."""

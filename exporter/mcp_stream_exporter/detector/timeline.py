@@ -6,9 +6,10 @@ event already has that event on its timeline. A call answered on its first strea
 without a finding, so a duplicate delivery's timeline starts at the second delivery. A timeline is
 held while its call is recent; when a finding is raised it is pinned to the finding and evicted with
 it (same capacity, same order as the finding store). Everything is bounded: entries per call (the
-first half and the last half are kept, the middle counted), the length of every string and list a
-producer sent, and the bytes of all timelines together (oldest calls go first, then the oldest
-findings' timelines).
+first half and the last half are kept, the middle counted), the items of every list a producer sent
+(its strings are bounded by the span model, ``events.MAX_CHARS``, and shared with the events, not
+copied), and the bytes of all timelines together (oldest calls go first, then the oldest findings'
+timelines).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from mcp_stream_exporter import semconv as sc
@@ -32,7 +34,6 @@ Key = tuple[str, str]  # (scope, request id)
 @dataclass(frozen=True, slots=True)
 class TimelineLimits:
     max_entries: int = 40  # per call
-    max_chars: int = 200  # per string a producer sent
     max_items: int = 8  # per list a producer sent
     max_bytes: int = 16 * 1024 * 1024  # all timelines together
     max_findings: int = 10_000  # as the finding store's capacity: timelines leave with their findings
@@ -75,17 +76,12 @@ class Entry:
 
     def size(self) -> int:
         """The bytes it holds, from C-level sizes (shared strings counted each time): what the budget counts."""
-        total = _ENTRY_BYTES
-        for value in (self.role, self.step, self.trace_id, self.span_id, self.origin, self.reason,
-                      self.first_event_id, self.last_event_id, self.cursor, self.decision, self.guard_decision,
-                      self.offending_event_id, self.outcome, self.error_type):
-            if value:
-                total += _getsizeof(value)
-        for values in (self.pending, self.terminal, self.audience, self.required, self.missing_resources,
-                       self.missing_scopes):
-            if values:
-                total += _getsizeof(values) + sum(map(_getsizeof, values))
-        return total
+        tuples = (self.pending, self.terminal, self.audience, self.required, self.missing_resources,
+                  self.missing_scopes)
+        return (_ENTRY_BYTES + sum(map(_getsizeof, filter(None, (
+            self.role, self.step, self.trace_id, self.span_id, self.origin, self.reason, self.first_event_id,
+            self.last_event_id, self.cursor, self.decision, self.guard_decision, self.offending_event_id,
+            self.outcome, self.error_type, *tuples)))) + sum(map(_getsizeof, chain.from_iterable(tuples))))
 
 
 _getsizeof = sys.getsizeof
@@ -176,8 +172,8 @@ class Timelines:
             return  # a call answered on its first stream, the common case: no story to keep
         entry = self._entry(
             e.at, e.kind, e.token, e.required, reason=e.reason, status=e.status, events=e.events,
-            first_event_id=self._cap(e.first_event_id), last_event_id=self._cap(e.last_event_id),
-            cursor=self._cap(e.cursor), error_frames=e.error_frames, pending=self._caps(e.pending_ids),
+            first_event_id=e.first_event_id, last_event_id=e.last_event_id,
+            cursor=e.cursor, error_frames=e.error_frames, pending=self._caps(e.pending_ids),
             terminal=self._caps(e.terminal_ids))
         ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
@@ -189,7 +185,7 @@ class Timelines:
         key = (e.at.scope, e.request_id)
         if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
             return  # answered, and nothing was kept about it
-        self._add(key, self._entry(e.at, "call", e.token, e.required, outcome=self._cap(e.outcome)))
+        self._add(key, self._entry(e.at, "call", e.token, e.required, outcome=e.outcome))
         if e.at.role != sc.ROLE_CLIENT:
             return
         if e.sdk_span_id is not None:
@@ -208,7 +204,7 @@ class Timelines:
         if e.role != sc.ROLE_CLIENT or e.method != "tools/call" or (e.error_type is None and not e.timed_out):
             return
         entry = Entry(e.start_ns, e.start_ns + int(e.duration_s * 1e9), e.role, "timeout" if e.timed_out else "error",
-                      e.trace_id, e.span_id, self._cap(e.origin) or "", error_type=self._cap(e.error_type),
+                      e.trace_id[:32], e.span_id[:16], e.origin, error_type=e.error_type,
                       duration_s=e.duration_s)
         key = self._sdk_spans.get(e.span_id)
         if key is not None:
@@ -219,18 +215,13 @@ class Timelines:
             self._early.popitem(last=False)
 
     def _entry(self, at: Common, step: str, token: Token, required: tuple[str, ...], **values: Any) -> Entry:
-        return Entry(at.start_ns, at.end_ns, at.role, self._cap(step) or "", at.trace_id[:64], at.span_id[:32],
-                     self._cap(at.origin) or "", audience=self._caps(token.audience),
+        return Entry(at.start_ns, at.end_ns, at.role, step, at.trace_id, at.span_id, at.origin,
+                     audience=self._caps(token.audience),
                      required=self._caps(required), missing_resources=self._caps(token.missing_resources),
                      missing_scopes=self._caps(token.missing_scopes), **values)
 
-    def _cap(self, value: str | None) -> str | None:
-        return value[:self.limits.max_chars] if value is not None else None
-
     def _caps(self, values: tuple[str, ...]) -> tuple[str, ...]:
-        if not values:
-            return values
-        return tuple(v[:self.limits.max_chars] for v in values[:self.limits.max_items])
+        return values if len(values) <= self.limits.max_items else values[:self.limits.max_items]
 
     # --- the maps, bounded ---
 
