@@ -21,9 +21,10 @@ End to end: a real ``mcp-stream-exporter serve`` (a subprocess) takes the realis
 and over OTLP/gRPC from two sender threads; each round's rate is the spans sent over the CPU time the
 service spent until the last batch was in its ledger (``/proc/<pid>/stat``), and over wall time.
 
-Memory: tracemalloc's traced bytes after applying N calls' events to a fresh detector, divided by N:
-a tracked call (its POST dropped with it pending, owed a result; target <= 1 KiB) and a lost call with
-its findings and their evidence (the incident's shape).
+Memory: tracemalloc's traced bytes after applying N calls' events to a fresh detector whose budgets
+hold them all, divided by N: a tracked call (its POST dropped with it pending, owed a result; target
+<= 1 KiB) and a lost call with its findings and their evidence (the incident's shape); each with and
+without the findings page's timelines (which have their own share of ``--max-memory-mb``).
 
 The generated spans are frozen out of the garbage collector (``gc.freeze``), so that the collector
 does not walk the bench's own data. Bounded: ROUNDS x SESSIONS, and the end-to-end rounds.
@@ -61,6 +62,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_i
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, decode_protobuf
+from mcp_stream_exporter.detector.ledger import LedgerLimits
 
 FETCH = "https://mcp.example.com/tools/fetch"
 SEARCH = "https://mcp.example.com/tools/search"
@@ -250,7 +252,10 @@ def in_process(spans: int, batches: list[bytes], rounds: int) -> dict[str, Any]:
     }
 
 
-def memory_per_call(calls: int, *, lost: bool) -> float:
+def memory_per_call(calls: int, *, lost: bool, timelines: bool = True) -> float:
+    """Traced bytes a call adds to a detector whose budgets all hold it (no eviction blurs the figure);
+    without ``timelines``, the findings page's timelines are given no room (what the ledger and the
+    findings alone hold)."""
     events = []
     reader = Detector()
     for body in _batches(all_lost(calls, lost=lost)):
@@ -258,12 +263,16 @@ def memory_per_call(calls: int, *, lost: bool) -> float:
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    detector = Detector(DetectorConfig())
+    room = 1 << 40
+    detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=calls, max_bytes=room),
+                                       max_findings=3 * calls, max_findings_bytes=room,
+                                       max_timelines_bytes=room if timelines else 0))
     detector.apply(events)
     gc.collect()
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     assert detector.ledger.calls == calls, detector.ledger.calls
+    assert not timelines or len(detector.timelines) >= calls, len(detector.timelines)
     return (after - before) / calls
 
 
@@ -391,8 +400,10 @@ def main() -> None:
     for name, (count, batches) in encoded.items():
         report[f"in_process_{name}"] = in_process(count, batches, args.rounds)
         print(json.dumps({name: report[f"in_process_{name}"]}), file=sys.stderr, flush=True)
-    report["bytes_per_tracked_call"] = round(memory_per_call(args.memory_calls, lost=False))
-    report["bytes_per_lost_call_with_its_findings"] = round(memory_per_call(args.memory_calls, lost=True))
+    for name, lost in (("tracked_call", False), ("lost_call_with_its_findings", True)):
+        report[f"bytes_per_{name}"] = round(memory_per_call(args.memory_calls, lost=lost))
+        report[f"bytes_per_{name}_without_timelines"] = round(
+            memory_per_call(args.memory_calls, lost=lost, timelines=False))
     if not args.no_e2e:
         report["end_to_end_realistic"] = end_to_end(*encoded["realistic"], args.e2e_rounds)
     print(json.dumps(report, indent=2))

@@ -59,6 +59,10 @@ class CallState:
     span_ids: tuple[str, ...] = ()  # the first stream and call spans that carried it
     origin: str = ""
     findings: dict[str, str] | None = None  # rule -> finding id; most calls never get one
+    # the ledger's own book-keeping, not the call's story (never in a snapshot row): the bytes it is
+    # charged (0 once forgotten), and which timers it has set (a bit each), instead of two maps keyed by call
+    charged: int = 0
+    timers: int = 0
 
     def note_span(self, trace_id: str, span_id: str) -> None:
         if self.trace_id is None:
@@ -118,11 +122,10 @@ class Ledger:
         self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
+        self._timer_bits: dict[str, int] = {}
         self._compact_at = _MIN_COMPACTION
-        self._scheduled: set[tuple[str, str, str]] = set()  # (what, scope, request id): one timer each
         self._bytes = 0  # sessions, calls and resume windows
         self._index_bytes = 0
-        self._charged: dict[int, int] = {}  # id(call) -> bytes it is charged
         self._touched: dict[int, CallState] = {}  # calls that may have grown since the last account()
 
     # --- sessions and calls ---
@@ -239,10 +242,10 @@ class Ledger:
     def schedule(self, due_ns: int, what: str, call: CallState) -> None:
         """A timer for ``what`` on ``call``; one at a time: while one is set, another is not added (the
         checks it runs re-arm it when it fires early), so re-ending the same calls adds no timers."""
-        key = (what, call.scope, call.request_id)
-        if key in self._scheduled:
+        bit = self._timer_bit(what)
+        if call.timers & bit:
             return
-        self._scheduled.add(key)
+        call.timers |= bit
         self._seq += 1
         heapq.heappush(self._timers, (due_ns, self._seq, what, call.scope, call.request_id))
         if len(self._timers) > self._compact_at:
@@ -250,18 +253,24 @@ class Ledger:
             # doubles between two compactions, so each push pays O(1) for them
             self._compact_timers()
 
+    def _timer_bit(self, what: str) -> int:
+        """A bit of ``CallState.timers`` for each kind of timer the rules set (a handful)."""
+        bit = self._timer_bits.get(what)
+        if bit is None:
+            bit = self._timer_bits[what] = 1 << len(self._timer_bits)
+        return bit
+
     def _compact_timers(self) -> None:
         self._timers = [t for t in self._timers if self.find(t[3], t[4]) is not None]
         heapq.heapify(self._timers)
-        self._scheduled = {(what, scope, rid) for _, _, what, scope, rid in self._timers}
         self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
 
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
             _, _, what, scope, request_id = heapq.heappop(self._timers)
-            self._scheduled.discard((what, scope, request_id))
             call = self.find(scope, request_id)
             if call is not None:
+                call.timers &= ~self._timer_bit(what)
                 self._touched[id(call)] = call  # a finding may be added to it
                 yield what, call
 
@@ -288,9 +297,8 @@ class Ledger:
         sessions (counted as ``memory``), then the oldest look-ups, until under the budget; returns how
         many sessions were evicted."""
         for call in self._touched.values():
-            old = self._charged.get(id(call))
-            if old is not None:  # still held
-                self._bytes -= old
+            if call.charged:  # still held
+                self._bytes -= call.charged
                 self._charge(call)
         self._touched.clear()
         evicted = 0
@@ -306,9 +314,8 @@ class Ledger:
         return evicted
 
     def _charge(self, call: CallState) -> None:
-        charge = _call_bytes(call)
-        self._charged[id(call)] = charge
-        self._bytes += charge
+        call.charged = _call_bytes(call)
+        self._bytes += call.charged
 
     # --- snapshots (snapshot.py): JSON-able data, never pickles ---
 
@@ -320,7 +327,6 @@ class Ledger:
         """Take a dump's content in place of this ledger's (at start, before any span)."""
         self._sessions.clear()
         self._calls = self._in_flight = self._bytes = 0
-        self._charged.clear()
         for s in data["sessions"]:
             self.load_session(s)
         self.load_rest(data)
@@ -334,6 +340,10 @@ class Ledger:
             _entry_bytes(k, v) for k, v in self._issued.items())
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
         self._compact_timers()
+        for _, _, what, scope, rid in self._timers:
+            call = self.find(scope, rid)
+            if call is not None:
+                call.timers |= self._timer_bit(what)
         self._seq = data["seq"]
 
     def dump_session(self, scope: str) -> dict[str, Any] | None:
@@ -396,7 +406,8 @@ class Ledger:
 
     def _forget(self, call: CallState) -> None:
         self._calls -= 1
-        self._bytes -= self._charged.pop(id(call), 0)
+        self._bytes -= call.charged
+        call.charged = 0
         if call.in_flight:
             self._in_flight -= 1
 
@@ -404,8 +415,11 @@ class Ledger:
 _TUPLES = frozenset(f.name for f in fields(CallState) if str(f.type).startswith("tuple"))
 
 
+_BOOK_KEEPING = frozenset({"charged", "timers"})
+
+
 def _row(call: CallState) -> dict[str, Any]:
-    return {f.name: getattr(call, f.name) for f in fields(CallState)}
+    return {f.name: getattr(call, f.name) for f in fields(CallState) if f.name not in _BOOK_KEEPING}
 
 
 def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> int:
