@@ -323,7 +323,8 @@ def _lean_scope_spans() -> Any:
 
 
 _LeanScopeSpans = _lean_scope_spans()
-_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
+_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
+             sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
 
 
 def _any(encoded: bytes) -> Any:
