@@ -366,5 +366,7 @@ def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple
     if error_type is None and (error or exception_types):
         error_type = "timeout" if timed_out else (exception_types[0] if exception_types else "error")
     role = KIND_CLIENT if kind == KIND_CLIENT else KIND_SERVER
+    transport, version = a.get(sc.NETWORK_TRANSPORT), a.get(sc.MCP_PROTOCOL_VERSION)  # often absent: read once
     return Operation(role, method, tool, trace_id, span_id, start_ns, max(0, end_ns - start_ns) / 1e9, error_type,
-                     timed_out, origin, _plain(a, sc.NETWORK_TRANSPORT), _plain(a, sc.MCP_PROTOCOL_VERSION))
+                     timed_out, origin, transport if transport is None else _plain(a, sc.NETWORK_TRANSPORT),
+                     version if version is None else _plain(a, sc.MCP_PROTOCOL_VERSION))

@@ -88,15 +88,16 @@ _BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
 _LE = (*(repr(float(b)) for b in SEMCONV_DURATION_BUCKETS), "+Inf")  # as prometheus_client writes them
 
 
-_Key = tuple[str, str, str | None, str, str, str]  # (role, method, tool, error, transport, protocol version)
+_Key = tuple[str, str, str | None, str, str | None, str | None]  # role, method, tool, error, transport, version
 
 
 class OperationCounts:
     """The SDK's request spans of one batch, counted per (role, method, tool, error, transport, protocol
     version): what the semconv duration histograms and the calls counter take, added to them at once
     (``Operations.add``) instead of span by span, with the last span of the batch in each bucket (its
-    exemplar). The labels but the tool are from their closed sets already; the tool is mapped to its
-    label when added (``ToolLabels`` keeps state)."""
+    exemplar). The method and the error are from their closed sets already; the tool (``ToolLabels``
+    keeps state), the transport and the protocol version are mapped to their labels when added, once
+    per batch and key rather than per span."""
 
     __slots__ = ("counts",)
 
@@ -108,8 +109,7 @@ class OperationCounts:
         method = e.method if e.method in _METHODS else OTHER
         error = "timeout" if e.timed_out else ("" if e.error_type is None else
                                                e.error_type if e.error_type in _ERROR_TYPES else OTHER)
-        key = (e.role, method, e.tool, error, _NETWORK_TRANSPORTS.get(e.transport, OTHER),
-               _PROTOCOL_VERSIONS.get(e.protocol_version, OTHER))
+        key = (e.role, method, e.tool, error, e.transport, e.protocol_version)
         entry = self.counts.get(key)
         if entry is None:
             entry = self.counts[key] = ([0.0] * (len(_BOUNDS) + 1), [None] * len(_BOUNDS))
@@ -139,7 +139,8 @@ class Operations(Collector):
     def add(self, batch: OperationCounts) -> None:
         with self._lock:
             for (role, method, tool, error, transport, protocol), (counts, last) in batch.counts.items():
-                key = (role, method, self._tools(tool) if tool is not None else "", error, transport, protocol)
+                key = (role, method, self._tools(tool) if tool is not None else "", error,
+                       _NETWORK_TRANSPORTS.get(transport, OTHER), _PROTOCOL_VERSIONS.get(protocol, OTHER))
                 total = self._histograms.get(key)
                 if total is None:
                     self._histograms[key] = (list(counts), list(last))
