@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -93,6 +94,14 @@ class Stack:
         assert answer["status"] == "success", answer
         return list(answer["data"]["result"])
 
+    def exemplars(self, expr: str, since_s: float = 600) -> list[dict[str, Any]]:
+        """The exemplars Prometheus stored for the series ``expr`` selects, as Grafana asks for them."""
+        now = time.time()
+        answer = self.http.get("/api/v1/query_exemplars", params={"query": expr, "start": now - since_s,
+                                                                  "end": now + 60}).json()
+        assert answer["status"] == "success", answer
+        return [e for series in answer["data"] for e in series["exemplars"]]
+
     def alerts(self) -> list[dict[str, Any]]:
         """Prometheus' active alerts, pending and firing."""
         return list(self.http.get("/api/v1/alerts").json()["data"]["alerts"])
@@ -147,7 +156,8 @@ def prometheus_stack(workdir: Path) -> Iterator[Stack]:
         }))
         prometheus = subprocess.Popen(
             [_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'prom-data'}", "--web.listen-address=127.0.0.1:0"],
+             f"--storage.tsdb.path={workdir / 'prom-data'}", "--web.listen-address=127.0.0.1:0",
+             "--enable-feature=exemplar-storage"],
             stdout=logs[1], stderr=subprocess.STDOUT)
         processes.insert(0, prometheus)
         stack = Stack(workdir, f"http://127.0.0.1:{_bound_port(workdir / 'prometheus.log', prometheus)}", targets,

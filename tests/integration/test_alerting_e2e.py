@@ -73,7 +73,8 @@ async def test_the_naive_incident_pages_through_alertmanager_and_fills_every_das
         try:
             async with incident("legacy") as lab:
                 await play_incident(lab)
-            assert {f.rule for f in after_grace(found, clock, GRACE_S)} >= {"clean_end_pending", "narrowed_resume"}
+            findings = after_grace(found, clock, GRACE_S)
+            assert {f.rule for f in findings} >= {"clean_end_pending", "narrowed_resume"}
 
             def paged():
                 return [a for a in stack.webhook.alerts if a["labels"]["alertname"] == "MCPToolResultSilentlyLost"
@@ -97,6 +98,16 @@ async def test_the_naive_incident_pages_through_alertmanager_and_fills_every_das
                     if not stack.query(substitute(expr, job=JOB, instance=instance, rate_interval="30s")):
                         empty.append(f"{name}: {title}: {expr}")
             assert empty == []
+
+            # the latency panel's exemplars (Prometheus' exemplar storage on) lead to the lost call's trace
+            (lost,) = [f for f in findings if f.rule == "clean_end_pending"]
+            latency = [expr for _, expr in queries(dashboards()["mcp-stream-overview.json"])
+                       if "mcp_client_operation_duration_seconds" in expr]
+            assert latency
+            for expr in latency:
+                await asyncio.to_thread(wait_for, lambda expr=expr: lost.trace_ids[0] in {
+                    e["labels"]["trace_id"] for e in stack.exemplars(substitute(expr, job=JOB, instance=instance))},
+                    30, "the lost call's trace id among the latency panel's exemplars")
         finally:
             served.close()
             stack.forget("naive")

@@ -144,3 +144,19 @@ def test_every_dashboard_links_the_findings_page_and_api():
     for board in BOARDS.values():
         urls = {link["url"] for link in board["links"]}
         assert {"${detector_url}/ui/", "${detector_url}/api/findings"} <= urls
+
+
+def test_the_panels_of_metrics_with_exemplars_draw_them_and_quantiles_aggregate_the_extra_labels_away():
+    """Silent losses and the duration histograms' buckets carry trace ids; the latency quantiles sum by
+    ``le`` only, so new labels on the histograms (transport, protocol version) never split a quantile."""
+    with_exemplars = re.compile(r"\b(mcp_stream_silent_losses_total|mcp_\w+_operation_duration_seconds_bucket)\b")
+    drawn = []
+    for board in BOARDS.values():
+        for panel in panels(board):
+            for target in panel.get("targets", []):
+                if with_exemplars.search(target["expr"]):
+                    drawn.append(target["expr"])
+                    assert panel["type"] == "timeseries" and target["exemplar"] is True, panel["title"]
+                    if "histogram_quantile" in target["expr"]:
+                        assert "sum by (le) (" in target["expr"], target["expr"]
+    assert any("operation_duration_seconds_bucket" in expr for expr in drawn)

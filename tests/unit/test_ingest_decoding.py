@@ -95,3 +95,15 @@ def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
     _, outcome = Detector().read(decode_protobuf(request.SerializeToString(), IngestLimits()).spans, "otlp_http")
     assert outcome.accepted == 1
     assert outcome.rejected == {f"{sc.MCP_METHOD_NAME} longer than 256 characters": 1}
+
+
+def test_sdk_attribute_values_are_memoised_short_and_bounded_and_read_the_same() -> None:
+    from mcp_stream_exporter.detector import ingest
+    tools = [f"tool-{i}" for i in range(3000)] + ["t" * 200, "tool-1"]
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[
+        _span(2 * i, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: tool}, kind=Span.SPAN_KIND_SERVER)
+        for i, tool in enumerate(tools)])])])
+    operations = list(decode_protobuf(request.SerializeToString(), IngestLimits()).spans)
+    assert [o.tool for o in operations] == tools
+    assert 0 < len(ingest._SDK_VALUES) <= ingest._SDK_VALUES_MAX
+    assert all(len(encoded) <= ingest._SDK_VALUE_MAX_BYTES for encoded in ingest._SDK_VALUES)

@@ -174,6 +174,8 @@ class Operation:
     error_type: str | None
     timed_out: bool
     origin: str
+    transport: str | None  # semconv network.transport; the SDK (2.3) sets none
+    protocol_version: str | None  # mcp.protocol.version; the SDK (2.3) sets it on its server spans only
 
 
 Lifecycle = StreamEnd | CallEnd | Replay | Operation
@@ -360,8 +362,8 @@ def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple
               trace_id: str, span_id: str, start_ns: int, end_ns: int, origin: str) -> Operation:
     """The SDK's request span (``mcp.method.name`` set, kind CLIENT or SERVER) read from its parts, so that
     a reader of OTLP needs no :class:`Span` for it; ``origin`` already cut and redacted."""
-    # the method and the tool only become labels from closed sets (metrics.py), where a token-shaped value
-    # cannot go: they are not redacted
+    # the method, the tool, the transport and the protocol version only become labels from closed sets
+    # (metrics.py), where a token-shaped value cannot go: they are not redacted
     method = _plain(a, sc.MCP_METHOD_NAME) or ""
     tool = _plain(a, sc.GEN_AI_TOOL_NAME)
     if tool is None and method == "tools/call" and name.startswith(_SDK_CLIENT_PREFIX):
@@ -374,5 +376,7 @@ def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple
     if error_type is None and (error or exception_types):
         error_type = "timeout" if timed_out else (exception_types[0] if exception_types else "error")
     role = KIND_CLIENT if kind == KIND_CLIENT else KIND_SERVER
+    transport, version = a.get(sc.NETWORK_TRANSPORT), a.get(sc.MCP_PROTOCOL_VERSION)  # often absent: read once
     return Operation(role, method, tool, trace_id, span_id, start_ns, max(0, end_ns - start_ns) / 1e9, error_type,
-                     timed_out, origin)
+                     timed_out, origin, transport if transport is None else _plain(a, sc.NETWORK_TRANSPORT),
+                     version if version is None else _plain(a, sc.MCP_PROTOCOL_VERSION))

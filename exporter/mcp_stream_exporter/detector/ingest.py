@@ -327,7 +327,23 @@ def _lean_scope_spans() -> Any:
 
 
 _LeanScopeSpans = _lean_scope_spans()
-_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
+_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
+             sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
+# encoded value -> value, for the SDK spans' attributes: methods, tools, versions, codes repeat span after
+# span; a look-up costs less than decoding. Bounded: short values only, emptied when full (unique values
+# only lose the gain).
+_SDK_VALUES: dict[bytes, Any] = {}
+_SDK_VALUES_MAX = 1024
+_SDK_VALUE_MAX_BYTES = 128
+
+
+def _sdk_value(encoded: bytes) -> Any:
+    value = _any(encoded)
+    if len(encoded) <= _SDK_VALUE_MAX_BYTES:
+        if len(_SDK_VALUES) >= _SDK_VALUES_MAX:
+            _SDK_VALUES.clear()
+        _SDK_VALUES[encoded] = value
+    return value
 
 
 def _any(encoded: bytes) -> Any:
@@ -441,7 +457,12 @@ def _read(s: Any, origin: str) -> Span | Operation:
                 attributes[key] = (value[2:].decode() if len(value) > 1 and value[0] == 0x0A
                                    and value[1] == len(value) - 2 and value[1] < 0x80 else _any(value))
     elif sc.MCP_METHOD_NAME in encoded:
-        attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
+        attributes = {}
+        for key in _SDK_KEYS:
+            if key in encoded:
+                raw = encoded[key]
+                value = _SDK_VALUES.get(raw)
+                attributes[key] = value if value is not None else _sdk_value(raw)
     else:
         attributes = {}  # outside the model: nothing of it is read
     kind = _KINDS.get(s.kind, KIND_INTERNAL)

@@ -1,8 +1,9 @@
 """The detector's Prometheus metrics: defined once, here, with help texts an on-call reader can act on.
 
 Label values are bounded: tools by :class:`ToolLabels` (the policy's tools, else the first few seen,
-then ``other``), methods and error types by fixed sets. Session, request and trace ids never become
-labels; a trace id rides on the loss counters as an OpenMetrics exemplar instead.
+then ``other``), methods, error types, transports and protocol versions by fixed sets. Session, request
+and trace ids never become labels; a trace id rides on the loss counters and the duration histograms'
+buckets as an OpenMetrics exemplar instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import Operation, StreamEnd
@@ -39,6 +41,10 @@ _METHODS = frozenset({
 _JSONRPC_CODES = frozenset(str(c) for c in (-32700, -32600, -32601, -32602, -32603, *range(-32099, -31999)))
 _ROLES = (sc.ROLE_CLIENT, sc.ROLE_SERVER)
 _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
+# semconv network.transport's well-known values, and the MCP protocol versions (eras) there are; absent: ""
+_NETWORK_TRANSPORTS: dict[str | None, str] = {None: "", **{t: t for t in ("tcp", "quic", "udp", "pipe", "unix")}}
+_PROTOCOL_VERSIONS: dict[str | None, str] = {
+    None: "", **{v: v for v in ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")}}
 # every label value known up front is exported at 0 from the start, so that increase() and rate()
 # see the first event (a series born at 1 has no increase) and dashboards show 0, not "no data"
 TRANSPORTS = ("otlp_http", "otlp_grpc", "embedded")
@@ -82,28 +88,36 @@ _BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
 _LE = (*(repr(float(b)) for b in SEMCONV_DURATION_BUCKETS), "+Inf")  # as prometheus_client writes them
 
 
+_Key = tuple[str, str, str | None, str, str | None, str | None]  # role, method, tool, error, transport, version
+
+
 class OperationCounts:
-    """The SDK's request spans of one batch, counted per (role, method, tool, error): what the semconv
-    duration histograms and the calls counter take, added to them at once (``Operations.add``) instead
-    of span by span. The method and the error are already from their closed sets; the tool is mapped
-    to its label when added (``ToolLabels`` keeps state)."""
+    """The SDK's request spans of one batch, counted per (role, method, tool, error, transport, protocol
+    version): what the semconv duration histograms and the calls counter take, added to them at once
+    (``Operations.add``) instead of span by span, with the last span of the batch in each bucket (its
+    exemplar). The method and the error are from their closed sets already; the tool (``ToolLabels``
+    keeps state), the transport and the protocol version are mapped to their labels when added, once
+    per batch and key rather than per span."""
 
     __slots__ = ("counts",)
 
     def __init__(self) -> None:
-        # key -> [count per bucket (+Inf last), sum of durations]
-        self.counts: dict[tuple[str, str, str | None, str], list[float]] = {}
+        # key -> ([count per bucket (+Inf last), sum of durations], [the last span per bucket])
+        self.counts: dict[_Key, tuple[list[float], list[Operation | None]]] = {}
 
     def add(self, e: Operation) -> None:
         method = e.method if e.method in _METHODS else OTHER
         error = "timeout" if e.timed_out else ("" if e.error_type is None else
                                                e.error_type if e.error_type in _ERROR_TYPES else OTHER)
-        key = (e.role, method, e.tool, error)
-        counts = self.counts.get(key)
-        if counts is None:
-            counts = self.counts[key] = [0.0] * (len(_BOUNDS) + 1)
-        counts[bisect_left(_BOUNDS, e.duration_s)] += 1
+        key = (e.role, method, e.tool, error, e.transport, e.protocol_version)
+        entry = self.counts.get(key)
+        if entry is None:
+            entry = self.counts[key] = ([0.0] * (len(_BOUNDS) + 1), [None] * len(_BOUNDS))
+        counts, last = entry
+        bucket = bisect_left(_BOUNDS, e.duration_s)
+        counts[bucket] += 1
         counts[-1] += e.duration_s
+        last[bucket] = e
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -111,31 +125,38 @@ class OperationCounts:
 
 class Operations(Collector):
     """The semconv ``mcp.{client,server}.operation.duration`` histograms and ``mcp_stream_calls``, kept as
-    plain counts per label set and exposed at scrape time: one dictionary update per batch and label set."""
+    plain counts per label set and exposed at scrape time: one dictionary update per batch and label set.
+    Each bucket keeps the last span that landed in it, exposed as its exemplar (trace and span id, the
+    duration, the span's end) in the OpenMetrics format only."""
 
     def __init__(self, tools: ToolLabels) -> None:
         self._tools = tools
         self._lock = threading.Lock()
-        self._histograms: dict[tuple[str, str, str, str], list[float]] = {}  # (role, method, tool, error)
+        # (role, method, tool, error, transport, protocol version) -> (counts as in OperationCounts, last spans)
+        self._histograms: dict[tuple[str, ...], tuple[list[float], list[Operation | None]]] = {}
         self._calls: dict[tuple[str, str, str], float] = {}  # (role, tool, outcome)
 
     def add(self, batch: OperationCounts) -> None:
         with self._lock:
-            for (role, method, tool, error), counts in batch.counts.items():
-                key = (role, method, self._tools(tool) if tool is not None else "", error)
+            for (role, method, tool, error, transport, protocol), (counts, last) in batch.counts.items():
+                key = (role, method, self._tools(tool) if tool is not None else "", error,
+                       _NETWORK_TRANSPORTS.get(transport, OTHER), _PROTOCOL_VERSIONS.get(protocol, OTHER))
                 total = self._histograms.get(key)
                 if total is None:
-                    self._histograms[key] = list(counts)
+                    self._histograms[key] = (list(counts), list(last))
                 else:
                     for i, n in enumerate(counts):
-                        total[i] += n
+                        total[0][i] += n
+                    for i, e in enumerate(last):
+                        if e is not None:
+                            total[1][i] = e
                 if method == "tools/call":
                     outcome = "result" if not error else (error if error in ("tool_error", "timeout") else "error")
                     calls = (role, self._tools(tool), outcome)
                     self._calls[calls] = self._calls.get(calls, 0) + sum(counts[:-1])
 
     def collect(self) -> Iterator[Any]:
-        labels = ["mcp_method_name", "gen_ai_tool_name", "error_type"]
+        labels = ["mcp_method_name", "gen_ai_tool_name", "error_type", "network_transport", "mcp_protocol_version"]
         client = HistogramMetricFamily(
             "mcp_client_operation_duration_seconds", "Semconv mcp.client.operation.duration: an MCP request as "
             "the client saw it, from sending to its response (including any reconnect and replay time).",
@@ -148,19 +169,29 @@ class Operations(Collector):
             "outcome (result, tool_error, error, timeout), from the SDK's own request spans.",
             labels=["role", "tool", "outcome"])
         with self._lock:
-            histograms = [(key, list(counts)) for key, counts in self._histograms.items()]
+            histograms = [(key, list(counts), list(last)) for key, (counts, last) in self._histograms.items()]
             totals = list(self._calls.items())
-        for (role, method, tool, error), counts in histograms:
-            cumulative, buckets = 0.0, []
-            for le, n in zip(_LE, counts, strict=False):
+        for (role, *values), counts, last in histograms:
+            cumulative = 0.0
+            buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+            for le, n, e in zip(_LE, counts, last, strict=False):
                 cumulative += n
-                buckets.append((le, cumulative))
-            (client if role == sc.ROLE_CLIENT else server).add_metric([method, tool, error], buckets, counts[-1])
+                exemplar = None if e is None else _exemplar(e)
+                buckets.append((le, cumulative) if exemplar is None else (le, cumulative, exemplar))
+            (client if role == sc.ROLE_CLIENT else server).add_metric(values, buckets, counts[-1])
         for key, value in totals:
             calls.add_metric(list(key), value)
         yield client
         yield server
         yield calls
+
+
+def _exemplar(e: Operation) -> Exemplar | None:
+    """The span's trace and span ids, its duration and its end; none for ids longer than W3C's, which would
+    break the OpenMetrics limit of 128 characters of exemplar labels (and Prometheus' whole scrape)."""
+    if len(e.trace_id) > 32 or len(e.span_id) > 16:
+        return None
+    return Exemplar({"trace_id": e.trace_id, "span_id": e.span_id}, e.duration_s, e.start_ns / 1e9 + e.duration_s)
 
 
 def _closed(value: str, allowed: tuple[str, ...]) -> str:
