@@ -106,3 +106,17 @@ def test_transport_and_protocol_version_labels_come_from_closed_sets(attributes,
     span = sdk_call(sc.ROLE_SERVER, "search")
     embedded.consume([replace(span, attributes={**span.attributes, **attributes})])
     assert embedded.registry.get_sample_value(f"{SERVER}_count", labels) == 1
+
+
+def test_a_batchs_operation_counts_are_charged_to_the_ingest_queue_about_as_the_event_walk_would() -> None:
+    """The queue's byte bound takes OperationCounts.weight (a formula) instead of walking every span a
+    batch keeps as an exemplar; it must stay near that walk, or the bound drifts."""
+    from mcp_stream_exporter.detector.events import weight
+    from mcp_stream_exporter.detector.metrics import OperationCounts
+
+    spans = [_sdk_span(n, 0.01 * (n % 40), server=n % 2 == 0, **{sc.MCP_PROTOCOL_VERSION: "2025-11-25"})
+             for n in range(1, 400)]
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])])
+    events, _ = Detector().read(decode_protobuf(request.SerializeToString(), IngestLimits()).spans, "otlp_http")
+    (counts,) = [e for e in events if isinstance(e, OperationCounts)]
+    assert 0.7 * weight(counts) <= counts.weight() <= 1.5 * weight(counts)

@@ -52,6 +52,7 @@ from mcp_stream_exporter.detector.events import (
     origin_of,
     weight,
 )
+from mcp_stream_exporter.detector.metrics import OperationCounts
 from mcp_stream_exporter.detector.redaction import redact
 
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -515,7 +516,7 @@ class IngestQueue:
         return not self._closed and self._worker.is_alive()
 
     def offer(self, events: list[Event]) -> bool:
-        size = sum(map(weight, events))
+        size = sum(e.weight() if type(e) is OperationCounts else weight(e) for e in events)
         with self._cond:
             if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans
                                                   or self._queued_bytes + size > self.limits.max_queued_bytes)):
