@@ -66,6 +66,9 @@ class Body:
 
 
 UNREAD: Final = Body()
+# A JSON string decodes to one of these methods only if the method's bytes are in the body as they are,
+# or the body escapes something (``\/``, ``\u0074``): a body with neither cannot ask for one of them.
+_CALL, _CANCEL, _INITIALIZE = (m.encode() for m in (TOOLS_CALL, CANCELLED, INITIALIZE))
 
 
 def read_body(body: bytes) -> Body:
@@ -88,6 +91,13 @@ def read_body(body: bytes) -> Body:
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             cancelled.append(msg.cancelled_id)
     return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled))
+
+
+def can_ask(body: bytes) -> bool:
+    """Whether ``body`` may hold a ``tools/call``, a ``notifications/cancelled`` or an ``initialize``,
+    by a byte search: False only when no parse of it could find one (``read_body`` would give no calls,
+    no cancels and no protocol version), so the hooks parse only the bodies that can matter to them."""
+    return _CALL in body or _CANCEL in body or _INITIALIZE in body or b"\\" in body
 
 
 def requirement_of(policy: ToolPolicy, tool: str | None) -> Requirement:

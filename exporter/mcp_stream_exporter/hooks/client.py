@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx2
@@ -33,6 +33,7 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
+    can_ask,
     content_of,
     era_of,
     read_body,
@@ -69,6 +70,8 @@ class ClientInstrumentation:
         try:
             body = request.content
         except httpx2.RequestNotRead:
+            return []
+        if not can_ask(body):
             return []
         asked = read_body(body)
         if asked.protocol_version is not None:
@@ -211,8 +214,8 @@ class ClientTap(httpx2.AsyncBaseTransport):
         self._inner = inner
         self.instrumentation = instrumentation
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        return await self.instrumentation.handle(self._inner, request)
+    def handle_async_request(self, request: httpx2.Request) -> Coroutine[Any, Any, httpx2.Response]:
+        return self.instrumentation.handle(self._inner, request)  # its coroutine, not one more around it
 
     async def aclose(self) -> None:
         await self._inner.aclose()
