@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import time
+import types
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -150,7 +151,9 @@ class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
 
     An iterator object rather than an async generator: the SDK stops reading at the response and
-    closes the response, and an abandoned async generator costs the event loop a finaliser task."""
+    closes the response, and an abandoned async generator costs the event loop a finaliser task. For
+    the same reason it closes the inner stream's iterator itself, as ``httpx2`` does with the iterators
+    it opens (it cannot see the one behind this object)."""
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
                  status: int) -> None:
@@ -196,6 +199,9 @@ class _TapStream(httpx2.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+        chunks = self._chunks
+        if isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
+            await chunks.aclose()
         await self._inner.aclose()
 
 
