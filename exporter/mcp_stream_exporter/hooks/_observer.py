@@ -96,7 +96,7 @@ class WireObserver:
             if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
-            headers = pick(scope.get("headers", ()), REQUEST_HEADERS)
+            headers = pick(scope.get("headers", ()), REQUEST_HEADERS, lowered=True)
             rs = request_scope.RequestScope(headers.get(SESSION_ID),
                                             self.tokens.from_authorization(headers.get(AUTHORIZATION)))
             ex = _Exchange(scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
@@ -191,7 +191,7 @@ class WireObserver:
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
         ex.status = status = int(message.get("status", 0))
-        headers = pick(message.get("headers", ()), RESPONSE_HEADERS)
+        headers = pick(message.get("headers", ()), RESPONSE_HEADERS, lowered=True)
         session_id = ex.scope.session_id
         if session_id is None and SESSION_ID in headers:
             session_id = ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope

@@ -29,6 +29,7 @@ from mcp_stream_exporter.hooks._tracking import (
     requirement_attributes,
 )
 
+_TERMINAL = (JSONRPCResponse, JSONRPCError)  # built once: ``A | B`` in isinstance builds a union on every call
 _Stored = tuple[str, str]  # an event id and its frame kind: a tuple of strings, which the GC stops tracking
 
 
@@ -52,7 +53,7 @@ class StoreRecorder:
 
     def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:
         kind, request_id = sc.FRAME_PRIMING, None
-        if isinstance(message, JSONRPCResponse | JSONRPCError):
+        if isinstance(message, _TERMINAL):
             kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
                                 None if message.id is None else str(message.id))
         elif message is not None:

@@ -376,7 +376,7 @@ class Stream(_Deferred):
         self.opened = opened  # what the side saw of the exchange when the response started
         self.status = status
         self.calls = calls
-        self.request_ids = tuple(c.key[1] for c in calls)  # what a resume from any of its events continues
+        self.request_ids = tuple([c.key[1] for c in calls])  # what a resume from any of its events continues
         self.terminal_ids: list[str] = []
         self.events = 0
         self.error_frames = 0
@@ -606,7 +606,7 @@ class Tracker:
             call.open_streams -= 1
         pending = stream.pending()
         if (stream.span is None and not pending and not stream.error_frames and (status or 0) < 400
-                and all(i in stream.request_ids for i in stream.terminal_ids)):
+                and set(stream.terminal_ids).issubset(stream.request_ids)):
             return
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,
