@@ -8,8 +8,7 @@ Both hooks and the guard read an exchange through this module, so they cannot di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from opentelemetry.util.types import AttributeValue
 
@@ -55,9 +54,9 @@ def content_of(content_type: str) -> str:
     return CONTENT_NONE
 
 
-@dataclass(frozen=True, slots=True)
-class Body:
-    """What one POST body asks for, as far as streams and calls are concerned."""
+class Body(NamedTuple):
+    """What one POST body asks for, as far as streams and calls are concerned (a tuple: read on every
+    request, built once)."""
 
     calls: tuple[WireMessage, ...] = ()  # tools/call requests, each with an id
     requests: tuple[WireMessage, ...] = ()  # every request with an id, tools/call included
