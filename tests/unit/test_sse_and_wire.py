@@ -57,8 +57,8 @@ def test_any_stream_of_lines_parses_the_same_however_it_is_split(lines, cuts):
     assert _parse(byte_at_a_time) == _parse([wire])
 
 
-_SDK_FRAMES = st.lists(st.builds(SSEFrame, st.text(alphabet=st.characters(blacklist_characters="\r\n"), max_size=30),
-                                  st.sampled_from([None, "message", "error"]),
+_DATA = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=30)
+_SDK_FRAMES = st.lists(st.builds(SSEFrame, _DATA, st.sampled_from([None, "message", "error"]),
                                   st.one_of(st.none(), st.from_regex(r"[0-9a-z_-]{1,6}", fullmatch=True)),
                                   st.none()),
                        max_size=6)
