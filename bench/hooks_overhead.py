@@ -10,8 +10,12 @@ machine slowing down hits all alike; each worker process reports the median roun
 configuration; the results are the medians over fresh worker processes of the ratios H/S (the hooks
 on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing alone), with their spreads.
 The order in which the configurations are set up rotates between workers. An A-against-A control run
-measures the method's own bias. ``--sides`` adds runs with only the server's or only the client's
-hooks in H (an operator may instrument one side). Bounded: WORKERS x 3 x CALLS calls per run.
+measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
+worker reports the median process CPU time per call of each configuration's blocks (client and server
+share the process): on a machine shared with other work, what the hooks cost in CPU is steadier than
+what they cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
+the server's or only the client's hooks in H (an operator may instrument one side). Bounded:
+WORKERS x 3 x CALLS calls per run.
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
 """
@@ -123,15 +127,19 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str) -> 
             order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # which is set up first rotates
             clients = {configuration: await setup(stack, configuration) for configuration in order}
             timings: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
+            cpu: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
             for configuration, client in clients.items():  # warm-up
                 for _ in range(20):
                     await call(client, configuration)
             cycle = CONFIGURATIONS + CONFIGURATIONS[::-1]  # A S H H S A
             for block in range(3 * calls // _BLOCK):
                 configuration = cycle[block % len(cycle)]
+                cpu_started = time.process_time()
                 for _ in range(_BLOCK):
                     timings[configuration].append(await call(clients[configuration], configuration))
-        return {configuration: statistics.median(times) * 1000 for configuration, times in timings.items()}
+                cpu[configuration].append((time.process_time() - cpu_started) / _BLOCK)
+        return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
+                **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
 
     return asyncio.run(run())
 
@@ -163,7 +171,7 @@ def main() -> None:
     runs = [(mode, side, False) for side in sides for mode in modes] + [(modes[0], "both", True)]
     for mode, side, control in runs:
         name = f"{mode} A/A control" if control else (mode if side == "both" else f"{mode} {side} only")
-        medians: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
+        medians: dict[str, list[float]] = {c: [] for c in (*CONFIGURATIONS, *(f"{c}_cpu" for c in CONFIGURATIONS))}
         for worker in range(args.workers):
             command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls),
                        "--rotate", str(worker)]
@@ -172,17 +180,21 @@ def main() -> None:
             for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 medians[configuration].append(ms)
         a, s, h = (medians[c] for c in CONFIGURATIONS)
+        a_cpu, s_cpu, h_cpu = (medians[f"{c}_cpu"] for c in CONFIGURATIONS)
         report[name] = {
             "workers": args.workers, "calls_per_configuration": args.calls,
             **{f"{c}_median_ms": round(statistics.median(medians[c]), 3) for c in CONFIGURATIONS},
-            **({"A/A": _ratios(h, a)} if control else
-               {"H/S": _ratios(h, s), "H/A": _ratios(h, a), "S/A": _ratios(s, a)}),
+            **{f"{c}_cpu_median_ms": round(statistics.median(medians[f"{c}_cpu"]), 3) for c in CONFIGURATIONS},
+            **({"A/A": _ratios(h, a), "A/A cpu": _ratios(h_cpu, a_cpu)} if control else
+               {"H/S": _ratios(h, s), "H/A": _ratios(h, a), "S/A": _ratios(s, a),
+                "H/S cpu": _ratios(h_cpu, s_cpu), "H/A cpu": _ratios(h_cpu, a_cpu), "S/A cpu": _ratios(s_cpu, a_cpu)}),
         }
         r = report[name]
         print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']})"
                                        for k, v in r.items() if "/" in k)
               + f" over {args.workers} workers; medians A {r['A_median_ms']} ms, S {r['S_median_ms']} ms, "
-              f"H {r['H_median_ms']} ms", flush=True)
+              f"H {r['H_median_ms']} ms; CPU a call A {r['A_cpu_median_ms']} ms, S {r['S_cpu_median_ms']} ms, "
+              f"H {r['H_cpu_median_ms']} ms", flush=True)
     print(json.dumps(report, indent=2))
 
 

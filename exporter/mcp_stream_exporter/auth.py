@@ -117,6 +117,10 @@ class TokenReader:
     cache_size: int = 1024
     clock: Callable[[], float] = time.time
     _cache: OrderedDict[str, AuthView] = field(default_factory=OrderedDict, init=False, repr=False)
+    # Authorization header -> its view: the same header comes on every request of a client, and this
+    # spares each one the token's SHA-256. Private, bounded like ``_cache`` (least recently used out first);
+    # never logged or exported.
+    _by_header: OrderedDict[str, AuthView] = field(default_factory=OrderedDict, init=False, repr=False)
     _jwks: jwt.PyJWKClient | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,10 +135,18 @@ class TokenReader:
         """The view of an ``Authorization`` header value; ``absent`` when there is no bearer."""
         if not header:
             return ABSENT
+        cached = self._by_header.get(header)
+        if cached is not None and (cached.expires_at is None or cached.expires_at > self.clock()):
+            self._by_header.move_to_end(header)
+            return cached
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return ABSENT
-        return self.read(token.strip())
+        view = self.read(token.strip())
+        self._by_header[header] = view
+        if len(self._by_header) > self.cache_size:
+            self._by_header.popitem(last=False)
+        return view
 
     def read(self, token: str) -> AuthView:
         fingerprint = token_fingerprint(token)

@@ -8,8 +8,7 @@ Both hooks and the guard read an exchange through this module, so they cannot di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from opentelemetry.util.types import AttributeValue
 
@@ -55,9 +54,9 @@ def content_of(content_type: str) -> str:
     return CONTENT_NONE
 
 
-@dataclass(frozen=True, slots=True)
-class Body:
-    """What one POST body asks for, as far as streams and calls are concerned."""
+class Body(NamedTuple):
+    """What one POST body asks for, as far as streams and calls are concerned (a tuple: read on every
+    request, built once)."""
 
     calls: tuple[WireMessage, ...] = ()  # tools/call requests, each with an id
     requests: tuple[WireMessage, ...] = ()  # every request with an id, tools/call included
@@ -66,6 +65,9 @@ class Body:
 
 
 UNREAD: Final = Body()
+# A JSON string decodes to one of these methods only if the method's bytes are in the body as they are,
+# or the body escapes something (``\/``, ``\u0074``): a body with neither cannot ask for one of them.
+_CALL, _CANCEL, _INITIALIZE = (m.encode() for m in (TOOLS_CALL, CANCELLED, INITIALIZE))
 
 
 def read_body(body: bytes) -> Body:
@@ -88,6 +90,13 @@ def read_body(body: bytes) -> Body:
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             cancelled.append(msg.cancelled_id)
     return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled))
+
+
+def can_ask(body: bytes) -> bool:
+    """Whether ``body`` may hold a ``tools/call``, a ``notifications/cancelled`` or an ``initialize``,
+    by a byte search: False only when no parse of it could find one (``read_body`` would give no calls,
+    no cancels and no protocol version), so the hooks parse only the bodies that can matter to them."""
+    return _CALL in body or _CANCEL in body or _INITIALIZE in body or b"\\" in body
 
 
 def requirement_of(policy: ToolPolicy, tool: str | None) -> Requirement:

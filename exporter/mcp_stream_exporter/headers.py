@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes]) -> dict[str, str]:
+def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes], *, lowered: bool = False) -> dict[str, str]:
     """The values of the headers in ``names`` (lower-case), keyed by lower-case name; HTTP/1.1
-    headers are latin-1. A repeated header keeps its last value."""
+    headers are latin-1. A repeated header keeps its last value. ``lowered``: the names in ``raw``
+    are lower-case already, as ASGI requires of a server (and Starlette, so the MCP SDK, relies on)."""
     found: dict[str, str] = {}
     for key, value in raw:
-        key = key.lower()
+        if not lowered:
+            key = key.lower()
         if key in names:
             found[key.decode("latin-1")] = value.decode("latin-1")
     return found

@@ -6,7 +6,12 @@ receives), so they share this parser; the guard renders its ``event: error`` fra
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
+
+# A frame as the MCP SDK writes it (sse_starlette): ``id``, ``event``, one ``data`` line, CRLF ends.
+# The parser splits a run of them with this, and gives anything else to its line parser.
+_SDK_FRAME = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ([^\r\n]*)\r\n\r\n")
 
 
 class SSEFrame(NamedTuple):
@@ -26,8 +31,10 @@ class SSEFrame(NamedTuple):
 class SSEParser:
     """Feed it chunks in any split; it returns each complete frame once. Comments (pings) are counted.
 
-    Both hooks run it on every chunk of every stream, so it splits a chunk's complete lines at once
-    (``bytes.splitlines`` breaks at exactly SSE's line ends: CRLF, LF, CR) and decodes field values only.
+    Both hooks run it on every chunk of every stream, so a chunk that starts at a frame boundary is
+    read frame by frame in the SDK's own form by one regex, as far as it goes; the rest is split into
+    its complete lines at once (``bytes.splitlines`` breaks at exactly SSE's line ends: CRLF, LF, CR)
+    and only field values are decoded.
     """
 
     __slots__ = ("_buf", "_data", "_event", "_id", "_retry", "_seen_field", "comments")
@@ -42,6 +49,22 @@ class SSEParser:
         self._seen_field = False
 
     def feed(self, chunk: bytes) -> list[SSEFrame]:
+        if self._buf or self._seen_field:
+            return self._feed_lines(chunk)
+        frames: list[SSEFrame] = []
+        match = _SDK_FRAME.match
+        at, end = 0, len(chunk)
+        while at < end and (m := match(chunk, at)) is not None:
+            id_, event, data = m.groups()
+            frames.append(SSEFrame(data.decode("utf-8", "replace"),
+                                   None if event is None else event.decode("utf-8", "replace"),
+                                   None if id_ is None else id_.decode("utf-8", "replace")))
+            at = m.end()
+        if at < end:
+            frames += self._feed_lines(chunk[at:] if at else chunk)
+        return frames
+
+    def _feed_lines(self, chunk: bytes) -> list[SSEFrame]:
         buf = self._buf + chunk if self._buf else chunk
         end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)  # a last CR may be half of a CRLF
         cut = max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end)) + 1

@@ -204,3 +204,18 @@ async def test_the_client_tap_records_a_refusal_and_changes_nothing_without_the_
     assert isinstance(fetch, MCPError) and fetch.code != REFUSED_ERROR_CODE  # the SDK's own give-up
     refused = [sp for sp in ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT) if _attr(sp, sc.ERROR_FRAMES_COUNT)]
     assert refused and all(_attr(sp, sc.PENDING_REQUEST_IDS) for sp in refused)
+
+
+async def test_a_call_whose_body_and_result_come_in_many_pieces_is_tracked_to_its_end_on_both_sides():
+    """A body the server receives in several ASGI messages is still read, and a result split over many
+    reads still ends the call: with a token lacking fetch's resource the call is a span on each side."""
+    url = "u" * 300_000
+    async with incident("legacy") as s:
+        s.auth.token = s.narrow
+        result = await s.call("fetch", {"url": url})
+    assert result.content[0].text == f"contents of {url}"
+    found = spans()
+    for role in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
+        call = _call(found, role, "fetch")
+        assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)
+        assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT

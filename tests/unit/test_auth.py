@@ -82,6 +82,24 @@ def test_opaque_and_absent_tokens_give_a_fingerprint_only():
     assert reader.from_authorization("Bearer opaque-token-value") == opaque
 
 
+def test_the_view_cached_by_header_follows_the_header_and_the_tokens_expiry_and_is_bounded():
+    now = [1_000.0]
+    reader = TokenReader(cache_size=2, clock=lambda: now[0])
+    a = _unsigned({"aud": "https://a.example", "exp": 1_060})
+    b = _unsigned({"aud": "https://b.example"})
+    first = reader.from_authorization(f"Bearer {a}")
+    assert reader.from_authorization(f"Bearer {a}") is first  # the same header: its view, not a new read
+    assert reader.from_authorization(f"Bearer {b}").audience == {"https://b.example"}  # another: its own
+    assert reader.from_authorization(f"Bearer  {a}") == first  # another spelling of the same token
+    assert reader.from_authorization("Basic dXNlcjpwdw==").verification == "absent"
+    now[0] = 1_061.0  # expired: read again, never served from the cache
+    assert reader.from_authorization(f"Bearer {a}") is not first
+    for i in range(5):
+        reader.from_authorization(f"Bearer {_unsigned({'n': i})}")
+    assert len(reader._by_header) == 2  # bounded by cache_size
+    assert a not in repr(reader)  # the raw header is a private key, never shown
+
+
 def test_subject_hash_depends_on_the_salt():
     token = _unsigned({"sub": "alice"})
     assert TokenReader(subject_salt=b"one").read(token).subject_hash != \

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import (
@@ -12,6 +15,7 @@ from mcp_stream_exporter.exchange import (
     CONTENT_NONE,
     CONTENT_SSE,
     UNREAD,
+    can_ask,
     content_of,
     read_body,
     requirement_of,
@@ -57,3 +61,38 @@ def test_content_kind_and_the_attributes_every_stream_span_opens_with():
         sc.HTTP_REQUEST_METHOD: "GET", sc.STREAM_CONTENT: CONTENT_SSE, sc.ERA: sc.ERA_RESUMABLE,
         sc.MCP_PROTOCOL_VERSION: "2025-11-25", sc.RESUME_CURSOR: "41"}
     assert stream_attributes("POST", CONTENT_JSON, "2026-07-28", None)[sc.ERA] == sc.ERA_STATELESS
+
+
+def test_the_byte_check_passes_every_body_that_can_ask_for_a_call_a_cancel_or_an_initialize():
+    batch = json.dumps([{"jsonrpc": "2.0", "method": "notifications/progress", "params": {}},
+                        {"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {"name": "fetch"}}]).encode()
+    escaped = [b'{"jsonrpc":"2.0","id":1,"method":"tools\\/call","params":{"name":"fetch"}}',
+               b'{"jsonrpc":"2.0","id":1,"method":"\\u0074ools/call","params":{"name":"fetch"}}',
+               b'{"jsonrpc":"2.0","method":"notifications\\/cancelled","params":{"requestId":3}}',
+               b'{"jsonrpc":"2.0","id":0,"method":"initiali\\u007ae","params":{"protocolVersion":"2025-11-25"}}']
+    for body in [batch, *escaped]:
+        asked = read_body(body)
+        assert can_ask(body) and (asked.calls or asked.cancelled or asked.protocol_version), body
+    assert [m.id for m in read_body(batch).calls] == ["4"]  # the call in the batch, not lost
+    for body in (b'{"jsonrpc":"2.0","id":2,"method":"tools/list"}', b'{"jsonrpc":"2.0","id":2,"result":{}}',
+                 b'{"jsonrpc":"2.0","method":"notifications/initialized"}'[:20], b"not json"):
+        assert not can_ask(body)
+
+
+_METHODS = st.sampled_from(["tools/call", "tools\\/call", "\\u0074ools/call", "notifications/cancelled",
+                            "notifications\\/cancelled", "initialize", "initiali\\u007ae", "tools/list", "ping",
+                            "notifications/progress", "notifications/initialized"])
+_MESSAGE = st.builds(
+    lambda method, rid, params: '{"jsonrpc":"2.0",' + (f'"id":{rid},' if rid is not None else "")
+    + f'"method":"{method}","params":{params}}}',
+    _METHODS, st.one_of(st.none(), st.integers(0, 99)),
+    st.sampled_from(['{"name":"fetch"}', '{"requestId":3}', '{"protocolVersion":"2025-11-25"}', "{}"]))
+
+
+@given(st.lists(_MESSAGE, min_size=1, max_size=4), st.booleans(), st.integers(0, 40))
+def test_a_body_the_byte_check_rules_out_has_nothing_the_hooks_read(messages, batch, cut):
+    text = ("[" + ",".join(messages) + "]") if batch else messages[0]
+    for body in (text.encode(), text.encode()[:-cut or None]):  # whole, or cut short (malformed)
+        if not can_ask(body):
+            asked = read_body(body)
+            assert not asked.calls and not asked.cancelled and asked.protocol_version is None

@@ -57,6 +57,23 @@ def test_any_stream_of_lines_parses_the_same_however_it_is_split(lines, cuts):
     assert _parse(byte_at_a_time) == _parse([wire])
 
 
+_DATA = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=30)
+_SDK_FRAMES = st.lists(st.builds(SSEFrame, _DATA, st.sampled_from([None, "message", "error"]),
+                                  st.one_of(st.none(), st.from_regex(r"[0-9a-z_-]{1,6}", fullmatch=True)),
+                                  st.none()),
+                       max_size=6)
+
+
+@given(_SDK_FRAMES, st.lists(st.integers(min_value=0, max_value=600), max_size=6))
+def test_frames_in_the_sdks_form_parse_the_same_by_the_whole_frame_path_as_line_by_line(frames, cuts):
+    wire = b"".join(render(f) for f in frames)  # id, event, one data line, CRLF: the SDK's form
+    whole, _ = _parse([wire])
+    assert whole == frames
+    points = sorted({c for c in cuts if c <= len(wire)})
+    chunks = [wire[a:b] for a, b in zip([0, *points], [*points, len(wire)], strict=True)]
+    assert _parse(chunks)[0] == whole == _parse([wire[i:i + 1] for i in range(len(wire))])[0]
+
+
 def test_render_round_trips():
     frame = SSEFrame('{"a":1}\n{"b":2}', "error", None, None)
     assert _parse([render(frame)])[0] == [frame]

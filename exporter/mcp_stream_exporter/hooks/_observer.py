@@ -8,7 +8,7 @@ call refused by whatever enforces the policy (``guard.CallGuard``) is seen as it
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
+    can_ask,
     content_of,
     era_of,
     read_body,
@@ -39,7 +40,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Requirements,
     Stream,
     Tracker,
-    known_missing,
+    audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, REFUSED_ERROR_CODE, WireMessage, classify_frame
@@ -68,6 +69,13 @@ class _Exchange:
     disconnected: bool = False
     oversized: bool = False
 
+    def release(self) -> None:
+        """The exchange is over: let go of its calls, stream and parser. The app's objects that hold our
+        ``receive`` and ``send`` (and the scope) are often in reference cycles, which only the garbage
+        collector frees: what they reach would otherwise wait for it, and make its passes more frequent."""
+        self.calls.clear()
+        self.stream = self.parser = self.json_body = None
+
 
 class WireObserver:
     """Observes the ASGI app's exchanges on one MCP endpoint for the server's tracker."""
@@ -88,7 +96,7 @@ class WireObserver:
             if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
-            headers = pick(scope.get("headers", ()), REQUEST_HEADERS)
+            headers = pick(scope.get("headers", ()), REQUEST_HEADERS, lowered=True)
             rs = request_scope.RequestScope(headers.get(SESSION_ID),
                                             self.tokens.from_authorization(headers.get(AUTHORIZATION)))
             ex = _Exchange(scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
@@ -108,20 +116,22 @@ class WireObserver:
                         tracker.end_stream(ex.stream, sc.END_DROPPED, ex.status)
                 return message
 
-            async def observed_send(message: Message) -> None:
+            def observed_send(message: Message) -> Awaitable[None]:  # send's own awaitable: no coroutine of ours
                 kind = message["type"]
                 if kind == "http.response.body":
                     self._on_response_body(ex, message)
                 elif kind == "http.response.start":
                     self._on_response_start(ex, message)
-                await send(message)
+                return send(message)
 
             try:
                 await app(scope, observed_receive, observed_send)
             finally:
                 request_scope.unbind(token)
+                del scope[_EXCHANGE]
                 if ex.stream is not None:
                     tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
+                ex.release()
 
         return observed
 
@@ -136,15 +146,24 @@ class WireObserver:
         return None
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
-        ex.body += message.get("body", b"")
-        if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
-            ex.oversized = True
+        body: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if more or ex.body:  # a body in several messages: gathered (one message, the usual, is read as it is)
+            ex.body += body
+            if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
+                ex.oversized = True
+                ex.body.clear()
+                return
+            if more:
+                return
+            body = bytes(ex.body)
             ex.body.clear()
+        elif len(body) > MAX_PARSED_BODY:
+            ex.oversized = True
             return
-        if message.get("more_body", False):
+        if not can_ask(body):  # no tools/call, cancel or initialize in it: nothing to parse for
             return
-        asked = read_body(bytes(ex.body))
-        ex.body.clear()
+        asked = read_body(body)
         if asked.protocol_version is not None:
             ex.protocol_version = asked.protocol_version
         ex.calls.extend(self._start_call(ex, msg) for msg in asked.calls)
@@ -164,14 +183,15 @@ class WireObserver:
             return call
         if not stateless:
             self.requirements.remember(call.key, requirement)
-        call.require(requirement, auth.missing(requirement), DECISION_ALLOWED)
-        if any(known_missing(auth, requirement)):
+        missing = auth.missing(requirement)
+        call.require(requirement, missing, DECISION_ALLOWED)
+        if audience_known(auth) and (missing[0] or missing[1]):
             self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
         return call
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
         ex.status = status = int(message.get("status", 0))
-        headers = pick(message.get("headers", ()), RESPONSE_HEADERS)
+        headers = pick(message.get("headers", ()), RESPONSE_HEADERS, lowered=True)
         session_id = ex.scope.session_id
         if session_id is None and SESSION_ID in headers:
             session_id = ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope

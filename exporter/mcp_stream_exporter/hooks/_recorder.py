@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
@@ -30,12 +29,8 @@ from mcp_stream_exporter.hooks._tracking import (
     requirement_attributes,
 )
 
-
-@dataclass(slots=True)
-class _Stored:
-    event_id: str
-    kind: str
-    request_id: str | None
+_TERMINAL = (JSONRPCResponse, JSONRPCError)  # built once: ``A | B`` in isinstance builds a union on every call
+_Stored = tuple[str, str]  # an event id and its frame kind: a tuple of strings, which the GC stops tracking
 
 
 class StoreRecorder:
@@ -58,7 +53,7 @@ class StoreRecorder:
 
     def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:
         kind, request_id = sc.FRAME_PRIMING, None
-        if isinstance(message, JSONRPCResponse | JSONRPCError):
+        if isinstance(message, _TERMINAL):
             kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
                                 None if message.id is None else str(message.id))
         elif message is not None:
@@ -69,7 +64,7 @@ class StoreRecorder:
             events = self._stored[key] = deque(maxlen=self._max_events_per_stream)
             while len(self._stored) > self._max_streams:
                 self._stored.popitem(last=False)
-        events.append(_Stored(event_id, kind, request_id))
+        events.append((event_id, kind))
         self._store_order += 1
         self._stream_of_event[(session_id, event_id)] = (stream_id, self._store_order)
         while len(self._stream_of_event) > self._max_streams * 10:
@@ -97,13 +92,13 @@ class StoreRecorder:
         """Events stored on ``stream_id`` after ``cursor``: after it in that stream, or, for a cursor
         stored on another stream, after it in store order."""
         events = list(self._stored.get((session_id, stream_id), ()))
-        ids = [e.event_id for e in events]
+        ids = [event_id for event_id, _ in events]
         if cursor in ids:
             after = events[ids.index(cursor) + 1:]
         else:
             position = self._order(session_id, cursor)
-            after = [e for e in events if self._order(session_id, e.event_id) > position]
-        return [e.event_id for e in after if e.kind != sc.FRAME_PRIMING]
+            after = [e for e in events if self._order(session_id, e[0]) > position]
+        return [event_id for event_id, kind in after if kind != sc.FRAME_PRIMING]
 
     def _order(self, session_id: str | None, event_id: str) -> int:
         known = self._stream_of_event.get((session_id, event_id))

@@ -125,6 +125,27 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
 
 
 Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attributes
+# A frame event's content, as seen: frame kind, event id, event type, request id, method. A deferred
+# stream keeps this tuple per frame and builds the event's attributes only if it becomes a span.
+FrameFields = tuple[str, str | None, str | None, str | None, str | None]
+
+
+def _frame_attributes(fields: FrameFields) -> dict[str, AttributeValue]:
+    kind, event_id, event_type, request_id, method = fields
+    attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: kind}
+    if event_id is not None:
+        attrs[sc.EVENT_ID] = event_id
+    if event_type is not None:
+        attrs[sc.EVENT_TYPE] = event_type
+    if request_id is not None:
+        attrs[sc.JSONRPC_REQUEST_ID] = request_id
+    if method is not None:
+        attrs[sc.MCP_METHOD_NAME] = method
+    return attrs
+
+
+def _attributes(attrs: Mapping[str, AttributeValue] | FrameFields) -> Mapping[str, AttributeValue]:
+    return _frame_attributes(attrs) if isinstance(attrs, tuple) else attrs
 
 
 class _Deferred:
@@ -140,7 +161,7 @@ class _Deferred:
         self.start_time = start_time or time.time_ns()
         self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.parent: Context | None = None
-        self._events: list[tuple[str, dict[str, AttributeValue], int]] | None = None
+        self._events: list[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
         self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
         self.span: Span | None = None
         self.closed = False  # the span has ended: nothing more goes on it
@@ -148,11 +169,11 @@ class _Deferred:
     def describe(self) -> Description:
         raise NotImplementedError
 
-    def event(self, name: str, attrs: dict[str, AttributeValue]) -> None:
+    def event(self, name: str, attrs: Mapping[str, AttributeValue] | FrameFields) -> None:
         if self.closed:
             return
         if self.span is not None:
-            self.span.add_event(name, attrs)
+            self.span.add_event(name, _attributes(attrs))
         elif self._events is None:
             self._events = [(name, attrs, time.time_ns())]
         else:
@@ -184,7 +205,7 @@ class _Deferred:
                                           links=[Link(c, a) for c, a in self._links or ()],
                                           start_time=self.start_time)
             for event, attrs, timestamp in self._events or ():
-                self.span.add_event(event, attrs, timestamp)
+                self.span.add_event(event, _attributes(attrs), timestamp)
             self._events = None
         return self.span
 
@@ -342,7 +363,7 @@ class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
     __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "kind", "last_event_id",
-                 "opened", "role", "session_id", "status", "terminal_ids")
+                 "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
 
     def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
                  opened: dict[str, AttributeValue], status: int | None, calls: list[Call], *,
@@ -355,6 +376,7 @@ class Stream(_Deferred):
         self.opened = opened  # what the side saw of the exchange when the response started
         self.status = status
         self.calls = calls
+        self.request_ids = tuple([c.key[1] for c in calls])  # what a resume from any of its events continues
         self.terminal_ids: list[str] = []
         self.events = 0
         self.error_frames = 0
@@ -376,7 +398,7 @@ class Stream(_Deferred):
         if self.session_id is not None:
             attrs[sc.MCP_SESSION_ID] = self.session_id
         if self.calls:
-            attrs[sc.STREAM_REQUEST_IDS] = [c.key[1] for c in self.calls]
+            attrs[sc.STREAM_REQUEST_IDS] = list(self.request_ids)
             if len(self.calls) == 1 and self.calls[0].tool is not None:
                 attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
         return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
@@ -524,36 +546,23 @@ class Tracker:
             if event_id is not None:
                 stream.first_event_id = stream.first_event_id or event_id
                 stream.last_event_id = event_id
-                if stream.calls:
-                    self._index(stream.session_id, event_id, tuple(c.key[1] for c in stream.calls))
+                if stream.request_ids:
+                    self._index(stream.session_id, event_id, stream.request_ids)
             if event_type == "error":
                 self._error_frame(stream, frame)
                 return
             if event_type != "message":
-                self._frame_event(stream, event_id, event_type, sc.FRAME_OTHER, None, None)
+                stream.event(sc.EVENT_FRAME, (sc.FRAME_OTHER, event_id, event_type, None, None))
                 return
             if not frame.data:
                 stream.events += 1
-                self._frame_event(stream, event_id, event_type, sc.FRAME_PRIMING, None, None)
+                stream.event(sc.EVENT_FRAME, (sc.FRAME_PRIMING, event_id, event_type, None, None))
                 return
         for msg in messages:
             stream.events += 1
-            self._frame_event(stream, event_id, event_type, msg.kind, msg.id, msg.method)
+            stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method))
             if msg.id is not None and msg.is_terminal:
                 self._terminal(stream, msg, event_id)
-
-    def _frame_event(self, stream: Stream, event_id: str | None, event_type: str | None, kind: str,
-                     request_id: str | None, method: str | None) -> None:
-        attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: kind}
-        if event_id is not None:
-            attrs[sc.EVENT_ID] = event_id
-        if event_type is not None:
-            attrs[sc.EVENT_TYPE] = event_type
-        if request_id is not None:
-            attrs[sc.JSONRPC_REQUEST_ID] = request_id
-        if method is not None:
-            attrs[sc.MCP_METHOD_NAME] = method
-        stream.event(sc.EVENT_FRAME, attrs)
 
     def _error_frame(self, stream: Stream, frame: SSEFrame) -> None:
         stream.error_frames += 1
@@ -597,7 +606,7 @@ class Tracker:
             call.open_streams -= 1
         pending = stream.pending()
         if (stream.span is None and not pending and not stream.error_frames and (status or 0) < 400
-                and {c.key[1] for c in stream.calls}.issuperset(stream.terminal_ids)):
+                and set(stream.terminal_ids).issubset(stream.request_ids)):
             return
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,

@@ -14,7 +14,8 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import httpx2
@@ -33,6 +34,7 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
+    can_ask,
     content_of,
     era_of,
     read_body,
@@ -69,6 +71,8 @@ class ClientInstrumentation:
         try:
             body = request.content
         except httpx2.RequestNotRead:
+            return []
+        if not can_ask(body):
             return []
         asked = read_body(body)
         if asked.protocol_version is not None:
@@ -147,7 +151,9 @@ class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
 
     An iterator object rather than an async generator: the SDK stops reading at the response and
-    closes the response, and an abandoned async generator costs the event loop a finaliser task."""
+    closes the response, and an abandoned async generator costs the event loop a finaliser task. For
+    the same reason it closes the inner stream's iterator itself, as ``httpx2`` does with the iterators
+    it opens (it cannot see the one behind this object)."""
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
                  status: int) -> None:
@@ -193,6 +199,9 @@ class _TapStream(httpx2.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+        chunks = self._chunks
+        if isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
+            await chunks.aclose()
         await self._inner.aclose()
 
 
@@ -211,8 +220,8 @@ class ClientTap(httpx2.AsyncBaseTransport):
         self._inner = inner
         self.instrumentation = instrumentation
 
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        return await self.instrumentation.handle(self._inner, request)
+    def handle_async_request(self, request: httpx2.Request) -> Coroutine[Any, Any, httpx2.Response]:
+        return self.instrumentation.handle(self._inner, request)  # its coroutine, not one more around it
 
     async def aclose(self) -> None:
         await self._inner.aclose()
