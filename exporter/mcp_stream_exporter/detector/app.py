@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from google.protobuf import json_format
 from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mcp_stream_exporter.detector.credentials import basic_matches, bearer_matches
 from mcp_stream_exporter.detector.detector import Detector
@@ -43,6 +45,23 @@ class Access:
     ingest_token: str | None = None
     api_token: str | None = None
     metrics_basic_auth: tuple[str, str] | None = None  # (user, password)
+
+
+class _IngestFirst:
+    """``POST /v1/traces`` straight to its handler, past routing and FastAPI's endpoint machinery: about
+    a millisecond of the service's CPU a request, a sixth of a 512-span batch's whole cost. Every other
+    request, the same path's other methods (405) among them, goes the usual way."""
+
+    def __init__(self, app: ASGIApp, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        self._app = app
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/traces":
+            response = await self._handler(Request(scope, receive))
+            await response(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
 
 
 def _bearer_ok(request: Request, token: str | None) -> bool:
@@ -116,6 +135,8 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
             if content_type.startswith(JSON):
                 return Response(json_format.MessageToJson(answer), media_type=JSON)
             return Response(answer.SerializeToString(), media_type=PROTOBUF)
+
+        app.add_middleware(_IngestFirst, handler=ingest)
 
     @app.get("/metrics")
     def scrape(request: Request) -> Response:
