@@ -119,7 +119,10 @@ class OperationCounts:
         bucket = bisect_left(_BOUNDS, e.duration_s)
         counts[bucket] += 1
         counts[-1] += e.duration_s
-        last[bucket] = e
+        if len(e.trace_id) <= 32 and len(e.span_id) <= 16:
+            # only a span that can be an exemplar is kept: ids longer than W3C's would break OpenMetrics'
+            # 128 characters of exemplar labels (and Prometheus' whole scrape), and are not held for nothing
+            last[bucket] = e
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -183,8 +186,7 @@ class Operations(Collector):
             buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
             for le, n, e in zip(_LE, counts, last, strict=False):
                 cumulative += n
-                exemplar = None if e is None else _exemplar(e)
-                buckets.append((le, cumulative) if exemplar is None else (le, cumulative, exemplar))
+                buckets.append((le, cumulative) if e is None else (le, cumulative, _exemplar(e)))
             (client if role == sc.ROLE_CLIENT else server).add_metric(values, buckets, counts[-1])
         for key, value in totals:
             calls.add_metric(list(key), value)
@@ -193,11 +195,8 @@ class Operations(Collector):
         yield calls
 
 
-def _exemplar(e: Operation) -> Exemplar | None:
-    """The span's trace and span ids, its duration and its end; none for ids longer than W3C's, which would
-    break the OpenMetrics limit of 128 characters of exemplar labels (and Prometheus' whole scrape)."""
-    if len(e.trace_id) > 32 or len(e.span_id) > 16:
-        return None
+def _exemplar(e: Operation) -> Exemplar:
+    """The span's trace and span ids, its duration and its end."""
     return Exemplar({"trace_id": e.trace_id, "span_id": e.span_id}, e.duration_s, e.start_ns / 1e9 + e.duration_s)
 
 
