@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.events import Operation
 from mcp_stream_exporter.detector.events import Span as ModelSpan
 from mcp_stream_exporter.detector.ingest import IngestError, IngestLimits, _any, _value, decode_protobuf
+from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts
 
 VALUES = [
     AnyValue(string_value="3"), AnyValue(string_value=""), AnyValue(string_value="é" * 200),
@@ -47,63 +49,126 @@ def _kv(key: str, value: Any) -> KeyValue:
 
 
 def _span(i: int, attributes: dict[str, Any], kind: int = Span.SPAN_KIND_CLIENT, name: str = "s",
-          error: bool = False) -> Span:
+          error: bool = False, exception: str | None = "TimeoutError", duration_ns: int = 500_000_000) -> Span:
     span = Span(trace_id=i.to_bytes(16, "big"), span_id=(i + 1).to_bytes(8, "big"), name=name, kind=kind,
-                start_time_unix_nano=1_000_000_000, end_time_unix_nano=1_500_000_000,
+                start_time_unix_nano=1_000_000_000, end_time_unix_nano=1_000_000_000 + duration_ns,
                 attributes=[_kv(k, v) for k, v in attributes.items()],
                 status=Status(code=Status.STATUS_CODE_ERROR if error else Status.STATUS_CODE_UNSET))
-    span.events.add(name="exception").attributes.append(_kv("exception.type", "TimeoutError"))
+    if exception is not None:
+        span.events.add(name="exception").attributes.append(_kv("exception.type", exception))
     return span
 
 
-def test_sdk_spans_become_operations_and_model_spans_keep_only_the_keys_the_detector_reads() -> None:
-    sdk = _span(1, {sc.MCP_METHOD_NAME: "tools/call", sc.JSONRPC_REQUEST_ID: "3", "http.url": "x"},
-                name="MCP send tools/call fetch", error=True)
+def _request(*spans: Span) -> bytes:
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+        spans=spans)])]).SerializeToString()
+
+
+def test_rules_read_sdk_spans_become_operations_healthy_ones_are_counted_model_spans_keep_their_keys() -> None:
+    failed = _span(1, {sc.MCP_METHOD_NAME: "tools/call", sc.JSONRPC_REQUEST_ID: "3", "http.url": "x"},
+                   name="MCP send tools/call fetch", error=True)
+    healthy = _span(7, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: "fetch"},
+                    kind=Span.SPAN_KIND_SERVER, exception=None)
     model = _span(3, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post",
                       sc.END_REASON: sc.END_DROPPED, sc.PENDING_REQUEST_IDS: ["3"], sc.EVENTS_COUNT: 2,
                       "app.secret": "kept out"})
     outside = _span(5, {"http.method": "GET"})
-    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
-        spans=[sdk, model, outside])])])
-    batch = decode_protobuf(request.SerializeToString(), IngestLimits())
-    operation, stream, other = list(batch.spans)
-    assert batch.count == 3
+    batch = decode_protobuf(_request(failed, healthy, model, outside), IngestLimits())
+    operation, stream, counts = list(batch.spans)
+    assert batch.count == 4
     assert isinstance(operation, Operation)
     assert (operation.role, operation.method, operation.tool, operation.timed_out, operation.trace_id) == (
         sc.ROLE_CLIENT, "tools/call", "fetch", True, (1).to_bytes(16, "big").hex())
-    assert isinstance(stream, ModelSpan) and isinstance(other, ModelSpan)
+    assert isinstance(stream, ModelSpan)
     assert dict(stream.attributes) == {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post",
                                        sc.END_REASON: sc.END_DROPPED, sc.PENDING_REQUEST_IDS: ("3",),
                                        sc.EVENTS_COUNT: 2}
-    assert stream.exception_types == ("TimeoutError",) and other.attributes == {}
+    assert stream.exception_types == ("TimeoutError",)
+    assert isinstance(counts, OperationCounts) and counts.taken == 2  # the healthy span, and the one outside
+    ((key, (buckets, last)),) = counts.counts.items()
+    assert key == (sc.ROLE_SERVER, "tools/call", "fetch", "", None, None)
+    assert buckets[BOUNDS.index(0.5)] == 1 and buckets[-1] == 0.5
+    assert last[BOUNDS.index(0.5)] == ((7).to_bytes(16, "big").hex(), (8).to_bytes(8, "big").hex(), 0.5, 1.5)
+    _, outcome = Detector().read(decode_protobuf(_request(failed, healthy, model, outside), IngestLimits()).spans,
+                                 "otlp_http")
+    assert outcome.accepted == 4
+
+
+def _varied_sdk_spans(n: int) -> list[Span]:
+    """SDK request spans of every shape their labels can take: methods, tools named or not, error types,
+    JSON-RPC codes, timeouts by code or exception, error statuses, kinds, durations, a span too long."""
+    methods = ["tools/call", "tools/list", "initialize", "ping", "made/up"]
+    extras: list[dict[str, Any]] = [{}, {sc.ERROR_TYPE: "tool_error"}, {sc.RPC_RESPONSE_STATUS_CODE: "-32001"},
+                                    {sc.ERROR_TYPE: "-32602", sc.RPC_RESPONSE_STATUS_CODE: "-32602"},
+                                    {sc.NETWORK_TRANSPORT: "tcp", sc.MCP_PROTOCOL_VERSION: "2025-11-25"},
+                                    {sc.ERROR_TYPE: "Bearer eyJhbGciOi.x.y"}, {sc.MCP_METHOD_NAME: "x" * 300}]
+    spans = []
+    for i in range(n):
+        method = methods[i % len(methods)]
+        attributes = {sc.MCP_METHOD_NAME: method, sc.JSONRPC_REQUEST_ID: str(i), **extras[i % len(extras)]}
+        if i % 3 == 0:
+            attributes[sc.GEN_AI_TOOL_NAME] = f"tool-{i % 4}"
+        kind = (Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER, Span.SPAN_KIND_INTERNAL)[i % 7 % 3]
+        spans.append(_span(2 * i, attributes, kind=kind, name=f"MCP send {method} tool-{i % 5}", error=i % 11 == 0,
+                           exception=("TimeoutError", "ValueError", None, None, None)[i // 5 % 5],
+                           duration_ns=(i * 7_919_000) % 9_000_000_000))
+    return spans
+
+
+def test_healthy_sdk_spans_counted_at_once_give_the_labels_counts_and_exemplars_of_reading_each_one() -> None:
+    from mcp_stream_exporter.detector import ingest
+
+    spans = _varied_sdk_spans(700)
+    events, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
+    one_by_one = [ingest._read(s, "") for s in ingest._LeanScopeSpans.FromString(
+        ScopeSpans(spans=spans).SerializeToString()).spans]
+    expected_events, expected_outcome = Detector().read(one_by_one, "otlp_http")
+    assert (outcome.accepted, outcome.rejected) == (expected_outcome.accepted, expected_outcome.rejected)
+    assert outcome.rejected and any(isinstance(e, Operation) for e in events)
+    (counts,) = [e for e in events if isinstance(e, OperationCounts)]
+    (expected,) = [e for e in expected_events if isinstance(e, OperationCounts)]
+    assert counts.taken == expected.taken
+    def tallied(c: OperationCounts) -> dict[Any, Any]:  # per key: counts per bucket, the durations' sum
+        return {k: (b[:-1], round(b[-1], 6)) for k, (b, _) in c.counts.items()}
+
+    assert tallied(counts) == tallied(expected)
+    timing = {(s.trace_id.hex(), s.span_id.hex()): ((s.end_time_unix_nano - s.start_time_unix_nano) / 1e9,
+                                                  s.end_time_unix_nano / 1e9) for s in spans}
+    for key, (_, last) in counts.counts.items():  # an exemplar: one of the batch's spans of that key and bucket
+        assert [s is None for s in last] == [s is None for s in expected.counts[key][1]]
+        for bucket, sample in enumerate(last):
+            assert sample is None or (timing[sample[:2]] == pytest.approx(sample[2:])
+                                      and bisect_left(BOUNDS, sample[2]) == bucket)
+    assert [e for e in events if not isinstance(e, OperationCounts)] == [
+        e for e in expected_events if not isinstance(e, OperationCounts)]
+
+
+def test_the_memo_of_sdk_span_labels_is_bounded_in_entries_and_in_the_bytes_of_each() -> None:
+    from mcp_stream_exporter.detector import ingest
+
+    tools = [f"tool-{i}" for i in range(ingest._LABELS_MAX + 100)] + ["t" * 600, "tool-1"]
+    spans = [_span(2 * i, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: tool}, kind=Span.SPAN_KIND_SERVER,
+                   exception=None) for i, tool in enumerate(tools)]
+    _, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
+    assert outcome.accepted == len(tools) - 1 and outcome.rejected  # the 600-character tool breaks the model
+    assert 0 < len(ingest._LABELS) <= ingest._LABELS_MAX
+    assert all(sum(len(v or b"") for v in values) + len(name or "") <= ingest._LABELS_KEY_MAX_BYTES
+               for _, _, values, name in ingest._LABELS)
 
 
 def test_a_batch_decoded_in_runs_of_spans_yields_every_span_once_in_order() -> None:
-    spans = [_span(i, {sc.MCP_METHOD_NAME: "ping", "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER)
+    spans = [_span(i, {sc.SPAN: sc.SPAN_STREAM, "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER)
              for i in range(0, 200, 2)]
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans[:60]),
                                                                                     ScopeSpans(spans=spans[60:])])])
     batch = decode_protobuf(request.SerializeToString(), IngestLimits(max_span_bytes=4096))  # runs of ~4 spans
     read = list(batch.spans)
     assert batch.count == len(read) == 100
-    assert [r.span_id for r in read] == [s.span_id.hex() for s in spans]
+    assert [r.span_id for r in read if isinstance(r, ModelSpan)] == [s.span_id.hex() for s in spans]
 
 
 def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
-    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[
-        _span(1, {sc.MCP_METHOD_NAME: "x" * 300}), _span(3, {sc.MCP_METHOD_NAME: "ping"})])])])
-    _, outcome = Detector().read(decode_protobuf(request.SerializeToString(), IngestLimits()).spans, "otlp_http")
+    spans = [_span(1, {sc.MCP_METHOD_NAME: "x" * 300}, exception=None), _span(3, {sc.MCP_METHOD_NAME: "ping"})]
+    _, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
     assert outcome.accepted == 1
     assert outcome.rejected == {f"{sc.MCP_METHOD_NAME} longer than 256 characters": 1}
-
-
-def test_sdk_attribute_values_are_memoised_short_and_bounded_and_read_the_same() -> None:
-    from mcp_stream_exporter.detector import ingest
-    tools = [f"tool-{i}" for i in range(3000)] + ["t" * 200, "tool-1"]
-    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=[
-        _span(2 * i, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: tool}, kind=Span.SPAN_KIND_SERVER)
-        for i, tool in enumerate(tools)])])])
-    operations = list(decode_protobuf(request.SerializeToString(), IngestLimits()).spans)
-    assert [o.tool for o in operations] == tools
-    assert 0 < len(ingest._SDK_VALUES) <= ingest._SDK_VALUES_MAX
-    assert all(len(encoded) <= ingest._SDK_VALUE_MAX_BYTES for encoded in ingest._SDK_VALUES)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import (
     CallEnd,
     Lifecycle,
@@ -24,6 +23,7 @@ from mcp_stream_exporter.detector.events import (
     Span,
     StreamEnd,
     lifecycle,
+    read_by_rules,
 )
 from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import CallState, Ledger, LedgerLimits
@@ -87,30 +87,35 @@ class Detector:
         self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
         self._on_finding = on_finding
 
-    def read(self, spans: Iterable[Span | Operation], transport: str) -> tuple[list[Event], Outcome]:
+    def read(self, spans: Iterable[Span | Operation | OperationCounts],
+             transport: str) -> tuple[list[Event], Outcome]:
         """Spans -> lifecycle events, without touching the ledger (no lock: callers may run it on
         their own thread). A span that breaks the span model is refused with its reason; spans
-        outside the model are taken and ignored. The SDK's request spans (as spans, or already read by
-        an OTLP reader) are counted for the metrics in one :class:`OperationCounts` per batch; only a
-        client's give-up or failure of a ``tools/call``, which rules and timelines read, is an event."""
+        outside the model are taken and ignored. The SDK's request spans (as spans, already read by an
+        OTLP reader, or counted by it) are counted for the metrics in one :class:`OperationCounts` per
+        batch; only those that rules read (``read_by_rules``) are events."""
         events: list[Event] = []
         counts = OperationCounts()
         outcome = Outcome()
         for span in spans:
+            if type(span) is OperationCounts:
+                counts.merge(span)
+                continue
             try:
-                event = span if isinstance(span, Operation) else lifecycle(span)
+                event = span if type(span) is Operation else lifecycle(span)  # type: ignore[arg-type]
             except Rejected as rejected:
                 reason = str(rejected)
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + 1
                 continue
-            outcome.accepted += 1
             if type(event) is Operation:
                 counts.add(event)
-                if event.role == sc.ROLE_CLIENT and event.method == "tools/call" and (
-                        event.timed_out or event.error_type is not None):
+                if read_by_rules(event):
                     events.append(event)
-            elif event is not None:
-                events.append(event)
+            else:
+                outcome.accepted += 1
+                if event is not None:
+                    events.append(event)
+        outcome.accepted += counts.taken  # the SDK's request spans, and any an OTLP reader skipped
         if counts:
             events.append(counts)
         self.metrics.spans_received.labels(transport).inc(outcome.accepted + outcome.rejected_count)

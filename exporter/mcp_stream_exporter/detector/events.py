@@ -62,9 +62,12 @@ READ_KEYS = frozenset({
 })
 
 
+ORIGIN_KEYS = ("service.instance.id", "service.name")  # the resource attributes origin_of reads
+
+
 def origin_of(resource: Mapping[str, Any]) -> str:
     """Which process emitted a span, from its resource: ``service.instance.id``, else ``service.name``."""
-    return str(resource.get("service.instance.id") or resource.get("service.name") or "")
+    return str(resource.get(ORIGIN_KEYS[0]) or resource.get(ORIGIN_KEYS[1]) or "")
 
 
 class Rejected(ValueError):
@@ -179,6 +182,13 @@ class Operation:
 
 
 Lifecycle = StreamEnd | CallEnd | Replay | Operation
+
+
+def read_by_rules(e: Operation) -> bool:
+    """A client's give-up or failure of a ``tools/call``: the one kind of SDK request span that rules and
+    timelines read. Every other one only counts toward the metrics."""
+    return e.role == KIND_CLIENT and e.method == "tools/call" and (e.timed_out or e.error_type is not None)
+
 _TERMINAL = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 
 

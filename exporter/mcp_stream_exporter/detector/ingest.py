@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import zlib
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -44,15 +45,17 @@ from mcp_stream_exporter.detector.events import (
     KIND_INTERNAL,
     KIND_SERVER,
     MAX_CHARS,
+    ORIGIN_KEYS,
     READ_KEYS,
     Operation,
     Rejected,
     Span,
     operation,
     origin_of,
+    read_by_rules,
     weight,
 )
-from mcp_stream_exporter.detector.metrics import OperationCounts
+from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts, Sample, new_tally
 from mcp_stream_exporter.detector.redaction import redact
 
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -61,7 +64,7 @@ ExportResponse = trace_service_pb2.ExportTraceServiceResponse
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-_KINDS = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
+_KINDS: dict[int, str] = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
 _MAX_ARRAY = 1_000  # values kept from one array attribute
 _ERROR = Status.STATUS_CODE_ERROR
 _EXCEPTION_TYPE = "exception.type"
@@ -113,7 +116,7 @@ class Batch:
     """A decoded request: its spans counted up front, read one at a time."""
 
     count: int
-    spans: Iterable[Span | Operation]
+    spans: Iterable[Span | Operation | OperationCounts]
 
 
 def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
@@ -127,11 +130,44 @@ def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
 
 
 def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
+    """A request no larger than what one decoding may cost (``max_span_bytes``), nearly every exporter's
+    batch, is decoded whole by upb once its spans are counted; a larger one is walked at the wire level
+    and decoded in runs of spans."""
+    scopes: Iterable[tuple[str, Any]]
     try:
-        located = _locate_spans(memoryview(body), limits)
+        if len(body) <= limits.max_span_bytes:
+            count, scopes = _small_request(body, limits)
+        else:
+            located = _locate_spans(memoryview(body), limits)
+            count, scopes = sum(n for _, _, n in located), _runs(located)
     except DecodeError as exc:
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
-    return Batch(sum(n for _, _, n in located), _decoded_spans(located))
+    return Batch(count, _decoded_spans(scopes))
+
+
+def _small_request(body: bytes, limits: IngestLimits) -> tuple[int, list[tuple[str, Any]]]:
+    """(span count, [(origin, spans)]): the spans counted on a skeleton of the request (each span as
+    bytes, no message built) before the request is decoded."""
+    skeleton = _SkeletonRequest.FromString(body).resource_spans
+    scopes_spans = [len(scope.spans) for resource_spans in skeleton for scope in resource_spans.scope_spans]
+    if len(skeleton) + len(scopes_spans) > _fields_around_spans(limits):
+        raise _too_many_fields(limits)
+    count = sum(scopes_spans)
+    _check_span_count(count, limits)
+    scopes = []
+    for resource_spans in _LeanRequest.FromString(body).resource_spans:
+        origin = _origin({key: _any(value) for key, value in resource_spans.resource.attributes.items()
+                          if key in ORIGIN_KEYS})
+        scopes += [(origin, scope.spans) for scope in resource_spans.scope_spans if scope.spans]
+    return count, scopes
+
+
+def _runs(located: list[tuple[str, memoryview, int]]) -> Iterator[tuple[str, Any]]:
+    for origin, encoded, _ in located:
+        try:
+            yield origin, _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
+        except DecodeError as exc:
+            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
 
 
 def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
@@ -164,7 +200,7 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
     """(origin, encoded spans, how many) for runs of consecutive spans of the request, each run at most
     ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as soon as there are too
     many (spans, or fields around them) or one is too large. Work: at most a few steps per span."""
-    fields = [3 * limits.max_spans_per_request + 64]  # fields walked, left
+    fields = [_fields_around_spans(limits)]  # fields walked, left
     located: list[tuple[str, memoryview, int]] = []
     count = 0
     for resource_spans in _messages(body, 1, fields, limits):
@@ -198,6 +234,16 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
     return located
 
 
+def _fields_around_spans(limits: IngestLimits) -> int:
+    """Spans, and the resource and scope messages around them, a request may carry."""
+    return 3 * limits.max_spans_per_request + 64
+
+
+def _too_many_fields(limits: IngestLimits) -> IngestError:
+    return IngestError(413, f"too many fields around the spans; at most {limits.max_spans_per_request} spans per "
+                       "request", "too_many_spans")
+
+
 def _messages(buf: memoryview, number: int, fields: list[int], limits: IngestLimits) -> Iterator[memoryview]:
     for n, value, _, _ in _length_fields(buf, fields, limits):
         if n == number:
@@ -212,8 +258,7 @@ def _length_fields(buf: memoryview, fields: list[int],
     while pos < end:
         fields[0] -= 1
         if fields[0] < 0:
-            raise IngestError(413, f"too many fields around the spans; at most {limits.max_spans_per_request} "
-                              "spans per request", "too_many_spans")
+            raise _too_many_fields(limits)
         start = pos
         key = buf[pos]
         if key < 0x80:  # a one-byte varint: every field number the walk descends into
@@ -264,18 +309,55 @@ def _origin(resource: dict[str, Any]) -> str:
     return redact(origin_of(resource)[:MAX_CHARS])
 
 
-def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span | Operation]:
-    for origin, encoded, _ in located:
-        try:
-            spans = _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
-        except DecodeError as exc:
-            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+def _decoded_spans(scopes: Iterable[tuple[str, Any]]) -> Iterator[Span | Operation | OperationCounts]:
+    """Each span, read (``_read``), except the SDK's healthy request spans, nearly all of real traffic:
+    those are counted at once into the batch's :class:`OperationCounts` (yielded last), with no
+    :class:`Operation` each, from a memo of their labels by their raw attribute values."""
+    tallies: dict[Any, tuple[list[float], list[Any]]] = {}
+    taken = 0
+    for origin, spans in scopes:
         for span in spans:
+            values = tuple(map(span.attributes.get, _FAST_KEYS))
+            if values[0] is None:  # not one of the model's spans
+                if values[1] is None:
+                    taken += 1  # outside the model: nothing of it is read
+                    continue
+                if not span.events:
+                    raw = (span.kind, span.status.code, values, span.name if values[2] is None else None)
+                    key = _LABELS.get(raw, _UNKNOWN)
+                    if key is _UNKNOWN:
+                        key = _labels(raw)
+                    if key is not None:
+                        start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                        duration = (end - start) / 1e9 if end > start else 0.0
+                        tally = tallies.get(key)
+                        if tally is None:
+                            tally = tallies[key] = new_tally()
+                        bucket = bisect_left(BOUNDS, duration)
+                        tally[0][bucket] += 1
+                        tally[0][-1] += duration
+                        tally[1][bucket] = span
+                        taken += 1
+                        continue
             try:
                 read = _read(span, origin)
             except UnicodeDecodeError:
                 raise IngestError(400, _NOT_UTF8, "malformed") from None
             yield read
+    if taken:
+        for _, last in tallies.values():
+            last[:] = map(_sample, last)
+        yield OperationCounts(tallies, taken)
+
+
+def _sample(span: Any) -> Sample | None:
+    """A bucket's last span as its exemplar, if its ids can be one (W3C lengths: longer would break
+    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape)."""
+    if span is None or len(span.trace_id) > 16 or len(span.span_id) > 8:
+        return None
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    duration = (end - start) / 1e9 if end > start else 0.0
+    return span.trace_id.hex(), span.span_id.hex(), duration, start / 1e9 + duration
 
 
 # --- the lean schema: OTLP's ScopeSpans and Span as the detector decodes them. Wire-compatible with
@@ -287,12 +369,12 @@ _T = descriptor_pb2.FieldDescriptorProto
 _LEAN = "mcp_stream_exporter.lean"
 
 
-def _field(message: Any, name: str, number: int, kind: int, type_name: str | None = None) -> None:
-    field = message.field.add(name=name, number=number, type=kind, label=_T.LABEL_OPTIONAL)
+def _field(message: Any, name: str, number: int, kind: int, type_name: str | None = None,
+           repeated: bool = False) -> None:
+    field = message.field.add(name=name, number=number, type=kind,
+                              label=_T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL)
     if type_name is not None:
         field.type_name = f".{_LEAN}.{type_name}"
-        if name != "status":
-            field.label = _T.LABEL_REPEATED
 
 
 def _attribute_map(message: Any, owner: str, number: int) -> None:
@@ -300,15 +382,21 @@ def _attribute_map(message: Any, owner: str, number: int) -> None:
     entry.options.map_entry = True
     _field(entry, "key", 1, _T.TYPE_STRING)
     _field(entry, "value", 2, _T.TYPE_BYTES)
-    _field(message, "attributes", number, _T.TYPE_MESSAGE, f"{owner}.AttributesEntry")
+    _field(message, "attributes", number, _T.TYPE_MESSAGE, f"{owner}.AttributesEntry", repeated=True)
 
 
-def _lean_scope_spans() -> Any:
+def _number(descriptor: Any, name: str) -> int:
+    return int(descriptor.fields_by_name[name].number)
+
+
+def _lean_schema() -> tuple[Any, Any, Any]:
+    """The lean request, its ScopeSpans (for runs of spans), and the skeleton request whose spans stay
+    bytes (to count them before anything is decoded)."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
     status = file.message_type.add(name="Status")
-    _field(status, "code", Status.DESCRIPTOR.fields_by_name["code"].number, _T.TYPE_INT32)
+    _field(status, "code", _number(Status.DESCRIPTOR, "code"), _T.TYPE_INT32)
     span = file.message_type.add(name="Span")
     for name, kind in (("trace_id", _T.TYPE_BYTES), ("span_id", _T.TYPE_BYTES), ("parent_span_id", _T.TYPE_BYTES),
                        ("name", _T.TYPE_STRING), ("kind", _T.TYPE_INT32), ("start_time_unix_nano", _T.TYPE_FIXED64),
@@ -316,35 +404,60 @@ def _lean_scope_spans() -> Any:
         _field(span, name, number[name], kind)
     _attribute_map(span, "Span", number["attributes"])
     event = span.nested_type.add(name="Event")
-    _field(event, "name", OtlpSpan.Event.DESCRIPTOR.fields_by_name["name"].number, _T.TYPE_STRING)
-    _attribute_map(event, "Span.Event", OtlpSpan.Event.DESCRIPTOR.fields_by_name["attributes"].number)
-    _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event")
+    _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
+    _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
+    _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
     _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
-    scope_spans = file.message_type.add(name="ScopeSpans")
-    _field(scope_spans, "spans", ScopeSpans.DESCRIPTOR.fields_by_name["spans"].number, _T.TYPE_MESSAGE, "Span")
+    spans = _number(ScopeSpans.DESCRIPTOR, "spans")
+    _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
+    resource = file.message_type.add(name="Resource")
+    _attribute_map(resource, "Resource", _number(Resource.DESCRIPTOR, "attributes"))
+    resource_spans = ExportRequest.DESCRIPTOR.fields_by_name["resource_spans"]
+    for prefix, scope in (("", "ScopeSpans"), ("Skeleton", "SkeletonScopeSpans")):
+        message = file.message_type.add(name=f"{prefix}ResourceSpans")
+        if not prefix:
+            _field(message, "resource", _number(resource_spans.message_type, "resource"), _T.TYPE_MESSAGE, "Resource")
+        _field(message, "scope_spans", _number(resource_spans.message_type, "scope_spans"), _T.TYPE_MESSAGE, scope,
+               repeated=True)
+        _field(file.message_type.add(name=f"{prefix}Request"), "resource_spans", resource_spans.number,
+               _T.TYPE_MESSAGE, f"{prefix}ResourceSpans", repeated=True)
+    _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.ScopeSpans"))
+    request, scope_spans, skeleton = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
+                                      for name in ("Request", "ScopeSpans", "SkeletonRequest"))
+    return request, scope_spans, skeleton
 
 
-_LeanScopeSpans = _lean_scope_spans()
-_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
-             sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
-# encoded value -> value, for the SDK spans' attributes: methods, tools, versions, codes repeat span after
-# span; a look-up costs less than decoding. Bounded: short values only, emptied when full (unique values
-# only lose the gain).
-_SDK_VALUES: dict[bytes, Any] = {}
-_SDK_VALUES_MAX = 1024
-_SDK_VALUE_MAX_BYTES = 128
+_LeanRequest, _LeanScopeSpans, _SkeletonRequest = _lean_schema()
+# the model's key, then the keys of the SDK's request spans that their labels are made of
+_FAST_KEYS = (sc.SPAN, sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
+              sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
+_SDK_KEYS = _FAST_KEYS[1:]
+# (kind, status code, encoded values of _FAST_KEYS, the name when no tool is set) -> the span's labels,
+# or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
+# versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
+_LABELS: dict[Any, Any] = {}
+_LABELS_MAX = 4096
+_LABELS_KEY_MAX_BYTES = 512
+_UNKNOWN = object()
 
 
-def _sdk_value(encoded: bytes) -> Any:
-    value = _any(encoded)
-    if len(encoded) <= _SDK_VALUE_MAX_BYTES:
-        if len(_SDK_VALUES) >= _SDK_VALUES_MAX:
-            _SDK_VALUES.clear()
-        _SDK_VALUES[encoded] = value
-    return value
+def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
+    kind, code, values, name = raw
+    role = _KINDS.get(kind)
+    labels = None
+    if role is not None:
+        attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values[1:], strict=True)
+                      if value is not None}
+        with suppress(Rejected):
+            e = operation(role, name or "", attributes, (), code == _ERROR, "", "", 0, 0, "")
+            labels = None if read_by_rules(e) else OperationCounts.key(e)
+    if sum(len(v) for v in values if v is not None) + len(name or "") <= _LABELS_KEY_MAX_BYTES:
+        if len(_LABELS) >= _LABELS_MAX:
+            _LABELS.clear()
+        _LABELS[raw] = labels
+    return labels
 
 
 def _any(encoded: bytes) -> Any:
@@ -458,12 +571,7 @@ def _read(s: Any, origin: str) -> Span | Operation:
                 attributes[key] = (value[2:].decode() if len(value) > 1 and value[0] == 0x0A
                                    and value[1] == len(value) - 2 and value[1] < 0x80 else _any(value))
     elif sc.MCP_METHOD_NAME in encoded:
-        attributes = {}
-        for key in _SDK_KEYS:
-            if key in encoded:
-                raw = encoded[key]
-                value = _SDK_VALUES.get(raw)
-                attributes[key] = value if value is not None else _sdk_value(raw)
+        attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
     else:
         attributes = {}  # outside the model: nothing of it is read
     kind = _KINDS.get(s.kind, KIND_INTERNAL)

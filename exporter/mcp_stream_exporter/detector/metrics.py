@@ -84,13 +84,15 @@ class ToolLabels:
         return (*sorted(self._seen), OTHER) if self._fixed else ()
 
 
-_BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
+BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
 _LE = (*(repr(float(b)) for b in SEMCONV_DURATION_BUCKETS), "+Inf")  # as prometheus_client writes them
 
 
 _Key = tuple[str, str, str | None, str, str | None, str | None]  # role, method, tool, error, transport, version
+# a bucket's exemplar: the trace and span id (hex, W3C lengths), the duration and the span's end in seconds
+Sample = tuple[str, str, float, float]
 _KEY_BYTES = 1200  # a key's tuple and strings, its two lists and its dict slot (events.weight's rates)
-_SPAN_BYTES = 1000  # an Operation kept as a bucket's exemplar, with its ids
+_SAMPLE_BYTES = 300  # a Sample, as events.weight sizes it
 
 
 class OperationCounts:
@@ -99,30 +101,51 @@ class OperationCounts:
     (``Operations.add``) instead of span by span, with the last span of the batch in each bucket (its
     exemplar). The method and the error are from their closed sets already; the tool (``ToolLabels``
     keeps state), the transport and the protocol version are mapped to their labels when added, once
-    per batch and key rather than per span."""
+    per batch and key rather than per span.
 
-    __slots__ = ("counts",)
+    ``taken`` is how many spans of the batch these counts stand for: an OTLP reader counts the SDK's
+    healthy request spans here without an :class:`Operation` each, and skips spans outside the model."""
 
-    def __init__(self) -> None:
+    __slots__ = ("counts", "taken")
+
+    def __init__(self, counts: dict[_Key, tuple[list[float], list[Sample | None]]] | None = None,
+                 taken: int = 0) -> None:
         # key -> ([count per bucket (+Inf last), sum of durations], [the last span per bucket])
-        self.counts: dict[_Key, tuple[list[float], list[Operation | None]]] = {}
+        self.counts = counts if counts is not None else {}
+        self.taken = taken
 
-    def add(self, e: Operation) -> None:
+    @staticmethod
+    def key(e: Operation) -> _Key:
         method = e.method if e.method in _METHODS else OTHER
         error = "timeout" if e.timed_out else ("" if e.error_type is None else
                                                e.error_type if e.error_type in _ERROR_TYPES else OTHER)
-        key = (e.role, method, e.tool, error, e.transport, e.protocol_version)
-        entry = self.counts.get(key)
+        return (e.role, method, e.tool, error, e.transport, e.protocol_version)
+
+    def add(self, e: Operation) -> None:
+        self.taken += 1
+        entry = self.counts.get(key := self.key(e))
         if entry is None:
-            entry = self.counts[key] = ([0.0] * (len(_BOUNDS) + 1), [None] * len(_BOUNDS))
+            entry = self.counts[key] = new_tally()
         counts, last = entry
-        bucket = bisect_left(_BOUNDS, e.duration_s)
+        bucket = bisect_left(BOUNDS, e.duration_s)
         counts[bucket] += 1
         counts[-1] += e.duration_s
         if len(e.trace_id) <= 32 and len(e.span_id) <= 16:
             # only a span that can be an exemplar is kept: ids longer than W3C's would break OpenMetrics'
             # 128 characters of exemplar labels (and Prometheus' whole scrape), and are not held for nothing
-            last[bucket] = e
+            last[bucket] = (e.trace_id, e.span_id, e.duration_s, e.start_ns / 1e9 + e.duration_s)
+
+    def merge(self, other: OperationCounts) -> None:
+        self.taken += other.taken
+        if not self.counts:
+            self.counts = other.counts
+            return
+        for key, (counts, last) in other.counts.items():
+            mine = self.counts.get(key)
+            if mine is None:
+                self.counts[key] = (counts, last)
+            else:
+                _add_tally(mine, counts, last)
 
     def __bool__(self) -> bool:
         return bool(self.counts)
@@ -130,7 +153,21 @@ class OperationCounts:
     def weight(self) -> int:
         """About the bytes it holds while it waits in the ingest queue, as ``events.weight`` estimates an
         event's, without walking every span it keeps."""
-        return sum(_KEY_BYTES + _SPAN_BYTES * (len(last) - last.count(None)) for _, last in self.counts.values())
+        return sum(_KEY_BYTES + _SAMPLE_BYTES * (len(last) - last.count(None)) for _, last in self.counts.values())
+
+
+def new_tally() -> tuple[list[float], list[Any]]:
+    """A key's counts per bucket (+Inf, then the sum of durations) and its last span per bucket."""
+    return [0.0] * (len(BOUNDS) + 1), [None] * len(BOUNDS)
+
+
+def _add_tally(total: tuple[list[float], list[Sample | None]], counts: list[float],
+               last: list[Sample | None]) -> None:
+    for i, n in enumerate(counts):
+        total[0][i] += n
+    for i, sample in enumerate(last):
+        if sample is not None:
+            total[1][i] = sample
 
 
 class Operations(Collector):
@@ -143,7 +180,7 @@ class Operations(Collector):
         self._tools = tools
         self._lock = threading.Lock()
         # (role, method, tool, error, transport, protocol version) -> (counts as in OperationCounts, last spans)
-        self._histograms: dict[tuple[str, ...], tuple[list[float], list[Operation | None]]] = {}
+        self._histograms: dict[tuple[str, ...], tuple[list[float], list[Sample | None]]] = {}
         self._calls: dict[tuple[str, str, str], float] = {}  # (role, tool, outcome)
 
     def add(self, batch: OperationCounts) -> None:
@@ -155,11 +192,7 @@ class Operations(Collector):
                 if total is None:
                     self._histograms[key] = (list(counts), list(last))
                 else:
-                    for i, n in enumerate(counts):
-                        total[0][i] += n
-                    for i, e in enumerate(last):
-                        if e is not None:
-                            total[1][i] = e
+                    _add_tally(total, counts, last)
                 if method == "tools/call":
                     outcome = "result" if not error else (error if error in ("tool_error", "timeout") else "error")
                     calls = (role, self._tools(tool), outcome)
@@ -184,9 +217,9 @@ class Operations(Collector):
         for (role, *values), counts, last in histograms:
             cumulative = 0.0
             buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
-            for le, n, e in zip(_LE, counts, last, strict=False):
+            for le, n, sample in zip(_LE, counts, last, strict=False):
                 cumulative += n
-                buckets.append((le, cumulative) if e is None else (le, cumulative, _exemplar(e)))
+                buckets.append((le, cumulative) if sample is None else (le, cumulative, _exemplar(sample)))
             (client if role == sc.ROLE_CLIENT else server).add_metric(values, buckets, counts[-1])
         for key, value in totals:
             calls.add_metric(list(key), value)
@@ -195,9 +228,9 @@ class Operations(Collector):
         yield calls
 
 
-def _exemplar(e: Operation) -> Exemplar:
-    """The span's trace and span ids, its duration and its end."""
-    return Exemplar({"trace_id": e.trace_id, "span_id": e.span_id}, e.duration_s, e.start_ns / 1e9 + e.duration_s)
+def _exemplar(sample: Sample) -> Exemplar:
+    trace_id, span_id, duration_s, end_s = sample
+    return Exemplar({"trace_id": trace_id, "span_id": span_id}, duration_s, end_s)
 
 
 def _closed(value: str, allowed: tuple[str, ...]) -> str:
