@@ -62,12 +62,9 @@ READ_KEYS = frozenset({
 })
 
 
-ORIGIN_KEYS = ("service.instance.id", "service.name")  # the resource attributes origin_of reads
-
-
 def origin_of(resource: Mapping[str, Any]) -> str:
     """Which process emitted a span, from its resource: ``service.instance.id``, else ``service.name``."""
-    return str(resource.get(ORIGIN_KEYS[0]) or resource.get(ORIGIN_KEYS[1]) or "")
+    return str(resource.get("service.instance.id") or resource.get("service.name") or "")
 
 
 class Rejected(ValueError):

@@ -45,7 +45,6 @@ from mcp_stream_exporter.detector.events import (
     KIND_INTERNAL,
     KIND_SERVER,
     MAX_CHARS,
-    ORIGIN_KEYS,
     READ_KEYS,
     Operation,
     Rejected,
@@ -130,44 +129,11 @@ def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
 
 
 def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
-    """A request no larger than what one decoding may cost (``max_span_bytes``), nearly every exporter's
-    batch, is decoded whole by upb once its spans are counted; a larger one is walked at the wire level
-    and decoded in runs of spans."""
-    scopes: Iterable[tuple[str, Any]]
     try:
-        if len(body) <= limits.max_span_bytes:
-            count, scopes = _small_request(body, limits)
-        else:
-            located = _locate_spans(memoryview(body), limits)
-            count, scopes = sum(n for _, _, n in located), _runs(located)
+        located = _locate_spans(memoryview(body), limits)
     except DecodeError as exc:
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
-    return Batch(count, _decoded_spans(scopes))
-
-
-def _small_request(body: bytes, limits: IngestLimits) -> tuple[int, list[tuple[str, Any]]]:
-    """(span count, [(origin, spans)]): the spans counted on a skeleton of the request (each span as
-    bytes, no message built) before the request is decoded."""
-    skeleton = _SkeletonRequest.FromString(body).resource_spans
-    scopes_spans = [len(scope.spans) for resource_spans in skeleton for scope in resource_spans.scope_spans]
-    if len(skeleton) + len(scopes_spans) > _fields_around_spans(limits):
-        raise _too_many_fields(limits)
-    count = sum(scopes_spans)
-    _check_span_count(count, limits)
-    scopes = []
-    for resource_spans in _LeanRequest.FromString(body).resource_spans:
-        origin = _origin({key: _any(value) for key, value in resource_spans.resource.attributes.items()
-                          if key in ORIGIN_KEYS})
-        scopes += [(origin, scope.spans) for scope in resource_spans.scope_spans if scope.spans]
-    return count, scopes
-
-
-def _runs(located: list[tuple[str, memoryview, int]]) -> Iterator[tuple[str, Any]]:
-    for origin, encoded, _ in located:
-        try:
-            yield origin, _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
-        except DecodeError as exc:
-            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+    return Batch(sum(n for _, _, n in located), _decoded_spans(located))
 
 
 def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
@@ -199,7 +165,9 @@ _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview, int]]:
     """(origin, encoded spans, how many) for runs of consecutive spans of the request, each run at most
     ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as soon as there are too
-    many (spans, or fields around them) or one is too large. Work: at most a few steps per span."""
+    many (spans, or fields around them) or one is too large. A scope within that bound, nearly every
+    exporter's, is one run whose spans upb counts (as bytes, no message built); a larger one is walked
+    here, at most a few steps per span."""
     fields = [_fields_around_spans(limits)]  # fields walked, left
     located: list[tuple[str, memoryview, int]] = []
     count = 0
@@ -213,6 +181,14 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
                 scopes.append(value)
         origin = _resource_origin(resource, limits)
         for scope in scopes:
+            if len(scope) <= limits.max_span_bytes:
+                spans = len(_SkeletonScopeSpans.FromString(scope).spans)
+                fields[0] -= spans
+                count += spans
+                _check_span_count(count, limits)
+                if spans:
+                    located.append((origin, scope, spans))
+                continue
             run_start = run_end = run_spans = 0
             for number, span, start, end in _length_fields(scope, fields, limits):
                 if number != 2:
@@ -309,13 +285,17 @@ def _origin(resource: dict[str, Any]) -> str:
     return redact(origin_of(resource)[:MAX_CHARS])
 
 
-def _decoded_spans(scopes: Iterable[tuple[str, Any]]) -> Iterator[Span | Operation | OperationCounts]:
+def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span | Operation | OperationCounts]:
     """Each span, read (``_read``), except the SDK's healthy request spans, nearly all of real traffic:
     those are counted at once into the batch's :class:`OperationCounts` (yielded last), with no
     :class:`Operation` each, from a memo of their labels by their raw attribute values."""
     tallies: dict[Any, tuple[list[float], list[Any]]] = {}
     taken = 0
-    for origin, spans in scopes:
+    for origin, encoded, _ in located:
+        try:
+            spans = _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
+        except DecodeError as exc:
+            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
             values = tuple(map(span.attributes.get, _FAST_KEYS))
             if values[0] is None:  # not one of the model's spans
@@ -389,9 +369,9 @@ def _number(descriptor: Any, name: str) -> int:
     return int(descriptor.fields_by_name[name].number)
 
 
-def _lean_schema() -> tuple[Any, Any, Any]:
-    """The lean request, its ScopeSpans (for runs of spans), and the skeleton request whose spans stay
-    bytes (to count them before anything is decoded)."""
+def _lean_schema() -> tuple[Any, Any]:
+    """The lean ScopeSpans, and its skeleton whose spans stay bytes (to count them before anything is
+    decoded)."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
@@ -410,26 +390,15 @@ def _lean_schema() -> tuple[Any, Any, Any]:
     _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
     spans = _number(ScopeSpans.DESCRIPTOR, "spans")
     _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
-    resource = file.message_type.add(name="Resource")
-    _attribute_map(resource, "Resource", _number(Resource.DESCRIPTOR, "attributes"))
-    resource_spans = ExportRequest.DESCRIPTOR.fields_by_name["resource_spans"]
-    for prefix, scope in (("", "ScopeSpans"), ("Skeleton", "SkeletonScopeSpans")):
-        message = file.message_type.add(name=f"{prefix}ResourceSpans")
-        if not prefix:
-            _field(message, "resource", _number(resource_spans.message_type, "resource"), _T.TYPE_MESSAGE, "Resource")
-        _field(message, "scope_spans", _number(resource_spans.message_type, "scope_spans"), _T.TYPE_MESSAGE, scope,
-               repeated=True)
-        _field(file.message_type.add(name=f"{prefix}Request"), "resource_spans", resource_spans.number,
-               _T.TYPE_MESSAGE, f"{prefix}ResourceSpans", repeated=True)
     _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    request, scope_spans, skeleton = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
-                                      for name in ("Request", "ScopeSpans", "SkeletonRequest"))
-    return request, scope_spans, skeleton
+    scope_spans, skeleton = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
+                             for name in ("ScopeSpans", "SkeletonScopeSpans"))
+    return scope_spans, skeleton
 
 
-_LeanRequest, _LeanScopeSpans, _SkeletonRequest = _lean_schema()
+_LeanScopeSpans, _SkeletonScopeSpans = _lean_schema()
 # the model's key, then the keys of the SDK's request spans that their labels are made of
 _FAST_KEYS = (sc.SPAN, sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
               sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
