@@ -172,3 +172,16 @@ def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
     _, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
     assert outcome.accepted == 1
     assert outcome.rejected == {f"{sc.MCP_METHOD_NAME} longer than 256 characters": 1}
+
+
+def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same() -> None:
+    from mcp_stream_exporter.detector import ingest
+
+    ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX + 100)] + ["r" * 300, "request-1"]
+    spans = [_span(2 * i, {sc.SPAN: sc.SPAN_STREAM, sc.PENDING_REQUEST_IDS: [request_id],
+                           sc.EVENT_LAST_ID: request_id}, exception=None) for i, request_id in enumerate(ids)]
+    read = [s for s in decode_protobuf(_request(*spans), IngestLimits()).spans if isinstance(s, ModelSpan)]
+    assert [(s.attributes[sc.PENDING_REQUEST_IDS], s.attributes[sc.EVENT_LAST_ID]) for s in read] == [
+        ((request_id,), request_id) for request_id in ids]
+    assert 0 < len(ingest._MODEL_VALUES) <= ingest._MODEL_VALUES_MAX
+    assert all(len(encoded) <= ingest._MODEL_VALUE_MAX_BYTES for encoded in ingest._MODEL_VALUES)

@@ -429,6 +429,23 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
     return labels
 
 
+# encoded value -> value, for the model's attributes: a call's ids, its session, tool, token view and
+# resources repeat on each of its spans, and roles, kinds and reasons on all. Bounded: short values
+# only, emptied when full.
+_MODEL_VALUES: dict[bytes, Any] = {}
+_MODEL_VALUES_MAX = 8192
+_MODEL_VALUE_MAX_BYTES = 256
+
+
+def _model_value(encoded: bytes) -> Any:
+    value = _any(encoded)
+    if len(encoded) <= _MODEL_VALUE_MAX_BYTES:
+        if len(_MODEL_VALUES) >= _MODEL_VALUES_MAX:
+            _MODEL_VALUES.clear()
+        _MODEL_VALUES[encoded] = value
+    return value
+
+
 def _any(encoded: bytes) -> Any:
     """An encoded AnyValue's value. The shapes of nearly every attribute (a short string, an int, an
     array of short strings) are read without building messages; anything else by protobuf."""
@@ -533,12 +550,10 @@ def _read(s: Any, origin: str) -> Span | Operation:
     model = sc.SPAN in encoded
     if model:
         attributes = {}
-        for key in encoded:
+        for key, value in encoded.items():
             if key in READ_KEYS:
-                value = encoded[key]
-                # a short string, nearly every attribute of the model, without a call
-                attributes[key] = (value[2:].decode() if len(value) > 1 and value[0] == 0x0A
-                                   and value[1] == len(value) - 2 and value[1] < 0x80 else _any(value))
+                decoded = _MODEL_VALUES.get(value)
+                attributes[key] = decoded if decoded is not None else _model_value(value)
     elif sc.MCP_METHOD_NAME in encoded:
         attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
     else:
