@@ -297,13 +297,14 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
-            values = tuple(map(span.attributes.get, _FAST_KEYS))
-            if values[0] is None:  # not one of the model's spans
-                if values[1] is None:
+            attributes = span.attributes
+            if sc.SPAN not in attributes:  # not one of the model's spans
+                values = tuple(map(attributes.get, _SDK_KEYS))
+                if values[0] is None:
                     taken += 1  # outside the model: nothing of it is read
                     continue
                 if not span.events:
-                    raw = (span.kind, span.status, values, span.name if values[2] is None else None)
+                    raw = (span.kind, span.status, values, span.name if values[1] is None else None)
                     key = _LABELS.get(raw, _UNKNOWN)
                     if key is _UNKNOWN:
                         key = _labels(raw)
@@ -407,11 +408,10 @@ def _error(status: bytes) -> bool:
         return bool(status) and _LeanStatus.FromString(status).code == _ERROR
     except DecodeError as exc:
         raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-# the model's key, then the keys of the SDK's request spans that their labels are made of
-_FAST_KEYS = (sc.SPAN, sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
-              sc.NETWORK_TRANSPORT, sc.MCP_PROTOCOL_VERSION)
-_SDK_KEYS = _FAST_KEYS[1:]
-# (kind, status code, encoded values of _FAST_KEYS, the name when no tool is set) -> the span's labels,
+# the keys of the SDK's request spans that their labels are made of
+_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
+             sc.MCP_PROTOCOL_VERSION)
+# (kind, encoded status, encoded values of _SDK_KEYS, the name when no tool is set) -> the span's labels,
 # or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
 # versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
 _LABELS: dict[Any, Any] = {}
@@ -425,7 +425,7 @@ def _labels(raw: tuple[int, bytes, tuple[bytes | None, ...], str | None]) -> Any
     role = _KINDS.get(kind)
     labels = None
     if role is not None:
-        attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values[1:], strict=True)
+        attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values, strict=True)
                       if value is not None}
         with suppress(Rejected):
             e = operation(role, name or "", attributes, (), _error(status), "", "", 0, 0, "")
