@@ -61,8 +61,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_i
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig
-from mcp_stream_exporter.detector.ingest import IngestLimits, decode_protobuf
 from mcp_stream_exporter.detector.ledger import LedgerLimits
+from mcp_stream_exporter.detector.limits import IngestLimits
+from mcp_stream_exporter.detector.otlp import decode_protobuf
 
 FETCH = "https://mcp.example.com/tools/fetch"
 SEARCH = "https://mcp.example.com/tools/search"

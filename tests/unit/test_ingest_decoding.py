@@ -14,8 +14,9 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.events import Operation
 from mcp_stream_exporter.detector.events import Span as ModelSpan
-from mcp_stream_exporter.detector.ingest import IngestError, IngestLimits, _any, _value, decode_protobuf
+from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts
+from mcp_stream_exporter.detector.otlp import _any, _value, decode_protobuf
 
 VALUES = [
     AnyValue(string_value="3"), AnyValue(string_value=""), AnyValue(string_value="é" * 200),
@@ -116,7 +117,7 @@ def _varied_sdk_spans(n: int) -> list[Span]:
 
 
 def test_healthy_sdk_spans_counted_at_once_give_the_labels_counts_and_exemplars_of_reading_each_one() -> None:
-    from mcp_stream_exporter.detector import ingest
+    from mcp_stream_exporter.detector import otlp as ingest
 
     spans = _varied_sdk_spans(700)
     events, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
@@ -144,7 +145,7 @@ def test_healthy_sdk_spans_counted_at_once_give_the_labels_counts_and_exemplars_
 
 
 def test_the_memo_of_sdk_span_labels_is_bounded_in_entries_and_in_the_bytes_of_each() -> None:
-    from mcp_stream_exporter.detector import ingest
+    from mcp_stream_exporter.detector import otlp as ingest
 
     tools = [f"tool-{i}" for i in range(ingest._LABELS_MAX + 100)] + ["t" * 600, "tool-1"]
     spans = [_span(2 * i, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: tool}, kind=Span.SPAN_KIND_SERVER,
@@ -175,7 +176,7 @@ def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
 
 
 def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same() -> None:
-    from mcp_stream_exporter.detector import ingest
+    from mcp_stream_exporter.detector import otlp as ingest
 
     ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX + 100)] + ["r" * 300, "request-1"]
     spans = [_span(2 * i, {sc.SPAN: sc.SPAN_STREAM, sc.PENDING_REQUEST_IDS: [request_id],

@@ -17,7 +17,8 @@ from promtool import promtool
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
-from mcp_stream_exporter.detector.ingest import IngestLimits, decode_protobuf
+from mcp_stream_exporter.detector.limits import IngestLimits
+from mcp_stream_exporter.detector.otlp import decode_protobuf
 
 from spans import S, sdk_call
 

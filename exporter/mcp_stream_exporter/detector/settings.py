@@ -30,8 +30,8 @@ from mcp_stream_exporter.auth import ToolPolicy
 from mcp_stream_exporter.detector.app import Access
 from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.detector import DetectorConfig
-from mcp_stream_exporter.detector.ingest import IngestLimits
 from mcp_stream_exporter.detector.ledger import LedgerLimits
+from mcp_stream_exporter.detector.limits import IngestLimits
 from mcp_stream_exporter.detector.rules import RuleConfig
 from mcp_stream_exporter.detector.ui import RUNBOOK_BASE_URL, UiLinks
 

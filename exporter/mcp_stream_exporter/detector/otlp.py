@@ -1,0 +1,460 @@
+"""OTLP/protobuf -> the detector's input, within limits known before anything is built.
+
+A request is walked at the wire level to find its spans (counted, and each one's size checked), then
+decoded a run of spans at a time with a lean schema, so it never exists whole as objects. Only what
+the detector reads is decoded: a model span's keys it reads, an SDK request span's label keys, nothing
+of a span outside the model. The SDK's healthy request spans, nearly all real traffic, become counts
+at once (``OperationCounts``) from a memo of their labels by their encoded values.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector.events import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    KIND_SERVER,
+    MAX_CHARS,
+    READ_KEYS,
+    Operation,
+    Rejected,
+    Span,
+    operation,
+    origin_of,
+    read_by_rules,
+)
+from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
+from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts, Sample, new_tally
+from mcp_stream_exporter.detector.redaction import redact
+
+_KINDS: dict[int, str] = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
+_MAX_ARRAY = 1_000  # values kept from one array attribute
+_ERROR = Status.STATUS_CODE_ERROR
+_EXCEPTION_TYPE = "exception.type"
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A decoded request: its spans counted up front, read one at a time."""
+
+    count: int
+    spans: Iterable[Span | Operation | OperationCounts]
+
+
+def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
+    try:
+        located = _locate_spans(memoryview(body), limits)
+    except DecodeError as exc:
+        raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
+    return Batch(sum(n for _, _, n in located), _decoded_spans(located))
+
+
+def _check_span_count(count: int, limits: IngestLimits) -> None:
+    if count > limits.max_spans_per_request:
+        raise IngestError(413, f"more than {limits.max_spans_per_request} spans in one request: send smaller "
+                          "batches", "too_many_spans")
+
+
+# --- the protobuf wire format, walked without decoding: ExportTraceServiceRequest.resource_spans (1) ->
+# ResourceSpans.resource (1) and .scope_spans (2) -> ScopeSpans.spans (2) ---
+
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview, int]]:
+    """(origin, encoded spans, how many) for runs of consecutive spans of the request, each run at most
+    ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as soon as there are too
+    many (spans, or fields around them) or one is too large. A scope within that bound, nearly every
+    exporter's, is one run whose spans upb counts (as bytes, no message built); a larger one is walked
+    here, at most a few steps per span."""
+    fields = [_fields_around_spans(limits)]  # fields walked, left
+    located: list[tuple[str, memoryview, int]] = []
+    count = 0
+    for resource_spans in _messages(body, 1, fields, limits):
+        resource = bytearray()
+        scopes: list[memoryview] = []
+        for number, value, _, _ in _length_fields(resource_spans, fields, limits):
+            if number == 1:
+                resource += value
+            elif number == 2:
+                scopes.append(value)
+        origin = _resource_origin(resource, limits)
+        for scope in scopes:
+            if len(scope) <= limits.max_span_bytes:
+                spans = len(_SkeletonScopeSpans.FromString(scope).spans)
+                fields[0] -= spans
+                count += spans
+                _check_span_count(count, limits)
+                if spans:
+                    located.append((origin, scope, spans))
+                continue
+            run_start = run_end = run_spans = 0
+            for number, span, start, end in _length_fields(scope, fields, limits):
+                if number != 2:
+                    continue
+                if len(span) > limits.max_span_bytes:
+                    raise IngestError(413, f"a span of {len(span)} bytes; at most {limits.max_span_bytes}",
+                                      "too_large")
+                count += 1
+                _check_span_count(count, limits)
+                if run_spans and end - run_start > limits.max_span_bytes:
+                    located.append((origin, scope[run_start:run_end], run_spans))
+                    run_spans = 0
+                if not run_spans:
+                    run_start = start
+                run_end = end
+                run_spans += 1
+            if run_spans:
+                located.append((origin, scope[run_start:run_end], run_spans))
+    return located
+
+
+def _fields_around_spans(limits: IngestLimits) -> int:
+    """Spans, and the resource and scope messages around them, a request may carry."""
+    return 3 * limits.max_spans_per_request + 64
+
+
+def _too_many_fields(limits: IngestLimits) -> IngestError:
+    return IngestError(413, f"too many fields around the spans; at most {limits.max_spans_per_request} spans per "
+                       "request", "too_many_spans")
+
+
+def _messages(buf: memoryview, number: int, fields: list[int], limits: IngestLimits) -> Iterator[memoryview]:
+    for n, value, _, _ in _length_fields(buf, fields, limits):
+        if n == number:
+            yield value
+
+
+def _length_fields(buf: memoryview, fields: list[int],
+                   limits: IngestLimits) -> Iterator[tuple[int, memoryview, int, int]]:
+    """The length-delimited fields of one message (the only kind the walk descends into): number,
+    value, and where the whole field starts and ends in ``buf``."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        fields[0] -= 1
+        if fields[0] < 0:
+            raise _too_many_fields(limits)
+        start = pos
+        key = buf[pos]
+        if key < 0x80:  # a one-byte varint: every field number the walk descends into
+            pos += 1
+        else:
+            key, pos = _varint(buf, pos)
+        wire = key & 7
+        if wire == _LENGTH:
+            length, pos = _varint(buf, pos)
+            if pos + length > end:
+                raise DecodeError("truncated message")
+            yield key >> 3, buf[pos:pos + length], start, pos + length
+            pos += length
+        elif wire == _VARINT:
+            _, pos = _varint(buf, pos)
+        elif wire in (_FIXED64, _FIXED32):
+            pos += 8 if wire == _FIXED64 else 4
+        else:
+            raise DecodeError(f"wire type {wire} where a message field was expected")
+        if pos > end:
+            raise DecodeError("truncated message")
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos + 1 < len(buf) and buf[pos + 1] < 0x80 <= buf[pos]:  # two bytes: most spans' lengths
+        return (buf[pos] & 0x7F) | (buf[pos + 1] << 7), pos + 2
+    value = shift = 0
+    while shift < 64:
+        if pos >= len(buf):
+            raise DecodeError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise DecodeError("varint longer than 10 bytes")
+
+
+def _resource_origin(encoded: bytearray, limits: IngestLimits) -> str:
+    if len(encoded) > limits.max_span_bytes:
+        raise IngestError(413, f"a resource of {len(encoded)} bytes; at most {limits.max_span_bytes}", "too_large")
+    return _origin(_attributes(Resource.FromString(bytes(encoded)).attributes))
+
+
+def _origin(resource: dict[str, Any]) -> str:
+    """The emitting process, cut and redacted once for all the spans of its resource."""
+    return redact(origin_of(resource)[:MAX_CHARS])
+
+
+def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span | Operation | OperationCounts]:
+    """Each span, read (``_read``), except the SDK's healthy request spans, nearly all of real traffic:
+    those are counted at once into the batch's :class:`OperationCounts` (yielded last), with no
+    :class:`Operation` each, from a memo of their labels by their raw attribute values."""
+    tallies: dict[Any, tuple[list[float], list[Any]]] = {}
+    taken = 0
+    for origin, encoded, _ in located:
+        try:
+            spans = _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
+        except DecodeError as exc:
+            raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+        for span in spans:
+            attributes = span.attributes
+            if sc.SPAN not in attributes:  # not one of the model's spans
+                values = tuple(map(attributes.get, _SDK_KEYS))
+                if values[0] is None:
+                    taken += 1  # outside the model: nothing of it is read
+                    continue
+                if not span.events:
+                    raw = (span.kind, span.status, values, span.name if values[1] is None else None)
+                    key = _LABELS.get(raw, _UNKNOWN)
+                    if key is _UNKNOWN:
+                        key = _labels(raw)
+                    if key is not None:
+                        start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                        duration = (end - start) / 1e9 if end > start else 0.0
+                        tally = tallies.get(key)
+                        if tally is None:
+                            tally = tallies[key] = new_tally()
+                        bucket = bisect_left(BOUNDS, duration)
+                        tally[0][bucket] += 1
+                        tally[0][-1] += duration
+                        tally[1][bucket] = span
+                        taken += 1
+                        continue
+            try:
+                read = _read(span, origin)
+            except UnicodeDecodeError:
+                raise IngestError(400, _NOT_UTF8, "malformed") from None
+            yield read
+    if taken:
+        for _, last in tallies.values():
+            last[:] = map(_sample, last)
+        yield OperationCounts(tallies, taken)
+
+
+def _sample(span: Any) -> Sample | None:
+    """A bucket's last span as its exemplar, if its ids can be one (W3C lengths: longer would break
+    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape)."""
+    if span is None or len(span.trace_id) > 16 or len(span.span_id) > 8:
+        return None
+    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+    duration = (end - start) / 1e9 if end > start else 0.0
+    return span.trace_id.hex(), span.span_id.hex(), duration, start / 1e9 + duration
+
+
+# --- the lean schema: OTLP's ScopeSpans and Span as the detector decodes them. Wire-compatible with
+# OTLP: ``attributes`` (repeated KeyValue {1: key, 2: AnyValue}) is read as a map of key -> encoded
+# AnyValue, so upb indexes the keys and only the values the detector reads are decoded; fields it
+# never reads (trace state, links, dropped counts, ...) are skipped as unknown. ---
+
+_T = descriptor_pb2.FieldDescriptorProto
+_LEAN = "mcp_stream_exporter.lean"
+
+
+def _field(message: Any, name: str, number: int, kind: int, type_name: str | None = None,
+           repeated: bool = False) -> None:
+    field = message.field.add(name=name, number=number, type=kind,
+                              label=_T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL)
+    if type_name is not None:
+        field.type_name = f".{_LEAN}.{type_name}"
+
+
+def _attribute_map(message: Any, owner: str, number: int) -> None:
+    entry = message.nested_type.add(name="AttributesEntry")
+    entry.options.map_entry = True
+    _field(entry, "key", 1, _T.TYPE_STRING)
+    _field(entry, "value", 2, _T.TYPE_BYTES)
+    _field(message, "attributes", number, _T.TYPE_MESSAGE, f"{owner}.AttributesEntry", repeated=True)
+
+
+def _number(descriptor: Any, name: str) -> int:
+    return int(descriptor.fields_by_name[name].number)
+
+
+def _lean_schema() -> tuple[Any, Any, Any]:
+    """The lean ScopeSpans, its skeleton whose spans stay bytes (to count them before anything is
+    decoded), and the span's status (kept encoded: nearly always empty, and a memo key as it is)."""
+    number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
+    file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
+                                              syntax="proto3")
+    status = file.message_type.add(name="Status")
+    _field(status, "code", _number(Status.DESCRIPTOR, "code"), _T.TYPE_INT32)
+    span = file.message_type.add(name="Span")
+    for name, kind in (("trace_id", _T.TYPE_BYTES), ("span_id", _T.TYPE_BYTES), ("parent_span_id", _T.TYPE_BYTES),
+                       ("name", _T.TYPE_STRING), ("kind", _T.TYPE_INT32), ("start_time_unix_nano", _T.TYPE_FIXED64),
+                       ("end_time_unix_nano", _T.TYPE_FIXED64)):
+        _field(span, name, number[name], kind)
+    _attribute_map(span, "Span", number["attributes"])
+    event = span.nested_type.add(name="Event")
+    _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
+    _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
+    _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
+    _field(span, "status", number["status"], _T.TYPE_BYTES)  # read by _error, once per distinct encoding
+    spans = _number(ScopeSpans.DESCRIPTOR, "spans")
+    _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
+    _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    scope_spans, skeleton, lean_status = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{n}"))
+                                          for n in ("ScopeSpans", "SkeletonScopeSpans", "Status"))
+    return scope_spans, skeleton, lean_status
+
+
+_LeanScopeSpans, _SkeletonScopeSpans, _LeanStatus = _lean_schema()
+
+
+def _error(status: bytes) -> bool:
+    """Whether an encoded span status says error."""
+    try:
+        return bool(status) and _LeanStatus.FromString(status).code == _ERROR
+    except DecodeError as exc:
+        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+# the keys of the SDK's request spans that their labels are made of
+_SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
+             sc.MCP_PROTOCOL_VERSION)
+# (kind, encoded status, encoded values of _SDK_KEYS, the name when no tool is set) -> the span's labels,
+# or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
+# versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
+_LABELS: dict[Any, Any] = {}
+_LABELS_MAX = 4096
+_LABELS_KEY_MAX_BYTES = 512
+_UNKNOWN = object()
+
+
+def _labels(raw: tuple[int, bytes, tuple[bytes | None, ...], str | None]) -> Any:
+    kind, status, values, name = raw
+    role = _KINDS.get(kind)
+    labels = None
+    if role is not None:
+        attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values, strict=True)
+                      if value is not None}
+        with suppress(Rejected):
+            e = operation(role, name or "", attributes, (), _error(status), "", "", 0, 0, "")
+            labels = None if read_by_rules(e) else OperationCounts.key(e)
+    if sum(len(v) for v in values if v is not None) + len(status) + len(name or "") <= _LABELS_KEY_MAX_BYTES:
+        if len(_LABELS) >= _LABELS_MAX:
+            _LABELS.clear()
+        _LABELS[raw] = labels
+    return labels
+
+
+# encoded value -> value, for the model's attributes: a call's ids, its session, tool, token view and
+# resources repeat on each of its spans, and roles, kinds and reasons on all. Bounded: short values
+# only, emptied when full.
+_MODEL_VALUES: dict[bytes, Any] = {}
+_MODEL_VALUES_MAX = 8192
+_MODEL_VALUE_MAX_BYTES = 256
+
+
+def _model_value(encoded: bytes) -> Any:
+    value = _any(encoded)
+    if len(encoded) <= _MODEL_VALUE_MAX_BYTES:
+        if len(_MODEL_VALUES) >= _MODEL_VALUES_MAX:
+            _MODEL_VALUES.clear()
+        _MODEL_VALUES[encoded] = value
+    return value
+
+
+def _any(encoded: bytes) -> Any:
+    """An encoded AnyValue's value. The shapes of nearly every attribute (a short string, an int, an
+    array of short strings) are read without building messages; anything else by protobuf."""
+    size = len(encoded)
+    if size >= 2 and encoded[1] < 0x80:
+        tag = encoded[0]
+        if tag == 0x0A and encoded[1] == size - 2:  # string_value
+            return _utf8(encoded[2:])
+        if tag == 0x2A and encoded[1] == size - 2:  # array_value
+            values = _strings(encoded, 2)
+            if values is not None:
+                return values
+        if tag == 0x18 and size == 2:  # int_value, 0..127
+            return encoded[1]
+    try:
+        return _value(AnyValue.FromString(encoded))
+    except DecodeError as exc:
+        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+
+
+def _strings(encoded: bytes, pos: int) -> tuple[str, ...] | None:
+    """An ArrayValue of short strings only (each value {1: {1: text}}); None for any other shape."""
+    values: list[str] = []
+    end = len(encoded)
+    while pos < end:
+        if pos + 4 > end or encoded[pos] != 0x0A or encoded[pos + 2] != 0x0A or encoded[pos + 1] >= 0x80:
+            return None
+        length = encoded[pos + 3]
+        if length >= 0x80 or encoded[pos + 1] != length + 2 or pos + 4 + length > end:
+            return None
+        if len(values) < _MAX_ARRAY:
+            values.append(_utf8(encoded[pos + 4:pos + 4 + length]))
+        pos += 4 + length
+    return tuple(values)
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise IngestError(400, _NOT_UTF8, "malformed") from None
+
+
+_NOT_UTF8 = "a span does not decode: a string attribute is not UTF-8"
+
+
+def _value(v: AnyValue) -> Any:
+    which = v.WhichOneof("value")
+    if which == "string_value":  # nearly every attribute of the span model
+        return v.string_value
+    if which == "array_value":
+        return tuple(_value(x) for x in v.array_value.values[:_MAX_ARRAY])
+    if which in _SCALARS:
+        return getattr(v, which)
+    return None  # kvlist and bytes: not in the span model
+
+
+_SCALARS = frozenset({"int_value", "bool_value", "double_value"})
+
+
+def _attributes(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+def _read(s: Any, origin: str) -> Span | Operation:
+    """A lean-decoded span as the detector reads it: only the values of the keys it reads are decoded
+    (none for a span outside the model), and the SDK's request spans become their :class:`Operation` at
+    once, with no :class:`Span` between (one that breaks the model stays a span, for ``Detector.read``
+    to refuse with its reason)."""
+    encoded = s.attributes
+    model = sc.SPAN in encoded
+    if model:
+        attributes = {}
+        for key, value in encoded.items():
+            if key in READ_KEYS:
+                decoded = _MODEL_VALUES.get(value)
+                attributes[key] = decoded if decoded is not None else _model_value(value)
+    elif sc.MCP_METHOD_NAME in encoded:
+        attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
+    else:
+        attributes = {}  # outside the model: nothing of it is read
+    kind = _KINDS.get(s.kind, KIND_INTERNAL)
+    exceptions = tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
+                       for e in s.events if e.name == "exception") if s.events else ()
+    error = _error(s.status)
+    if not model and attributes and kind != KIND_INTERNAL:
+        with suppress(Rejected):
+            return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
+                             s.start_time_unix_nano, s.end_time_unix_nano, origin)
+    return Span(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
+                name=s.name, kind=kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                attributes=attributes, exception_types=exceptions, error=error, origin=origin)
