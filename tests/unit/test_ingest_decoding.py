@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -186,3 +187,20 @@ def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same
         ((request_id,), request_id) for request_id in ids]
     assert 0 < len(ingest._MODEL_VALUES) <= ingest._MODEL_VALUES_MAX
     assert all(len(encoded) <= ingest._MODEL_VALUE_MAX_BYTES for encoded in ingest._MODEL_VALUES)
+
+
+def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -> None:
+    """A run's decoded objects must be freed with it (a large request's memory bound): the exemplar a run
+    leaves in a bucket is read off its span before the next run is decoded."""
+    spans = [_span(2 * i, {sc.MCP_METHOD_NAME: "ping", "filler": "f" * 900} if i % 2 else
+                   {sc.SPAN: sc.SPAN_STREAM, "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER, exception=None,
+                   duration_ns=(i % 3) * 40_000_000) for i in range(40)]
+    reader = decode_protobuf(_request(*spans), IngestLimits(max_span_bytes=1000)).spans  # a run a span
+    assert isinstance(reader, Iterator)
+    model = 0
+    for read in reader:
+        if isinstance(read, ModelSpan):  # each in its own run, after an SDK span's run
+            model += 1
+            held = [x for _, last in reader.gi_frame.f_locals["tallies"].values() for x in last]  # type: ignore[attr-defined]
+            assert all(x is None or type(x) is tuple for x in held)
+    assert model == 20

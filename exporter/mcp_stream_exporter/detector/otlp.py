@@ -237,16 +237,19 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
             except UnicodeDecodeError:
                 raise IngestError(400, _NOT_UTF8, "malformed") from None
             yield read
-    if taken:
-        for _, last in tallies.values():
+        for _, last in tallies.values():  # exemplars read now: a run's decoded objects are freed with it
             last[:] = map(_sample, last)
+    if taken:
         yield OperationCounts(tallies, taken)
 
 
 def _sample(span: Any) -> Sample | None:
     """A bucket's last span as its exemplar, if its ids can be one (W3C lengths: longer would break
-    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape)."""
-    if span is None or len(span.trace_id) > 16 or len(span.span_id) > 8:
+    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape); an earlier run's
+    exemplar as it is."""
+    if span is None or type(span) is tuple:
+        return span
+    if len(span.trace_id) > 16 or len(span.span_id) > 8:
         return None
     start, end = span.start_time_unix_nano, span.end_time_unix_nano
     duration = (end - start) / 1e9 if end > start else 0.0
