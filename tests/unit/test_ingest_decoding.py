@@ -204,3 +204,28 @@ def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -
             held = [x for _, last in reader.gi_frame.f_locals["tallies"].values() for x in last]  # type: ignore[attr-defined]
             assert all(x is None or type(x) is tuple for x in held)
     assert model == 20
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (payloads under 16 KiB)."""
+    size = len(payload)
+    length = bytes([size]) if size < 0x80 else bytes([size & 0x7F | 0x80, size >> 7])
+    return bytes([number << 3 | 2]) + length + payload
+
+
+def test_a_status_sent_in_two_parts_is_read_merged_as_protobuf_reads_it() -> None:
+    """A singular message field seen twice is merged: the code in one part, the message in the other."""
+    for kind, name in ((Span.SPAN_KIND_SERVER, "tools/call fetch"), (Span.SPAN_KIND_CLIENT, "MCP send tools/call")):
+        span = _span(1, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: "fetch"}, kind=kind, name=name,
+                     exception=None)
+        span.ClearField("status")
+        encoded = (span.SerializeToString() + Span(status=Status(code=Status.STATUS_CODE_ERROR)).SerializeToString()
+                   + Span(status=Status(message="x")).SerializeToString())
+        merged = Span.FromString(encoded)
+        assert (merged.status.code, merged.status.message) == (Status.STATUS_CODE_ERROR, "x")
+        body = _field(1, _field(2, _field(2, encoded)))  # resource_spans -> scope_spans -> spans
+        events, _ = Detector().read(decode_protobuf(body, IngestLimits()).spans, "otlp_http")
+        (counts,) = [e for e in events if isinstance(e, OperationCounts)]
+        assert [key[3] for key in counts.counts] == ["error"]
+        assert [e.error_type for e in events if isinstance(e, Operation)] == (
+            ["error"] if kind == Span.SPAN_KIND_CLIENT else [])

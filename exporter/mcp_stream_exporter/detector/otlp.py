@@ -216,7 +216,7 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
                     taken += 1  # outside the model: nothing of it is read
                     continue
                 if not span.events:
-                    raw = (span.kind, span.status, values, span.name if values[1] is None else None)
+                    raw = (span.kind, _status(span), values, span.name if values[1] is None else None)
                     key = _LABELS.get(raw, _UNKNOWN)
                     if key is _UNKNOWN:
                         key = _labels(raw)
@@ -287,7 +287,7 @@ def _number(descriptor: Any, name: str) -> int:
 
 def _lean_schema() -> tuple[Any, Any, Any]:
     """The lean ScopeSpans, its skeleton whose spans stay bytes (to count them before anything is
-    decoded), and the span's status (kept encoded: nearly always empty, and a memo key as it is)."""
+    decoded), and the span's status (kept encoded: nearly always absent, and a memo key as it is)."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
@@ -303,7 +303,8 @@ def _lean_schema() -> tuple[Any, Any, Any]:
     _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
     _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
     _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
-    _field(span, "status", number["status"], _T.TYPE_BYTES)  # read by _error, once per distinct encoding
+    # each occurrence kept encoded (nearly always none), joined: a repeated message field's merge
+    _field(span, "status", number["status"], _T.TYPE_BYTES, repeated=True)
     spans = _number(ScopeSpans.DESCRIPTOR, "spans")
     _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
     _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
@@ -315,6 +316,12 @@ def _lean_schema() -> tuple[Any, Any, Any]:
 
 
 _LeanScopeSpans, _SkeletonScopeSpans, _LeanStatus = _lean_schema()
+
+
+def _status(span: Any) -> bytes:
+    """A span's encoded status: its occurrences joined, which protobuf reads as their merge."""
+    status = span.status
+    return b"".join(status) if status else b""
 
 
 def _error(status: bytes) -> bool:
@@ -453,7 +460,7 @@ def _read(s: Any, origin: str) -> Span | Operation:
     kind = _KINDS.get(s.kind, KIND_INTERNAL)
     exceptions = tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
                        for e in s.events if e.name == "exception") if s.events else ()
-    error = _error(s.status)
+    error = _error(_status(s))
     if not model and attributes and kind != KIND_INTERNAL:
         with suppress(Rejected):
             return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
