@@ -216,7 +216,7 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
                     taken += 1  # outside the model: nothing of it is read
                     continue
                 if not span.events:
-                    raw = (span.kind, _status(span), values, span.name if values[1] is None else None)
+                    raw = (span.kind, span.status.code, values, span.name if values[1] is None else None)
                     key = _LABELS.get(raw, _UNKNOWN)
                     if key is _UNKNOWN:
                         key = _labels(raw)
@@ -285,9 +285,9 @@ def _number(descriptor: Any, name: str) -> int:
     return int(descriptor.fields_by_name[name].number)
 
 
-def _lean_schema() -> tuple[Any, Any, Any]:
-    """The lean ScopeSpans, its skeleton whose spans stay bytes (to count them before anything is
-    decoded), and the span's status (kept encoded: nearly always absent, and a memo key as it is)."""
+def _lean_schema() -> tuple[Any, Any]:
+    """The lean ScopeSpans, and its skeleton whose spans stay bytes (to count them before anything is
+    decoded)."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
@@ -303,33 +303,20 @@ def _lean_schema() -> tuple[Any, Any, Any]:
     _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
     _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
     _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
-    # each occurrence kept encoded (nearly always none), joined: a repeated message field's merge
-    _field(span, "status", number["status"], _T.TYPE_BYTES, repeated=True)
+    _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
     spans = _number(ScopeSpans.DESCRIPTOR, "spans")
     _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
     _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    scope_spans, skeleton, lean_status = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{n}"))
-                                          for n in ("ScopeSpans", "SkeletonScopeSpans", "Status"))
-    return scope_spans, skeleton, lean_status
+    scope_spans, skeleton = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
+                             for name in ("ScopeSpans", "SkeletonScopeSpans"))
+    return scope_spans, skeleton
 
 
-_LeanScopeSpans, _SkeletonScopeSpans, _LeanStatus = _lean_schema()
+_LeanScopeSpans, _SkeletonScopeSpans = _lean_schema()
 
 
-def _status(span: Any) -> bytes:
-    """A span's encoded status: its occurrences joined, which protobuf reads as their merge."""
-    status = span.status
-    return b"".join(status) if status else b""
-
-
-def _error(status: bytes) -> bool:
-    """Whether an encoded span status says error."""
-    try:
-        return bool(status) and _LeanStatus.FromString(status).code == _ERROR
-    except DecodeError as exc:
-        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
@@ -342,17 +329,17 @@ _LABELS_KEY_MAX_BYTES = 512
 _UNKNOWN = object()
 
 
-def _labels(raw: tuple[int, bytes, tuple[bytes | None, ...], str | None]) -> Any:
-    kind, status, values, name = raw
+def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
+    kind, code, values, name = raw
     role = _KINDS.get(kind)
     labels = None
     if role is not None:
         attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values, strict=True)
                       if value is not None}
         with suppress(Rejected):
-            e = operation(role, name or "", attributes, (), _error(status), "", "", 0, 0, "")
+            e = operation(role, name or "", attributes, (), code == _ERROR, "", "", 0, 0, "")
             labels = None if read_by_rules(e) else OperationCounts.key(e)
-    if sum(len(v) for v in values if v is not None) + len(status) + len(name or "") <= _LABELS_KEY_MAX_BYTES:
+    if sum(len(v) for v in values if v is not None) + len(name or "") <= _LABELS_KEY_MAX_BYTES:
         if len(_LABELS) >= _LABELS_MAX:
             _LABELS.clear()
         _LABELS[raw] = labels
@@ -460,7 +447,7 @@ def _read(s: Any, origin: str) -> Span | Operation:
     kind = _KINDS.get(s.kind, KIND_INTERNAL)
     exceptions = tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
                        for e in s.events if e.name == "exception") if s.events else ()
-    error = _error(_status(s))
+    error = s.status.code == _ERROR
     if not model and attributes and kind != KIND_INTERNAL:
         with suppress(Rejected):
             return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
