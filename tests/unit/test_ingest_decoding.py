@@ -43,6 +43,8 @@ def test_a_string_attribute_that_is_not_utf8_is_refused_as_malformed() -> None:
 
 
 def _kv(key: str, value: Any) -> KeyValue:
+    if isinstance(value, AnyValue):
+        return KeyValue(key=key, value=value)
     if isinstance(value, list):
         return KeyValue(key=key, value=AnyValue(array_value=ArrayValue(values=[AnyValue(string_value=v)
                                                                                for v in value])))
@@ -103,11 +105,14 @@ def _varied_sdk_spans(n: int) -> list[Span]:
     extras: list[dict[str, Any]] = [{}, {sc.ERROR_TYPE: "tool_error"}, {sc.RPC_RESPONSE_STATUS_CODE: "-32001"},
                                     {sc.ERROR_TYPE: "-32602", sc.RPC_RESPONSE_STATUS_CODE: "-32602"},
                                     {sc.NETWORK_TRANSPORT: "tcp", sc.MCP_PROTOCOL_VERSION: "2025-11-25"},
-                                    {sc.ERROR_TYPE: "Bearer eyJhbGciOi.x.y"}, {sc.MCP_METHOD_NAME: "x" * 300}]
+                                    {sc.ERROR_TYPE: "Bearer eyJhbGciOi.x.y"}, {sc.MCP_METHOD_NAME: "x" * 300},
+                                    {sc.GEN_AI_TOOL_NAME: AnyValue()},
+                                    {sc.GEN_AI_TOOL_NAME: AnyValue(bytes_value=b"t")},
+                                    {sc.GEN_AI_TOOL_NAME: AnyValue(int_value=3)}]
     spans = []
     for i in range(n):
         method = methods[i % len(methods)]
-        attributes = {sc.MCP_METHOD_NAME: method, sc.JSONRPC_REQUEST_ID: str(i), **extras[i % len(extras)]}
+        attributes = {sc.MCP_METHOD_NAME: method, sc.JSONRPC_REQUEST_ID: str(i), **extras[i // 2 % len(extras)]}
         if i % 3 == 0:
             attributes[sc.GEN_AI_TOOL_NAME] = f"tool-{i % 4}"
         kind = (Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER, Span.SPAN_KIND_INTERNAL)[i % 7 % 3]
@@ -180,13 +185,16 @@ def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same
     from mcp_stream_exporter.detector import otlp as ingest
 
     ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX + 100)] + ["r" * 300, "request-1"]
-    spans = [_span(2 * i, {sc.SPAN: sc.SPAN_STREAM, sc.PENDING_REQUEST_IDS: [request_id],
+    spans = [_span(2 * i, {sc.SPAN: sc.SPAN_STREAM, sc.PENDING_REQUEST_IDS: [request_id] * (1 + i % 40),
                            sc.EVENT_LAST_ID: request_id}, exception=None) for i, request_id in enumerate(ids)]
     read = [s for s in decode_protobuf(_request(*spans), IngestLimits()).spans if isinstance(s, ModelSpan)]
     assert [(s.attributes[sc.PENDING_REQUEST_IDS], s.attributes[sc.EVENT_LAST_ID]) for s in read] == [
-        ((request_id,), request_id) for request_id in ids]
+        ((request_id,) * (1 + i % 40), request_id) for i, request_id in enumerate(ids)]
     assert 0 < len(ingest._MODEL_VALUES) <= ingest._MODEL_VALUES_MAX
     assert all(len(encoded) <= ingest._MODEL_VALUE_MAX_BYTES for encoded in ingest._MODEL_VALUES)
+    # an array decodes to more than its bytes: only a few values are kept
+    assert all(len(value) <= ingest._MODEL_VALUE_MAX_ITEMS for value in ingest._MODEL_VALUES.values()
+               if isinstance(value, tuple))
 
 
 def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -> None:

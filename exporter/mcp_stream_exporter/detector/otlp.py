@@ -216,7 +216,9 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
                     taken += 1  # outside the model: nothing of it is read
                     continue
                 if not span.events:
-                    raw = (span.kind, span.status.code, values, span.name if values[1] is None else None)
+                    tool = values[1]  # the name says the tool when no string does (operation())
+                    raw = (span.kind, span.status.code, values,
+                           span.name if tool is None or tool[:1] != _STRING_VALUE else None)
                     key = _LABELS.get(raw, _UNKNOWN)
                     if key is _UNKNOWN:
                         key = _labels(raw)
@@ -324,8 +326,9 @@ _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESP
 # or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
 # versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
 _LABELS: dict[Any, Any] = {}
-_LABELS_MAX = 4096
-_LABELS_KEY_MAX_BYTES = 512
+_LABELS_MAX = 2048
+_LABELS_KEY_MAX_BYTES = 256
+_STRING_VALUE = b"\x0a"  # an AnyValue's string_value tag
 _UNKNOWN = object()
 
 
@@ -350,13 +353,14 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
 # resources repeat on each of its spans, and roles, kinds and reasons on all. Bounded: short values
 # only, emptied when full.
 _MODEL_VALUES: dict[bytes, Any] = {}
-_MODEL_VALUES_MAX = 8192
+_MODEL_VALUES_MAX = 4096
 _MODEL_VALUE_MAX_BYTES = 256
+_MODEL_VALUE_MAX_ITEMS = 8  # an array decodes to more than its bytes: a few values each (ids, resources)
 
 
 def _model_value(encoded: bytes) -> Any:
     value = _any(encoded)
-    if len(encoded) <= _MODEL_VALUE_MAX_BYTES:
+    if len(encoded) <= _MODEL_VALUE_MAX_BYTES and (type(value) is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS):
         if len(_MODEL_VALUES) >= _MODEL_VALUES_MAX:
             _MODEL_VALUES.clear()
         _MODEL_VALUES[encoded] = value
