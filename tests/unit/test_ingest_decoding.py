@@ -237,3 +237,32 @@ def test_a_status_sent_in_two_parts_is_read_merged_as_protobuf_reads_it() -> Non
         assert [key[3] for key in counts.counts] == ["error"]
         assert [e.error_type for e in events if isinstance(e, Operation)] == (
             ["error"] if kind == Span.SPAN_KIND_CLIENT else [])
+
+
+def test_no_memo_keeps_a_token_shaped_value_and_the_values_are_still_read() -> None:
+    from mcp_stream_exporter.detector import otlp
+
+    secret = "Bearer s3cr3t-AbCdEf0123456789"
+    spans = [_span(1, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: secret}, kind=Span.SPAN_KIND_SERVER,
+                   exception=None),
+             _span(3, {sc.MCP_METHOD_NAME: "tools/call"}, name=f"MCP send tools/call {secret}", exception=None),
+             _span(5, {sc.SPAN: sc.SPAN_STREAM, sc.EVENT_LAST_ID: secret}, exception=None)]
+    read = list(decode_protobuf(_request(*spans), IngestLimits()).spans)
+    assert [s.attributes[sc.EVENT_LAST_ID] for s in read if isinstance(s, ModelSpan)] == [secret]
+    kept = repr(otlp._LABELS) + repr(otlp._MODEL_VALUES)
+    assert "s3cr3t" not in kept
+
+
+def test_a_tool_that_decodes_to_no_string_lets_the_name_say_it_whatever_its_first_bytes() -> None:
+    from mcp_stream_exporter.detector import otlp
+
+    for encoded in (b"\x0a\x01x\x3a\x00", b"\x0a\x01x\x3a\x02\x0a\x00", b"\x3a\x00", b""):  # last value wins
+        span = _span(1, {sc.MCP_METHOD_NAME: "tools/call"}, name="MCP send tools/call fetch", exception=None)
+        tool = _field(1, sc.GEN_AI_TOOL_NAME.encode()) + _field(2, encoded)  # a KeyValue, sent as it is
+        spans = _field(2, span.SerializeToString() + _field(9, tool))  # a ScopeSpans
+        events, _ = Detector().read(decode_protobuf(_field(1, _field(2, spans)), IngestLimits()).spans, "otlp_http")
+        one_by_one, _ = Detector().read([otlp._read(s, "") for s in otlp._LeanScopeSpans.FromString(spans).spans],
+                                        "otlp_http")
+        (counts,) = [e for e in events if isinstance(e, OperationCounts)]
+        (expected,) = [e for e in one_by_one if isinstance(e, OperationCounts)]
+        assert list(counts.counts) == list(expected.counts) == [(sc.ROLE_CLIENT, "tools/call", "fetch", "", None, None)]

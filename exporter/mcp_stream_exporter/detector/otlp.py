@@ -38,7 +38,7 @@ from mcp_stream_exporter.detector.events import (
 )
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts, Sample, new_tally
-from mcp_stream_exporter.detector.redaction import redact
+from mcp_stream_exporter.detector.redaction import holds_token, redact
 
 _KINDS: dict[int, str] = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
 _MAX_ARRAY = 1_000  # values kept from one array attribute
@@ -216,9 +216,9 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
                     taken += 1  # outside the model: nothing of it is read
                     continue
                 if not span.events:
-                    tool = values[1]  # the name says the tool when no string does (operation())
-                    raw = (span.kind, span.status.code, values,
-                           span.name if tool is None or tool[:1] != _STRING_VALUE else None)
+                    tool = values[1]  # the name says the tool unless a plain short string does (operation())
+                    raw = (span.kind, span.status.code, values, None if tool is not None and len(tool) > 1
+                           and tool[0] == 0x0A and tool[1] == len(tool) - 2 < 0x80 else span.name)
                     key = _LABELS.get(raw, _UNKNOWN)
                     if key is _UNKNOWN:
                         key = _labels(raw)
@@ -247,7 +247,8 @@ def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span 
 
 def _sample(span: Any) -> Sample | None:
     """A bucket's last span as its exemplar, if its ids can be one (W3C lengths: longer would break
-    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape); an earlier run's
+    OpenMetrics' 128 characters of exemplar labels, and Prometheus' whole scrape; such a span leaves its
+    bucket without one for this run, the price of not reading every span's ids); an earlier run's
     exemplar as it is."""
     if span is None or type(span) is tuple:
         return span
@@ -328,7 +329,6 @@ _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESP
 _LABELS: dict[Any, Any] = {}
 _LABELS_MAX = 2048
 _LABELS_KEY_MAX_BYTES = 256
-_STRING_VALUE = b"\x0a"  # an AnyValue's string_value tag
 _UNKNOWN = object()
 
 
@@ -342,7 +342,8 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
         with suppress(Rejected):
             e = operation(role, name or "", attributes, (), code == _ERROR, "", "", 0, 0, "")
             labels = None if read_by_rules(e) else OperationCounts.key(e)
-    if sum(len(v) for v in values if v is not None) + len(name or "") <= _LABELS_KEY_MAX_BYTES:
+    encoded = b"".join(v for v in values if v is not None) + (name or "").encode()
+    if len(encoded) <= _LABELS_KEY_MAX_BYTES and not holds_token(encoded):  # a memo keeps no credential
         if len(_LABELS) >= _LABELS_MAX:
             _LABELS.clear()
         _LABELS[raw] = labels
@@ -360,7 +361,8 @@ _MODEL_VALUE_MAX_ITEMS = 8  # an array decodes to more than its bytes: a few val
 
 def _model_value(encoded: bytes) -> Any:
     value = _any(encoded)
-    if len(encoded) <= _MODEL_VALUE_MAX_BYTES and (type(value) is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS):
+    if (len(encoded) <= _MODEL_VALUE_MAX_BYTES and (type(value) is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS)
+            and not holds_token(encoded)):  # a memo keeps no credential
         if len(_MODEL_VALUES) >= _MODEL_VALUES_MAX:
             _MODEL_VALUES.clear()
         _MODEL_VALUES[encoded] = value

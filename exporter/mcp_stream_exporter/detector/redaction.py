@@ -14,6 +14,15 @@ _TOKEN = re.compile(r"\b(?:bearer|basic)\s+[^\s,;\"']+|eyJ[A-Za-z0-9_-]+\.[A-Za-
                     re.IGNORECASE | re.ASCII)
 
 
+_TOKEN_BYTES = re.compile(_TOKEN.pattern.encode(), re.IGNORECASE | re.ASCII)
+
+
+def holds_token(encoded: bytes) -> bool:
+    """Whether encoded text (a span's raw bytes, before decoding) holds anything token-shaped: what a
+    cache of raw values must not keep."""
+    return _TOKEN_BYTES.search(encoded) is not None
+
+
 _CLEAN_CACHE = 4096  # strings of at most 256 characters (the span bounds): about 1.5 MiB at most
 _clean: dict[str, None] = {}
 
