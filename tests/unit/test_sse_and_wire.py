@@ -119,3 +119,30 @@ def test_the_fast_frame_classifier_agrees_with_the_full_parse(message):
 
     data = json.dumps(message, separators=(",", ":"))  # the SDK's compact serialisation
     assert classify_frame(data) == classify(data)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3))
+
+
+@given(_json_values, st.sampled_from(["", " ", "\n", "x", ",", "]"]), st.sampled_from(["", " ", "\t"]))
+def test_a_payload_is_read_as_json_reads_it_whatever_surrounds_its_value(value, after, before):
+    import json
+
+    from mcp_stream_exporter.wire import _loads
+
+    text = before + json.dumps(value, separators=(",", ":")) + after
+    try:
+        expected = ("value", json.loads(text))
+    except ValueError:
+        expected = ("error", None)
+    try:
+        got = ("value", _loads(text))
+    except ValueError:
+        got = ("error", None)
+    assert got == expected
+
+
+def test_a_payload_nested_deeper_than_json_can_read_is_not_json_rather_than_an_error():
+    assert classify(b"[" * 100_000) == []

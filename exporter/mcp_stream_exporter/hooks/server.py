@@ -61,9 +61,9 @@ class ServerInstrumentation:
         return self.recorder.event_store(inner)
 
     async def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        """Links each ``tools/call`` the observer saw to the SDK's own span for it."""
+        """Hands each ``tools/call`` to the observer, already parsed, and links it to the SDK's own span."""
         if ctx.method == TOOLS_CALL and ctx.request_id is not None:
-            call = self.observer.call_of(ctx.request, str(ctx.request_id))
+            call = self.observer.dispatched(ctx.request, ctx.request_id, ctx.params)
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if call is not None and sdk.is_valid:
                 call.link(sdk, _SDK_REQUEST_LINK)
