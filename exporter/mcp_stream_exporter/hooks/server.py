@@ -3,8 +3,10 @@
 Three seams, all public API of the SDK, around one tracker: an ASGI observer around the app from
 ``streamable_http_app()`` (``_observer.WireObserver``), a delegating ``EventStore``
 (``_recorder.StoreRecorder``: event-id assignment and what a replay sent against what was stored), and a
-``ServerMiddleware`` that links each call to the SDK's own request span. They observe and change
-nothing; refusing calls is the guard's (``guard.CallGuard``). ``instrument_server`` installs all three.
+``ServerMiddleware`` that links each call to the SDK's own request span and, in the stateless era, hands
+the observer each call as the SDK parsed it (so the observer need not read the body again). They observe
+and change nothing; refusing calls is the guard's (``guard.CallGuard``). ``instrument_server`` installs
+all three.
 """
 
 from __future__ import annotations
