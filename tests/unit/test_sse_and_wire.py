@@ -85,6 +85,11 @@ def test_classify_by_kind():
                       b'"_meta":{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}}')
     assert (req.kind, req.id, req.method, req.tool) == (sc.FRAME_REQUEST, "7", "tools/call", "fetch")
     assert req.traceparent is not None and not req.is_terminal
+    (init,) = classify('{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25"}}')
+    assert (init.protocol_version, init.arguments, init.is_tool_error) == ("2025-11-25", None, False)
+    assert init.error_code is None
+    (args,) = classify('{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"a","arguments":{"q":1}}}')
+    assert (args.arguments, args.cancelled_id, args.protocol_version) == ({"q": 1}, None, None)
     (res,) = classify('{"jsonrpc":"2.0","id":7,"result":{"isError":true}}')
     assert res.kind == sc.FRAME_RESPONSE and res.is_tool_error and res.is_terminal
     (err,) = classify('{"jsonrpc":"2.0","id":"a","error":{"code":-32003,"message":"no"}}')

@@ -561,7 +561,8 @@ class Tracker:
         if frame is not None:
             event_id, event_type = frame.id, frame.event or "message"
             if event_id is not None:
-                stream.first_event_id = stream.first_event_id or event_id
+                if stream.first_event_id is None:
+                    stream.first_event_id = event_id
                 stream.last_event_id = event_id
                 if stream.request_ids:
                     self._index(stream.session_id, event_id, stream.request_ids)
