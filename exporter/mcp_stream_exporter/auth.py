@@ -65,6 +65,9 @@ def token_fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:_FINGERPRINT_CHARS]
 
 
+NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # resources, scopes
+
+
 @dataclass(frozen=True, slots=True)
 class AuthView:
     """The part of a bearer token this project may record: sets, hashes and how it was read."""
@@ -82,6 +85,8 @@ class AuthView:
 
     def missing(self, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
         """The resources and scopes ``requirement`` needs that this token lacks (already canonical)."""
+        if requirement.resources <= self.audience and requirement.scopes <= self.scopes:
+            return NOTHING_MISSING  # the usual, asked on every call: no sets built
         return requirement.resources - self.audience, requirement.scopes - self.scopes
 
     def grants(self, requirement: Requirement) -> bool:
@@ -121,6 +126,9 @@ class TokenReader:
     # spares each one the token's SHA-256. Private, bounded like ``_cache`` (least recently used out first);
     # never logged or exported.
     _by_header: OrderedDict[str, AuthView] = field(default_factory=OrderedDict, init=False, repr=False)
+    # The last header read and its view: a client sends one header on every request, and comparing it
+    # spares hashing a fresh copy of the whole token (hundreds of bytes) on each. Private like ``_by_header``.
+    _last: tuple[str, AuthView] | None = field(default=None, init=False, repr=False)
     _jwks: jwt.PyJWKClient | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,15 +143,22 @@ class TokenReader:
         """The view of an ``Authorization`` header value; ``absent`` when there is no bearer."""
         if not header:
             return ABSENT
-        cached = self._by_header.get(header)
+        last = self._last
+        if last is not None and last[0] == header:
+            cached: AuthView | None = last[1]
+        else:
+            cached = self._by_header.get(header)
+            if cached is not None:
+                self._by_header.move_to_end(header)
+                self._last = (header, cached)
         if cached is not None and (cached.expires_at is None or cached.expires_at > self.clock()):
-            self._by_header.move_to_end(header)
             return cached
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return ABSENT
         view = self.read(token.strip())
         self._by_header[header] = view
+        self._last = (header, view)
         if len(self._by_header) > self.cache_size:
             self._by_header.popitem(last=False)
         return view

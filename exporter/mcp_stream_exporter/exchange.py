@@ -74,11 +74,14 @@ def read_body(body: bytes) -> Body:
     """The requests in a POST body; ``UNREAD`` for one too large to parse (observed, not read)."""
     if not body or len(body) > MAX_PARSED_BODY:
         return UNREAD
+    messages = classify(body)
+    if len(messages) == 1 and messages[0].method == TOOLS_CALL and messages[0].id is not None:
+        return Body(calls=(messages[0],), requests=(messages[0],))  # the usual: one call
     calls: list[WireMessage] = []
     requests: list[WireMessage] = []
     cancelled: list[str] = []
     protocol_version = None
-    for msg in classify(body):
+    for msg in messages:
         if msg.method is None:
             continue
         if msg.id is not None:
@@ -97,6 +100,19 @@ def can_ask(body: bytes) -> bool:
     by a byte search: False only when no parse of it could find one (``read_body`` would give no calls,
     no cancels and no protocol version), so the hooks parse only the bodies that can matter to them."""
     return _CALL in body or _CANCEL in body or _INITIALIZE in body or b"\\" in body
+
+
+def calls_only(body: bytes) -> bool:
+    """Whether ``body``, one ``can_ask`` let through, can hold nothing the hooks read but ``tools/call``
+    requests (no cancel, no initialize, nothing escaped): its calls are the ones the SDK's server
+    middleware hands over, already parsed, and it needs reading only for calls the middleware never sees."""
+    return _CANCEL not in body and _INITIALIZE not in body and b"\\" not in body
+
+
+def most_calls(body: bytes) -> int:
+    """At most how many ``tools/call`` requests ``body`` holds (one ``calls_only`` accepts): each has the
+    method's bytes as they are, so counting them bounds it."""
+    return body.count(_CALL)
 
 
 def requirement_of(policy: ToolPolicy, tool: str | None) -> Requirement:

@@ -6,8 +6,10 @@ pulled out, and nothing of a payload is kept beyond them.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
 from mcp_stream_exporter import semconv as sc
@@ -41,6 +43,9 @@ class WireMessage(NamedTuple):
 
 
 UNPARSEABLE = WireMessage(sc.FRAME_OTHER)
+# Builds a WireMessage from all its fields in order, in one C call: a NamedTuple's own constructor is a
+# Python function, and the hooks build one for every request and every frame.
+_wire_message: Callable[[tuple[Any, ...]], WireMessage] = functools.partial(tuple.__new__, WireMessage)
 MAX_PARSED_BODY: Final = 4 * 1024 * 1024  # larger bodies pass through unparsed: observed, not read
 
 
@@ -50,28 +55,30 @@ def _id(value: Any) -> str | None:
     return str(value) if isinstance(value, int | str) else None
 
 
+def request_message(request_id: Any, method: str, params: Any) -> WireMessage:
+    """A request as the wire carries it, from its id, method and params: parsed here from a body, or
+    handed over already parsed by the SDK's server middleware (the same fields, read the same way)."""
+    params = params if isinstance(params, dict) else {}
+    meta = params.get("_meta")
+    tp = meta.get("traceparent") if isinstance(meta, dict) else None
+    pv = params.get("protocolVersion")
+    call = method == TOOLS_CALL
+    name = params.get("name") if call else None
+    # kind, id, method, tool, is_tool_error, traceparent, cancelled_id, protocol_version, arguments, error_code
+    return _wire_message((sc.FRAME_REQUEST, _id(request_id), method, name if isinstance(name, str) else None, False,
+                          tp if isinstance(tp, str) else None, None, pv if isinstance(pv, str) else None,
+                          params.get("arguments") if call else None, None))
+
+
 def _classify(obj: Any) -> WireMessage:
     if not isinstance(obj, dict):
         return UNPARSEABLE
-    params = obj.get("params")
-    params = params if isinstance(params, dict) else {}
     method = obj.get("method")
     if isinstance(method, str):
-        meta = params.get("_meta")
-        meta = meta if isinstance(meta, dict) else {}
-        tp = meta.get("traceparent")
-        pv = params.get("protocolVersion")
         if "id" in obj:
-            name = params.get("name") if method == TOOLS_CALL else None
-            return WireMessage(
-                sc.FRAME_REQUEST,
-                _id(obj.get("id")),
-                method,
-                tool=name if isinstance(name, str) else None,
-                traceparent=tp if isinstance(tp, str) else None,
-                protocol_version=pv if isinstance(pv, str) else None,
-                arguments=params.get("arguments") if method == TOOLS_CALL else None,
-            )
+            return request_message(obj.get("id"), method, obj.get("params"))
+        params = obj.get("params")
+        params = params if isinstance(params, dict) else {}
         return WireMessage(
             sc.FRAME_NOTIFICATION,
             method=method,
@@ -111,18 +118,33 @@ def classify_frame(data: str) -> list[WireMessage]:
         if m.group(3) == "error":
             code = _FAST_ERROR_CODE.match(data, m.end())
             return [WireMessage(sc.FRAME_ERROR, request_id, error_code=int(code.group(1)))] if code else classify(data)
-        return [WireMessage(sc.FRAME_RESPONSE, request_id, is_tool_error=_TOOL_ERROR in data)]
+        return [_wire_message((sc.FRAME_RESPONSE, request_id, None, None, _TOOL_ERROR in data,
+                               None, None, None, None, None))]
     m = _FAST_NOTIFICATION.match(data)
     if m is not None and m.group(1) != CANCELLED:
         return [WireMessage(sc.FRAME_NOTIFICATION, method=m.group(1))]
     return classify(data)
 
 
+# json's C scanner: what ``json.loads`` runs, without the Python around it (typeshed does not declare it)
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``, in one call of the scanner for a payload with nothing around its value (as
+    the SDK writes them); anything else (whitespace, trailing garbage, an error) goes to ``json.loads``."""
+    try:
+        obj, end = _scan(text, 0)
+    except StopIteration:
+        return json.loads(text)
+    return obj if end == len(text) else json.loads(text)
+
+
 def classify(payload: str | bytes) -> list[WireMessage]:
     """Every JSON-RPC message in a payload (a 2025-03-26 batch gives several); [] for non-JSON."""
     try:  # JSON-RPC on MCP's transports is UTF-8: decoding first spares json its encoding detection
-        obj = json.loads(payload.decode() if isinstance(payload, bytes) else payload)
-    except (ValueError, UnicodeDecodeError):
+        obj = _loads(payload.decode() if isinstance(payload, bytes) else payload)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep for json: not read, as non-JSON
         return []
     if isinstance(obj, list):
         return [_classify(o) for o in obj]

@@ -99,6 +99,43 @@ async def test_a_post_that_fails_is_a_stream_span_linked_from_its_call():
     assert post.events[0].timestamp >= post.start_time
 
 
+async def test_a_stateless_call_the_server_loses_is_taken_from_the_sdks_middleware_with_what_its_body_says():
+    """In 2026-07-28 the server's hooks take a call from the SDK's middleware, which has parsed its body:
+    the same id, tool and parent as reading the body gives, and the call still tracked to its end."""
+    async with incident(None) as s:
+        s.proxy.arm(b"fetch step 1")
+        with pytest.raises(MCPError):
+            await s.call("fetch", {"url": "u", "steps": 4})
+    found = spans()
+    client, server = _call(found, sc.ROLE_CLIENT, "fetch"), _call(found, sc.ROLE_SERVER, "fetch")
+    assert _attr(server, sc.ERA) == sc.ERA_STATELESS
+    assert _attr(server, sc.CALL_OUTCOME) == sc.OUTCOME_NO_TERMINAL
+    assert _attr(server, sc.JSONRPC_REQUEST_ID) == _attr(client, sc.JSONRPC_REQUEST_ID)
+    assert _attr(server, sc.POLICY_DECISION) == "allowed"
+    (sdk_client,) = [sp for sp in found if sp.name == "MCP send tools/call fetch"]
+    (sdk_server,) = [sp for sp in found if sp.name == "tools/call fetch"]
+    assert server.parent.span_id == sdk_client.context.span_id  # the traceparent in its params._meta
+    links = {(lk.attributes or {}).get(sc.LINK_TYPE): lk.context.span_id for lk in server.links}
+    assert links[sc.LINK_SDK_REQUEST] == sdk_server.context.span_id
+    (post,) = ours(found, sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+    assert _attr(post, sc.PENDING_REQUEST_IDS) == (_attr(server, sc.JSONRPC_REQUEST_ID),)
+
+
+async def test_a_stateless_call_refused_before_the_hooks_middleware_is_read_from_its_body():
+    """A middleware ahead of the hooks' (here the call guard) can answer a call the hooks' middleware
+    never sees: its body is read when the response starts, and the refusal is recorded as in any era."""
+    async with incident(None, guard_calls=True) as s:
+        s.auth.token = s.narrow
+        with pytest.raises(MCPError) as refused:
+            await s.call("fetch", {"url": "u"})
+    assert refused.value.code == REFUSED_ERROR_CODE
+    call = _call(spans(), sc.ROLE_SERVER, "fetch")
+    assert _attr(call, sc.ERA) == sc.ERA_STATELESS
+    assert _attr(call, sc.POLICY_DECISION) == "refused"
+    assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_ERROR
+    assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)
+
+
 async def test_dropped_connection_then_resume_links_the_call_to_the_resume_stream():
     async with incident("legacy") as s:
         s.proxy.arm(b"fetch step 1")

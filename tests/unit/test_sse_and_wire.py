@@ -85,6 +85,11 @@ def test_classify_by_kind():
                       b'"_meta":{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}}}')
     assert (req.kind, req.id, req.method, req.tool) == (sc.FRAME_REQUEST, "7", "tools/call", "fetch")
     assert req.traceparent is not None and not req.is_terminal
+    (init,) = classify('{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25"}}')
+    assert (init.protocol_version, init.arguments, init.is_tool_error) == ("2025-11-25", None, False)
+    assert init.error_code is None
+    (args,) = classify('{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"a","arguments":{"q":1}}}')
+    assert (args.arguments, args.cancelled_id, args.protocol_version) == ({"q": 1}, None, None)
     (res,) = classify('{"jsonrpc":"2.0","id":7,"result":{"isError":true}}')
     assert res.kind == sc.FRAME_RESPONSE and res.is_tool_error and res.is_terminal
     (err,) = classify('{"jsonrpc":"2.0","id":"a","error":{"code":-32003,"message":"no"}}')
@@ -119,3 +124,30 @@ def test_the_fast_frame_classifier_agrees_with_the_full_parse(message):
 
     data = json.dumps(message, separators=(",", ":"))  # the SDK's compact serialisation
     assert classify_frame(data) == classify(data)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3))
+
+
+@given(_json_values, st.sampled_from(["", " ", "\n", "x", ",", "]"]), st.sampled_from(["", " ", "\t"]))
+def test_a_payload_is_read_as_json_reads_it_whatever_surrounds_its_value(value, after, before):
+    import json
+
+    from mcp_stream_exporter.wire import _loads
+
+    text = before + json.dumps(value, separators=(",", ":")) + after
+    try:
+        expected = ("value", json.loads(text))
+    except ValueError:
+        expected = ("error", None)
+    try:
+        got = ("value", _loads(text))
+    except ValueError:
+        got = ("error", None)
+    assert got == expected
+
+
+def test_a_payload_nested_deeper_than_json_can_read_is_not_json_rather_than_an_error():
+    assert classify(b"[" * 100_000) == []

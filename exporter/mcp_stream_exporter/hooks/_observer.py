@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
-from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import NOTHING_MISSING, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
     CONTENT_JSON,
@@ -26,16 +25,16 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
+    calls_only,
     can_ask,
     content_of,
     era_of,
+    most_calls,
     read_body,
-    stream_attributes,
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.hooks._tracking import (
-    NOTHING_MISSING,
     Call,
     Requirements,
     Stream,
@@ -43,7 +42,14 @@ from mcp_stream_exporter.hooks._tracking import (
     audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, REFUSED_ERROR_CODE, WireMessage, classify_frame
+from mcp_stream_exporter.wire import (
+    MAX_PARSED_BODY,
+    REFUSED_ERROR_CODE,
+    TOOLS_CALL,
+    WireMessage,
+    classify_frame,
+    request_message,
+)
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 DECISION_ALLOWED = "allowed"
@@ -51,30 +57,35 @@ DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
 
 
-@dataclass(slots=True, eq=False)
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    method: str
-    start_ns: int
-    cursor: str | None  # Last-Event-ID
-    scope: request_scope.RequestScope
-    protocol_version: str | None
-    body: bytearray = field(default_factory=bytearray)
-    calls: list[Call] = field(default_factory=list)
-    stream: Stream | None = None
-    parser: SSEParser | None = None
-    json_body: bytearray | None = None
-    status: int = 0
-    disconnected: bool = False
-    oversized: bool = False
+    __slots__ = ("body", "calls", "cursor", "disconnected", "json_body", "method", "oversized", "parser",
+                 "protocol_version", "scope", "start_ns", "status", "stream", "unread")
+
+    def __init__(self, method: str, start_ns: int, cursor: str | None, scope: request_scope.RequestScope,
+                 protocol_version: str | None) -> None:
+        self.method = method
+        self.start_ns = start_ns
+        self.cursor = cursor  # Last-Event-ID
+        self.scope = scope
+        self.protocol_version = protocol_version
+        self.body: bytearray | None = None  # a body that comes in several messages, gathered
+        self.unread: bytes | None = None  # a body of calls only, left for the SDK's middleware (``dispatched``)
+        self.calls: list[Call] = []
+        self.stream: Stream | None = None
+        self.parser: SSEParser | None = None
+        self.json_body: bytearray | None = None
+        self.status = 0
+        self.disconnected = False
+        self.oversized = False
 
     def release(self) -> None:
         """The exchange is over: let go of its calls, stream and parser. The app's objects that hold our
         ``receive`` and ``send`` (and the scope) are often in reference cycles, which only the garbage
         collector frees: what they reach would otherwise wait for it, and make its passes more frequent."""
         self.calls.clear()
-        self.stream = self.parser = self.json_body = None
+        self.stream = self.parser = self.json_body = self.unread = None
 
 
 class WireObserver:
@@ -129,26 +140,43 @@ class WireObserver:
             finally:
                 request_scope.unbind(token)
                 del scope[_EXCHANGE]
+                if ex.unread is not None:  # no response, and calls the SDK's middleware never saw
+                    self._read_unread(ex)
                 if ex.stream is not None:
                     tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
                 ex.release()
 
         return observed
 
-    @staticmethod
-    def call_of(request: Any, request_id: str) -> Call | None:
-        """A call of the exchange the observer left in a request's ASGI scope (the SDK's ``ctx.request``)."""
+    def dispatched(self, request: Any, request_id: str | int, params: Any) -> Call | None:
+        """The ``tools/call`` the SDK's server middleware is about to run, as a call of the exchange the
+        observer left in its request's ASGI scope (the SDK's ``ctx.request``): the one already read from
+        the body, or one started here from the SDK's own parse of a body left unread."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
-        if isinstance(ex, _Exchange):
-            for call in ex.calls:
-                if call.key[1] == request_id:
-                    return call
-        return None
+        if not isinstance(ex, _Exchange):
+            return None
+        key = str(request_id)
+        for call in ex.calls:
+            if call.key[1] == key:
+                return call
+        body = ex.unread
+        if body is None:  # read already: a call it did not hold is none of this exchange's
+            return None
+        msg = request_message(request_id, TOOLS_CALL, params)
+        if msg.id is None:
+            return None
+        call = self._start_call(ex, msg)
+        ex.calls.append(call)
+        if len(ex.calls) >= most_calls(body):  # every call the body can hold is started: nothing left to read
+            ex.unread = None
+        return call
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
         body: bytes = message.get("body", b"")
         more = message.get("more_body", False)
         if more or ex.body:  # a body in several messages: gathered (one message, the usual, is read as it is)
+            if ex.body is None:
+                ex.body = bytearray()
             ex.body += body
             if len(ex.body) > MAX_PARSED_BODY:  # too large to parse: observe the exchange without its calls
                 ex.oversized = True
@@ -163,10 +191,27 @@ class WireObserver:
             return
         if not can_ask(body):  # no tools/call, cancel or initialize in it: nothing to parse for
             return
+        if calls_only(body) and era_of(ex.protocol_version) == sc.ERA_STATELESS:
+            # The SDK parses it and hands each call to its middleware before this response starts
+            # (``dispatched``); read only if the response starts, or the exchange ends, without them all.
+            # A resumable session's response can start first, and its store wants the call before
+            # any event of it: read now.
+            ex.unread = body
+            return
+        self._read(ex, body)
+
+    def _read_unread(self, ex: _Exchange) -> None:
+        body, ex.unread = ex.unread, None
+        if body is not None:
+            self._read(ex, body)
+
+    def _read(self, ex: _Exchange, body: bytes) -> None:
         asked = read_body(body)
         if asked.protocol_version is not None:
             ex.protocol_version = asked.protocol_version
-        ex.calls.extend(self._start_call(ex, msg) for msg in asked.calls)
+        if asked.calls:
+            started = {call.key[1] for call in ex.calls}  # by the SDK's middleware
+            ex.calls.extend(self._start_call(ex, msg) for msg in asked.calls if msg.id not in started)
         for request_id in asked.cancelled:
             self.tracker.cancel((ex.scope.session_id, request_id))
 
@@ -190,6 +235,8 @@ class WireObserver:
         return call
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
+        if ex.unread is not None:  # calls the SDK's middleware did not see (refused before it, or no session)
+            self._read_unread(ex)
         ex.status = status = int(message.get("status", 0))
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, lowered=True)
         session_id = ex.scope.session_id
@@ -205,7 +252,7 @@ class WireObserver:
         if cursor:
             calls = calls + list(self.tracker.calls_of_cursor(session_id, cursor))
         ex.stream = self.tracker.open_stream(stream_kind(ex.method, cursor), session_id, calls,
-                                             stream_attributes(ex.method, content, ex.protocol_version, cursor),
+                                             (ex.method, content, ex.protocol_version, cursor),
                                              ex.scope.auth, status, start_time=ex.start_ns)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
@@ -214,7 +261,7 @@ class WireObserver:
             return
         chunk = message.get("body", b"")
         if ex.parser is not None:
-            for frame in ex.parser.feed(chunk):
+            for frame in ex.parser.feed(chunk) if chunk else ():
                 self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
         elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:
             ex.json_body += chunk

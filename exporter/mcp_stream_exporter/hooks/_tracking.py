@@ -30,7 +30,8 @@ from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanK
 from opentelemetry.util.types import Attributes, AttributeValue
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement
+from mcp_stream_exporter.auth import NO_REQUIREMENT, NOTHING_MISSING, AuthView, Requirement
+from mcp_stream_exporter.exchange import stream_attributes
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import WireMessage
 
@@ -125,6 +126,9 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
 
 
 Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attributes
+# What a side saw of an exchange when its response started: HTTP method, content, protocol version,
+# resume cursor. A stream keeps this tuple and builds its opening attributes only if it becomes a span.
+Opening = tuple[str, str, str | None, str | None]
 # A frame event's content, as seen: frame kind, event id, event type, request id, method. A deferred
 # stream keeps this tuple per frame and builds the event's attributes only if it becomes a span.
 FrameFields = tuple[str, str | None, str | None, str | None, str | None]
@@ -208,9 +212,6 @@ class _Deferred:
                 self.span.add_event(event, _attributes(attrs), timestamp)
             self._events = None
         return self.span
-
-
-NOTHING_MISSING: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
 
 class Call(_Deferred):
@@ -366,7 +367,7 @@ class Stream(_Deferred):
                  "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
 
     def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
-                 opened: dict[str, AttributeValue], status: int | None, calls: list[Call], *,
+                 opened: Mapping[str, AttributeValue] | Opening, status: int | None, calls: list[Call], *,
                  span_kind: SpanKind, start_time: int | None = None) -> None:
         super().__init__(span_kind, start_time, None)
         self.session_id = session_id
@@ -377,7 +378,7 @@ class Stream(_Deferred):
         self.status = status
         self.calls = calls
         self.request_ids = tuple([c.key[1] for c in calls])  # what a resume from any of its events continues
-        self.terminal_ids: list[str] = []
+        self.terminal_ids: tuple[str, ...] = ()
         self.events = 0
         self.error_frames = 0
         self.first_event_id: str | None = None
@@ -389,8 +390,9 @@ class Stream(_Deferred):
 
     def describe(self) -> Description:
         """The token goes on the call spans of a POST, and on the stream span of every other kind."""
+        opened = stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
         attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self.role,
-                                            sc.STREAM_KIND: self.kind, **self.opened}
+                                            sc.STREAM_KIND: self.kind, **opened}
         if self.kind != sc.STREAM_KIND_POST:
             attrs.update(auth_attributes(self.auth))
         if self.status is not None:
@@ -405,6 +407,15 @@ class Stream(_Deferred):
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+Terminal = tuple[str, str | None]  # where a call's terminal event came: the stream's kind, the event's id
+
+
+def _terminal_attributes(terminal: Terminal) -> dict[str, AttributeValue]:
+    stream_kind, event_id = terminal
+    attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream_kind}
+    if event_id is not None:
+        attrs[sc.TERMINAL_EVENT_ID] = event_id
+    return attrs
 
 
 def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
@@ -472,8 +483,9 @@ class Tracker:
         if call is not None:
             self._finish(call, sc.OUTCOME_CANCELLED)
 
-    def _finish(self, call: Call, outcome: str, attributes: Mapping[str, AttributeValue] | None = None) -> None:
-        """End a call. One answered on its only stream, never deviating, leaves no span."""
+    def _finish(self, call: Call, outcome: str, terminal: Terminal | None = None) -> None:
+        """End a call. One answered on its only stream, never deviating, leaves no span. ``terminal``:
+        where its terminal event came, when it came."""
         if call.done:
             return
         call.done = True
@@ -487,11 +499,15 @@ class Tracker:
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
         if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
-            if call.sdk_span is not None and call.sdk_span.is_recording() and attributes:
-                call.sdk_span.set_attributes(attributes)  # where its terminal event came: on the SDK's span
+            sdk = call.sdk_span
+            if sdk is not None and terminal is not None and sdk.is_recording():
+                sdk.set_attributes(_terminal_attributes(terminal))  # where its terminal event came: on the SDK's span
             return
         self.span_of(call)
-        call.close({**(attributes or {}), sc.CALL_OUTCOME: outcome, sc.CALL_STREAMS: call.streams})
+        attrs = _terminal_attributes(terminal) if terminal is not None else {}
+        attrs[sc.CALL_OUTCOME] = outcome
+        attrs[sc.CALL_STREAMS] = call.streams
+        call.close(attrs)
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing
@@ -506,10 +522,11 @@ class Tracker:
     # --- streams ---
 
     def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
-                    attributes: dict[str, AttributeValue], auth: AuthView,
+                    attributes: Mapping[str, AttributeValue] | Opening, auth: AuthView,
                     status: int | None, start_time: int | None = None) -> Stream | None:
         """A stream, or None for a POST that carries no ``tools/call`` and did not fail: those
-        (initialize, notifications, other requests) tell nothing about a call's fate."""
+        (initialize, notifications, other requests) tell nothing about a call's fate. ``attributes``:
+        its opening attributes, or the ``Opening`` they are built from if it becomes a span."""
         if kind == sc.STREAM_KIND_POST and not calls and (status is None or status < 400):
             return None
         stream = Stream(session_id, kind, self._role, auth, attributes, status, list(calls),
@@ -544,7 +561,8 @@ class Tracker:
         if frame is not None:
             event_id, event_type = frame.id, frame.event or "message"
             if event_id is not None:
-                stream.first_event_id = stream.first_event_id or event_id
+                if stream.first_event_id is None:
+                    stream.first_event_id = event_id
                 stream.last_event_id = event_id
                 if stream.request_ids:
                     self._index(stream.session_id, event_id, stream.request_ids)
@@ -574,7 +592,7 @@ class Tracker:
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
-        stream.terminal_ids.append(msg.id)
+        stream.terminal_ids += (msg.id,)
         key = (stream.session_id, msg.id)
         call: Call | None = None
         for own in stream.calls:
@@ -585,16 +603,13 @@ class Tracker:
             call = self._calls.get(key)
         if call is None or call.done:
             return
-        attrs: dict[str, AttributeValue] = {sc.TERMINAL_STREAM_KIND: stream.kind}
-        if event_id is not None:
-            attrs[sc.TERMINAL_EVENT_ID] = event_id
         if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
             call.link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         if msg.kind == sc.FRAME_ERROR:
             outcome = sc.OUTCOME_ERROR
         else:
             outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
-        self._finish(call, outcome, attrs)
+        self._finish(call, outcome, (stream.kind, event_id))
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
         """End a stream. A POST that delivered the terminal event of every call it carried, and
@@ -602,12 +617,15 @@ class Tracker:
         if stream.ended:
             return
         stream.ended = True
+        answered = True
         for call in stream.calls:
             call.open_streams -= 1
-        pending = stream.pending()
-        if (stream.span is None and not pending and not stream.error_frames and (status or 0) < 400
-                and set(stream.terminal_ids).issubset(stream.request_ids)):
+            answered = answered and call.done
+        terminal_ids = stream.terminal_ids
+        if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400
+                and (terminal_ids == stream.request_ids or set(terminal_ids).issubset(stream.request_ids))):
             return
+        pending = stream.pending()
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,
                                             sc.NETWORK_TRANSPORT: _TRANSPORT}
@@ -623,7 +641,7 @@ class Tracker:
             attrs[sc.EVENT_FIRST_ID] = stream.first_event_id
             attrs[sc.EVENT_LAST_ID] = stream.last_event_id or stream.first_event_id
         if stream.terminal_ids:
-            attrs[sc.TERMINAL_REQUEST_IDS] = stream.terminal_ids
+            attrs[sc.TERMINAL_REQUEST_IDS] = list(terminal_ids)
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
             attrs.update(_owed(stream, pending))

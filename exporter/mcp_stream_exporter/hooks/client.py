@@ -38,7 +38,6 @@ from mcp_stream_exporter.exchange import (
     content_of,
     era_of,
     read_body,
-    stream_attributes,
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
@@ -143,8 +142,7 @@ class ClientInstrumentation:
               status: int | None, content: str) -> Stream | None:
         method = request.method
         return self.tracker.open_stream(stream_kind(method, cursor), session_id, calls,
-                                        stream_attributes(method, content, protocol_version, cursor), auth, status,
-                                        start_time=start)
+                                        (method, content, protocol_version, cursor), auth, status, start_time=start)
 
 
 class _TapStream(httpx2.AsyncByteStream):

@@ -3,8 +3,10 @@
 Three seams, all public API of the SDK, around one tracker: an ASGI observer around the app from
 ``streamable_http_app()`` (``_observer.WireObserver``), a delegating ``EventStore``
 (``_recorder.StoreRecorder``: event-id assignment and what a replay sent against what was stored), and a
-``ServerMiddleware`` that links each call to the SDK's own request span. They observe and change
-nothing; refusing calls is the guard's (``guard.CallGuard``). ``instrument_server`` installs all three.
+``ServerMiddleware`` that links each call to the SDK's own request span and, in the stateless era, hands
+the observer each call as the SDK parsed it (so the observer need not read the body again). They observe
+and change nothing; refusing calls is the guard's (``guard.CallGuard``). ``instrument_server`` installs
+all three.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ class ServerInstrumentation:
         return self.recorder.event_store(inner)
 
     async def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        """Links each ``tools/call`` the observer saw to the SDK's own span for it."""
+        """Hands each ``tools/call`` to the observer, already parsed, and links it to the SDK's own span."""
         if ctx.method == TOOLS_CALL and ctx.request_id is not None:
-            call = self.observer.call_of(ctx.request, str(ctx.request_id))
+            call = self.observer.dispatched(ctx.request, ctx.request_id, ctx.params)
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if call is not None and sdk.is_valid:
                 call.link(sdk, _SDK_REQUEST_LINK)
