@@ -27,6 +27,7 @@ from itertools import chain
 from typing import TypeVar
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding
 
@@ -99,8 +100,9 @@ class Entry:
 _getsizeof = sys.getsizeof
 _ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
 _TIMESTAMP_BYTES = _getsizeof(2**62)  # an int past the small ones CPython shares: one object per span time
-_COMMON_BYTES = _getsizeof(Common("", "", "", None, "", "", 0, 0, "")) + 2 * _TIMESTAMP_BYTES
-_TOKEN_BYTES = _getsizeof(Token())
+# an event kept: itself, its Common (with its two timestamps) and its Token
+_EVENT_BYTES = {kind: _getsizeof(object.__new__(kind)) + _getsizeof(object.__new__(Common)) + 2 * _TIMESTAMP_BYTES
+                + _getsizeof(object.__new__(Token)) for kind in (StreamEnd, Replay, CallEnd)}
 
 
 Step = StreamEnd | Replay | CallEnd | Entry  # what a timeline keeps: the event; an Entry for the caller's give-up
@@ -158,6 +160,14 @@ def _entry(step: Step) -> Entry:
                  missing_resources=token.missing_resources, missing_scopes=token.missing_scopes)
 
 
+def step_size(step: Step) -> int:
+    """The bytes a kept step holds (shared strings counted each time): what the budget counts. An event:
+    itself, its ``Common`` and ``Token``, their strings and lists, and its two timestamps."""
+    if isinstance(step, Entry):
+        return step.size()
+    return _event_size(step, _lists(step))
+
+
 def _lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
     """Every list a producer sent on ``e``, its token's last."""
     token = e.token
@@ -169,25 +179,25 @@ def _lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
     return e.required, token.audience, token.missing_resources, token.missing_scopes
 
 
-def step_size(step: Step) -> int:
-    """The bytes a kept step holds, from C-level sizes (shared strings counted each time): what the budget
-    counts. An event: itself, its ``Common`` and ``Token``, their strings, lists and timestamps."""
-    if isinstance(step, Entry):
-        return step.size()
-    at = step.at
-    strings: tuple[str | None, ...]
-    if isinstance(step, StreamEnd):
-        strings = (step.kind, step.reason, step.first_event_id, step.last_event_id, step.cursor, step.tool)
-    elif isinstance(step, Replay):
-        strings = (step.cursor, step.request_id, step.decision, step.sent_last_id, step.offending_event_id,
-                   step.guard_decision)
+def _event_size(e: StreamEnd | Replay | CallEnd, lists: tuple[tuple[str, ...], ...]) -> int:
+    # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls, no Python loop
+    at = e.at
+    if isinstance(e, StreamEnd):
+        strings: tuple[str | None, ...] = (e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor, e.tool)
+    elif isinstance(e, Replay):
+        strings = (e.cursor, e.request_id, e.decision, e.sent_last_id, e.offending_event_id, e.guard_decision)
     else:
-        strings = (step.request_id, step.tool, step.outcome, step.terminal_event_id, step.sdk_span_id,
-                   step.terminal_stream_kind, step.fingerprint)
-    tuples = _lists(step)
-    return (_getsizeof(step) + _COMMON_BYTES + _TOKEN_BYTES + sum(map(_getsizeof, filter(None, (
-        at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin, step.token.fingerprint,
-        *strings, *tuples)))) + sum(map(_getsizeof, chain.from_iterable(tuples))))
+        strings = (e.request_id, e.tool, e.outcome, e.terminal_event_id, e.sdk_span_id, e.terminal_stream_kind,
+                   e.fingerprint)
+    held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
+                            e.token.fingerprint, *strings))]
+    count = len(held)
+    held += chain.from_iterable(lists)
+    joined = "".join(held)
+    # CPython holds a string that is not ASCII in 2 or 4 bytes a character: ask it then
+    size = sizes.STR * len(held) + len(joined) if joined.isascii() else sum(map(_getsizeof, held))
+    tuples = len(lists) - lists.count(())
+    return _EVENT_BYTES[type(e)] + size + sizes.TUPLE * tuples + sizes.ITEM * (len(held) - count)
 
 
 class Timelines:
@@ -210,8 +220,7 @@ class Timelines:
         if isinstance(event, StreamEnd):
             self._stream(event)
         elif isinstance(event, Replay):
-            step = self._capped(event)
-            self._add((event.at.scope, event.request_id or SESSION_LEVEL), step, step_size(step))
+            self._add((event.at.scope, event.request_id or SESSION_LEVEL), *self._kept(event))
         elif isinstance(event, CallEnd):
             self._call(event)
         else:
@@ -247,8 +256,7 @@ class Timelines:
         ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
-        step = self._capped(e)
-        size = step_size(step)
+        step, size = self._kept(e)
         for rid in list(ids)[:self.limits.max_items] or [SESSION_LEVEL]:
             self._add((e.at.scope, rid), step, size)
 
@@ -256,8 +264,7 @@ class Timelines:
         key = (e.at.scope, e.request_id)
         if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
             return  # answered, and nothing was kept about it
-        step = self._capped(e)
-        self._add(key, step, step_size(step))
+        self._add(key, *self._kept(e))
         if e.at.role != sc.ROLE_CLIENT:
             return
         if e.sdk_span_id is not None:
@@ -284,18 +291,20 @@ class Timelines:
         while len(self._early) > self.limits.max_index // 10:
             self._early.popitem(last=False)
 
-    def _capped(self, e: _E) -> _E:
-        """``e`` itself, or a copy of it with every list cut to ``max_items`` (a producer's lists reach 256)."""
+    def _kept(self, e: _E) -> tuple[_E, int]:
+        """What a timeline keeps of ``e``, and its size: ``e`` itself, or a copy of it with every list cut to
+        ``max_items`` (a producer's lists reach 256 items)."""
         cap = self.limits.max_items
-        if max(map(len, _lists(e))) <= cap:
-            return e
+        lists = _lists(e)
+        if max(map(len, lists)) <= cap:
+            return e, _event_size(e, lists)
         cut = copy(e)
         for name in _LIST_NAMES[type(e)]:
             setattr(cut, name, getattr(e, name)[:cap])
         cut.token = copy(e.token)
         for name in _TOKEN_LIST_NAMES:
             setattr(cut.token, name, getattr(e.token, name)[:cap])
-        return cut
+        return cut, step_size(cut)
 
     # --- the maps, bounded ---
 
