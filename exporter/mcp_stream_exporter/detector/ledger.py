@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from mcp_stream_exporter.detector import sizes
+
 _MAX_SPAN_REFS = 4
 _MAX_CURSORS = 64  # per session: the cursors whose calls a later resume without request ids is told
 _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
@@ -509,8 +511,7 @@ def _entry_bytes(key: object, value: object) -> int:
 
 
 def _cursor_bytes(event_id: str, request_ids: tuple[str, ...]) -> int:
-    return (_CURSOR_BYTES + sys.getsizeof(event_id) + sys.getsizeof(request_ids)
-            + sum(map(sys.getsizeof, request_ids)))
+    return _CURSOR_BYTES + sizes.strings((event_id, *request_ids)) + sizes.TUPLE + sizes.ITEM * len(request_ids)
 
 
 def _window_bytes(key: tuple[str, str], maxlen: int) -> int:
@@ -518,8 +519,16 @@ def _window_bytes(key: tuple[str, str], maxlen: int) -> int:
 
 
 def _call_bytes(call: CallState) -> int:
+    """What ``call`` holds: its strings, lists and findings (a string held twice is counted twice)."""
     findings = call.findings
-    return (_CALL_BYTES + _size(call.request_id) + _size(call.required) + _size(call.roles)
-            + _size(call.span_ids) + (_size(call.tool) if call.tool else 0)
-            + (_size(call.trace_id) if call.trace_id else 0) + _size(call.origin)
-            + (sys.getsizeof(findings) + sum(_size(k) + _size(v) for k, v in findings.items()) if findings else 0))
+    held = [call.request_id, call.origin, *call.required, *call.roles, *call.span_ids]
+    if call.tool:
+        held.append(call.tool)
+    if call.trace_id:
+        held.append(call.trace_id)
+    if findings:
+        held += findings
+        held += findings.values()
+    items = len(call.required) + len(call.roles) + len(call.span_ids)
+    return (_CALL_BYTES + sizes.strings(held) + 3 * sizes.TUPLE + sizes.ITEM * items
+            + (sys.getsizeof(findings) if findings else 0))
