@@ -181,6 +181,21 @@ def test_memory_evictions_take_the_least_recently_active_sessions_first_and_are_
     assert detector.registry.get_sample_value("mcp_stream_detector_state_bytes", {"part": "ledger"}) <= BUDGET
 
 
+def test_a_sessions_stream_ends_are_bounded_kept_newest_last_and_charged_the_same_after_a_snapshot():
+    from mcp_stream_exporter.detector.ledger import Ledger
+
+    ledger = Ledger()
+    session = ledger.session("one", 0)
+    for i in range(70):
+        ledger.note_cursor(session, f"e{i}", (str(i),))
+    ledger.note_cursor(session, "e10", ("3", "4"))  # the same event id again: the newest word on it
+    restored = Ledger()
+    restored.load(ledger.dump())
+    again = restored.session("one", 0)
+    assert [restored.cursor_calls(again, e) for e in ("e5", "e6", "e10", "e69")] == [(), ("6",), ("3", "4"), ("69",)]
+    assert ledger.dump()["sessions"] == restored.dump()["sessions"] and restored.bytes == ledger.bytes
+
+
 def test_one_session_watches_a_bounded_number_of_resume_cursors():
     detector = Detector(CONFIG, clock=Clock())
     detector.consume([stream(C, "resume", "clean", session="one", pending=("1",), cursor=f"c{i}") for i in range(5000)])

@@ -158,3 +158,37 @@ def test_an_entry_is_charged_for_every_string_and_list_it_holds() -> None:
         grown = replace(bare, **{f.name: value}).size() - bare.size()
         expected = sys.getsizeof(value) + (sum(map(sys.getsizeof, value)) if isinstance(value, tuple) else 0)
         assert grown == expected, f.name
+
+
+def _held(value: object) -> int:
+    """What CPython says ``value`` and every string, list and timestamp it holds take (None, "" and () shared)."""
+    import sys
+
+    from mcp_stream_exporter.detector.events import Common, Token
+
+    if isinstance(value, str):
+        return sys.getsizeof(value) if value else 0
+    if isinstance(value, tuple):
+        return sys.getsizeof(value) + sum(map(sys.getsizeof, value)) if value else 0
+    if isinstance(value, (Common, Token)) or type(value).__name__ in ("StreamEnd", "Replay", "CallEnd"):
+        held = sys.getsizeof(value) + sum(_held(getattr(value, name)) for name in type(value).__slots__)
+        return held + (sys.getsizeof(value.start_ns) + sys.getsizeof(value.end_ns) if isinstance(value, Common) else 0)
+    return 0
+
+
+def test_an_event_kept_on_a_timeline_is_charged_what_it_and_every_string_and_list_it_holds_take() -> None:
+    """An event's size is arithmetic (for speed), not sys.getsizeof: a field it leaves out, or a string CPython
+    holds in more than a byte a character, fails here."""
+    from mcp_stream_exporter.detector.timeline import step_size
+
+    wide = "r\u00e9sum\u00e9-\u20ac"  # 2 and 4 bytes a character in CPython
+    now = 1_800_000_000.0  # span times of this century: ints of CPython's 36 bytes
+    spans = [stream(C, "resume", "clean", at=now, pending=("3",), ids=("3", "4"), terminal=("4",), cursor="6",
+                    first="7", last="9", missing=(FETCH,), tool="fetch"),
+             stream(C, "resume", "clean", at=now, pending=(wide,), cursor=wide, audience=(wide,)),
+             replay(sc.REPLAY_TRUNCATED, at=now, missing=(FETCH,)),
+             call(C, sc.OUTCOME_CANCELLED, at=now, parent="00000000000000aa"),
+             call(SV, sc.OUTCOME_RESULT, at=now, session=None, tool=wide)]
+    for span in spans:
+        event = _event(span)
+        assert step_size(event) == _held(event), span.attributes

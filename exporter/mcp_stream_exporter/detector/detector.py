@@ -77,7 +77,8 @@ class Detector:
         self.ledger = Ledger(self.config.ledger)
         self.findings = FindingStore(self.config.max_findings, self.config.max_findings_bytes)
         self.timelines = Timelines(TimelineLimits(max_findings=self.config.max_findings,
-                                                  max_bytes=self.config.max_timelines_bytes))
+                                                  max_bytes=self.config.max_timelines_bytes),
+                                   self.ledger.sdk_span_call)
         self.registry = registry or CollectorRegistry()
         self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
         self.registry.register(LedgerCollector(self.ledger, self.findings, (

@@ -310,7 +310,14 @@ def _origin(span: Span) -> str:
     return redact(span.origin[:MAX_CHARS])
 
 
+_TOKEN_KEYS = (sc.AUTH_AUDIENCE, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION, sc.AUTH_MISSING_RESOURCES,
+               sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES)
+_NO_TOKEN = Token()  # shared by every event whose span says nothing of a token (no reader changes a Token)
+
+
 def _token(a: Mapping[str, Any]) -> Token:
+    if a.keys().isdisjoint(_TOKEN_KEYS):
+        return _NO_TOKEN  # most spans (a POST, a call's end): nothing to read, and no Token a timeline keeps each
     audience = _strs(a, sc.AUTH_AUDIENCE)
     fingerprint = _str(a, sc.AUTH_FINGERPRINT)
     if _str(a, sc.AUTH_VERIFICATION) in _UNKNOWN_AUDIENCE:

@@ -63,7 +63,8 @@ class Finding:
         holds, in bytes (the evidence is serialised once, for both)."""
         self.evidence, evidence_json = _bounded(self.evidence)
         del self.roles[_MAX_REFS:], self.trace_ids[_MAX_REFS:], self.span_ids[_MAX_REFS:]
-        refs_json = sum(len(v) + 3 for v in (*self.roles, *self.trace_ids, *self.span_ids))
+        refs = (*self.roles, *self.trace_ids, *self.span_ids)
+        refs_json = len("".join(refs)) + 3 * len(refs)
         return _FINDING_BYTES + _BYTES_PER_JSON_BYTE * (evidence_json + refs_json)
 
     def to_json(self) -> dict[str, Any]:

@@ -18,18 +18,22 @@ import heapq
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
+
+from mcp_stream_exporter.detector import sizes
 
 _MAX_SPAN_REFS = 4
 _MAX_CURSORS = 64  # per session: the cursors whose calls a later resume without request ids is told
 _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
 # bytes charged per object beyond its strings and tuples (measured with tracemalloc, rounded up)
-_SESSION_BYTES = 400  # the session, its calls dict, its place in the LRU order
+_SESSION_BYTES = 200  # the session, its place in the LRU order, its cursors' tuple
+_CALLS_BYTES = 200  # a session's dict of calls, once it has two (most have one)
 _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
-_CURSOR_BYTES = 100  # one cursor's dict slot (its event id and request ids tuple counted besides)
+_CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
 _INDEX_BYTES = 250  # one look-up entry
+_UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -59,8 +63,8 @@ class CallState:
     span_ids: tuple[str, ...] = ()  # the first stream and call spans that carried it
     origin: str = ""
     findings: dict[str, str] | None = None  # rule -> finding id; most calls never get one
-    # the ledger's own book-keeping, not the call's story (never in a snapshot row): the bytes it is
-    # charged (0 once forgotten), and which timers it has set (a bit each), instead of two maps keyed by call
+    # the ledger's own book-keeping, not the call's story (never in a snapshot row): what it is charged, in
+    # _UNIT bytes (0 once forgotten), and which timers it has set (a bit each), instead of two maps keyed by call
     charged: int = 0
     timers: int = 0
 
@@ -95,10 +99,26 @@ class CallState:
 class SessionState:
     scope: str
     last_ns: int
-    calls: dict[str, CallState] = field(default_factory=dict)  # insertion order: oldest first
+    # its calls, oldest first: the only one itself (a session usually has one), else a dict by request id
+    calls: CallState | dict[str, CallState] | None = None
     resumes: dict[tuple[str, str], deque[int]] | None = None  # (role, cursor) -> times, once there is one
-    cursors: dict[str, tuple[str, ...]] | None = None  # event id -> the calls of the stream it ended, oldest first
-    resume_bytes: int = 0  # what its resume windows and cursors are charged
+    # event id, then the calls of the stream it ended, and so on, oldest first: one flat tuple, for a session
+    # holds one or two (a dict of one entry takes three times the bytes)
+    cursors: tuple[str | tuple[str, ...], ...] = ()
+    own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
+
+    def get(self, request_id: str) -> CallState | None:
+        calls = self.calls
+        if isinstance(calls, dict):
+            return calls.get(request_id)
+        return calls if calls is not None and calls.request_id == request_id else None
+
+    def all(self) -> list[CallState]:
+        """Its calls, oldest first."""
+        calls = self.calls
+        if isinstance(calls, dict):
+            return list(calls.values())
+        return [calls] if calls is not None else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,25 +163,39 @@ class Ledger:
         return session
 
     def call(self, session: SessionState, request_id: str, now_ns: int) -> CallState:
-        call = session.calls.get(request_id)
+        call = session.get(request_id)
         if call is None:
-            call = session.calls[request_id] = CallState(session.scope, request_id, now_ns)
-            self._calls += 1
-            self._charge(call)
-            if len(session.calls) > self.limits.max_calls_per_session:
-                self._forget(session.calls.pop(next(iter(session.calls))))
+            call = CallState(session.scope, request_id, now_ns)
+            calls = self._add_call(session, call)
+            if calls is not None and len(calls) > self.limits.max_calls_per_session:
+                self._forget(calls.pop(next(iter(calls))))
                 self.evictions["capacity"] += 1
         self._touched[id(call)] = call  # the caller fills it in
         return call
 
+    def _add_call(self, session: SessionState, call: CallState) -> dict[str, CallState] | None:
+        """Hold ``call`` in ``session`` and charge it; returns the session's dict of calls, once it has one."""
+        self._calls += 1
+        self._in_flight += call.in_flight
+        self._charge(call)
+        calls = session.calls
+        if calls is None:
+            session.calls = call
+            return None
+        if not isinstance(calls, dict):
+            calls = session.calls = {calls.request_id: calls}
+            self._charge_session(session, _CALLS_BYTES)
+        calls[call.request_id] = call
+        return calls
+
     def find(self, scope: str, request_id: str) -> CallState | None:
         session = self._sessions.get(scope)
-        return session.calls.get(request_id) if session is not None else None
+        return session.get(request_id) if session is not None else None
 
     def owed(self, call: CallState, since_ns: int, role: str) -> None:
         """A stream ended with the call pending: it is in flight until delivered or given up."""
         if role not in call.roles:
-            call.roles += (role,)
+            call.roles = _with_role(call.roles, role)
         if call.owed_since is None:
             was = call.in_flight
             call.owed_since = since_ns
@@ -179,7 +213,7 @@ class Ledger:
 
     def in_session(self, scope: str) -> list[CallState]:
         session = self._sessions.get(scope)
-        return list(session.calls.values()) if session is not None else []
+        return session.all() if session is not None else []
 
     def resume_window(self, session: SessionState, key: tuple[str, str], maxlen: int) -> deque[int]:
         """The times ``key`` (role, cursor) was resumed from in ``session``, at most ``maxlen`` of them;
@@ -191,31 +225,40 @@ class Ledger:
         if window is None:
             window = resumes[key] = deque(maxlen=maxlen)
             charge = _window_bytes(key, maxlen)
-            session.resume_bytes += charge
-            self._bytes += charge
+            self._charge_session(session, charge)
             if len(resumes) > self.limits.max_resumes_per_session:
                 oldest = next(iter(resumes))
                 dropped = _window_bytes(oldest, resumes.pop(oldest).maxlen or 0)
-                session.resume_bytes -= dropped
-                self._bytes -= dropped
+                self._charge_session(session, -dropped)
         return window
 
     def note_cursor(self, session: SessionState, event_id: str, request_ids: tuple[str, ...]) -> None:
         """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them. At
         most ``_MAX_CURSORS`` a session, charged to it like its resume windows."""
-        if session.cursors is None:
-            session.cursors = {}  # a dict keeps insertion order, for a third of an OrderedDict's bytes
-        before = session.cursors.pop(event_id, None)
-        if before is not None:
-            self._charge_session(session, -_cursor_bytes(event_id, before))
-        session.cursors[event_id] = request_ids
-        self._charge_session(session, _cursor_bytes(event_id, request_ids))
-        if len(session.cursors) > _MAX_CURSORS:
-            oldest = next(iter(session.cursors))
-            self._charge_session(session, -_cursor_bytes(oldest, session.cursors.pop(oldest)))
+        cursors = session.cursors
+        charge = _cursor_bytes(event_id, request_ids)
+        for i in range(0, len(cursors), 2):
+            if cursors[i] == event_id:
+                charge -= _cursor_bytes(event_id, _ids(cursors[i + 1]))
+                cursors = cursors[:i] + cursors[i + 2:]
+                break
+        if len(cursors) == 2 * _MAX_CURSORS:
+            charge -= _cursor_bytes(_id(cursors[0]), _ids(cursors[1]))
+            cursors = cursors[2:]
+        session.cursors = (*cursors, event_id, request_ids)
+        self._charge_session(session, charge)
+
+    @staticmethod
+    def cursor_calls(session: SessionState, event_id: str) -> tuple[str, ...]:
+        """The calls of the stream that ended at ``event_id`` in ``session`` (none when not noted)."""
+        cursors = session.cursors
+        for i in range(len(cursors) - 2, -1, -2):
+            if cursors[i] == event_id:
+                return _ids(cursors[i + 1])
+        return ()
 
     def _charge_session(self, session: SessionState, charge: int) -> None:
-        session.resume_bytes += charge
+        session.own_bytes += charge
         self._bytes += charge
 
     # --- look-ups that outlive a span: the SDK's request span, and tools (re-)issued ---
@@ -223,6 +266,10 @@ class Ledger:
     def link_sdk_span(self, span_id: str, call: CallState) -> None:
         self._index_bytes += _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id),
                                           self.limits.max_index)
+
+    def sdk_span_call(self, span_id: str) -> tuple[str, str] | None:
+        """(scope, request id) of the call whose client SDK request span is ``span_id`` (the timelines' look-up)."""
+        return self._sdk_spans.get(span_id)
 
     def call_of_sdk_span(self, span_id: str) -> CallState | None:
         key = self._sdk_spans.get(span_id)
@@ -298,7 +345,7 @@ class Ledger:
         many sessions were evicted."""
         for call in self._touched.values():
             if call.charged:  # still held
-                self._bytes -= call.charged
+                self._bytes -= call.charged * _UNIT
                 self._charge(call)
         self._touched.clear()
         evicted = 0
@@ -314,8 +361,8 @@ class Ledger:
         return evicted
 
     def _charge(self, call: CallState) -> None:
-        call.charged = _call_bytes(call)
-        self._bytes += call.charged
+        call.charged = -(-_call_bytes(call) // _UNIT)  # rounded up
+        self._bytes += call.charged * _UNIT
 
     # --- snapshots (snapshot.py): JSON-able data, never pickles ---
 
@@ -351,10 +398,10 @@ class Ledger:
         s = self._sessions.get(scope)
         if s is None:
             return None
-        return {"scope": s.scope, "last_ns": s.last_ns, "calls": [_row(c) for c in s.calls.values()],
+        return {"scope": s.scope, "last_ns": s.last_ns, "calls": [_row(c) for c in s.all()],
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
-                "cursors": [[cursor, list(ids)] for cursor, ids in (s.cursors or {}).items()]}
+                "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)]}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
@@ -362,10 +409,7 @@ class Ledger:
         self._bytes += _SESSION_BYTES + sys.getsizeof(session.scope)
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
-            call = session.calls[row["request_id"]] = CallState(**values)
-            self._calls += 1
-            self._in_flight += call.in_flight
-            self._charge(call)
+            self._add_call(session, CallState(**values))
         if s["resumes"]:
             session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
                                for role, cursor, times, maxlen in s["resumes"]}
@@ -399,20 +443,42 @@ class Ledger:
         return self._in_flight
 
     def _drop(self, session: SessionState, reason: str) -> None:
-        for call in session.calls.values():
+        for call in session.all():
             self._forget(call)
-        self._bytes -= _SESSION_BYTES + sys.getsizeof(session.scope) + session.resume_bytes
+        self._bytes -= _SESSION_BYTES + sys.getsizeof(session.scope) + session.own_bytes
         self.evictions[reason] += 1
 
     def _forget(self, call: CallState) -> None:
         self._calls -= 1
-        self._bytes -= call.charged
+        self._bytes -= call.charged * _UNIT
         call.charged = 0
         if call.in_flight:
             self._in_flight -= 1
 
 
 _TUPLES = frozenset(f.name for f in fields(CallState) if str(f.type).startswith("tuple"))
+_ROLES: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}  # (roles, role) -> roles with it: shared tuples
+
+
+def _with_role(roles: tuple[str, ...], role: str) -> tuple[str, ...]:
+    """``roles`` and ``role``, as one tuple shared by every call with them (roles come from a closed set of two)."""
+    key = (roles, role)
+    shared = _ROLES.get(key)
+    if shared is None:
+        shared = (*roles, role)
+        if len(_ROLES) < 16:  # a snapshot's rows could name others: never an unbounded map
+            _ROLES[key] = shared
+    return shared
+
+
+def _id(item: str | tuple[str, ...]) -> str:
+    assert isinstance(item, str)
+    return item
+
+
+def _ids(item: str | tuple[str, ...]) -> tuple[str, ...]:
+    assert isinstance(item, tuple)
+    return item
 
 
 _BOOK_KEEPING = frozenset({"charged", "timers"})
@@ -445,8 +511,7 @@ def _entry_bytes(key: object, value: object) -> int:
 
 
 def _cursor_bytes(event_id: str, request_ids: tuple[str, ...]) -> int:
-    return (_CURSOR_BYTES + sys.getsizeof(event_id) + sys.getsizeof(request_ids)
-            + sum(map(sys.getsizeof, request_ids)))
+    return _CURSOR_BYTES + sizes.strings((event_id, *request_ids)) + sizes.TUPLE + sizes.ITEM * len(request_ids)
 
 
 def _window_bytes(key: tuple[str, str], maxlen: int) -> int:
@@ -454,8 +519,16 @@ def _window_bytes(key: tuple[str, str], maxlen: int) -> int:
 
 
 def _call_bytes(call: CallState) -> int:
+    """What ``call`` holds: its strings, lists and findings (a string held twice is counted twice)."""
     findings = call.findings
-    return (_CALL_BYTES + _size(call.request_id) + _size(call.required) + _size(call.roles)
-            + _size(call.span_ids) + (_size(call.tool) if call.tool else 0)
-            + (_size(call.trace_id) if call.trace_id else 0) + _size(call.origin)
-            + (sys.getsizeof(findings) + sum(_size(k) + _size(v) for k, v in findings.items()) if findings else 0))
+    held = [call.request_id, call.origin, *call.required, *call.roles, *call.span_ids]
+    if call.tool:
+        held.append(call.tool)
+    if call.trace_id:
+        held.append(call.trace_id)
+    if findings:
+        held += findings
+        held += findings.values()
+    items = len(call.required) + len(call.roles) + len(call.span_ids)
+    return (_CALL_BYTES + sizes.strings(held) + 3 * sizes.TUPLE + sizes.ITEM * items
+            + (sys.getsizeof(findings) if findings else 0))

@@ -327,7 +327,7 @@ _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESP
 # or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
 # versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
 _LABELS: dict[Any, Any] = {}
-_LABELS_MAX = 2048
+_LABELS_MAX = 1024  # a process-wide cache outside every budget: about 0.5 MiB at most
 _LABELS_KEY_MAX_BYTES = 256
 _UNKNOWN = object()
 
@@ -354,8 +354,8 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
 # resources repeat on each of its spans, and roles, kinds and reasons on all. Bounded: short values
 # only, emptied when full.
 _MODEL_VALUES: dict[bytes, Any] = {}
-_MODEL_VALUES_MAX = 4096
-_MODEL_VALUE_MAX_BYTES = 256
+_MODEL_VALUES_MAX = 2048  # a process-wide cache outside every budget: about 0.5 MiB at most
+_MODEL_VALUE_MAX_BYTES = 80  # session and request ids, tools, resources; a longer value is decoded each time
 _MODEL_VALUE_MAX_ITEMS = 8  # an array decodes to more than its bytes: a few values each (ids, resources)
 
 

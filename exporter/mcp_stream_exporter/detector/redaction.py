@@ -23,7 +23,10 @@ def holds_token(encoded: bytes) -> bool:
     return _TOKEN_BYTES.search(encoded) is not None
 
 
-_CLEAN_CACHE = 4096  # strings of at most 256 characters (the span bounds): about 1.5 MiB at most
+# a process-wide cache outside every budget: small enough (about 80 KiB at most) not to blur them. Session
+# ids, tools, event ids and most resources fit; a longer string is scanned each time
+_CLEAN_CACHE = 512
+_CLEAN_MAX_CHARS = 64
 _clean: dict[str, None] = {}
 
 
@@ -36,7 +39,7 @@ def redact(text: str) -> str:
     if text in _clean:
         return text
     redacted = _TOKEN.sub(REDACTED, text)
-    if redacted == text and len(text) <= 256:
+    if redacted == text and len(text) <= _CLEAN_MAX_CHARS:
         if len(_clean) >= _CLEAN_CACHE:
             _clean.clear()
         _clean[text] = None

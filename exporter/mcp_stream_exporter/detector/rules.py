@@ -274,7 +274,7 @@ class RuleEngine:
         if len(window) >= self.config.resume_loop_count and window[0] >= horizon:
             # a resume the hooks no longer tie to a call (its caller gave up, the SDK resumes on) is still that
             # call's: the calls of the stream that ended at this cursor
-            known = e.request_ids or (session.cursors.get(e.cursor, ()) if session.cursors else ())
+            known = e.request_ids or self.ledger.cursor_calls(session, e.cursor)
             for rid in known or (f"cursor:{e.cursor}",):
                 call = calls.get(rid) or self.ledger.find(at.scope, rid)
                 self._emit(RuleId.RESUME_LOOP, call, at, rid, now_ns, lambda: {

@@ -10,17 +10,24 @@ first half and the last half are kept, the middle counted), the items of every l
 (its strings are bounded by the span model, ``events.MAX_CHARS``, and shared with the events, not
 copied), and the bytes of all timelines together (oldest calls go first, then the oldest findings'
 timelines).
+
+A timeline keeps the lifecycle events themselves (``read`` built them; the detector drops them otherwise) and
+builds the findings page's :class:`Entry` rows only when the page asks: recording a step costs a look-up,
+an append and its size, not a copy. An event with a list past the cap is kept as a cut copy.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
+from copy import copy
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import TypeVar
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding
 
@@ -29,6 +36,12 @@ _MAP_ENTRY = 200  # bytes: a place in an OrderedDict, its key tuple and the key'
 SESSION_LEVEL = ""  # the request id of a session's resumes and replays that name no call
 
 Key = tuple[str, str]  # (scope, request id)
+_E = TypeVar("_E", StreamEnd, Replay, CallEnd)
+# the lists a producer sends on each event, by name (for the rare cut copy), its token's besides
+_LIST_NAMES: dict[type, tuple[str, ...]] = {
+    StreamEnd: ("request_ids", "pending_ids", "terminal_ids", "required"),
+    Replay: ("foreign_event_ids", "required"), CallEnd: ("required",)}
+_TOKEN_LIST_NAMES = ("audience", "missing_resources", "missing_scopes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,44 +99,117 @@ class Entry:
 
 _getsizeof = sys.getsizeof
 _ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
+_TIMESTAMP_BYTES = _getsizeof(2**62)  # an int past the small ones CPython shares: one object per span time
+# an event kept: itself, its Common (with its two timestamps) and its Token
+_EVENT_BYTES = {kind: _getsizeof(object.__new__(kind)) + _getsizeof(object.__new__(Common)) + 2 * _TIMESTAMP_BYTES
+                + _getsizeof(object.__new__(Token)) for kind in (StreamEnd, Replay, CallEnd)}
+
+
+Step = StreamEnd | Replay | CallEnd | Entry  # what a timeline keeps: the event; an Entry for the caller's give-up
 
 
 class Timeline:
-    """One call's entries: the first ``max_entries // 2`` and the latest ones, and how many fell between.
+    """One call's steps: the first ``max_entries // 2`` and the latest ones, and how many fell between.
 
-    One list, grown as entries come (most calls have two or three): no ring buffer allocated up front."""
+    One list, grown as steps come (most calls have two or three): no ring buffer allocated up front."""
 
     __slots__ = ("bytes", "kept", "max_entries", "omitted", "refs")
 
     def __init__(self, max_entries: int) -> None:
-        self.kept: list[Entry] = []  # the head, then the latest entries in order
+        self.kept: list[Step] = []  # the head, then the latest steps in order
         self.max_entries = max(2, max_entries)
         self.omitted = 0
         self.bytes = sys.getsizeof(self) + sys.getsizeof(self.kept) + _MAP_ENTRY
         self.refs = 0  # the calls map and each finding holding it
 
-    def add(self, entry: Entry) -> int:
-        """Append; returns the change in bytes."""
+    def add(self, step: Step, size: int) -> int:
+        """Append ``step`` (which holds ``size`` bytes); returns the change in bytes."""
         kept = self.kept
-        grown = entry.size() - sys.getsizeof(kept)
+        grown = size - sys.getsizeof(kept)
         if len(kept) == self.max_entries:
-            grown -= kept.pop(self.max_entries // 2).size()  # the oldest of the latest
+            grown -= step_size(kept.pop(self.max_entries // 2))  # the oldest of the latest
             self.omitted += 1
-        kept.append(entry)
+        kept.append(step)
         grown += sys.getsizeof(kept)
         self.bytes += grown
         return grown
 
     def entries(self) -> list[Entry]:
-        return sorted(self.kept, key=lambda e: (e.at_ns, e.end_ns))
+        """The findings page's rows, built now, in the order the steps started."""
+        return sorted(map(_entry, self.kept), key=lambda e: (e.at_ns, e.end_ns))
+
+
+def _entry(step: Step) -> Entry:
+    if isinstance(step, Entry):
+        return step
+    at, token = step.at, step.token
+    common = (at.start_ns, at.end_ns, at.role)
+    ids = (at.trace_id, at.span_id, at.origin)
+    if isinstance(step, StreamEnd):
+        return Entry(*common, step.kind, *ids, reason=step.reason, status=step.status, events=step.events,
+                     first_event_id=step.first_event_id, last_event_id=step.last_event_id, cursor=step.cursor,
+                     error_frames=step.error_frames, pending=step.pending_ids, terminal=step.terminal_ids,
+                     audience=token.audience, required=step.required, missing_resources=token.missing_resources,
+                     missing_scopes=token.missing_scopes)
+    if isinstance(step, Replay):
+        return Entry(*common, "replay", *ids, cursor=step.cursor, decision=step.decision,
+                     guard_decision=step.guard_decision, buffered=step.buffered, sent=step.sent,
+                     offending_event_id=step.offending_event_id, audience=token.audience, required=step.required,
+                     missing_resources=token.missing_resources, missing_scopes=token.missing_scopes)
+    return Entry(*common, "call", *ids, outcome=step.outcome, audience=token.audience, required=step.required,
+                 missing_resources=token.missing_resources, missing_scopes=token.missing_scopes)
+
+
+def step_size(step: Step) -> int:
+    """The bytes a kept step holds (shared strings counted each time): what the budget counts. An event:
+    itself, its ``Common`` and ``Token``, their strings and lists, and its two timestamps."""
+    if isinstance(step, Entry):
+        return step.size()
+    return _event_size(step, _lists(step))
+
+
+def _lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
+    """Every list a producer sent on ``e``, its token's last."""
+    token = e.token
+    if isinstance(e, StreamEnd):
+        return (e.request_ids, e.pending_ids, e.terminal_ids, e.required, token.audience, token.missing_resources,
+                token.missing_scopes)
+    if isinstance(e, Replay):
+        return e.foreign_event_ids, e.required, token.audience, token.missing_resources, token.missing_scopes
+    return e.required, token.audience, token.missing_resources, token.missing_scopes
+
+
+def _event_size(e: StreamEnd | Replay | CallEnd, lists: tuple[tuple[str, ...], ...]) -> int:
+    # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls, no Python loop
+    at = e.at
+    if isinstance(e, StreamEnd):
+        strings: tuple[str | None, ...] = (e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor, e.tool)
+    elif isinstance(e, Replay):
+        strings = (e.cursor, e.request_id, e.decision, e.sent_last_id, e.offending_event_id, e.guard_decision)
+    else:
+        strings = (e.request_id, e.tool, e.outcome, e.terminal_event_id, e.sdk_span_id, e.terminal_stream_kind,
+                   e.fingerprint)
+    held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
+                            e.token.fingerprint, *strings))]
+    count = len(held)
+    held += chain.from_iterable(lists)
+    joined = "".join(held)
+    # CPython holds a string that is not ASCII in 2 or 4 bytes a character: ask it then
+    size = sizes.STR * len(held) + len(joined) if joined.isascii() else sum(map(_getsizeof, held))
+    tuples = len(lists) - lists.count(())
+    return _EVENT_BYTES[type(e)] + size + sizes.TUPLE * tuples + sizes.ITEM * (len(held) - count)
 
 
 class Timelines:
-    def __init__(self, limits: TimelineLimits | None = None) -> None:
+    """Every call's timeline, bounded. ``sdk_span_call`` tells which call a client SDK request span was (the
+    ledger's look-up, ``Ledger.sdk_span_call``): a caller's give-up joins that call's timeline."""
+
+    def __init__(self, limits: TimelineLimits | None = None,
+                 sdk_span_call: Callable[[str], Key | None] | None = None) -> None:
         self.limits = limits or TimelineLimits()
         self._calls: OrderedDict[Key, Timeline] = OrderedDict()  # least recently touched first
         self._findings: OrderedDict[str, Timeline] = OrderedDict()  # finding id -> its call's timeline
-        self._sdk_spans: OrderedDict[str, Key] = OrderedDict()  # the client SDK's request span -> call
+        self._sdk_span_call = sdk_span_call or (lambda span_id: None)
         self._early: OrderedDict[str, Entry] = OrderedDict()  # a give-up seen before its call span
         self.bytes = 0
         self.evicted = 0  # timelines dropped for the byte budget while a finding still held them
@@ -134,10 +220,7 @@ class Timelines:
         if isinstance(event, StreamEnd):
             self._stream(event)
         elif isinstance(event, Replay):
-            self._add((event.at.scope, event.request_id or SESSION_LEVEL), self._entry(
-                event.at, "replay", event.token, event.required, cursor=event.cursor, decision=event.decision,
-                guard_decision=event.guard_decision, buffered=event.buffered, sent=event.sent,
-                offending_event_id=event.offending_event_id))
+            self._add((event.at.scope, event.request_id or SESSION_LEVEL), *self._kept(event))
         elif isinstance(event, CallEnd):
             self._call(event)
         else:
@@ -170,31 +253,24 @@ class Timelines:
     def _stream(self, e: StreamEnd) -> None:
         if e.terminal_ids and not e.pending_ids and all((e.at.scope, rid) not in self._calls for rid in e.request_ids):
             return  # a call answered on its first stream, the common case: no story to keep
-        entry = self._entry(
-            e.at, e.kind, e.token, e.required, reason=e.reason, status=e.status, events=e.events,
-            first_event_id=e.first_event_id, last_event_id=e.last_event_id,
-            cursor=e.cursor, error_frames=e.error_frames, pending=self._caps(e.pending_ids),
-            terminal=self._caps(e.terminal_ids))
         ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
+        step, size = self._kept(e)
         for rid in list(ids)[:self.limits.max_items] or [SESSION_LEVEL]:
-            self._add((e.at.scope, rid), entry)
+            self._add((e.at.scope, rid), step, size)
 
     def _call(self, e: CallEnd) -> None:
         key = (e.at.scope, e.request_id)
         if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
             return  # answered, and nothing was kept about it
-        self._add(key, self._entry(e.at, "call", e.token, e.required, outcome=e.outcome))
+        self._add(key, *self._kept(e))
         if e.at.role != sc.ROLE_CLIENT:
             return
         if e.sdk_span_id is not None:
-            self._sdk_spans[e.sdk_span_id] = key
-            while len(self._sdk_spans) > self.limits.max_index:
-                self._sdk_spans.popitem(last=False)
             early = self._early.pop(e.sdk_span_id, None)
             if early is not None:
-                self._add(key, early)
+                self._add(key, early, early.size())
         timeline = self._calls.get(key)
         if e.outcome in _TERMINAL_OUTCOMES and timeline is not None and timeline.refs == 1:
             self._release(self._calls.pop(key))  # delivered, no finding: nothing left to tell
@@ -206,26 +282,33 @@ class Timelines:
         entry = Entry(e.start_ns, e.start_ns + int(e.duration_s * 1e9), e.role, "timeout" if e.timed_out else "error",
                       e.trace_id[:32], e.span_id[:16], e.origin, error_type=e.error_type,
                       duration_s=e.duration_s)
-        key = self._sdk_spans.get(e.span_id)
+        key = self._sdk_span_call(e.span_id)
         if key is not None:
-            self._add(key, entry)
+            if key in self._calls:  # else its story is over (answered) or was dropped for the budget
+                self._add(key, entry, entry.size())
             return
         self._early[e.span_id] = entry
         while len(self._early) > self.limits.max_index // 10:
             self._early.popitem(last=False)
 
-    def _entry(self, at: Common, step: str, token: Token, required: tuple[str, ...], **values: Any) -> Entry:
-        return Entry(at.start_ns, at.end_ns, at.role, step, at.trace_id, at.span_id, at.origin,
-                     audience=self._caps(token.audience),
-                     required=self._caps(required), missing_resources=self._caps(token.missing_resources),
-                     missing_scopes=self._caps(token.missing_scopes), **values)
-
-    def _caps(self, values: tuple[str, ...]) -> tuple[str, ...]:
-        return values if len(values) <= self.limits.max_items else values[:self.limits.max_items]
+    def _kept(self, e: _E) -> tuple[_E, int]:
+        """What a timeline keeps of ``e``, and its size: ``e`` itself, or a copy of it with every list cut to
+        ``max_items`` (a producer's lists reach 256 items)."""
+        cap = self.limits.max_items
+        lists = _lists(e)
+        if max(map(len, lists)) <= cap:
+            return e, _event_size(e, lists)
+        cut = copy(e)
+        for name in _LIST_NAMES[type(e)]:
+            setattr(cut, name, getattr(e, name)[:cap])
+        cut.token = copy(e.token)
+        for name in _TOKEN_LIST_NAMES:
+            setattr(cut.token, name, getattr(e.token, name)[:cap])
+        return cut, step_size(cut)
 
     # --- the maps, bounded ---
 
-    def _add(self, key: Key, entry: Entry) -> None:
+    def _add(self, key: Key, step: Step, size: int) -> None:
         timeline = self._calls.get(key)
         if timeline is None:
             timeline = self._calls[key] = Timeline(self.limits.max_entries)
@@ -233,7 +316,7 @@ class Timelines:
             self.bytes += timeline.bytes
         else:
             self._calls.move_to_end(key)
-        self.bytes += timeline.add(entry)
+        self.bytes += timeline.add(step, size)
 
     def _release(self, timeline: Timeline) -> None:
         timeline.refs -= 1
