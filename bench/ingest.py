@@ -254,21 +254,20 @@ def in_process(spans: int, batches: list[bytes], rounds: int) -> dict[str, Any]:
 
 
 def memory_per_call(calls: int, *, lost: bool, timelines: bool = True) -> float:
-    """Traced bytes a call adds to a detector whose budgets all hold it (no eviction blurs the figure);
+    """Traced bytes a call adds to a detector whose budgets all hold it (no eviction blurs the figure),
+    its spans read and applied inside the measure (so what the detector keeps of what it read counts);
     without ``timelines``, the findings page's timelines are given no room (what the ledger and the
     findings alone hold)."""
-    events = []
-    reader = Detector()
-    for body in _batches(all_lost(calls, lost=lost)):
-        events += reader.read(decode_protobuf(body, IngestLimits()).spans, "bench")[0]
+    batches = _batches(all_lost(calls, lost=lost))
+    room = 1 << 40
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    room = 1 << 40
     detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=calls, max_bytes=room),
                                        max_findings=3 * calls, max_findings_bytes=room,
                                        max_timelines_bytes=room if timelines else 0))
-    detector.apply(events)
+    for body in batches:
+        detector.apply(detector.read(decode_protobuf(body, IngestLimits()).spans, "bench")[0])
     gc.collect()
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
