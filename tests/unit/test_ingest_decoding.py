@@ -266,3 +266,17 @@ def test_a_tool_that_decodes_to_no_string_lets_the_name_say_it_whatever_its_firs
         (counts,) = [e for e in events if isinstance(e, OperationCounts)]
         (expected,) = [e for e in one_by_one if isinstance(e, OperationCounts)]
         assert list(counts.counts) == list(expected.counts) == [(sc.ROLE_CLIENT, "tools/call", "fetch", "", None, None)]
+
+
+def test_the_spans_of_one_call_share_their_trace_id_and_id_lists_with_what_the_ledger_keeps() -> None:
+    """What the ledger keeps of a span is shared, not copied a span (memory a tracked call)."""
+    from mcp_stream_exporter.detector.events import StreamEnd, lifecycle
+
+    common = {sc.ROLE: sc.ROLE_CLIENT, sc.ERA: sc.ERA_RESUMABLE, sc.MCP_SESSION_ID: "s-1", sc.STREAM_KIND: "post",
+              sc.END_REASON: sc.END_DROPPED, sc.PENDING_REQUEST_IDS: ["3"], sc.STREAM_REQUEST_IDS: ["3"]}
+    first, second = (_span(1, {sc.SPAN: sc.SPAN_STREAM, **common}, exception=None) for _ in range(2))
+    second.span_id = (9).to_bytes(8, "big")
+    a, b = (lifecycle(s) for s in decode_protobuf(_request(first, second), IngestLimits()).spans)
+    assert isinstance(a, StreamEnd) and isinstance(b, StreamEnd)
+    assert a.at.trace_id is b.at.trace_id
+    assert a.pending_ids is b.pending_ids is a.request_ids

@@ -7,6 +7,7 @@ cannot. Spans that are not part of the model and not the SDK's MCP spans are ign
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -284,7 +285,8 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
         if len(v) > MAX_CHARS:
             raise Rejected(f"{key} longer than {MAX_CHARS} characters")
         items.append(redact(v))
-    return tuple(items)
+    # a tuple of clean strings is kept as it came (an OTLP reader shares it from its memo of values)
+    return value if type(value) is tuple and all(map(operator.is_, items, value)) else tuple(items)
 
 
 def _common(span: Span) -> Common:

@@ -323,9 +323,9 @@ _LeanScopeSpans, _SkeletonScopeSpans = _lean_schema()
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
-# (kind, encoded status, encoded values of _SDK_KEYS, the name when no tool is set) -> the span's labels,
-# or None for a span read one by one (rules read it, or it breaks the model). Methods, tools, codes and
-# versions repeat span after span, so a look-up replaces reading; bounded: emptied when full.
+# (kind, status code, encoded values of _SDK_KEYS, the name unless a plain string names the tool) -> the
+# span's labels, or None for a span read one by one (rules read it, or it breaks the model). Methods,
+# tools, codes and versions repeat span after span, so a look-up replaces reading; emptied when full.
 _LABELS: dict[Any, Any] = {}
 _LABELS_MAX = 1024  # a process-wide cache outside every budget: about 0.5 MiB at most
 _LABELS_KEY_MAX_BYTES = 256
@@ -333,6 +333,7 @@ _UNKNOWN = object()
 
 
 def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
+    """A memo key's labels, read as a span read one by one would be (``operation``), and remembered."""
     kind, code, values, name = raw
     role = _KINDS.get(kind)
     labels = None
@@ -348,6 +349,23 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
             _LABELS.clear()
         _LABELS[raw] = labels
     return labels
+
+
+_TRACE_IDS: dict[bytes, str] = {}  # trace id -> its hex; emptied when full
+_TRACE_IDS_MAX = 1024
+
+
+def _trace_id(raw: bytes) -> str:
+    """A trace id in hex, one string for the spans of a trace (a call, its streams and replays): the
+    ledger keeps one copy instead of one a span."""
+    hexed = _TRACE_IDS.get(raw)
+    if hexed is None:
+        if len(raw) > 16:  # longer than W3C's: not remembered
+            return raw.hex()
+        if len(_TRACE_IDS) >= _TRACE_IDS_MAX:
+            _TRACE_IDS.clear()
+        hexed = _TRACE_IDS[raw] = raw.hex()
+    return hexed
 
 
 # encoded value -> value, for the model's attributes: a call's ids, its session, tool, token view and
@@ -458,6 +476,6 @@ def _read(s: Any, origin: str) -> Span | Operation:
         with suppress(Rejected):
             return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
                              s.start_time_unix_nano, s.end_time_unix_nano, origin)
-    return Span(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
+    return Span(trace_id=_trace_id(s.trace_id), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
                 name=s.name, kind=kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
                 attributes=attributes, exception_types=exceptions, error=error, origin=origin)
