@@ -99,11 +99,11 @@ class Detector:
         counts = OperationCounts()
         outcome = Outcome()
         for span in spans:
-            if type(span) is OperationCounts:
+            if isinstance(span, OperationCounts):
                 counts.merge(span)
                 continue
             try:
-                event = span if type(span) is Operation else lifecycle(span)  # type: ignore[arg-type]
+                event = span if isinstance(span, Operation) else lifecycle(span)
             except Rejected as rejected:
                 reason = str(rejected)
                 outcome.rejected[reason] = outcome.rejected.get(reason, 0) + 1
