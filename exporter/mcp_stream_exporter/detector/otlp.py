@@ -1,7 +1,8 @@
 """OTLP/protobuf -> the detector's input, within limits known before anything is built.
 
-A request is walked at the wire level to find its spans (counted, and each one's size checked), then
-decoded a run of spans at a time with a lean schema, so it never exists whole as objects. Only what
+A request is walked at the wire level down to its scopes; a scope's spans are counted (by upb on a
+skeleton when the scope is within one decoding's bound, else walked one by one with their sizes
+checked), then decoded a run at a time with a lean schema, so it never exists whole as objects. Only what
 the detector reads is decoded: a model span's keys it reads, an SDK request span's label keys, nothing
 of a span outside the model. The SDK's healthy request spans, nearly all real traffic, become counts
 at once (``OperationCounts``) from a memo of their labels by their encoded values.
