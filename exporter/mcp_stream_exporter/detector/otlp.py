@@ -333,6 +333,14 @@ _LABELS_KEY_MAX_BYTES = 256
 _UNKNOWN = object()
 
 
+def _remember(memo: dict[Any, Any], most: int, key: Any, value: Any) -> None:
+    """``key``'s value kept in a bounded memo, emptied when full: a memo of values that repeat, where
+    one that never repeats only loses the gain."""
+    if len(memo) >= most:
+        memo.clear()
+    memo[key] = value
+
+
 def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
     """A memo key's labels, read as a span read one by one would be (``operation``), and remembered."""
     kind, code, values, name = raw
@@ -346,9 +354,7 @@ def _labels(raw: tuple[int, int, tuple[bytes | None, ...], str | None]) -> Any:
             labels = None if read_by_rules(e) else OperationCounts.key(e)
     encoded = b"".join(v for v in values if v is not None) + (name or "").encode()
     if len(encoded) <= _LABELS_KEY_MAX_BYTES and not holds_token(encoded):  # a memo keeps no credential
-        if len(_LABELS) >= _LABELS_MAX:
-            _LABELS.clear()
-        _LABELS[raw] = labels
+        _remember(_LABELS, _LABELS_MAX, raw, labels)
     return labels
 
 
@@ -363,9 +369,8 @@ def _trace_id(raw: bytes) -> str:
     if hexed is None:
         if len(raw) > 16:  # longer than W3C's: not remembered
             return raw.hex()
-        if len(_TRACE_IDS) >= _TRACE_IDS_MAX:
-            _TRACE_IDS.clear()
-        hexed = _TRACE_IDS[raw] = raw.hex()
+        hexed = raw.hex()
+        _remember(_TRACE_IDS, _TRACE_IDS_MAX, raw, hexed)
     return hexed
 
 
@@ -382,9 +387,7 @@ def _model_value(encoded: bytes) -> Any:
     value = _any(encoded)
     if (len(encoded) <= _MODEL_VALUE_MAX_BYTES and (type(value) is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS)
             and not holds_token(encoded)):  # a memo keeps no credential
-        if len(_MODEL_VALUES) >= _MODEL_VALUES_MAX:
-            _MODEL_VALUES.clear()
-        _MODEL_VALUES[encoded] = value
+        _remember(_MODEL_VALUES, _MODEL_VALUES_MAX, encoded, value)
     return value
 
 
