@@ -126,6 +126,22 @@ def test_session_expired_in_flight_fires_on_a_404_while_a_call_is_owed():
     assert rules(run([owed, delivered, expired])) == []
 
 
+def test_a_404_after_the_client_deleted_its_session_is_no_expiry_and_the_clean_end_stays_the_loss():
+    # the server's view of the incident's end: the SDK client, resuming on after its caller gave up, sends a
+    # resume or a notification after its own DELETE; whichever comes first, the loss is the clean end's
+    pending = stream(SV, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))
+    deleted = stream(SV, "delete", "clean", ids=(), tool=None)
+    for stray in (stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None),
+                  stream(SV, "post", "http_error", ids=(), status=404, tool=None)):
+        detector = run([pending, deleted, stray], after_s=6)
+        assert rules(detector) == ["clean_end_pending", "narrowed_resume"]
+        (lost,) = (f for f in detector.findings if f.rule == "clean_end_pending")
+        assert lost.severity == "critical" and "also" not in lost.evidence
+    refused = stream(SV, "delete", "http_error", ids=(), tool=None, status=404)  # not the client's: it was gone
+    expired = stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None)
+    assert rules(run([pending, refused, expired], after_s=6)) == ["narrowed_resume", "session_expired_in_flight"]
+
+
 def test_unknown_cursor_fires_on_an_empty_answer_and_not_on_the_guards_explicit_error():
     assert rules(run([replay(sc.REPLAY_UNKNOWN_CURSOR, request_id=None, buffered=0)])) == ["unknown_cursor"]
     assert rules(run([replay(sc.REPLAY_UNKNOWN_CURSOR, request_id=None, buffered=0,

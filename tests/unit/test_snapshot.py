@@ -77,6 +77,17 @@ def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_fi
     assert sorted(lost.roles) == [C, SV]
 
 
+def test_a_session_its_client_deleted_stays_deleted_across_a_restart(tmp_path):
+    clock = Clock()
+    before = _fed(clock, [*_incident_so_far(), stream(C, "delete", "clean", ids=(), tool=None)])
+    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
+    restarted = Detector(CONFIG, clock=clock)
+    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted.consume([stream(C, "resume", "http_error", ids=(), cursor="41", status=404, tool=None)])
+    assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
+    assert "session_expired_in_flight" not in {f.rule for f in restarted.findings}
+
+
 def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far() * 2)

@@ -106,6 +106,7 @@ class SessionState:
     # holds one or two (a dict of one entry takes three times the bytes)
     cursors: tuple[str | tuple[str, ...], ...] = ()
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
+    deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
 
     def get(self, request_id: str) -> CallState | None:
         calls = self.calls
@@ -401,11 +402,12 @@ class Ledger:
         return {"scope": s.scope, "last_ns": s.last_ns, "calls": [_row(c) for c in s.all()],
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
-                "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)]}
+                "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)],
+                "deleted": s.deleted}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
-        session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"])
+        session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"], deleted=s.get("deleted", False))
         self._bytes += _SESSION_BYTES + sys.getsizeof(session.scope)
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}

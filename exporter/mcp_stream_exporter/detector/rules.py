@@ -117,7 +117,12 @@ class RuleEngine:
         at = e.at
         session = self.ledger.session(at.scope, now_ns)
         single_tool = e.tool if len(e.request_ids) == 1 else None
-        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if e.status == 404 else []
+        expired = e.status == 404 and not session.deleted
+        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else []
+        if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
+            # the client ended the session: its resumes and notifications still on the way get 404 (the SDK
+            # client resumes on after its caller gave up), and a call it was owed keeps its own finding
+            session.deleted = True
         calls = {rid: self._call(at, rid, now_ns, single_tool, e.required) for rid in (*e.request_ids, *e.pending_ids)}
         for rid in e.terminal_ids:
             if rid in calls:
