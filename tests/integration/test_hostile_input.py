@@ -261,6 +261,35 @@ def test_connections_that_never_send_their_headers_are_cut_off_at_the_deadline()
             sock.close()
 
 
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sends before it closes the connection."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            received += chunk
+    return received
+
+
+def test_a_request_head_past_16_kib_is_a_400_and_its_connection_closes_whether_sent_at_once_or_in_pieces():
+    limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
+    with _bounded_server(limits) as port:
+        whole = socket.create_connection(("127.0.0.1", port), timeout=15)
+        whole.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(20)) + b"\r\n")
+        assert _answer(whole).startswith(b"HTTP/1.1 400 ")
+        endless = socket.create_connection(("127.0.0.1", port), timeout=15)
+        endless.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            for _ in range(64):  # one header value that never ends, 1 KiB at a time: 64 KiB at most
+                endless.sendall(b"v" * 1024)
+                time.sleep(0.001)
+        assert _answer(endless).startswith(b"HTTP/1.1 400 ")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            assert http.get("/healthz", headers={"x-pad": "p" * 8000}).status_code == 200
+        for sock in (whole, endless):
+            sock.close()
+
+
 def test_the_json_log_line_of_an_error_carries_its_cause():
     try:
         raise RuntimeError("the cause")
