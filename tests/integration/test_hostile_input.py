@@ -5,6 +5,7 @@ starve others. The real FastAPI app and ingest queue, in-process (TestClient) or
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import os
@@ -75,6 +76,29 @@ def _body(*spans: OtlpSpan) -> bytes:
     request = ExportTraceServiceRequest()
     request.resource_spans.add().scope_spans.add().spans.extend(spans)
     return request.SerializeToString()
+
+
+def test_ingest_takes_post_alone_another_method_is_a_405_that_names_it(service):
+    client, _, _ = service
+    for method in ("GET", "PUT", "DELETE"):
+        answer = client.request(method, "/v1/traces", headers=AUTH)
+        assert answer.status_code == 405 and answer.headers["allow"] == "POST" and answer.json()["error"]
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_a_batch_past_what_the_event_loop_reads_itself_or_compressed_is_taken_as_a_small_one_is(service, gzipped):
+    client, detector, queue = service
+    body = _body(*[_stream_span(f"big{i}", **{sc.RESUME_CURSOR: f"{i}" + "c" * 200}) for i in range(1200)],
+                 _stream_span("bad", **{sc.EVENTS_COUNT: "-1"}))
+    assert len(body) > 256 * 1024  # read on a worker thread, as a compressed body is
+    headers = {"content-type": PROTOBUF, **AUTH}
+    if gzipped:
+        body, headers["content-encoding"] = gzip.compress(body), "gzip"
+    answer = client.post("/v1/traces", content=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert ExportTraceServiceResponse.FromString(answer.content).partial_success.rejected_spans == 1
+    assert queue.wait_idle(10)
+    assert detector.ledger.find("big0", "7") is not None and detector.ledger.find("big1199", "7") is not None
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "\u0661\u0662", "9" * 5000, "1" * 19, "-1", " 1"])
