@@ -23,7 +23,10 @@ threads; each round's rate is the spans sent over the CPU time the service spent
 in its ledger (``/proc/<pid>/stat``), and over wall time. ``--e2e-sessions`` sizes that mix (the
 service's CPU time is counted in 10 ms ticks: a round should take many of them). ``--e2e-against DIR``
 runs the same rounds, alternated, on the service of another checkout of this repository (its
-``exporter`` first on ``PYTHONPATH``), and reports the ratio of the two rates round by round.
+``exporter`` first on ``PYTHONPATH``), and reports the ratio of the two rates round by round. CPU time
+on a machine others are using moves by tens of percent; ``--e2e-instructions`` counts instead the
+instructions the service runs a span, under valgrind's callgrind (``PYTHONHASHSEED=0``): one round
+each, repeatable within a fraction of a percent, about 50 times slower.
 
 Memory: tracemalloc's traced bytes after applying N calls' events to a fresh detector whose budgets
 hold them all, divided by N: a tracked call (its POST dropped with it pending, owed a result; target
@@ -34,7 +37,8 @@ The generated spans are frozen out of the garbage collector (``gc.freeze``), so 
 does not walk the bench's own data. Bounded: ROUNDS x SESSIONS, and the end-to-end rounds.
 
     python bench/ingest.py [--sessions 1000] [--calls 10] [--rounds 7] [--memory-calls 20000]
-                           [--e2e-rounds 5] [--e2e-sessions 3000] [--e2e-against DIR] [--no-e2e]
+                           [--e2e-rounds 5] [--e2e-sessions 3000] [--e2e-against DIR] [--e2e-instructions]
+                           [--no-e2e]
 """
 
 from __future__ import annotations
@@ -300,22 +304,26 @@ def _logged(path: Path, message: str) -> dict[str, Any] | None:
 
 
 @contextmanager
-def _service(source: Path | None = None) -> Iterator[tuple[int, str, int]]:
-    """A fresh ``serve`` on ports of its choosing, from this checkout or ``source``'s: (pid, HTTP base URL,
-    gRPC port)."""
+def _service(source: Path | None = None, callgrind: Path | None = None) -> Iterator[tuple[int, str, int]]:
+    """A fresh ``serve`` on ports of its choosing, from this checkout or ``source``'s, under callgrind
+    (instrumentation off until asked, its counts written into ``callgrind``) if given: (pid, HTTP base
+    URL, gRPC port)."""
     import httpx
 
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONHASHSEED="0")
     if source is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source / "exporter"), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0", "--grpc-port=0",
+               "--otlp-http-port=-1"]
+    if callgrind is not None:
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                   f"--callgrind-out-file={callgrind}/callgrind.%p", *command]
     with tempfile.TemporaryDirectory() as workdir:
         logs = Path(workdir) / "detector.log"
         with logs.open("a") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
-                                     "--grpc-port=0", "--otlp-http-port=-1"], stdout=subprocess.DEVNULL,
-                                    stderr=sink, env=env)
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + (30 if callgrind is None else 600)
             while (proc.poll() is None and time.monotonic() < deadline
                    and not (_logged(logs, "detector starting") and _logged(logs, "otlp grpc listening"))):
                 time.sleep(0.05)
@@ -394,6 +402,38 @@ def _round(transport: str, source: Path | None, spans: int, batches: list[bytes]
         return spans / (_cpu_s(pid) - cpu), spans / (time.perf_counter() - wall)
 
 
+def _callgrind(pid: int, *option: str) -> None:
+    subprocess.run(["callgrind_control", *option, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def _instructions(transport: str, source: Path | None, spans: int, batches: list[bytes], senders: int) -> float:
+    """Instructions the service runs (all its threads, callgrind) a span it takes, from the first batch
+    sent until the last is in its ledger: a count the other work on a shared machine does not move."""
+    import grpc
+    import httpx
+
+    with tempfile.TemporaryDirectory() as out, _service(source, Path(out)) as (pid, url, grpc_port), \
+            httpx.Client(timeout=600) as http, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        send = _sender(transport, url, http, channel)
+        for _ in range(senders):
+            send(_EMPTY)
+        done = _applied(http, url) + len(batches)
+        _callgrind(pid, "--instr=on")
+        with ThreadPoolExecutor(senders) as pool:
+            list(pool.map(send, batches))
+        deadline = time.monotonic() + 600
+        while True:  # each look is a scrape: not counted
+            time.sleep(0.5)
+            _callgrind(pid, "--instr=off")
+            if _applied(http, url) >= done or time.monotonic() > deadline:
+                break
+            _callgrind(pid, "--instr=on")
+        _callgrind(pid, "--dump")
+        counted = sum(int(line.split()[1]) for dump in Path(out).glob("callgrind.*")
+                      for line in dump.read_text().splitlines() if line.startswith("totals:"))
+    return counted / spans
+
+
 def end_to_end(spans: int, batches: list[bytes], rounds: int, senders: int = 2,
                against: Path | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"spans": spans, "batches": len(batches), "rounds": rounds, "senders": senders}
@@ -415,6 +455,19 @@ def end_to_end(spans: int, batches: list[bytes], rounds: int, senders: int = 2,
     return report
 
 
+def end_to_end_instructions(spans: int, batches: list[bytes], senders: int = 2,
+                            against: Path | None = None) -> dict[str, Any]:
+    """One round a transport (and a checkout): an instruction count repeats within a fraction of a percent."""
+    report: dict[str, Any] = {"spans": spans, "batches": len(batches), "senders": senders}
+    for transport in ("otlp_http", "otlp_grpc"):
+        ours = _instructions(transport, None, spans, batches, senders)
+        report[transport] = {"instructions_per_span": round(ours)}
+        if against is not None:
+            theirs = _instructions(transport, against, spans, batches, senders)
+            report[transport].update(against=round(theirs), against_to_this=round(theirs / ours, 3))
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=1000, help="realistic mix; the all-lost mix has twice as many")
@@ -424,10 +477,13 @@ def main() -> None:
     parser.add_argument("--e2e-rounds", type=int, default=5)
     parser.add_argument("--e2e-sessions", type=int, default=3000, help="the realistic mix sent end to end")
     parser.add_argument("--e2e-against", type=Path, help="another checkout whose service runs the same rounds")
+    parser.add_argument("--e2e-instructions", action="store_true",
+                        help="end to end, count the service's instructions under valgrind (callgrind) instead of "
+                             "its CPU time (about 50 times slower: use a smaller --e2e-sessions)")
     parser.add_argument("--no-e2e", action="store_true", help="in-process only")
     args = parser.parse_args()
     mixes = {"realistic": realistic(args.sessions, args.calls), "all_lost": all_lost(2 * args.sessions)}
-    if not args.no_e2e:
+    if args.e2e_instructions or not args.no_e2e:
         mixes["end_to_end"] = realistic(args.e2e_sessions, args.calls)
     encoded = {name: (len(spans), _batches(spans)) for name, spans in mixes.items()}
     del mixes
@@ -443,7 +499,10 @@ def main() -> None:
         report[f"bytes_per_{name}"] = round(memory_per_call(args.memory_calls, lost=lost))
         report[f"bytes_per_{name}_without_timelines"] = round(
             memory_per_call(args.memory_calls, lost=lost, timelines=False))
-    if not args.no_e2e:
+    if args.e2e_instructions:
+        report["end_to_end_realistic_instructions"] = end_to_end_instructions(*encoded["end_to_end"],
+                                                                              against=args.e2e_against)
+    elif not args.no_e2e:
         report["end_to_end_realistic"] = end_to_end(*encoded["end_to_end"], args.e2e_rounds,
                                                     against=args.e2e_against)
     report["load_average_after"] = os.getloadavg()

@@ -116,7 +116,8 @@ class _OtlpHttp:
             return self._refuse(401, "a bearer token is required", "unauthorized", ((b"www-authenticate", b"Bearer"),))
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
-        content_type = content_type or PROTOBUF
+        if content_type is None:
+            content_type = PROTOBUF
         chunks: list[bytes] = []
         size = 0  # held, and reserved in the queue's body buffer
         try:
