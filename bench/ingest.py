@@ -17,9 +17,16 @@ status, events and every attribute read into Python); (D) the detector as the se
 ``decode_protobuf`` (bounded, span by span), ``Detector.read`` and ``Detector.apply`` on a fresh
 detector. Reported: medians over rounds with their spread (min..max), D/W and D/A.
 
-End to end: a real ``mcp-stream-exporter serve`` (a subprocess) takes the realistic mix over OTLP/HTTP
-and over OTLP/gRPC from two sender threads; each round's rate is the spans sent over the CPU time the
-service spent until the last batch was in its ledger (``/proc/<pid>/stat``), and over wall time.
+End to end: a real ``mcp-stream-exporter serve`` (a subprocess, a fresh one each round, as the detector
+in-process is fresh each round) takes the realistic mix over OTLP/HTTP and over OTLP/gRPC from two sender
+threads; each round's rate is the spans sent over the CPU time the service spent until the last batch was
+in its ledger (``/proc/<pid>/stat``), and over wall time. ``--e2e-sessions`` sizes that mix (the
+service's CPU time is counted in 10 ms ticks: a round should take many of them). ``--e2e-against DIR``
+runs the same rounds, alternated, on the service of another checkout of this repository (its
+``exporter`` first on ``PYTHONPATH``), and reports the ratio of the two rates round by round. CPU time
+on a machine others are using moves by tens of percent; ``--e2e-instructions`` counts instead the
+instructions the service runs a span, under valgrind's callgrind (``PYTHONHASHSEED=0``): one round
+each, repeatable within a fraction of a percent, about 50 times slower.
 
 Memory: tracemalloc's traced bytes after applying N calls' events to a fresh detector whose budgets
 hold them all, divided by N: a tracked call (its POST dropped with it pending, owed a result; target
@@ -29,7 +36,9 @@ without the findings page's timelines (which have their own share of ``--max-mem
 The generated spans are frozen out of the garbage collector (``gc.freeze``), so that the collector
 does not walk the bench's own data. Bounded: ROUNDS x SESSIONS, and the end-to-end rounds.
 
-    python bench/ingest.py [--sessions 1000] [--calls 10] [--rounds 7] [--memory-calls 20000] [--no-e2e]
+    python bench/ingest.py [--sessions 1000] [--calls 10] [--rounds 7] [--memory-calls 20000]
+                           [--e2e-rounds 5] [--e2e-sessions 3000] [--e2e-against DIR] [--e2e-instructions]
+                           [--no-e2e]
 """
 
 from __future__ import annotations
@@ -295,18 +304,26 @@ def _logged(path: Path, message: str) -> dict[str, Any] | None:
 
 
 @contextmanager
-def _service() -> Iterator[tuple[int, str, int]]:
-    """A fresh ``serve`` on ports of its choosing: (pid, HTTP base URL, gRPC port)."""
+def _service(source: Path | None = None, callgrind: Path | None = None) -> Iterator[tuple[int, str, int]]:
+    """A fresh ``serve`` on ports of its choosing, from this checkout or ``source``'s, under callgrind
+    (instrumentation off until asked, its counts written into ``callgrind``) if given: (pid, HTTP base
+    URL, gRPC port)."""
     import httpx
 
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source / "exporter"), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0", "--grpc-port=0",
+               "--otlp-http-port=-1"]
+    if callgrind is not None:
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                   f"--callgrind-out-file={callgrind}/callgrind.%p", *command]
     with tempfile.TemporaryDirectory() as workdir:
         logs = Path(workdir) / "detector.log"
         with logs.open("a") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "mcp_stream_exporter.cli", "serve", "--port=0",
-                                     "--grpc-port=0"], stdout=subprocess.DEVNULL,
-                                    stderr=sink)
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + (30 if callgrind is None else 600)
             while (proc.poll() is None and time.monotonic() < deadline
                    and not (_logged(logs, "detector starting") and _logged(logs, "otlp grpc listening"))):
                 time.sleep(0.05)
@@ -314,7 +331,12 @@ def _service() -> Iterator[tuple[int, str, int]]:
             if http is None or grpc_ is None:
                 raise RuntimeError(f"the detector did not start: {logs.read_text()[-2000:]}")
             url = f"http://127.0.0.1:{http['port']}"
-            while httpx.get(f"{url}/readyz").status_code != 200 and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{url}/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:  # bound, not yet listening
+                    pass
                 time.sleep(0.05)
             yield proc.pid, url, int(grpc_["port"])
         finally:
@@ -356,29 +378,93 @@ def _sender(transport: str, url: str, http: Any, channel: Any) -> Callable[[byte
     return send
 
 
-def end_to_end(spans: int, batches: list[bytes], rounds: int, senders: int = 2) -> dict[str, Any]:
+_EMPTY = ExportTraceServiceRequest().SerializeToString()
+
+
+def _round(transport: str, source: Path | None, spans: int, batches: list[bytes],
+           senders: int) -> tuple[float, float]:
+    """One round on a fresh service: (spans per second of its CPU time, spans per wall second)."""
     import grpc
     import httpx
 
+    with _service(source) as (pid, url, grpc_port), httpx.Client(timeout=60) as http, \
+            grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        send = _sender(transport, url, http, channel)
+        for _ in range(senders):  # each sender's connection made, the path warm: what is left is the batches
+            send(_EMPTY)
+        done = _applied(http, url) + len(batches)
+        cpu, wall = _cpu_s(pid), time.perf_counter()
+        with ThreadPoolExecutor(senders) as pool:
+            list(pool.map(send, batches))
+        deadline = time.monotonic() + 120
+        while _applied(http, url) < done and time.monotonic() < deadline:
+            time.sleep(0.05)  # each look is a scrape the service pays for: few of them
+        return spans / (_cpu_s(pid) - cpu), spans / (time.perf_counter() - wall)
+
+
+def _callgrind(pid: int, *option: str) -> None:
+    subprocess.run(["callgrind_control", *option, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def _instructions(transport: str, source: Path | None, spans: int, batches: list[bytes], senders: int) -> float:
+    """Instructions the service runs (all its threads, callgrind) a span it takes, from the first batch
+    sent until the last is in its ledger: a count the other work on a shared machine does not move."""
+    import grpc
+    import httpx
+
+    with tempfile.TemporaryDirectory() as out, _service(source, Path(out)) as (pid, url, grpc_port), \
+            httpx.Client(timeout=600) as http, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        send = _sender(transport, url, http, channel)
+        for _ in range(senders):
+            send(_EMPTY)
+        done = _applied(http, url) + len(batches)
+        _callgrind(pid, "--instr=on")
+        with ThreadPoolExecutor(senders) as pool:
+            list(pool.map(send, batches))
+        deadline = time.monotonic() + 600
+        while True:  # each look is a scrape: not counted
+            time.sleep(0.5)
+            _callgrind(pid, "--instr=off")
+            if _applied(http, url) >= done or time.monotonic() > deadline:
+                break
+            _callgrind(pid, "--instr=on")
+        _callgrind(pid, "--dump")
+        counted = sum(int(line.split()[1]) for dump in Path(out).glob("callgrind.*")
+                      for line in dump.read_text().splitlines() if line.startswith("totals:"))
+    return counted / spans
+
+
+def end_to_end(spans: int, batches: list[bytes], rounds: int, senders: int = 2,
+               against: Path | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"spans": spans, "batches": len(batches), "rounds": rounds, "senders": senders}
+    if against is not None:
+        report["against"] = str(against)
     for transport in ("otlp_http", "otlp_grpc"):
-        with _service() as (pid, url, grpc_port), httpx.Client(timeout=60) as http, \
-                grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            send = _sender(transport, url, http, channel)
-            cpu_rates, wall_rates = [], []
-            done = _applied(http, url)
-            for _ in range(rounds):
-                cpu, wall = _cpu_s(pid), time.perf_counter()
-                with ThreadPoolExecutor(senders) as pool:
-                    list(pool.map(send, batches))
-                done += len(batches)
-                deadline = time.monotonic() + 120
-                while _applied(http, url) < done and time.monotonic() < deadline:
-                    time.sleep(0.05)  # each look is a scrape the service pays for: few of them
-                cpu_rates.append(spans / (_cpu_s(pid) - cpu))
-                wall_rates.append(spans / (time.perf_counter() - wall))
-            report[transport] = {"spans_per_service_cpu_s": _summary(cpu_rates),
-                                 "spans_per_wall_s": _summary(wall_rates)}
+        rates: dict[Path | None, tuple[list[float], list[float]]] = {None: ([], []), against: ([], [])}
+        for r in range(rounds):
+            for source in ((None, against) if r % 2 == 0 else (against, None)) if against else (None,):
+                cpu, wall = _round(transport, source, spans, batches, senders)
+                rates[source][0].append(cpu)
+                rates[source][1].append(wall)
+        report[transport] = {"spans_per_service_cpu_s": _summary(rates[None][0]),
+                             "spans_per_wall_s": _summary(rates[None][1])}
+        if against is not None:
+            report[transport]["against"] = {"spans_per_service_cpu_s": _summary(rates[against][0]),
+                                             "spans_per_wall_s": _summary(rates[against][1])}
+            report[transport]["to_against"] = _summary(_ratios(rates[None][0], rates[against][0]), 3)
+    return report
+
+
+def end_to_end_instructions(spans: int, batches: list[bytes], senders: int = 2,
+                            against: Path | None = None) -> dict[str, Any]:
+    """One round a transport (and a checkout): an instruction count repeats within a fraction of a percent."""
+    report: dict[str, Any] = {"spans": spans, "batches": len(batches), "senders": senders}
+    for transport in ("otlp_http", "otlp_grpc"):
+        ours = _instructions(transport, None, spans, batches, senders)
+        report[transport] = {"instructions_per_span": round(ours)}
+        if against is not None:
+            theirs = _instructions(transport, against, spans, batches, senders)
+            report[transport].update(against=round(theirs), against_to_this=round(theirs / ours, 3))
     return report
 
 
@@ -389,23 +475,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--memory-calls", type=int, default=20000)
     parser.add_argument("--e2e-rounds", type=int, default=5)
+    parser.add_argument("--e2e-sessions", type=int, default=3000, help="the realistic mix sent end to end")
+    parser.add_argument("--e2e-against", type=Path, help="another checkout whose service runs the same rounds")
+    parser.add_argument("--e2e-instructions", action="store_true",
+                        help="end to end, count the service's instructions under valgrind (callgrind) instead of "
+                             "its CPU time (about 50 times slower: use a smaller --e2e-sessions)")
     parser.add_argument("--no-e2e", action="store_true", help="in-process only")
     args = parser.parse_args()
     mixes = {"realistic": realistic(args.sessions, args.calls), "all_lost": all_lost(2 * args.sessions)}
+    if args.e2e_instructions or not args.no_e2e:
+        mixes["end_to_end"] = realistic(args.e2e_sessions, args.calls)
     encoded = {name: (len(spans), _batches(spans)) for name, spans in mixes.items()}
     del mixes
     gc.collect()
     gc.freeze()  # the bench's own data is not the detector's garbage
-    report: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
-    for name, (count, batches) in encoded.items():
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                              "load_average_before": os.getloadavg()}
+    for name in ("realistic", "all_lost"):
+        count, batches = encoded[name]
         report[f"in_process_{name}"] = in_process(count, batches, args.rounds)
         print(json.dumps({name: report[f"in_process_{name}"]}), file=sys.stderr, flush=True)
     for name, lost in (("tracked_call", False), ("lost_call_with_its_findings", True)):
         report[f"bytes_per_{name}"] = round(memory_per_call(args.memory_calls, lost=lost))
         report[f"bytes_per_{name}_without_timelines"] = round(
             memory_per_call(args.memory_calls, lost=lost, timelines=False))
-    if not args.no_e2e:
-        report["end_to_end_realistic"] = end_to_end(*encoded["realistic"], args.e2e_rounds)
+    if args.e2e_instructions:
+        report["end_to_end_realistic_instructions"] = end_to_end_instructions(*encoded["end_to_end"],
+                                                                              against=args.e2e_against)
+    elif not args.no_e2e:
+        report["end_to_end_realistic"] = end_to_end(*encoded["end_to_end"], args.e2e_rounds,
+                                                    against=args.e2e_against)
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
 

@@ -5,6 +5,7 @@ starve others. The real FastAPI app and ingest queue, in-process (TestClient) or
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import os
@@ -75,6 +76,29 @@ def _body(*spans: OtlpSpan) -> bytes:
     request = ExportTraceServiceRequest()
     request.resource_spans.add().scope_spans.add().spans.extend(spans)
     return request.SerializeToString()
+
+
+def test_ingest_takes_post_alone_another_method_is_a_405_that_names_it(service):
+    client, _, _ = service
+    for method in ("GET", "PUT", "DELETE"):
+        answer = client.request(method, "/v1/traces", headers=AUTH)
+        assert answer.status_code == 405 and answer.headers["allow"] == "POST" and answer.json()["error"]
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_a_batch_past_what_the_event_loop_reads_itself_or_compressed_is_taken_as_a_small_one_is(service, gzipped):
+    client, detector, queue = service
+    body = _body(*[_stream_span(f"big{i}", **{sc.RESUME_CURSOR: f"{i}" + "c" * 200}) for i in range(1200)],
+                 _stream_span("bad", **{sc.EVENTS_COUNT: "-1"}))
+    assert len(body) > 256 * 1024  # read on a worker thread, as a compressed body is
+    headers = {"content-type": PROTOBUF, **AUTH}
+    if gzipped:
+        body, headers["content-encoding"] = gzip.compress(body), "gzip"
+    answer = client.post("/v1/traces", content=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert ExportTraceServiceResponse.FromString(answer.content).partial_success.rejected_spans == 1
+    assert queue.wait_idle(10)
+    assert detector.ledger.find("big0", "7") is not None and detector.ledger.find("big1199", "7") is not None
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "\u0661\u0662", "9" * 5000, "1" * 19, "-1", " 1"])
@@ -258,6 +282,35 @@ def test_connections_that_never_send_their_headers_are_cut_off_at_the_deadline()
         kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
         for sock in [*slow, *idle, kept_alive]:  # recv waits for the server to close it, up to 15 s
             assert _closed_by_server(sock)
+            sock.close()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sends before it closes the connection."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            received += chunk
+    return received
+
+
+def test_a_request_head_past_16_kib_is_a_400_and_its_connection_closes_whether_sent_at_once_or_in_pieces():
+    limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
+    with _bounded_server(limits) as port:
+        whole = socket.create_connection(("127.0.0.1", port), timeout=15)
+        whole.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(
+            b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(20)) + b"\r\n")
+        assert _answer(whole).startswith(b"HTTP/1.1 400 ")
+        endless = socket.create_connection(("127.0.0.1", port), timeout=15)
+        endless.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            for _ in range(64):  # one header value that never ends, 1 KiB at a time: 64 KiB at most
+                endless.sendall(b"v" * 1024)
+                time.sleep(0.001)
+        assert _answer(endless).startswith(b"HTTP/1.1 400 ")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            assert http.get("/healthz", headers={"x-pad": "p" * 8000}).status_code == 200
+        for sock in (whole, endless):
             sock.close()
 
 

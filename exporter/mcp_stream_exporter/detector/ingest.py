@@ -176,6 +176,14 @@ class IngestQueue:
         finally:
             self._decoding.release()
 
+    def try_decoding(self) -> bool:
+        """A decoding slot if one is free this instant, for a caller that must not wait (the event
+        loop); ``done_decoding`` gives it back."""
+        return self._decoding.acquire(blocking=False)
+
+    def done_decoding(self) -> None:
+        self._decoding.release()
+
     def reserve(self, size: int) -> bool:
         """Room for ``size`` more bytes of request bodies (all requests together); False when full."""
         with self._cond:
