@@ -3,6 +3,7 @@ span id, in the OpenMetrics exposition only), and the transport and protocol ver
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -109,10 +110,25 @@ def test_transport_and_protocol_version_labels_come_from_closed_sets(attributes,
     assert embedded.registry.get_sample_value(f"{SERVER}_count", labels) == 1
 
 
-def test_a_batchs_operation_counts_are_charged_to_the_ingest_queue_about_as_the_event_walk_would() -> None:
+def _held(value: object, seen: set[int] | None = None) -> int:
+    """What CPython says ``value`` and everything it holds take, each object once."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    size = sys.getsizeof(value)
+    if isinstance(value, (tuple, list)):
+        size += sum(_held(v, seen) for v in value)
+    elif isinstance(value, dict):
+        size += sum(_held(k, seen) + _held(v, seen) for k, v in value.items())
+    else:
+        size += sum(_held(getattr(value, name), seen) for name in getattr(type(value), "__slots__", ()))
+    return size
+
+
+def test_a_batchs_operation_counts_are_charged_to_the_ingest_queue_about_what_they_hold() -> None:
     """The queue's byte bound takes OperationCounts.weight (a formula) instead of walking every span a
-    batch keeps as an exemplar; it must stay near that walk, or the bound drifts."""
-    from mcp_stream_exporter.detector.events import weight
+    batch keeps as an exemplar; it must stay near what they hold, or the bound drifts."""
     from mcp_stream_exporter.detector.metrics import OperationCounts
 
     spans = [_sdk_span(n, 0.01 * (n % 40), server=n % 2 == 0, **{sc.MCP_PROTOCOL_VERSION: "2025-11-25"})
@@ -120,4 +136,5 @@ def test_a_batchs_operation_counts_are_charged_to_the_ingest_queue_about_as_the_
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])])
     events, _ = Detector().read(decode_protobuf(request.SerializeToString(), IngestLimits()).spans, "otlp_http")
     (counts,) = [e for e in events if isinstance(e, OperationCounts)]
-    assert 0.7 * weight(counts) <= counts.weight() <= 1.5 * weight(counts)
+    held = _held(counts)
+    assert 0.7 * held <= counts.weight() <= 1.5 * held

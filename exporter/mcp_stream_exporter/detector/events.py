@@ -190,21 +190,6 @@ def read_by_rules(e: Operation) -> bool:
 _TERMINAL = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 
 
-def weight(value: object) -> int:
-    """About the bytes an event holds while it waits in the ingest queue: its strings and tuples as
-    CPython sizes them, a fixed rate per object and per other field."""
-    if isinstance(value, str):
-        return 49 + len(value)
-    if isinstance(value, (tuple, list)):
-        return 56 + sum(8 + weight(v) for v in value)
-    if isinstance(value, dict):
-        return 232 + sum(16 + weight(k) + weight(v) for k, v in value.items())
-    slots = getattr(type(value), "__slots__", None)
-    if slots:
-        return 64 + sum(8 + weight(getattr(value, name)) for name in slots)
-    return 32
-
-
 def lifecycle(span: Span) -> Lifecycle | None:
     """The lifecycle event a span stands for; None for a span outside the model.
 

@@ -28,10 +28,10 @@ import grpc
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Event, Outcome
-from mcp_stream_exporter.detector.events import weight
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import OperationCounts
 from mcp_stream_exporter.detector.otlp import Batch, decode_protobuf
@@ -155,7 +155,7 @@ class IngestQueue:
         return not self._closed and self._worker.is_alive()
 
     def offer(self, events: list[Event]) -> bool:
-        size = sum(e.weight() if type(e) is OperationCounts else weight(e) for e in events)
+        size = sum(e.weight() if isinstance(e, OperationCounts) else sizes.event(e) for e in events)
         with self._cond:
             if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans
                                                   or self._queued_bytes + size > self.limits.max_queued_bytes)):

@@ -13,7 +13,7 @@ class IngestLimits:
     max_spans_per_request: int = 10_000
     max_queued_spans: int = 200_000
     retry_after_s: int = 2
-    max_queued_bytes: int = 32 * 1024 * 1024  # an estimate of the events waiting (events.weight)
+    max_queued_bytes: int = 32 * 1024 * 1024  # an estimate of the events waiting (sizes.event)
     max_span_bytes: int = 256 * 1024  # one encoded span (or resource): what decoding it may cost
     max_json_values: int = 200_000  # values in a JSON body, counted before it is parsed
     max_decoding: int = 2  # requests decoded at once (HTTP and gRPC together); others wait their turn

@@ -91,8 +91,8 @@ _LE = (*(repr(float(b)) for b in SEMCONV_DURATION_BUCKETS), "+Inf")  # as promet
 _Key = tuple[str, str, str | None, str, str | None, str | None]  # role, method, tool, error, transport, version
 # a bucket's exemplar: the trace and span id (hex, W3C lengths), the duration and the span's end in seconds
 Sample = tuple[str, str, float, float]
-_KEY_BYTES = 1200  # a key's tuple and strings, its two lists and its dict slot (events.weight's rates)
-_SAMPLE_BYTES = 300  # a Sample, as events.weight sizes it
+_KEY_BYTES = 1200  # a key's tuple and strings, its two lists and its dict slot
+_SAMPLE_BYTES = 300  # a Sample: its tuple, two hex ids, two floats
 
 
 class OperationCounts:
@@ -151,7 +151,7 @@ class OperationCounts:
         return bool(self.counts)
 
     def weight(self) -> int:
-        """About the bytes it holds while it waits in the ingest queue, as ``events.weight`` estimates an
+        """About the bytes it holds while it waits in the ingest queue, as ``sizes.event`` counts an
         event's, without walking every span it keeps."""
         return sum(_KEY_BYTES + _SAMPLE_BYTES * (len(last) - last.count(None)) for _, last in self.counts.values())
 

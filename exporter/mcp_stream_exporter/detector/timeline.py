@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import sizes
-from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Operation, Replay, StreamEnd, Token
+from mcp_stream_exporter.detector.events import CallEnd, Lifecycle, Operation, Replay, StreamEnd
 from mcp_stream_exporter.detector.findings import Finding
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
@@ -99,10 +99,6 @@ class Entry:
 
 _getsizeof = sys.getsizeof
 _ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
-_TIMESTAMP_BYTES = _getsizeof(2**62)  # an int past the small ones CPython shares: one object per span time
-# an event kept: itself, its Common (with its two timestamps) and its Token
-_EVENT_BYTES = {kind: _getsizeof(object.__new__(kind)) + _getsizeof(object.__new__(Common)) + 2 * _TIMESTAMP_BYTES
-                + _getsizeof(object.__new__(Token)) for kind in (StreamEnd, Replay, CallEnd)}
 
 
 Step = StreamEnd | Replay | CallEnd | Entry  # what a timeline keeps: the event; an Entry for the caller's give-up
@@ -165,39 +161,7 @@ def step_size(step: Step) -> int:
     itself, its ``Common`` and ``Token``, their strings and lists, and its two timestamps."""
     if isinstance(step, Entry):
         return step.size()
-    return _event_size(step, _lists(step))
-
-
-def _lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
-    """Every list a producer sent on ``e``, its token's last."""
-    token = e.token
-    if isinstance(e, StreamEnd):
-        return (e.request_ids, e.pending_ids, e.terminal_ids, e.required, token.audience, token.missing_resources,
-                token.missing_scopes)
-    if isinstance(e, Replay):
-        return e.foreign_event_ids, e.required, token.audience, token.missing_resources, token.missing_scopes
-    return e.required, token.audience, token.missing_resources, token.missing_scopes
-
-
-def _event_size(e: StreamEnd | Replay | CallEnd, lists: tuple[tuple[str, ...], ...]) -> int:
-    # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls, no Python loop
-    at = e.at
-    if isinstance(e, StreamEnd):
-        strings: tuple[str | None, ...] = (e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor, e.tool)
-    elif isinstance(e, Replay):
-        strings = (e.cursor, e.request_id, e.decision, e.sent_last_id, e.offending_event_id, e.guard_decision)
-    else:
-        strings = (e.request_id, e.tool, e.outcome, e.terminal_event_id, e.sdk_span_id, e.terminal_stream_kind,
-                   e.fingerprint)
-    held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
-                            e.token.fingerprint, *strings))]
-    count = len(held)
-    held += chain.from_iterable(lists)
-    joined = "".join(held)
-    # CPython holds a string that is not ASCII in 2 or 4 bytes a character: ask it then
-    size = sizes.STR * len(held) + len(joined) if joined.isascii() else sum(map(_getsizeof, held))
-    tuples = len(lists) - lists.count(())
-    return _EVENT_BYTES[type(e)] + size + sizes.TUPLE * tuples + sizes.ITEM * (len(held) - count)
+    return sizes.event(step)
 
 
 class Timelines:
@@ -295,9 +259,9 @@ class Timelines:
         """What a timeline keeps of ``e``, and its size: ``e`` itself, or a copy of it with every list cut to
         ``max_items`` (a producer's lists reach 256 items)."""
         cap = self.limits.max_items
-        lists = _lists(e)
+        lists = sizes.event_lists(e)
         if max(map(len, lists)) <= cap:
-            return e, _event_size(e, lists)
+            return e, sizes.event(e, lists)
         cut = copy(e)
         for name in _LIST_NAMES[type(e)]:
             setattr(cut, name, getattr(e, name)[:cap])
