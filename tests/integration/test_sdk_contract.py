@@ -44,6 +44,16 @@ def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store(
     assert "event_store" in inspect.signature(MCPServer.streamable_http_app).parameters
 
 
+def test_the_server_runner_awaits_whatever_a_middleware_returns():
+    """The hooks' server middleware is a plain function returning the rest of the chain's awaitable (no
+    coroutine of its own around every handler): the SDK must await what a middleware returns."""
+    from mcp.server import runner
+
+    source = inspect.getsource(runner._apply_middleware)
+    assert "return middleware(ctx, call_next)" in source
+    assert "partial(_apply_middleware, middleware, call)" in inspect.getsource(runner.ServerRunner)
+
+
 def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_can_rewrite():
     """guard.py sends its refusal through the replay callback as an EventMessage without an id, and
     rewrites that frame into `event: error` on the wire. Pins the transport's rendering."""

@@ -180,7 +180,8 @@ class _TapStream(httpx2.AsyncByteStream):
         self._status = status
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        self._chunks = self._inner.__aiter__()
+        if self._chunks is None:  # httpx2 asks twice (``__aiter__()``, then ``async for``): one inner iterator
+            self._chunks = self._inner.__aiter__()
         return self
 
     async def __anext__(self) -> bytes:
