@@ -29,6 +29,14 @@ def test_httpx2_async_client_keeps_its_transport_in_underscore_transport():
     assert type(client._transport).__name__ == "ClientTap"
 
 
+def test_httpx2_headers_keep_each_name_raw_and_lower_cased_beside_its_value():
+    """The client hooks read request and response headers off ``Headers._list`` (raw name, lower-cased
+    name, value) rather than building ``Headers.raw`` and lowering every name again."""
+    headers = httpx2.Headers([(b"Mcp-Session-Id", b"s1"), (b"Content-Type", b"text/event-stream")])
+    assert headers._list == [(b"Mcp-Session-Id", b"mcp-session-id", b"s1"),
+                             (b"Content-Type", b"content-type", b"text/event-stream")]
+
+
 def test_event_store_interface_is_the_two_methods_the_wrapper_delegates():
     assert set(EventStore.__abstractmethods__) == {"store_event", "replay_events_after"}
     assert list(inspect.signature(EventStore.store_event).parameters) == ["self", "stream_id", "message"]

@@ -225,15 +225,14 @@ class WireObserver:
         auth = ex.scope.auth
         call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless=stateless,
                                        start_time=ex.start_ns)
-        requirement = self.policy.requirement(msg.tool)
+        requirement, missing = self.policy.gap(msg.tool, auth)
         if requirement is None:
             call.require(None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL)
             return call
         if not stateless:
             self.requirements.remember(call.key, requirement)
-        missing = auth.missing(requirement)
         call.require(requirement, missing, DECISION_ALLOWED)
-        if audience_known(auth) and (missing[0] or missing[1]):
+        if (missing[0] or missing[1]) and audience_known(auth):
             self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
         return call
 

@@ -41,8 +41,7 @@ from mcp_stream_exporter.exchange import (
     read_body,
     stream_kind,
 )
-from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Stream, Tracker, known_missing
+from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Stream, Tracker, audience_known
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_frame
 
@@ -96,17 +95,18 @@ class ClientInstrumentation:
         return call
 
     def _annotate_requirement(self, call: Call, tool: str | None, view: AuthView) -> None:
-        requirement = self.policy.requirement(tool) if self.policy is not None else None
+        if self.policy is None:
+            return
+        requirement, missing = self.policy.gap(tool, view)
         if requirement is None:
             return
-        missing = known_missing(view, requirement)
-        call.require(requirement, missing)
-        if missing[0] or missing[1]:
+        call.require(requirement, missing)  # the call's span records it only where the audience is known
+        if (missing[0] or missing[1]) and audience_known(view):
             self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
-        headers = pick(request.headers.raw, REQUEST_HEADERS)
+        headers = _picked(request.headers, REQUEST_HEADERS)
         session_id = headers.get(SESSION_ID)
         protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
         view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
@@ -121,7 +121,7 @@ class ClientInstrumentation:
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
-        response_headers = pick(response.headers.raw, RESPONSE_HEADERS)
+        response_headers = _picked(response.headers, RESPONSE_HEADERS)
         if session_id is None:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
@@ -244,6 +244,13 @@ class _TapStream(httpx2.AsyncByteStream):
         if not self._exhausted and isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
             await chunks.aclose()
         await self._inner.aclose()
+
+
+def _picked(headers: httpx2.Headers, names: frozenset[bytes]) -> dict[str, str]:
+    """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
+    (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
+    name lowered and hashed again, on every request and response."""
+    return {key.decode("latin-1"): value.decode("latin-1") for _, key, value in headers._list if key in names}
 
 
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
