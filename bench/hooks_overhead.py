@@ -17,7 +17,13 @@ what they cost in wall time, which other processes' scheduling moves. ``--sides`
 the server's or only the client's hooks in H (an operator may instrument one side). Bounded:
 WORKERS x 3 x CALLS calls per run.
 
+``--instructions`` counts instead of timing, for a figure a busy machine cannot move: each configuration
+runs alone in a process under ``valgrind --tool=callgrind`` (PYTHONHASHSEED=0), which dumps its counts
+when the worker calls ``os.getppid()`` just before and just after CALLS round trips (after a warm-up);
+the report is the instructions a round trip of each configuration, and their ratios.
+
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
+    python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -41,7 +51,8 @@ _BLOCK = 10
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
 
 
-def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str) -> dict[str, float]:
+def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
+            only: str | None = None) -> dict[str, float]:
     import contextvars
 
     import httpx2
@@ -122,6 +133,19 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str) -> 
         finally:
             untraced.reset(token)
 
+    async def counted(configuration: str) -> dict[str, float]:
+        """One configuration alone, its calls between two ``os.getppid()``: callgrind dumps at each."""
+        async with contextlib.AsyncExitStack() as stack:
+            client = await setup(stack, configuration)
+            for _ in range(20):
+                await call(client, configuration)
+            gc.collect()
+            os.getppid()
+            for _ in range(calls):
+                await call(client, configuration)
+            os.getppid()
+        return {}
+
     async def run() -> dict[str, float]:
         async with contextlib.AsyncExitStack() as stack:
             order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # which is set up first rotates
@@ -141,7 +165,35 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str) -> 
         return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
                 **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
 
-    return asyncio.run(run())
+    return asyncio.run(counted(only) if only is not None else run())
+
+
+def _instructions(mode: str, side: str, configuration: str, calls: int) -> int:
+    """Instructions a round trip of one configuration, counted by callgrind between the worker's dumps."""
+    with tempfile.TemporaryDirectory() as out:
+        command = ["valgrind", "--tool=callgrind", "--dump-before=os_getppid*",
+                   f"--callgrind-out-file={out}/cg", sys.executable, __file__, "--worker", "--only", configuration,
+                   "--mode", mode, "--side", side, "--calls", str(calls)]
+        subprocess.run(command, check=True, capture_output=True, timeout=1800,
+                       env={**os.environ, "PYTHONHASHSEED": "0"})
+        with open(f"{out}/cg.2", encoding="utf-8") as dump:  # .1: set-up and warm-up; .2: the calls
+            total = next(int(line.split()[1]) for line in dump if line.startswith("summary:"))
+    return round(total / calls)
+
+
+def _count(modes: list[str], sides: list[str], calls: int) -> None:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind")
+    report = {}
+    for mode in modes:
+        sdk = _instructions(mode, "both", "S", calls)
+        for side in sides:
+            hooked = _instructions(mode, side, "H", calls)
+            name = mode if side == "both" else f"{mode} {side} only"
+            report[name] = {"calls": calls, "S_instructions": sdk, "H_instructions": hooked,
+                            "H/S": round(hooked / sdk, 4)}
+            print(f"{name}: instructions a round trip S {sdk}, H {hooked}, H/S {hooked / sdk:.4f}", flush=True)
+    print(json.dumps(report, indent=2))
 
 
 def _ratios(num: list[float], den: list[float]) -> dict[str, float]:
@@ -162,9 +214,15 @@ def main() -> None:
     parser.add_argument("--mode", default="legacy")
     parser.add_argument("--rotate", type=int, default=0)
     parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
+    parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side)))
+        print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
+                                 only=args.only)))
+        return
+    if args.instructions:
+        _count(args.modes.split(","), args.sides.split(","), args.calls)
         return
     report = {}
     modes, sides = args.modes.split(","), args.sides.split(",")

@@ -235,6 +235,8 @@ class ToolPolicy:
 
     def __init__(self, tools: Mapping[str, Requirement] | None = None) -> None:
         self._tools: dict[str, Requirement] = dict(tools or {})
+        # tool -> the last token view asked about it, and what that view lacks: one entry per named tool
+        self._gaps: dict[str, tuple[AuthView, tuple[frozenset[str], frozenset[str]]]] = {}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ToolPolicy:
@@ -272,3 +274,17 @@ class ToolPolicy:
     def requirement(self, tool: str | None) -> Requirement | None:
         """The tool's requirement, or None when the policy does not name it."""
         return self._tools.get(tool) if tool is not None else None
+
+    def gap(self, tool: str | None, view: AuthView) -> tuple[Requirement | None, tuple[frozenset[str], frozenset[str]]]:
+        """The tool's requirement and what ``view`` lacks of it (``AuthView.missing``; nothing for a tool
+        the policy does not name). Remembered per tool for the last view asked: a client calls with the
+        same token (the same view, cached by its header) on every request."""
+        requirement = self._tools.get(tool) if tool is not None else None
+        if requirement is None or tool is None:
+            return None, NOTHING_MISSING
+        last = self._gaps.get(tool)
+        if last is not None and last[0] is view:
+            return requirement, last[1]
+        missing = view.missing(requirement)
+        self._gaps[tool] = (view, missing)
+        return requirement, missing

@@ -6,8 +6,10 @@ receives), so they share this parser; the guard renders its ``event: error`` fra
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 # A frame as the MCP SDK writes it (sse_starlette): ``id``, ``event``, one ``data`` line, CRLF ends.
 # The parser splits a run of them with this, and gives anything else to its line parser.
@@ -26,6 +28,11 @@ class SSEFrame(NamedTuple):
     def type(self) -> str:
         """The event type a client dispatches on: ``message`` when there is no ``event:`` line."""
         return self.event or "message"
+
+
+# Builds an SSEFrame from all its fields in order, in one C call: a NamedTuple's own constructor is a
+# Python function, and both hooks build one for every frame of every stream.
+_sse_frame: Callable[[tuple[Any, ...]], SSEFrame] = functools.partial(tuple.__new__, SSEFrame)
 
 
 class SSEParser:
@@ -56,9 +63,9 @@ class SSEParser:
         at, end = 0, len(chunk)
         while at < end and (m := match(chunk, at)) is not None:
             id_, event, data = m.groups()
-            frames.append(SSEFrame(data.decode("utf-8", "replace"),
-                                   None if event is None else event.decode("utf-8", "replace"),
-                                   None if id_ is None else id_.decode("utf-8", "replace")))
+            frames.append(_sse_frame((data.decode("utf-8", "replace"),
+                                      None if event is None else event.decode("utf-8", "replace"),
+                                      None if id_ is None else id_.decode("utf-8", "replace"), None)))
             at = m.end()
         if at < end:
             frames += self._feed_lines(chunk[at:] if at else chunk)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx2
 import pytest
 from mcp.shared.exceptions import MCPError
 
@@ -256,3 +257,25 @@ async def test_a_call_whose_body_and_result_come_in_many_pieces_is_tracked_to_it
         call = _call(found, role, "fetch")
         assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)
         assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
+
+
+async def _fetch_cut_after_the_answers_first_read() -> None:
+    async with incident(None) as s:
+        s.proxy.arm(b"HTTP/1.1 200")
+        await s.call("fetch", {"url": "u" * 300_000})  # a result in many reads: the cut comes after the first
+
+
+async def test_a_stateless_json_answer_cut_before_its_end_is_a_dropped_stream_that_owes_its_call():
+    """A POST's JSON answer to its one call is read once, at its end, rather than followed as a stream
+    (the healthy path). Cut before its end, the client's stream is opened then and says what it owed."""
+    with pytest.raises(BaseExceptionGroup) as crashed:  # the SDK's client: its task group ends on the cut
+        await _fetch_cut_after_the_answers_first_read()
+    assert crashed.group_contains(httpx2.RemoteProtocolError)
+    found = spans()
+    call = _call(found, sc.ROLE_CLIENT, "fetch")
+    assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_NO_TERMINAL
+    (post,) = ours(found, sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+    assert _attr(post, sc.END_REASON) == sc.END_DROPPED
+    assert _attr(post, sc.STREAM_CONTENT) == "json"
+    assert _attr(post, sc.PENDING_REQUEST_IDS) == (_attr(call, sc.JSONRPC_REQUEST_ID),)
+    assert [lk.context.span_id for lk in call.links] == [post.context.span_id]

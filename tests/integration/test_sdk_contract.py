@@ -29,6 +29,14 @@ def test_httpx2_async_client_keeps_its_transport_in_underscore_transport():
     assert type(client._transport).__name__ == "ClientTap"
 
 
+def test_httpx2_headers_keep_each_name_raw_and_lower_cased_beside_its_value():
+    """The client hooks read request and response headers off ``Headers._list`` (raw name, lower-cased
+    name, value) rather than building ``Headers.raw`` and lowering every name again."""
+    headers = httpx2.Headers([(b"Mcp-Session-Id", b"s1"), (b"Content-Type", b"text/event-stream")])
+    assert headers._list == [(b"Mcp-Session-Id", b"mcp-session-id", b"s1"),
+                             (b"Content-Type", b"content-type", b"text/event-stream")]
+
+
 def test_event_store_interface_is_the_two_methods_the_wrapper_delegates():
     assert set(EventStore.__abstractmethods__) == {"store_event", "replay_events_after"}
     assert list(inspect.signature(EventStore.store_event).parameters) == ["self", "stream_id", "message"]
@@ -42,6 +50,16 @@ def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store(
     instrument_server(server)
     assert len(server.middleware) == before + 1
     assert "event_store" in inspect.signature(MCPServer.streamable_http_app).parameters
+
+
+def test_the_server_runner_awaits_whatever_a_middleware_returns():
+    """The hooks' server middleware is a plain function returning the rest of the chain's awaitable (no
+    coroutine of its own around every handler): the SDK must await what a middleware returns."""
+    from mcp.server import runner
+
+    source = inspect.getsource(runner._apply_middleware)
+    assert "return middleware(ctx, call_next)" in source
+    assert "partial(_apply_middleware, middleware, call)" in inspect.getsource(runner.ServerRunner)
 
 
 def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_can_rewrite():

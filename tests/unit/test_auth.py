@@ -161,6 +161,26 @@ def test_tool_policy_from_mapping_json_and_toml(tmp_path):
         assert policy.requirement("other") is None
 
 
+def test_a_tools_gap_follows_the_view_asked_about_and_only_named_tools_are_remembered():
+    """``ToolPolicy.gap`` remembers what the last view asked about a tool lacks: a different view (a
+    refreshed, narrower token) is asked again, and a tool the policy does not name is never remembered."""
+    fetch = Requirement.of(["https://mcp.example.com/tools/fetch"], ["read"])
+    policy = ToolPolicy({"fetch": fetch})
+    reader = TokenReader()
+    issuer = TokenIssuer()
+    broad = reader.read(issuer.mint(["https://mcp.example.com/tools/fetch"], scopes=["read"]))
+    narrow = reader.read(issuer.mint(["https://mcp.example.com/tools/search"], scopes=["read"]))
+    for _ in range(2):
+        assert policy.gap("fetch", broad) == (fetch, (frozenset(), frozenset()))
+        assert policy.gap("fetch", narrow) == (fetch, (frozenset({"https://mcp.example.com/tools/fetch"}),
+                                                       frozenset()))
+    assert policy.gap("fetch", broad) == (fetch, broad.missing(fetch))
+    for i in range(100):
+        assert policy.gap(f"unnamed-{i}", broad) == (None, (frozenset(), frozenset()))
+    assert policy.gap(None, broad) == (None, (frozenset(), frozenset()))
+    assert set(policy._gaps) == {"fetch"}
+
+
 def test_tool_policy_rejects_a_malformed_file(tmp_path):
     bad = tmp_path / "policy.json"
     bad.write_text(json.dumps({"tools": {"fetch": 3}}))

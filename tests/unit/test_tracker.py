@@ -201,3 +201,51 @@ def test_a_failed_stream_has_an_error_status_and_type_and_a_clean_end_has_neithe
     assert (refused.status.status_code, refused.attributes[sc.ERROR_TYPE]) == (StatusCode.ERROR, "503")
     assert clean.status.status_code == StatusCode.UNSET and sc.ERROR_TYPE not in clean.attributes
     assert {s.attributes[sc.NETWORK_TRANSPORT] for s in (dropped, refused, clean)} == {"tcp"}
+
+
+def test_a_json_answer_that_is_its_one_calls_result_ends_the_call_with_no_stream_and_no_span():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    assert tracker.answered([call], _response(1))
+    assert call.done and tracker.call(("s", "1")) is None
+    assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(("body", "stream_span"), [
+    ('{"jsonrpc":"2.0","id":2,"result":{}}', True),  # another call's result: the call is owed
+    ('{"jsonrpc":"2.0","id":1,"error":{"code":-32003,"message":"refused"}}', False),  # an error answers it
+    ('{"jsonrpc":"2.0","method":"notifications/message","params":{}}', True),  # no terminal at all
+    ('[{"jsonrpc":"2.0","id":1,"result":{}},{"jsonrpc":"2.0","id":2,"result":{}}]', True),  # and another's
+    ("not json", True),
+])
+def test_a_json_answer_that_is_anything_else_leaves_the_call_to_its_stream_followed_in_full(body, stream_span):
+    """``answered`` declines and changes nothing: the hooks then open the stream and read the body on it,
+    as if it had been followed from the start, and a stream that owes the call, or carried another's
+    result, says so."""
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    messages = classify(body)
+    assert not tracker.answered([call], messages)
+    assert not call.done and exporter.get_finished_spans() == ()
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+    tracker.frame(stream, None, messages)
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert len(_by(exporter, sc.SPAN_STREAM)) == stream_span
+    if stream_span and not body.startswith("["):
+        assert _by(exporter, sc.SPAN_STREAM)[0].attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+        (call_span,) = _by(exporter, sc.SPAN_CALL)
+        assert call_span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    else:
+        assert call.done and _by(exporter, sc.SPAN_CALL) == []
+
+
+def test_a_json_answer_to_a_call_that_already_deviated_is_followed_on_its_stream():
+    """A call with a span of its own (here: made at call time) records its stream count and terminal stream
+    on that span: its answer is never taken off the stream."""
+    tracker, _ = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    tracker.span_of(call)
+    assert not tracker.answered([call], _response(1))
+    assert not tracker.answered([call, tracker.start_call(None, _request(2), None, ABSENT, stateless=True)],
+                                _response(1))
+    assert not call.done

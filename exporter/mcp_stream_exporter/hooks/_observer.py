@@ -60,7 +60,7 @@ DECISION_UNKNOWN_TOOL = "unknown_tool"
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("body", "calls", "cursor", "disconnected", "json_body", "method", "oversized", "parser",
+    __slots__ = ("body", "calls", "cursor", "deferred", "disconnected", "json_body", "method", "oversized", "parser",
                  "protocol_version", "scope", "start_ns", "status", "stream", "unread")
 
     def __init__(self, method: str, start_ns: int, cursor: str | None, scope: request_scope.RequestScope,
@@ -74,6 +74,7 @@ class _Exchange:
         self.unread: bytes | None = None  # a body of calls only, left for the SDK's middleware (``dispatched``)
         self.calls: list[Call] = []
         self.stream: Stream | None = None
+        self.deferred = False  # a stateless call's JSON answer: its stream is opened only if it deviates
         self.parser: SSEParser | None = None
         self.json_body: bytearray | None = None
         self.status = 0
@@ -123,8 +124,9 @@ class WireObserver:
                         self._on_body(ex, message)
                 elif kind == "http.disconnect":
                     ex.disconnected = True
-                    if ex.stream is not None:
-                        tracker.end_stream(ex.stream, sc.END_DROPPED, ex.status)
+                    stream = self._followed(ex) if ex.deferred else ex.stream
+                    if stream is not None:
+                        tracker.end_stream(stream, sc.END_DROPPED, ex.status)
                 return message
 
             def observed_send(message: Message) -> Awaitable[None]:  # send's own awaitable: no coroutine of ours
@@ -142,8 +144,9 @@ class WireObserver:
                 del scope[_EXCHANGE]
                 if ex.unread is not None:  # no response, and calls the SDK's middleware never saw
                     self._read_unread(ex)
-                if ex.stream is not None:
-                    tracker.end_stream(ex.stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
+                stream = self._followed(ex) if ex.deferred else ex.stream
+                if stream is not None:
+                    tracker.end_stream(stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
                 ex.release()
 
         return observed
@@ -222,15 +225,14 @@ class WireObserver:
         auth = ex.scope.auth
         call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless=stateless,
                                        start_time=ex.start_ns)
-        requirement = self.policy.requirement(msg.tool)
+        requirement, missing = self.policy.gap(msg.tool, auth)
         if requirement is None:
             call.require(None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL)
             return call
         if not stateless:
             self.requirements.remember(call.key, requirement)
-        missing = auth.missing(requirement)
         call.require(requirement, missing, DECISION_ALLOWED)
-        if audience_known(auth) and (missing[0] or missing[1]):
+        if (missing[0] or missing[1]) and audience_known(auth):
             self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
         return call
 
@@ -239,25 +241,63 @@ class WireObserver:
             self._read_unread(ex)
         ex.status = status = int(message.get("status", 0))
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, lowered=True)
-        session_id = ex.scope.session_id
-        if session_id is None and SESSION_ID in headers:
-            session_id = ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
+        if ex.scope.session_id is None and SESSION_ID in headers:
+            ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
         content = content_of(headers.get(CONTENT_TYPE, ""))
         if content == CONTENT_SSE:
             ex.parser = SSEParser()
         elif content == CONTENT_JSON:
             ex.json_body = bytearray()
+            calls = ex.calls
+            if (len(calls) == 1 and status < 400 and ex.method == "POST" and not ex.cursor and calls[0].stateless
+                    and calls[0].span is None):
+                ex.deferred = True  # its one body is most likely the call's result: see ``_on_deferred_body``
+                return
+        self._open(ex, content)
+
+    def _open(self, ex: _Exchange, content: str) -> None:
         cursor = ex.cursor
         calls = ex.calls
         if cursor:
-            calls = calls + list(self.tracker.calls_of_cursor(session_id, cursor))
-        ex.stream = self.tracker.open_stream(stream_kind(ex.method, cursor), session_id, calls,
+            calls = calls + list(self.tracker.calls_of_cursor(ex.scope.session_id, cursor))
+        ex.stream = self.tracker.open_stream(stream_kind(ex.method, cursor), ex.scope.session_id, calls,
                                              (ex.method, content, ex.protocol_version, cursor),
-                                             ex.scope.auth, status, start_time=ex.start_ns)
+                                             ex.scope.auth, ex.status, start_time=ex.start_ns)
+
+    def _followed(self, ex: _Exchange) -> Stream | None:
+        """A deferred exchange's stream, opened now: it deviated (a disconnect, an end without its body)."""
+        ex.deferred = False
+        self._open(ex, CONTENT_JSON)
+        return ex.stream
+
+    def _on_deferred_body(self, ex: _Exchange, message: Message) -> None:
+        """A stateless call's JSON answer, gathered, then read once: the call's result ends it and no
+        stream is followed (``Tracker.answered``); anything else opens the stream and reads the body on
+        it, exactly as if it had been followed from the start."""
+        json_body = ex.json_body
+        assert json_body is not None
+        if len(json_body) <= MAX_PARSED_BODY:
+            json_body += message.get("body", b"")
+        if message.get("more_body", False):
+            return
+        ex.deferred = False
+        messages = classify_frame(json_body.decode("utf-8", "replace")) if json_body else []
+        if self.tracker.answered(ex.calls, messages):
+            return
+        self._open(ex, CONTENT_JSON)
+        stream = ex.stream
+        assert stream is not None  # a POST carrying a call always has one
+        if json_body:
+            self._frame(ex, stream, None, messages)
+        self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
         stream = ex.stream
-        if stream is None or stream.ended:
+        if stream is None:
+            if ex.deferred:
+                self._on_deferred_body(ex, message)
+            return
+        if stream.ended:
             return
         chunk = message.get("body", b"")
         if ex.parser is not None:

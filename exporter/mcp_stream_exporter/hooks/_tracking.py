@@ -611,6 +611,20 @@ class Tracker:
             outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
         self._finish(call, outcome, (stream.kind, event_id))
 
+    def answered(self, calls: Sequence[Call], messages: Sequence[WireMessage]) -> bool:
+        """Whether a POST's JSON body is its one call's result and nothing else: the call then ends on
+        the healthy path here, and the POST, whose stream would leave no span, is never opened as a
+        stream at all. False for anything else: the caller opens the stream and follows it in full,
+        exactly as if it had from the response's start (a JSON body is one frame, read at its end)."""
+        if len(calls) != 1 or len(messages) != 1:
+            return False
+        call, msg = calls[0], messages[0]
+        if msg.kind != sc.FRAME_RESPONSE or msg.id != call.key[1] or call.done or call.span is not None:
+            return False
+        outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
+        self._finish(call, outcome, (sc.STREAM_KIND_POST, None))
+        return True
+
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
         """End a stream. A POST that delivered the terminal event of every call it carried, and
         nothing else, is the healthy path and leaves no span."""

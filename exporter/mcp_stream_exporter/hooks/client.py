@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import types
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx2
@@ -26,6 +26,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
+    CONTENT_JSON,
     CONTENT_NONE,
     CONTENT_SSE,
     CONTENT_TYPE,
@@ -40,8 +41,7 @@ from mcp_stream_exporter.exchange import (
     read_body,
     stream_kind,
 )
-from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Stream, Tracker, known_missing
+from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Stream, Tracker, audience_known
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_frame
 
@@ -95,17 +95,18 @@ class ClientInstrumentation:
         return call
 
     def _annotate_requirement(self, call: Call, tool: str | None, view: AuthView) -> None:
-        requirement = self.policy.requirement(tool) if self.policy is not None else None
+        if self.policy is None:
+            return
+        requirement, missing = self.policy.gap(tool, view)
         if requirement is None:
             return
-        missing = known_missing(view, requirement)
-        call.require(requirement, missing)
-        if missing[0] or missing[1]:
+        call.require(requirement, missing)  # the call's span records it only where the audience is known
+        if (missing[0] or missing[1]) and audience_known(view):
             self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
-        headers = pick(request.headers.raw, REQUEST_HEADERS)
+        headers = _picked(request.headers, REQUEST_HEADERS)
         session_id = headers.get(SESSION_ID)
         protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
         view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
@@ -120,12 +121,20 @@ class ClientInstrumentation:
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
-        response_headers = pick(response.headers.raw, RESPONSE_HEADERS)
+        response_headers = _picked(response.headers, RESPONSE_HEADERS)
         if session_id is None:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
-        stream = self._open(request, session_id, protocol_version, calls, view, cursor, start,
-                            response.status_code, content)
+        status = response.status_code
+        if (content == CONTENT_JSON and status < 400 and len(calls) == 1 and not cursor and request.method == "POST"
+                and calls[0].span is None):  # one body, most likely the call's result: see ``Tracker.answered``
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
+                                       status, content)
+            response.stream = _TapStream(response.stream, self.tracker, None, sse=False, status=status, calls=calls,
+                                         opener=opener)
+            return response
+        stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
         if stream is None:
             return response
         if content == CONTENT_NONE or response.status_code >= 400:
@@ -148,23 +157,31 @@ class ClientInstrumentation:
 class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
 
+    A POST's JSON answer to its one call is deferred (no ``stream``, an ``opener``): its body is read
+    once at its end, and the stream is opened only if that body is not the call's result, or the
+    response does not end cleanly; then it is followed exactly as if it had been from the start.
+
     An iterator object rather than an async generator: the SDK stops reading at the response and
     closes the response, and an abandoned async generator costs the event loop a finaliser task. For
     the same reason it closes the inner stream's iterator itself, as ``httpx2`` does with the iterators
     it opens (it cannot see the one behind this object)."""
 
-    def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream, *, sse: bool,
-                 status: int) -> None:
+    def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
+                 status: int, calls: Sequence[Call] = (), opener: Callable[[], Stream | None] | None = None) -> None:
         self._inner = inner
         self._chunks: AsyncIterator[bytes] | None = None
+        self._exhausted = False
         self._tracker = tracker
         self._stream = stream
+        self._calls = calls
+        self._opener = opener
         self._parser = SSEParser() if sse else None
         self._json = bytearray()
         self._status = status
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        self._chunks = self._inner.__aiter__()
+        if self._chunks is None:  # httpx2 asks twice (``__aiter__()``, then ``async for``): one inner iterator
+            self._chunks = self._inner.__aiter__()
         return self
 
     async def __anext__(self) -> bytes:
@@ -172,15 +189,15 @@ class _TapStream(httpx2.AsyncByteStream):
         try:
             chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
-            if self._json:
-                self._tracker.frame(self._stream, None, classify_frame(self._json.decode("utf-8", "replace")))
-            self._tracker.end_stream(self._stream, sc.END_CLEAN, self._status)
+            if not self._exhausted:
+                self._exhausted = True
+                self._ended()
             raise
         except Exception:
-            self._tracker.end_stream(self._stream, sc.END_DROPPED, self._status)
+            self._end(sc.END_DROPPED)
             raise
         except BaseException:  # cancelled while reading: the client gave up on it
-            self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+            self._end(sc.END_CLOSED)
             raise
         if self._parser is not None:
             self._feed(chunk)
@@ -190,17 +207,50 @@ class _TapStream(httpx2.AsyncByteStream):
 
     def _feed(self, chunk: bytes) -> None:
         assert self._parser is not None
-        if self._stream.ended:
+        stream = self._stream
+        if stream is None or stream.ended:
             return
         for frame in self._parser.feed(chunk):
-            self._tracker.frame(self._stream, frame, classify_frame(frame.data) if frame.data else ())
+            self._tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
+
+    def _followed(self) -> Stream | None:
+        """The stream, opened now if it was deferred: None once a deferred body was the call's result."""
+        if self._opener is not None:
+            self._stream, self._opener = self._opener(), None
+        return self._stream
+
+    def _ended(self) -> None:
+        """The server ended the response: its JSON body, if any, is read."""
+        messages = classify_frame(self._json.decode("utf-8", "replace")) if self._json else None
+        if self._opener is not None and messages is not None and self._tracker.answered(self._calls, messages):
+            self._opener = None
+            return
+        stream = self._followed()
+        if stream is None:
+            return
+        if messages is not None:
+            self._tracker.frame(stream, None, messages)
+        self._tracker.end_stream(stream, sc.END_CLEAN, self._status)
+
+    def _end(self, reason: str) -> None:
+        stream = self._followed()
+        if stream is not None:
+            self._tracker.end_stream(stream, reason, self._status)
 
     async def aclose(self) -> None:
-        self._tracker.end_stream(self._stream, sc.END_CLOSED, self._status)
+        self._end(sc.END_CLOSED)
         chunks = self._chunks
-        if isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
+        # an exhausted generator has nothing to close: closing it anyway costs a coroutine
+        if not self._exhausted and isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
             await chunks.aclose()
         await self._inner.aclose()
+
+
+def _picked(headers: httpx2.Headers, names: frozenset[bytes]) -> dict[str, str]:
+    """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
+    (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
+    name lowered and hashed again, on every request and response."""
+    return {key.decode("latin-1"): value.decode("latin-1") for _, key, value in headers._list if key in names}
 
 
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:

@@ -11,10 +11,11 @@ all three.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.context import CallNext, HandlerResult, ServerMiddleware, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from opentelemetry import trace
@@ -62,14 +63,18 @@ class ServerInstrumentation:
         """Wrap the author's ``EventStore``: what it stores and replays is recorded."""
         return self.recorder.event_store(inner)
 
-    async def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
-        """Hands each ``tools/call`` to the observer, already parsed, and links it to the SDK's own span."""
+    def middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> Awaitable[HandlerResult]:
+        """Hands each ``tools/call`` to the observer, already parsed, and links it to the SDK's own span.
+
+        Not a coroutine: it does its part before the handler runs and returns the rest of the chain's
+        awaitable, which the SDK awaits (pinned by tests/integration/test_sdk_contract.py), so every
+        message the server receives is spared a coroutine of ours around its handler."""
         if ctx.method == TOOLS_CALL and ctx.request_id is not None:
             call = self.observer.dispatched(ctx.request, ctx.request_id, ctx.params)
             sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
             if call is not None and sdk.is_valid:
                 call.link(sdk, _SDK_REQUEST_LINK)
-        return await call_next(ctx)
+        return call_next(ctx)
 
 
 def instrument_server(
@@ -92,7 +97,7 @@ def instrument_server(
                                   path=streamable_http_path)
     if not isinstance(target, MCPServer):
         return instr.asgi(target)
-    target.middleware.append(instr.middleware)
+    target.middleware.append(cast(ServerMiddleware[Any], instr.middleware))  # the SDK awaits what it returns
     store = instr.event_store(event_store) if event_store is not None else None
     app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
     if isinstance(event_store, request_scope.ExchangeAware):
