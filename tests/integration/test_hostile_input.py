@@ -86,11 +86,11 @@ def test_ingest_takes_post_alone_another_method_is_a_405_that_names_it(service):
 
 
 @pytest.mark.parametrize("gzipped", [False, True])
-def test_a_batch_past_what_the_event_loop_reads_itself_or_compressed_is_taken_as_a_small_one_is(service, gzipped):
+def test_a_large_batch_plain_or_compressed_is_taken_whole_with_its_one_bad_span_refused(service, gzipped):
     client, detector, queue = service
     body = _body(*[_stream_span(f"big{i}", **{sc.RESUME_CURSOR: f"{i}" + "c" * 200}) for i in range(1200)],
                  _stream_span("bad", **{sc.EVENTS_COUNT: "-1"}))
-    assert len(body) > 256 * 1024  # read on a worker thread, as a compressed body is
+    assert len(body) > 256 * 1024
     headers = {"content-type": PROTOBUF, **AUTH}
     if gzipped:
         body, headers["content-encoding"] = gzip.compress(body), "gzip"
@@ -99,6 +99,20 @@ def test_a_batch_past_what_the_event_loop_reads_itself_or_compressed_is_taken_as
     assert ExportTraceServiceResponse.FromString(answer.content).partial_success.rejected_spans == 1
     assert queue.wait_idle(10)
     assert detector.ledger.find("big0", "7") is not None and detector.ledger.find("big1199", "7") is not None
+
+
+def test_a_truncated_gzip_body_is_a_400_and_header_values_are_read_without_their_surrounding_spaces(service):
+    client, _, _ = service
+    body = gzip.compress(_body(_stream_span("s")))
+    for cut in (10, len(body) - 8):  # after the gzip header; before the gzip trailer
+        answer = client.post("/v1/traces", content=body[:cut],
+                             headers={"content-type": PROTOBUF, "content-encoding": "gzip", **AUTH})
+        assert answer.status_code == 400 and "truncated" in answer.json()["error"]
+    answer = client.post("/v1/traces", content=body,
+                         headers={"content-type": " application/x-protobuf ", "content-encoding": "gzip ", **AUTH})
+    assert answer.status_code == 200, answer.text
+    answer = client.post("/v1/traces", content=b"{}", headers={"content-type": "APPLICATION/JSON", **AUTH})
+    assert answer.status_code == 200 and answer.json() == {}  # answered in the encoding it was sent in
 
 
 @pytest.mark.parametrize("value", ["\u00b2", "\u0661\u0662", "9" * 5000, "1" * 19, "-1", " 1"])
@@ -294,13 +308,9 @@ def _answer(sock: socket.socket) -> bytes:
     return received
 
 
-def test_a_request_head_past_16_kib_is_a_400_and_its_connection_closes_whether_sent_at_once_or_in_pieces():
+def test_a_request_head_or_trailer_that_never_ends_is_refused_past_16_kib_and_its_connection_closes():
     limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
     with _bounded_server(limits) as port:
-        whole = socket.create_connection(("127.0.0.1", port), timeout=15)
-        whole.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(
-            b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(20)) + b"\r\n")
-        assert _answer(whole).startswith(b"HTTP/1.1 400 ")
         endless = socket.create_connection(("127.0.0.1", port), timeout=15)
         endless.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
         with contextlib.suppress(ConnectionResetError, BrokenPipeError):
@@ -308,9 +318,16 @@ def test_a_request_head_past_16_kib_is_a_400_and_its_connection_closes_whether_s
                 endless.sendall(b"v" * 1024)
                 time.sleep(0.001)
         assert _answer(endless).startswith(b"HTTP/1.1 400 ")
+        trailer = socket.create_connection(("127.0.0.1", port), timeout=15)  # a chunked body's endless trailer
+        trailer.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: ")
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            for _ in range(64):
+                trailer.sendall(b"v" * 1024)
+                time.sleep(0.001)
+        assert _answer(trailer).startswith(b"HTTP/1.1 400 ")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
             assert http.get("/healthz", headers={"x-pad": "p" * 8000}).status_code == 200
-        for sock in (whole, endless):
+        for sock in (endless, trailer):
             sock.close()
 
 

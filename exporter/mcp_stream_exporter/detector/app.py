@@ -48,7 +48,6 @@ class Access:
     metrics_basic_auth: tuple[str, str] | None = None  # (user, password)
 
 
-_INLINE_BYTES = 256 * 1024  # an uncompressed body up to this is read on the event loop (a few ms)
 _ACCEPTED = {PROTOBUF: b"", JSON: b"{}"}  # the answer to a batch taken whole, as each encoding writes it
 
 
@@ -67,10 +66,9 @@ def _retry_after(limits: IngestLimits) -> tuple[tuple[bytes, bytes], ...]:
 class _OtlpHttp:
     """``/v1/traces`` as plain ASGI in front of the FastAPI app: OTLP/HTTP requests are the service's
     traffic, and Starlette's request, response and middleware machinery cost about as much as reading a
-    small batch. A body up to ``_INLINE_BYTES``, sent uncompressed, is read on the event loop when a
-    decoding slot is free at once (a thread hand-off costs more than the few ms it takes); a larger or
-    compressed one, or one that must wait its turn, on a worker thread. Every other request goes to
-    ``app``."""
+    small batch. A body is read on a worker thread, never on the event loop: a 256 KiB JSON batch takes
+    100 ms and more to decode, and health checks and scrapes would wait for it. Every other request goes
+    to ``app``."""
 
     def __init__(self, app: ASGIApp, queue: IngestQueue, token: str | None) -> None:
         self._app = app
@@ -109,9 +107,9 @@ class _OtlpHttp:
             elif name == b"content-length" and declared is None:
                 declared = value
             elif name == b"content-type" and content_type is None:
-                content_type = value.decode("latin-1")
+                content_type = value.decode("latin-1").strip()
             elif name == b"content-encoding" and encoding is None:
-                encoding = value.decode("latin-1")
+                encoding = value.decode("latin-1").strip()
         if self._token is not None and not bearer_matches(authorization or "", self._token):
             return self._refuse(401, "a bearer token is required", "unauthorized", ((b"www-authenticate", b"Bearer"),))
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
@@ -139,13 +137,7 @@ class _OtlpHttp:
             except TimeoutError:
                 return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout")
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if size <= _INLINE_BYTES and encoding in (None, "", "identity") and self._queue.try_decoding():
-                try:
-                    outcome = self._read(body, content_type, encoding)
-                finally:
-                    self._queue.done_decoding()
-            else:
-                outcome = await run_in_threadpool(self._read_in_turn, body, content_type, encoding)
+            outcome = await run_in_threadpool(self._read, body, content_type, encoding)
         except IngestError as exc:
             return self._refuse(exc.status, exc.reason, exc.metric_reason,
                                 _retry_after(limits) if exc.status == 429 else ())
@@ -154,7 +146,7 @@ class _OtlpHttp:
         if outcome is None:
             return self._refuse(429, "ingest queue full; retry after the given delay", "queue_full",
                                 _retry_after(limits))
-        media = JSON if content_type.startswith(JSON) else PROTOBUF
+        media = JSON if content_type.lower().startswith(JSON) else PROTOBUF
         if not outcome.rejected:
             return _Answer(200, _ACCEPTED[media], media)
         log.info("spans refused", extra={"rejected": outcome.rejected_count, "reason": outcome.message()[:1000]})
@@ -163,12 +155,9 @@ class _OtlpHttp:
                        else answer.SerializeToString(), media)
 
     def _read(self, body: bytes, content_type: str, encoding: str | None) -> Outcome | None:
-        body = decompress(body, encoding, self._limits)
-        return receive(self._queue, decode(body, content_type, self._limits), "otlp_http")
-
-    def _read_in_turn(self, body: bytes, content_type: str, encoding: str | None) -> Outcome | None:
         with self._queue.decoding():
-            return self._read(body, content_type, encoding)
+            body = decompress(body, encoding, self._limits)
+            return receive(self._queue, decode(body, content_type, self._limits), "otlp_http")
 
 
 def _bearer_ok(request: Request, token: str | None) -> bool:

@@ -1,5 +1,5 @@
-"""What a slow or idle HTTP client may hold: a connection limit, a bound on a request's head, header
-and idle (and, at ingest, body) timeouts on the detector's uvicorn server.
+"""What a slow or idle HTTP client may hold: a connection limit and header, idle (and, at ingest,
+body) timeouts on the detector's uvicorn server.
 
 uvicorn alone keeps a connection that never finishes its headers open for ever, and serves (with a
 503) any number of connections past its concurrency limit: a few thousand slow sockets exhaust the
@@ -9,11 +9,6 @@ is closed after ``idle_timeout_s``. At most ``max_connections`` are held: a new 
 of the one that has waited longest for its headers (slow clients make way for prompt ones); only
 when every connection is serving a request is the new one answered 503 and closed. The request
 body's own timeout is the ingest handler's (``IngestLimits.body_timeout_s``).
-
-HTTP/1.1 is parsed by httptools (llhttp, in C: a fifth of what h11 cost a request). It buffers a
-header until the header is complete, without a bound of its own: here a request line and headers
-larger than ``_MAX_HEAD_BYTES``, or that many bytes received without the parser completing a piece
-of the head, are a 400 and the connection closes (what h11 did past its incomplete-event size).
 """
 
 from __future__ import annotations
@@ -23,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-_MAX_HEAD_BYTES = 16 * 1024  # a request line and headers
+_MAX_HEADER_BYTES = 16 * 1024  # h11 refuses (400) a request whose headers are larger
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -39,23 +34,16 @@ class ConnectionLimits:
 def server_config(app: Any, host: str, port: int, limits: ConnectionLimits, **options: Any) -> uvicorn.Config:
     """A uvicorn config for ``app`` that holds to ``limits``."""
     return uvicorn.Config(app, host=host, port=port, http=_bounded_protocol(limits),
-                          timeout_keep_alive=max(1, round(limits.idle_timeout_s)), **options)
+                          timeout_keep_alive=max(1, round(limits.idle_timeout_s)),
+                          h11_max_incomplete_event_size=_MAX_HEADER_BYTES, **options)
 
 
-class _HeadTooLarge(Exception):
-    """Raised from a parser callback: httptools stops, and uvicorn answers 400 and closes."""
-
-
-def _bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        """uvicorn's httptools protocol with a bounded head, a header deadline and a hard connection limit."""
+def _bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    class BoundedH11Protocol(H11Protocol):
+        """uvicorn's h11 protocol with a header deadline and a hard connection limit."""
 
         _deadline: asyncio.TimerHandle | None = None
         _waiting_since = 0.0
-        _head = 0  # bytes of the current request's line and headers, as the parser reports them
-        _unparsed = 0  # bytes received since the parser last reported a piece of a head
-        _silent = False  # no piece reported while the current read was parsed
-        _in_body = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limits.max_connections and not self._make_room():
@@ -68,7 +56,7 @@ def _bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def _make_room(self) -> bool:
             """Close the connection that has waited longest for its request's headers, if any."""
-            waiting = [c for c in self.connections if isinstance(c, BoundedHttpToolsProtocol) and c._waiting()]
+            waiting = [c for c in self.connections if isinstance(c, BoundedH11Protocol) and c._waiting()]
             if not waiting:
                 return False
             oldest = min(waiting, key=lambda c: c._waiting_since)
@@ -78,45 +66,6 @@ def _bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def _waiting(self) -> bool:
             return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
-
-        def data_received(self, data: bytes) -> None:
-            self._silent = True
-            super().data_received(data)
-            if self._in_body or not self._silent or self.transport.is_closing():
-                self._unparsed = 0
-                return
-            self._unparsed += len(data)  # held in the parser's buffer, a header not yet complete
-            if self._unparsed > _MAX_HEAD_BYTES:
-                self.send_400_response("Request headers too large.")
-
-        def on_message_begin(self) -> None:
-            self._head = 0
-            self._silent = False
-            super().on_message_begin()
-
-        def on_url(self, url: bytes) -> None:
-            self._took(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._took(len(name) + len(value) + 4)  # ": " and CRLF
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._in_body = True
-            self._silent = False
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self._in_body = False
-            self._silent = False
-            super().on_message_complete()
-
-        def _took(self, size: int) -> None:
-            self._silent = False
-            self._head += size
-            if self._head > _MAX_HEAD_BYTES:
-                raise _HeadTooLarge
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -138,4 +87,4 @@ def _bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             if self._waiting():  # no request being served: its headers never came
                 self.transport.close()
 
-    return BoundedHttpToolsProtocol
+    return BoundedH11Protocol

@@ -60,6 +60,8 @@ def decompress(body: bytes, encoding: str | None, limits: IngestLimits) -> bytes
         raise IngestError(400, f"body does not decompress as {encoding}: {exc}", "malformed") from None
     if len(out) > limits.max_decompressed_bytes or inflater.unconsumed_tail:
         raise IngestError(413, f"decompressed body exceeds {limits.max_decompressed_bytes} bytes", "too_large")
+    if not inflater.eof:
+        raise IngestError(400, f"body is a truncated {encoding} stream", "malformed")
     return out
 
 
@@ -175,14 +177,6 @@ class IngestQueue:
             yield
         finally:
             self._decoding.release()
-
-    def try_decoding(self) -> bool:
-        """A decoding slot if one is free this instant, for a caller that must not wait (the event
-        loop); ``done_decoding`` gives it back."""
-        return self._decoding.acquire(blocking=False)
-
-    def done_decoding(self) -> None:
-        self._decoding.release()
 
     def reserve(self, size: int) -> bool:
         """Room for ``size`` more bytes of request bodies (all requests together); False when full."""
