@@ -308,6 +308,17 @@ def _answer(sock: socket.socket) -> bytes:
     return received
 
 
+def test_a_body_refused_before_it_is_read_closes_its_connection_so_its_rest_is_no_next_request():
+    limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)
+    with _bounded_server(limits) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Expect: 100-continue\r\nContent-Length: 1000000000000\r\n\r\n")
+        answer = _answer(sock)  # until the server closes it: a test that hangs here would be the bug
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
+        sock.close()
+
+
 def test_a_request_head_or_trailer_that_never_ends_is_refused_past_16_kib_and_its_connection_closes():
     limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
     with _bounded_server(limits) as port:

@@ -49,6 +49,8 @@ class Access:
 
 
 _ACCEPTED = {PROTOBUF: b"", JSON: b"{}"}  # the answer to a batch taken whole, as each encoding writes it
+# on a refusal before the whole body is in: what is left of it must not be read as the next request
+_CLOSE = (b"connection", b"close")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +113,10 @@ class _OtlpHttp:
             elif name == b"content-encoding" and encoding is None:
                 encoding = value.decode("latin-1").strip()
         if self._token is not None and not bearer_matches(authorization or "", self._token):
-            return self._refuse(401, "a bearer token is required", "unauthorized", ((b"www-authenticate", b"Bearer"),))
+            return self._refuse(401, "a bearer token is required", "unauthorized",
+                                ((b"www-authenticate", b"Bearer"), _CLOSE))
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large", (_CLOSE,))
         if content_type is None:
             content_type = PROTOBUF
         chunks: list[bytes] = []
@@ -128,14 +131,16 @@ class _OtlpHttp:
                             return None
                         chunk, more = message.get("body", b""), message.get("more_body", False)
                         if size + len(chunk) > limits.max_body_bytes:
-                            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+                            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large",
+                                                (_CLOSE,))
                         if not self._queue.reserve(len(chunk)):
                             return self._refuse(429, "too many request bodies held; retry after the given delay",
-                                                "busy", _retry_after(limits))
+                                                "busy", (*_retry_after(limits), _CLOSE))
                         chunks.append(chunk)
                         size += len(chunk)
             except TimeoutError:
-                return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout")
+                return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout",
+                                    (_CLOSE,))
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             outcome = await run_in_threadpool(self._read, body, content_type, encoding)
         except IngestError as exc:
