@@ -41,8 +41,16 @@ _EVENT = {kind: sys.getsizeof(object.__new__(kind)) + sys.getsizeof(object.__new
 _OPERATION = sys.getsizeof(object.__new__(Operation)) + 2 * _TIMESTAMP  # its start, its duration
 
 
+# the same lists by name, for a caller that copies an event with its lists cut (``event_lists`` reads them
+# without a Python loop: keep the two in step)
+LIST_NAMES: dict[type, tuple[str, ...]] = {
+    StreamEnd: ("request_ids", "pending_ids", "terminal_ids", "required"),
+    Replay: ("foreign_event_ids", "required"), CallEnd: ("required",)}
+TOKEN_LIST_NAMES = ("audience", "missing_resources", "missing_scopes")
+
+
 def event_lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
-    """Every list a producer sent on ``e``, its token's last."""
+    """Every list a producer sent on ``e``, its token's last (``LIST_NAMES``, then ``TOKEN_LIST_NAMES``)."""
     token = e.token
     if isinstance(e, StreamEnd):
         return (e.request_ids, e.pending_ids, e.terminal_ids, e.required, token.audience, token.missing_resources,
@@ -68,7 +76,7 @@ def event(e: Lifecycle, lists: tuple[tuple[str, ...], ...] | None = None) -> int
         own = (e.cursor, e.request_id, e.decision, e.sent_last_id, e.offending_event_id, e.guard_decision)
     else:
         own = (e.request_id, e.tool, e.outcome, e.terminal_event_id, e.sdk_span_id, e.terminal_stream_kind,
-                   e.fingerprint)
+               e.fingerprint)
     held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
                             e.token.fingerprint, *own))]
     count = len(held)

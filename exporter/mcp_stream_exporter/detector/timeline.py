@@ -37,11 +37,6 @@ SESSION_LEVEL = ""  # the request id of a session's resumes and replays that nam
 
 Key = tuple[str, str]  # (scope, request id)
 _E = TypeVar("_E", StreamEnd, Replay, CallEnd)
-# the lists a producer sends on each event, by name (for the rare cut copy), its token's besides
-_LIST_NAMES: dict[type, tuple[str, ...]] = {
-    StreamEnd: ("request_ids", "pending_ids", "terminal_ids", "required"),
-    Replay: ("foreign_event_ids", "required"), CallEnd: ("required",)}
-_TOKEN_LIST_NAMES = ("audience", "missing_resources", "missing_scopes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +258,10 @@ class Timelines:
         if max(map(len, lists)) <= cap:
             return e, sizes.event(e, lists)
         cut = copy(e)
-        for name in _LIST_NAMES[type(e)]:
+        for name in sizes.LIST_NAMES[type(e)]:
             setattr(cut, name, getattr(e, name)[:cap])
         cut.token = copy(e.token)
-        for name in _TOKEN_LIST_NAMES:
+        for name in sizes.TOKEN_LIST_NAMES:
             setattr(cut.token, name, getattr(e.token, name)[:cap])
         return cut, step_size(cut)
 

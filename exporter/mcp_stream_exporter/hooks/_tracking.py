@@ -418,6 +418,13 @@ def _terminal_attributes(terminal: Terminal) -> dict[str, AttributeValue]:
     return attrs
 
 
+def _outcome(msg: WireMessage) -> str:
+    """A call's outcome, from the message that ends it (a response or a JSON-RPC error)."""
+    if msg.kind == sc.FRAME_ERROR:
+        return sc.OUTCOME_ERROR
+    return sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
+
+
 def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
     """What the calls still pending on a stream require, and, on a stream that presented its own
     token (a resume or GET), what that token lacks of it: the audience gap, known before any call ends."""
@@ -605,11 +612,7 @@ class Tracker:
             return
         if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
             call.link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
-        if msg.kind == sc.FRAME_ERROR:
-            outcome = sc.OUTCOME_ERROR
-        else:
-            outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
-        self._finish(call, outcome, (stream.kind, event_id))
+        self._finish(call, _outcome(msg), (stream.kind, event_id))
 
     def answered(self, calls: Sequence[Call], messages: Sequence[WireMessage]) -> bool:
         """Whether a POST's JSON body is its one call's result and nothing else: the call then ends on
@@ -621,8 +624,7 @@ class Tracker:
         call, msg = calls[0], messages[0]
         if msg.kind != sc.FRAME_RESPONSE or msg.id != call.key[1] or call.done or call.span is not None:
             return False
-        outcome = sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
-        self._finish(call, outcome, (sc.STREAM_KIND_POST, None))
+        self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, None))
         return True
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:
