@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
+from prometheus_client import CollectorRegistry
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
@@ -236,10 +237,11 @@ def test_the_ingest_queue_is_bounded_in_bytes_not_only_in_spans():
 
 
 @contextlib.contextmanager
-def _bounded_server(limits: ConnectionLimits):
+def _bounded_server(limits: ConnectionLimits, registry: CollectorRegistry | None = None):
     detector = Detector()
     queue = IngestQueue(detector, IngestLimits())
-    server = uvicorn.Server(server_config(create_app(detector, queue), "127.0.0.1", 0, limits, log_level="warning"))
+    server = uvicorn.Server(server_config(create_app(detector, queue), "127.0.0.1", 0, limits,
+                                          registry or detector.registry, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -283,9 +285,14 @@ def test_during_a_slowloris_other_clients_are_still_served_and_the_slow_ones_mak
             sock.close()
 
 
+def _closed(registry: CollectorRegistry, reason: str) -> float:
+    return registry.get_sample_value("mcp_stream_detector_http_connections_closed_total", {"reason": reason}) or 0
+
+
 def test_connections_that_never_send_their_headers_are_cut_off_at_the_deadline():
     limits = ConnectionLimits(max_connections=100, header_timeout_s=1.0, idle_timeout_s=1.0)
-    with _bounded_server(limits) as port:
+    registry = CollectorRegistry()
+    with _bounded_server(limits, registry) as port:
         slow = []
         for _ in range(30):
             sock = socket.create_connection(("127.0.0.1", port), timeout=15)
@@ -296,6 +303,57 @@ def test_connections_that_never_send_their_headers_are_cut_off_at_the_deadline()
         kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
         for sock in [*slow, *idle, kept_alive]:  # recv waits for the server to close it, up to 15 s
             assert _closed_by_server(sock)
+            sock.close()
+        assert _closed(registry, "header_timeout") >= 40  # the idle keep-alive one is uvicorn's own timeout
+
+
+def _reading_a_body(port: int) -> socket.socket:
+    """A connection whose POST the server has taken and whose body it waits for (its 100 Continue came)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                 b"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
+    sock.sendall(b"\x0a")
+    return sock
+
+
+def test_at_the_connection_limit_a_body_still_coming_after_its_grace_makes_way_for_a_new_client():
+    registry = CollectorRegistry()
+    limits = ConnectionLimits(max_connections=8, header_timeout_s=60, idle_timeout_s=60, body_grace_s=0.0)
+    with _bounded_server(limits, registry) as port:
+        trickling = []
+        for _ in range(limits.max_connections):  # every slot: a head in, a body that never comes
+            sock = _reading_a_body(port)
+            trickling.append(sock)
+        prompt = []
+        for _ in range(3):  # new clients, each keeping its connection open once answered
+            sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+            prompt.append(sock)
+        # the first took a trickling body's slot; the next ones the idle slot of the client before them
+        select.select(trickling, [], [], 5.0)
+        made_way = [sock for sock in trickling if select.select([sock], [], [], 0)[0]]
+        assert len(made_way) == 1 and _answer(made_way[0]).startswith(b"HTTP/1.1 408 ")
+        assert [_closed(registry, reason) for reason in ("slow_body", "slow_headers", "busy")] == [1, 2, 0]
+        for sock in [*trickling, *prompt]:
+            sock.close()
+
+
+def test_at_the_connection_limit_a_body_within_its_grace_keeps_its_slot_and_the_new_client_gets_503():
+    registry = CollectorRegistry()
+    limits = ConnectionLimits(max_connections=4, header_timeout_s=60, idle_timeout_s=60, body_grace_s=60)
+    with _bounded_server(limits, registry) as port:
+        coming = []
+        for _ in range(limits.max_connections):
+            sock = _reading_a_body(port)
+            coming.append(sock)
+        late = socket.create_connection(("127.0.0.1", port), timeout=15)
+        late.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _answer(late).startswith(b"HTTP/1.1 503 ")
+        assert _closed(registry, "busy") == 1 and _closed(registry, "slow_body") == 0
+        assert select.select(coming, [], [], 0.2)[0] == []  # none of them was closed
+        for sock in [*coming, late]:
             sock.close()
 
 
@@ -321,7 +379,8 @@ def test_a_body_refused_before_it_is_read_closes_its_connection_so_its_rest_is_n
 
 def test_a_request_head_or_trailer_that_never_ends_is_refused_past_16_kib_and_its_connection_closes():
     limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)  # no deadline here
-    with _bounded_server(limits) as port:
+    registry = CollectorRegistry()
+    with _bounded_server(limits, registry) as port:
         endless = socket.create_connection(("127.0.0.1", port), timeout=15)
         endless.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
         with contextlib.suppress(ConnectionResetError, BrokenPipeError):
@@ -340,6 +399,7 @@ def test_a_request_head_or_trailer_that_never_ends_is_refused_past_16_kib_and_it
             assert http.get("/healthz", headers={"x-pad": "p" * 8000}).status_code == 200
         for sock in (endless, trailer):
             sock.close()
+        assert _closed(registry, "bad_request") == 2
 
 
 def test_the_json_log_line_of_an_error_carries_its_cause():

@@ -119,8 +119,9 @@ def run(config: ServiceConfig) -> int:
         app = _otlp_port_serves_traces_only(app, otlp_http.getsockname()[1])
         log.info("otlp http listening", extra={"host": config.host, "port": otlp_http.getsockname()[1]})
     server = uvicorn.Server(server_config(app, config.host, config.port, config.connection_limits(),
-                                          log_config=None, access_log=False, ssl_certfile=config.tls_cert,
-                                          ssl_keyfile=config.tls_key, timeout_graceful_shutdown=10))
+                                          detector.registry, log_config=None, access_log=False,
+                                          ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+                                          timeout_graceful_shutdown=10))
     listener = server.config.bind_socket()  # bound here so that the log says the port: --port=0 picks one
     log.info("detector starting", extra={"host": config.host, "port": listener.getsockname()[1],
                                          "tools": list(detector.config.tools)})
