@@ -249,14 +249,10 @@ def detector() -> dashboard.Dashboard:
             .with_panel(_series(
                 8, "Ingest requests rejected by reason",
                 "Requests refused whole (too_large, bad_encoding, malformed, unauthorized, too_many_spans, "
-                "queue_full). queue_full is backpressure: MCPStreamExporterIngestRejecting. \"connection\" "
-                "series: HTTP connections closed before the app answered (bad_request, header_timeout, "
-                "slow_headers, slow_body, busy); a steady busy or slow_body means slow senders hold the slots.",
+                "queue_full). queue_full is backpressure: MCPStreamExporterIngestRejecting.",
                 "reqps",
                 _query(f"sum by (reason) (rate(mcp_stream_detector_ingest_requests_rejected_total{{{SEL}}}"
-                       "[$__rate_interval]))", "{{reason}}"),
-                _query(f"sum by (reason) (rate(mcp_stream_detector_http_connections_closed_total{{{SEL}}}"
-                       "[$__rate_interval]))", "connection {{reason}}", "B"), alert="MCPStreamExporterIngestRejecting",
+                       "[$__rate_interval]))", "{{reason}}"), alert="MCPStreamExporterIngestRejecting",
                 steps=QUIET_IS_GOOD))
             .with_panel(_series(
                 9, "Ingest latency", "p50, p95, p99 from a batch's arrival to its spans in the ledger, queueing "
