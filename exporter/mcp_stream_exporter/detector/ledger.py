@@ -237,6 +237,8 @@ class Ledger:
         """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them. At
         most ``_MAX_CURSORS`` a session, charged to it like its resume windows."""
         cursors = session.cursors
+        if cursors and cursors[-2] == event_id and cursors[-1] == request_ids:
+            return  # the newest already (a resume loop's every end): nothing changes
         charge = _cursor_bytes(event_id, request_ids)
         for i in range(0, len(cursors), 2):
             if cursors[i] == event_id:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from copy import copy
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 from typing import TypeVar
 
 from mcp_stream_exporter import semconv as sc
@@ -110,24 +110,47 @@ class Timeline:
         self.kept: list[Step] = []  # the head, then the latest steps in order
         self.max_entries = max(2, max_entries)
         self.omitted = 0
-        self.bytes = sys.getsizeof(self) + sys.getsizeof(self.kept) + _MAP_ENTRY
+        self.bytes = _NEW_TIMELINE
         self.refs = 0  # the calls map and each finding holding it
 
     def add(self, step: Step, size: int) -> int:
         """Append ``step`` (which holds ``size`` bytes); returns the change in bytes."""
         kept = self.kept
-        grown = size - sys.getsizeof(kept)
-        if len(kept) == self.max_entries:
-            grown -= step_size(kept.pop(self.max_entries // 2))  # the oldest of the latest
-            self.omitted += 1
+        n = len(kept)
+        if n < self.max_entries and n < len(_LIST_GROWTH):  # most timelines: the list's growth from the table
+            grown = size + _LIST_GROWTH[n]
+        else:
+            grown = size - sys.getsizeof(kept)
+            if n == self.max_entries:
+                grown -= step_size(kept.pop(n // 2))  # the oldest of the latest
+                self.omitted += 1
+            kept.append(step)
+            grown += sys.getsizeof(kept)
+            self.bytes += grown
+            return grown
         kept.append(step)
-        grown += sys.getsizeof(kept)
         self.bytes += grown
         return grown
 
     def entries(self) -> list[Entry]:
         """The findings page's rows, built now, in the order the steps started."""
         return sorted(map(_entry, self.kept), key=lambda e: (e.at_ns, e.end_ns))
+
+
+def _appended_sizes(n: int) -> list[int]:
+    """``sys.getsizeof`` of a list grown from empty by appends, at each length up to ``n``: CPython
+    over-allocates in steps, and a timeline's list only grows by appends until it is full."""
+    grown: list[None] = []
+    held = [sys.getsizeof(grown)]
+    for _ in range(n):
+        grown.append(None)
+        held.append(sys.getsizeof(grown))
+    return held
+
+
+_APPENDED = _appended_sizes(4 * TimelineLimits().max_entries)
+_LIST_GROWTH = [after - before for before, after in pairwise(_APPENDED)]  # by length before the append
+_NEW_TIMELINE = sys.getsizeof(object.__new__(Timeline)) + _APPENDED[0] + _MAP_ENTRY
 
 
 def _entry(step: Step) -> Entry:
