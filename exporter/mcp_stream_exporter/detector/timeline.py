@@ -207,7 +207,8 @@ class Timelines:
             self._call(event)
         else:
             self._operation(event)
-        self._shrink()
+        if self.bytes > self.limits.max_bytes:
+            self._shrink()
 
     def attach(self, finding: Finding) -> None:
         """A new finding: pin its call's timeline to it (call once per finding, when first raised)."""
@@ -233,14 +234,19 @@ class Timelines:
     # --- entries ---
 
     def _stream(self, e: StreamEnd) -> None:
-        if e.terminal_ids and not e.pending_ids and all((e.at.scope, rid) not in self._calls for rid in e.request_ids):
+        scope = e.at.scope
+        request_ids, pending = e.request_ids, e.pending_ids
+        if e.terminal_ids and not pending and all((scope, rid) not in self._calls for rid in request_ids):
             return  # a call answered on its first stream, the common case: no story to keep
-        ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
+        if len(request_ids) == 1 and (not pending or pending == request_ids):
+            ids = request_ids  # one call, the usual stream
+        else:
+            ids = tuple(dict.fromkeys((*request_ids, *pending)))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
         step, size = self._kept(e)
-        for rid in list(ids)[:self.limits.max_items] or [SESSION_LEVEL]:
-            self._add((e.at.scope, rid), step, size)
+        for rid in ids[:self.limits.max_items] or (SESSION_LEVEL,):
+            self._add((scope, rid), step, size)
 
     def _call(self, e: CallEnd) -> None:
         key = (e.at.scope, e.request_id)
@@ -278,8 +284,9 @@ class Timelines:
         ``max_items`` (a producer's lists reach 256 items)."""
         cap = self.limits.max_items
         lists = sizes.event_lists(e)
-        if max(map(len, lists)) <= cap:
-            return e, sizes.event(e, lists)
+        size, items = sizes.event_items(e, lists)
+        if items <= cap or max(map(len, lists)) <= cap:  # no list past the cap: the event itself
+            return e, size
         cut = copy(e)
         for name in sizes.LIST_NAMES[type(e)]:
             setattr(cut, name, getattr(e, name)[:cap])
