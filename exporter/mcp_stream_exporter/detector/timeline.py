@@ -238,9 +238,8 @@ class Timelines:
         request_ids, pending = e.request_ids, e.pending_ids
         if e.terminal_ids and not pending and all((scope, rid) not in self._calls for rid in request_ids):
             return  # a call answered on its first stream, the common case: no story to keep
-        if len(request_ids) == 1 and (not pending or pending == request_ids):
-            ids = request_ids  # one call, the usual stream
-        else:
+        ids: tuple[str, ...] = request_ids  # one call, the usual stream
+        if len(request_ids) != 1 or (pending and pending != request_ids):
             ids = tuple(dict.fromkeys((*request_ids, *pending)))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
