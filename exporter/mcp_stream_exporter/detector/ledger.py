@@ -164,7 +164,11 @@ class Ledger:
         return session
 
     def call(self, session: SessionState, request_id: str, now_ns: int) -> CallState:
-        call = session.get(request_id)
+        calls = session.calls  # SessionState.get, inlined: a call per event
+        if isinstance(calls, dict):
+            call = calls.get(request_id)
+        else:
+            call = calls if calls is not None and calls.request_id == request_id else None
         if call is None:
             call = CallState(session.scope, request_id, now_ns)
             calls = self._add_call(session, call)

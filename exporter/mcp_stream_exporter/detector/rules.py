@@ -121,7 +121,7 @@ class RuleEngine:
         session = self.ledger.session(at.scope, now_ns)
         single_tool = e.tool if len(e.request_ids) == 1 else None
         expired = e.status == 404 and not session.deleted
-        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else []
+        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
             # the client ended the session: its resumes and notifications still on the way get 404 (the SDK
             # client resumes on after its caller gave up), and a call it was owed keeps its own finding
@@ -135,7 +135,7 @@ class RuleEngine:
         for rid in e.terminal_ids:
             if rid in calls:
                 self._delivered(calls[rid], at.role, e, now_ns)
-        foreign = [t for t in e.terminal_ids if t not in calls]
+        foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
                 self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, lambda: {

@@ -117,7 +117,7 @@ class Timeline:
         """Append ``step`` (which holds ``size`` bytes); returns the change in bytes."""
         kept = self.kept
         n = len(kept)
-        if n < self.max_entries and n < len(_LIST_GROWTH):  # most timelines: the list's growth from the table
+        if n < self.max_entries and n < _TABLED:  # most timelines: the list's growth from the table
             grown = size + _LIST_GROWTH[n]
         else:
             grown = size - sys.getsizeof(kept)
@@ -150,6 +150,7 @@ def _appended_sizes(n: int) -> list[int]:
 
 _APPENDED = _appended_sizes(4 * TimelineLimits().max_entries)
 _LIST_GROWTH = [after - before for before, after in pairwise(_APPENDED)]  # by length before the append
+_TABLED = len(_LIST_GROWTH)
 _NEW_TIMELINE = sys.getsizeof(object.__new__(Timeline)) + _APPENDED[0] + _MAP_ENTRY
 
 
