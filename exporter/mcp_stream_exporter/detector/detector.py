@@ -157,6 +157,7 @@ class Detector:
         with self.lock:
             self.rules.tick(self.clock())
             self.ledger.account()
+            self.metrics.flush()
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):

@@ -258,6 +258,7 @@ class DetectorMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # stream ends of the batch being applied, by (role, kind, reason, (resume outcome, gap tool label))
         self._stream_ends: dict[tuple[str, str, str, tuple[str, str | None] | None], int] = {}
+        self._findings: dict[tuple[str, str, str], int] = {}  # new findings of the batch, by (rule, severity, tool)
         self.silent_losses = Counter(
             "mcp_stream_silent_losses", "Tool calls whose result never reached the caller (or a wrong one did) "
             "without any error, by tool and rule. Any increase is a lost result: see /api/findings?rule=<rule>.",
@@ -329,8 +330,10 @@ class DetectorMetrics:
             self.errors.labels(where)
 
     def finding(self, f: Finding) -> None:
+        """A new finding: counted here, added to ``findings`` by :meth:`flush`; a loss at once, with its exemplar."""
         tool = self.tools(f.tool)
-        self._child(self.findings, f.rule, f.severity, tool).inc()
+        key = (f.rule, f.severity, tool)
+        self._findings[key] = self._findings.get(key, 0) + 1
         if RULES[f.rule].loss:
             exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
             self._child(self.silent_losses, tool, f.rule).inc(exemplar=exemplar)
@@ -346,7 +349,11 @@ class DetectorMetrics:
         self._stream_ends[key] = self._stream_ends.get(key, 0) + 1
 
     def flush(self) -> None:
-        """Add what :meth:`stream_end` counted to the counters (at the end of each batch)."""
+        """Add what :meth:`stream_end` and :meth:`finding` counted to the counters (at the end of each batch
+        and tick)."""
+        for (rule, severity, tool), n in self._findings.items():
+            self._child(self.findings, rule, severity, tool).inc(n)
+        self._findings.clear()
         for (role, kind, reason, resume), n in self._stream_ends.items():
             self._child(self.stream_ends, role, _closed(kind, STREAM_KINDS), _closed(reason, END_REASONS)).inc(n)
             if resume is not None:
