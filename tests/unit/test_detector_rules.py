@@ -324,3 +324,31 @@ def test_every_loss_rule_is_exported_at_zero_before_any_span_so_its_first_loss_p
         assert registry.get_sample_value("mcp_stream_silent_losses_total", {"tool": "fetch", "rule": rule}) == 0.0
         assert registry.get_sample_value("mcp_stream_findings_total",
                                          {"rule": rule, "severity": "critical", "tool": "fetch"}) == 0.0
+
+
+def test_a_batch_counts_its_stream_ends_and_findings_as_span_by_span_does_by_the_end_of_its_apply_and_tick():
+    """Stream ends and findings are added to their counters once per batch and label set: the same values."""
+    spans = [stream(C, "post", "dropped", pending=("3",), last="6"),
+             *[stream(C, "resume", "clean", pending=("3",), cursor="6", missing=(FETCH,)) for _ in range(3)],
+             stream(C, "resume", "clean", session="s2", pending=("4",), cursor="1", terminal=("4",), last="2"),
+             replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)), call(C, sc.OUTCOME_CANCELLED)]
+    one_by_one = run(spans, after_s=6)
+    clock = Clock()
+    batched = Detector(one_by_one.config, clock=clock)
+    batched.consume(spans)
+
+    def counted(detector: Detector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        names = ("mcp_stream_stream_ends_total", "mcp_stream_resumes_total", "mcp_stream_audience_gaps_total",
+                 "mcp_stream_findings_total", "mcp_stream_silent_losses_total")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in detector.registry.collect()
+                for s in m.samples if s.name in names and s.value}
+
+    assert counted(batched)[("mcp_stream_stream_ends_total", (("kind", "resume"), ("reason", "clean"),
+                                                              ("role", C)))] == 4
+    clock.now += len(spans) * S // 10 + 6 * S
+    batched.tick()  # a finding raised by the grace period is counted by the end of the tick
+    assert counted(batched) == counted(one_by_one)
+    raised = {("mcp_stream_findings_total", (("rule", f.rule), ("severity", f.severity), ("tool", f.tool or "other")))
+              for f in batched.findings}
+    assert len(raised) >= 3 and all(counted(batched)[key] == 1 for key in raised)
+    assert counted(batched)[("mcp_stream_silent_losses_total", (("rule", "clean_end_pending"), ("tool", "fetch")))] == 1

@@ -144,6 +144,7 @@ class Detector:
                     self.rules.operation(event, now)
             self.rules.tick(now)
             self.ledger.account()
+            self.metrics.flush()
 
     def consume(self, spans: Iterable[Span | Operation], transport: str = "embedded") -> Outcome:
         """Read and apply a batch on the caller's thread."""
@@ -156,6 +157,7 @@ class Detector:
         with self.lock:
             self.rules.tick(self.clock())
             self.ledger.account()
+            self.metrics.flush()
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):

@@ -155,7 +155,7 @@ class Ledger:
         session = self._sessions.get(scope)
         if session is None:
             session = self._sessions[scope] = SessionState(scope, now_ns)
-            self._bytes += _SESSION_BYTES + sys.getsizeof(scope)
+            self._bytes += _SESSION_BYTES + _size(scope)
             while len(self._sessions) > self.limits.max_sessions:
                 self._drop(self._sessions.popitem(last=False)[1], "capacity")
         else:
@@ -164,7 +164,11 @@ class Ledger:
         return session
 
     def call(self, session: SessionState, request_id: str, now_ns: int) -> CallState:
-        call = session.get(request_id)
+        calls = session.calls  # SessionState.get, inlined: a call per event
+        if isinstance(calls, dict):
+            call = calls.get(request_id)
+        else:
+            call = calls if calls is not None and calls.request_id == request_id else None
         if call is None:
             call = CallState(session.scope, request_id, now_ns)
             calls = self._add_call(session, call)
@@ -237,6 +241,8 @@ class Ledger:
         """A stream carrying ``request_ids`` ended at ``event_id``: a resume from it continues them. At
         most ``_MAX_CURSORS`` a session, charged to it like its resume windows."""
         cursors = session.cursors
+        if cursors and cursors[-2] == event_id and cursors[-1] == request_ids:
+            return  # the newest already (a resume loop's every end): nothing changes
         charge = _cursor_bytes(event_id, request_ids)
         for i in range(0, len(cursors), 2):
             if cursors[i] == event_id:
@@ -408,7 +414,7 @@ class Ledger:
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
         session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"], deleted=s.get("deleted", False))
-        self._bytes += _SESSION_BYTES + sys.getsizeof(session.scope)
+        self._bytes += _SESSION_BYTES + _size(session.scope)
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
             self._add_call(session, CallState(**values))
@@ -447,7 +453,7 @@ class Ledger:
     def _drop(self, session: SessionState, reason: str) -> None:
         for call in session.all():
             self._forget(call)
-        self._bytes -= _SESSION_BYTES + sys.getsizeof(session.scope) + session.own_bytes
+        self._bytes -= _SESSION_BYTES + _size(session.scope) + session.own_bytes
         self.evictions[reason] += 1
 
     def _forget(self, call: CallState) -> None:
@@ -502,9 +508,12 @@ def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> in
 
 
 def _size(value: object) -> int:
-    """Bytes of a string, a number or a tuple of them (shared strings are counted each time: an upper bound)."""
+    """Bytes of a string, a number or a tuple of them (shared strings are counted each time: an upper bound);
+    strings by arithmetic (``sizes``), for every look-up entry is sized when put, and again when replaced."""
+    if type(value) is str:
+        return sizes.STR + len(value) if value.isascii() else sys.getsizeof(value)
     if type(value) is tuple:
-        return sys.getsizeof(value) + sum(map(sys.getsizeof, value))
+        return sizes.TUPLE + sizes.ITEM * len(value) + sum(map(_size, value))
     return sys.getsizeof(value)
 
 

@@ -256,6 +256,9 @@ class DetectorMetrics:
         self.registry = registry
         self.tools = tools
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # stream ends of the batch being applied, by (role, kind, reason, (resume outcome, gap tool label))
+        self._stream_ends: dict[tuple[str, str, str, tuple[str, str | None] | None], int] = {}
+        self._findings: dict[tuple[str, str, str], int] = {}  # new findings of the batch, by (rule, severity, tool)
         self.silent_losses = Counter(
             "mcp_stream_silent_losses", "Tool calls whose result never reached the caller (or a wrong one did) "
             "without any error, by tool and rule. Any increase is a lost result: see /api/findings?rule=<rule>.",
@@ -327,19 +330,38 @@ class DetectorMetrics:
             self.errors.labels(where)
 
     def finding(self, f: Finding) -> None:
+        """A new finding: counted here, added to ``findings`` by :meth:`flush`; a loss at once, with its exemplar."""
         tool = self.tools(f.tool)
-        self._child(self.findings, f.rule, f.severity, tool).inc()
+        key = (f.rule, f.severity, tool)
+        self._findings[key] = self._findings.get(key, 0) + 1
         if RULES[f.rule].loss:
             exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
             self._child(self.silent_losses, tool, f.rule).inc(exemplar=exemplar)
 
     def stream_end(self, e: StreamEnd) -> None:
-        role = e.at.role
-        self._child(self.stream_ends, role, _closed(e.kind, STREAM_KINDS), _closed(e.reason, END_REASONS)).inc()
+        """Counted here, added to the counters by :meth:`flush`: one ``inc`` per label set and batch, not
+        three per stream (a counter's ``inc`` takes a lock)."""
+        resume = None
         if e.kind == sc.STREAM_KIND_RESUME:
-            self._child(self.resumes, role, _resume_outcome(e)).inc()
-            if e.token.gap:
-                self._child(self.audience_gaps, role, self.tools(e.tool)).inc()
+            # the tool label now, not at flush: ToolLabels takes the first tools seen, in the order they come
+            resume = (_resume_outcome(e), self.tools(e.tool) if e.token.gap else None)
+        key = (e.at.role, e.kind, e.reason, resume)
+        self._stream_ends[key] = self._stream_ends.get(key, 0) + 1
+
+    def flush(self) -> None:
+        """Add what :meth:`stream_end` and :meth:`finding` counted to the counters (at the end of each batch
+        and tick)."""
+        for (rule, severity, tool), n in self._findings.items():
+            self._child(self.findings, rule, severity, tool).inc(n)
+        self._findings.clear()
+        for (role, kind, reason, resume), n in self._stream_ends.items():
+            self._child(self.stream_ends, role, _closed(kind, STREAM_KINDS), _closed(reason, END_REASONS)).inc(n)
+            if resume is not None:
+                outcome, gap_tool = resume
+                self._child(self.resumes, role, outcome).inc(n)
+                if gap_tool is not None:
+                    self._child(self.audience_gaps, role, gap_tool).inc(n)
+        self._stream_ends.clear()
 
     def _child(self, metric: Counter, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: label values come from closed sets, so this stays small."""

@@ -110,6 +110,9 @@ class RuleEngine:
         self.config = config
         self._emit_to = emit
         self._lookup = lookup
+        self._clean_end_grace_ns = _ns(config.clean_end_grace_s)
+        self._reissue_grace_ns = _ns(config.reissue_grace_s)
+        self._resume_loop_window_ns = _ns(config.resume_loop_window_s)
 
     # --- events ---
 
@@ -118,16 +121,21 @@ class RuleEngine:
         session = self.ledger.session(at.scope, now_ns)
         single_tool = e.tool if len(e.request_ids) == 1 else None
         expired = e.status == 404 and not session.deleted
-        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else []
+        in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
             # the client ended the session: its resumes and notifications still on the way get 404 (the SDK
             # client resumes on after its caller gave up), and a call it was owed keeps its own finding
             session.deleted = True
-        calls = {rid: self._call(at, rid, now_ns, single_tool, e.required) for rid in (*e.request_ids, *e.pending_ids)}
+        calls: dict[str, CallState] = {}
+        for rid in e.request_ids:
+            calls[rid] = self._call(session, at, rid, now_ns, single_tool, e.required)
+        for rid in e.pending_ids:
+            if rid not in calls:  # most streams list their pending calls among their request ids
+                calls[rid] = self._call(session, at, rid, now_ns, single_tool, e.required)
         for rid in e.terminal_ids:
             if rid in calls:
                 self._delivered(calls[rid], at.role, e, now_ns)
-        foreign = [t for t in e.terminal_ids if t not in calls]
+        foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
                 self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, lambda: {
@@ -154,7 +162,7 @@ class RuleEngine:
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
-        call = self._call(at, e.request_id, now_ns, e.tool, e.required)
+        call = self._call(self.ledger.session(at.scope, now_ns), at, e.request_id, now_ns, e.tool, e.required)
         if at.role == sc.ROLE_CLIENT:
             if e.sdk_span_id is not None:
                 self.ledger.link_sdk_span(e.sdk_span_id, call)
@@ -172,9 +180,9 @@ class RuleEngine:
 
     def replay(self, e: Replay, now_ns: int) -> None:
         at = e.at
-        self.ledger.session(at.scope, now_ns)
+        session = self.ledger.session(at.scope, now_ns)
         subject = e.request_id or f"cursor:{e.cursor}"
-        call = self._call(at, e.request_id, now_ns, None, e.required) if e.request_id else None
+        call = self._call(session, at, e.request_id, now_ns, None, e.required) if e.request_id else None
 
         def evidence() -> dict[str, Any]:
             return {"cursor": e.cursor, "buffered": e.buffered, "sent": e.sent, "decision": e.decision}
@@ -218,9 +226,10 @@ class RuleEngine:
 
     # --- the ledger, updated ---
 
-    def _call(self, at: Common, request_id: str, now_ns: int, tool: str | None,
+    def _call(self, session: SessionState, at: Common, request_id: str, now_ns: int, tool: str | None,
               required: tuple[str, ...]) -> CallState:
-        call = self.ledger.call(self.ledger.session(at.scope, now_ns), request_id, now_ns)
+        """``request_id``'s call in ``session`` (the session of ``at``, already touched), told what ``at`` says."""
+        call = self.ledger.call(session, request_id, now_ns)
         call.era = at.era
         call.tool = call.tool or tool
         call.required = call.required or required
@@ -243,7 +252,7 @@ class RuleEngine:
         if silent and not call.terminal:
             if call.clean_since is None:
                 call.clean_since = e.at.end_ns
-            self.ledger.schedule(now_ns + _ns(self.config.clean_end_grace_s), _CLEAN_END, call)
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
             self._broken(call, e.at.end_ns, now_ns)
 
@@ -252,12 +261,12 @@ class RuleEngine:
         if call.stored_since is None:
             call.stored_since = at_ns
             call.stored_event_id = event_id
-            self.ledger.schedule(now_ns + _ns(self.config.clean_end_grace_s), _STORED, call)
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORED, call)
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
             call.broken_since = at_ns
-            self.ledger.schedule(now_ns + _ns(self.config.reissue_grace_s), _REISSUE, call)
+            self.ledger.schedule(now_ns + self._reissue_grace_ns, _REISSUE, call)
 
     def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState],
                 progressed: bool, now_ns: int) -> None:
@@ -275,7 +284,7 @@ class RuleEngine:
             return
         window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
         window.append(at.end_ns)
-        horizon = at.end_ns - _ns(self.config.resume_loop_window_s)
+        horizon = at.end_ns - self._resume_loop_window_ns
         if len(window) >= self.config.resume_loop_count and window[0] >= horizon:
             # a resume the hooks no longer tie to a call (its caller gave up, the SDK resumes on) is still that
             # call's: the calls of the stream that ended at this cursor
@@ -304,7 +313,7 @@ class RuleEngine:
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING):
             return
-        due = call.clean_since + _ns(self.config.clean_end_grace_s)
+        due = call.clean_since + self._clean_end_grace_ns
         if now_ns < due:
             self.ledger.schedule(due, _CLEAN_END, call)
             return
@@ -318,7 +327,7 @@ class RuleEngine:
             return
         if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
-            due = call.clean_since + _ns(self.config.clean_end_grace_s)
+            due = call.clean_since + self._clean_end_grace_ns
             if now_ns < due:
                 self.ledger.schedule(due, _STORED, call)
                 return

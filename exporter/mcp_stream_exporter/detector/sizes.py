@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from itertools import chain
 
 from mcp_stream_exporter.detector.events import CallEnd, Common, Lifecycle, Operation, Replay, StreamEnd, Token
 
@@ -66,23 +65,35 @@ def event(e: Lifecycle, lists: tuple[tuple[str, ...], ...] | None = None) -> int
     if isinstance(e, Operation):
         return _OPERATION + strings([*filter(None, (e.role, e.method, e.tool, e.trace_id, e.span_id, e.error_type,
                                                     e.origin, e.transport, e.protocol_version))])
+    return event_items(e, lists)[0]
+
+
+def event_items(e: StreamEnd | Replay | CallEnd,
+                lists: tuple[tuple[str, ...], ...] | None = None) -> tuple[int, int]:
+    """``event(e)``, and how many items its lists hold together (none of them holds more)."""
     if lists is None:
         lists = event_lists(e)
-    # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls, no Python loop
+    # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls; one tuple a kind
     at = e.at
+    kind = type(e)
     if isinstance(e, StreamEnd):
-        own: tuple[str | None, ...] = (e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor, e.tool)
+        held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
+                               e.token.fingerprint, e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor,
+                               e.tool))]
     elif isinstance(e, Replay):
-        own = (e.cursor, e.request_id, e.decision, e.sent_last_id, e.offending_event_id, e.guard_decision)
+        held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
+                               e.token.fingerprint, e.cursor, e.request_id, e.decision, e.sent_last_id,
+                               e.offending_event_id, e.guard_decision))]
     else:
-        own = (e.request_id, e.tool, e.outcome, e.terminal_event_id, e.sdk_span_id, e.terminal_stream_kind,
-               e.fingerprint)
-    held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
-                            e.token.fingerprint, *own))]
+        held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
+                               e.token.fingerprint, e.request_id, e.tool, e.outcome, e.terminal_event_id,
+                               e.sdk_span_id, e.terminal_stream_kind, e.fingerprint))]
     count = len(held)
-    held += chain.from_iterable(lists)
+    for items in lists:
+        if items:  # most are empty
+            held += items
     joined = "".join(held)
+    n = len(held)
     # CPython holds a string that is not ASCII in 2 or 4 bytes a character: ask it then
-    size = STR * len(held) + len(joined) if joined.isascii() else sum(map(sys.getsizeof, held))
-    tuples = len(lists) - lists.count(())
-    return _EVENT[type(e)] + size + TUPLE * tuples + ITEM * (len(held) - count)
+    size = STR * n + len(joined) if joined.isascii() else sum(map(sys.getsizeof, held))
+    return _EVENT[kind] + size + TUPLE * (len(lists) - lists.count(())) + ITEM * (n - count), n - count

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from copy import copy
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 from typing import TypeVar
 
 from mcp_stream_exporter import semconv as sc
@@ -110,24 +110,48 @@ class Timeline:
         self.kept: list[Step] = []  # the head, then the latest steps in order
         self.max_entries = max(2, max_entries)
         self.omitted = 0
-        self.bytes = sys.getsizeof(self) + sys.getsizeof(self.kept) + _MAP_ENTRY
+        self.bytes = _NEW_TIMELINE
         self.refs = 0  # the calls map and each finding holding it
 
     def add(self, step: Step, size: int) -> int:
         """Append ``step`` (which holds ``size`` bytes); returns the change in bytes."""
         kept = self.kept
-        grown = size - sys.getsizeof(kept)
-        if len(kept) == self.max_entries:
-            grown -= step_size(kept.pop(self.max_entries // 2))  # the oldest of the latest
-            self.omitted += 1
+        n = len(kept)
+        if n < self.max_entries and n < _TABLED:  # most timelines: the list's growth from the table
+            grown = size + _LIST_GROWTH[n]
+        else:
+            grown = size - sys.getsizeof(kept)
+            if n == self.max_entries:
+                grown -= step_size(kept.pop(n // 2))  # the oldest of the latest
+                self.omitted += 1
+            kept.append(step)
+            grown += sys.getsizeof(kept)
+            self.bytes += grown
+            return grown
         kept.append(step)
-        grown += sys.getsizeof(kept)
         self.bytes += grown
         return grown
 
     def entries(self) -> list[Entry]:
         """The findings page's rows, built now, in the order the steps started."""
         return sorted(map(_entry, self.kept), key=lambda e: (e.at_ns, e.end_ns))
+
+
+def _appended_sizes(n: int) -> list[int]:
+    """``sys.getsizeof`` of a list grown from empty by appends, at each length up to ``n``: CPython
+    over-allocates in steps, and a timeline's list only grows by appends until it is full."""
+    grown: list[None] = []
+    held = [sys.getsizeof(grown)]
+    for _ in range(n):
+        grown.append(None)
+        held.append(sys.getsizeof(grown))
+    return held
+
+
+_APPENDED = _appended_sizes(4 * TimelineLimits().max_entries)
+_LIST_GROWTH = [after - before for before, after in pairwise(_APPENDED)]  # by length before the append
+_TABLED = len(_LIST_GROWTH)
+_NEW_TIMELINE = sys.getsizeof(object.__new__(Timeline)) + _APPENDED[0] + _MAP_ENTRY
 
 
 def _entry(step: Step) -> Entry:
@@ -184,7 +208,8 @@ class Timelines:
             self._call(event)
         else:
             self._operation(event)
-        self._shrink()
+        if self.bytes > self.limits.max_bytes:
+            self._shrink()
 
     def attach(self, finding: Finding) -> None:
         """A new finding: pin its call's timeline to it (call once per finding, when first raised)."""
@@ -210,14 +235,18 @@ class Timelines:
     # --- entries ---
 
     def _stream(self, e: StreamEnd) -> None:
-        if e.terminal_ids and not e.pending_ids and all((e.at.scope, rid) not in self._calls for rid in e.request_ids):
+        scope = e.at.scope
+        request_ids, pending = e.request_ids, e.pending_ids
+        if e.terminal_ids and not pending and all((scope, rid) not in self._calls for rid in request_ids):
             return  # a call answered on its first stream, the common case: no story to keep
-        ids = dict.fromkeys((*e.request_ids, *e.pending_ids))
+        ids: tuple[str, ...] = request_ids  # one call, the usual stream
+        if len(request_ids) != 1 or (pending and pending != request_ids):
+            ids = tuple(dict.fromkeys((*request_ids, *pending)))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
         step, size = self._kept(e)
-        for rid in list(ids)[:self.limits.max_items] or [SESSION_LEVEL]:
-            self._add((e.at.scope, rid), step, size)
+        for rid in ids[:self.limits.max_items] or (SESSION_LEVEL,):
+            self._add((scope, rid), step, size)
 
     def _call(self, e: CallEnd) -> None:
         key = (e.at.scope, e.request_id)
@@ -255,8 +284,9 @@ class Timelines:
         ``max_items`` (a producer's lists reach 256 items)."""
         cap = self.limits.max_items
         lists = sizes.event_lists(e)
-        if max(map(len, lists)) <= cap:
-            return e, sizes.event(e, lists)
+        size, items = sizes.event_items(e, lists)
+        if items <= cap or max(map(len, lists)) <= cap:  # no list past the cap: the event itself
+            return e, size
         cut = copy(e)
         for name in sizes.LIST_NAMES[type(e)]:
             setattr(cut, name, getattr(e, name)[:cap])
