@@ -29,10 +29,13 @@ from mcp_stream_exporter.detector.events import (
     KIND_INTERNAL,
     KIND_SERVER,
     MAX_CHARS,
-    READ_KEYS,
-    Operation,
+    MODEL_KEYS,
+    Lifecycle,
     Rejected,
     Span,
+    clean,
+    cut_origin,
+    model_event,
     operation,
     origin_of,
     read_by_rules,
@@ -52,7 +55,7 @@ class Batch:
     """A decoded request: its spans counted up front, read one at a time."""
 
     count: int
-    spans: Iterable[Span | Operation | OperationCounts]
+    spans: Iterable[Span | Lifecycle | Rejected | OperationCounts]
 
 
 def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
@@ -198,7 +201,8 @@ def _origin(resource: dict[str, Any]) -> str:
     return redact(origin_of(resource)[:MAX_CHARS])
 
 
-def _decoded_spans(located: list[tuple[str, memoryview, int]]) -> Iterator[Span | Operation | OperationCounts]:
+def _decoded_spans(located: list[tuple[str, memoryview, int]]
+                   ) -> Iterator[Span | Lifecycle | Rejected | OperationCounts]:
     """Each span, read (``_read``), except the SDK's healthy request spans, nearly all of real traffic:
     those are counted at once into the batch's :class:`OperationCounts` (yielded last), with no
     :class:`Operation` each, from a memo of their labels by their raw attribute values."""
@@ -324,6 +328,8 @@ _LeanScopeSpans, _SkeletonScopeSpans = _lean_schema()
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
+# the keys besides the model's that lifecycle reads of a span whose mcp_stream.span has no value (an SDK span's)
+_SDK_READ_KEYS = (sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
 # (kind, status code, encoded values of _SDK_KEYS, the name unless a plain string names the tool) -> the
 # span's labels, or None for a span read one by one (rules read it, or it breaks the model). Methods,
 # tools, codes and versions repeat span after span, so a look-up replaces reading; emptied when full.
@@ -374,21 +380,28 @@ def _trace_id(raw: bytes) -> str:
     return hexed
 
 
-# encoded value -> value, for the model's attributes: a call's ids, its session, tool, token view and
-# resources repeat on each of its spans, and roles, kinds and reasons on all. Bounded: short values
-# only, emptied when full.
-_MODEL_VALUES: dict[bytes, Any] = {}
-_MODEL_VALUES_MAX = 2048  # a process-wide cache outside every budget: about 0.5 MiB at most
+# encoded value -> value, for the model's attributes, one memo per type its readers take (MODEL_KEYS): a
+# call's ids, its session, tool, token view and resources repeat on each of its spans, and roles, kinds and
+# reasons on all. Only values the readers take as they are (``clean``): a hit needs no checking. Bounded:
+# short values only, each memo emptied when full.
+_MODEL_VALUES: dict[type, dict[bytes, Any]] = {str: {}, tuple: {}, int: {}}
+_MODEL_VALUES_MAX = {str: 1024, tuple: 768, int: 256}  # process-wide caches outside every budget: 0.5 MiB at most
 _MODEL_VALUE_MAX_BYTES = 80  # session and request ids, tools, resources; a longer value is decoded each time
 _MODEL_VALUE_MAX_ITEMS = 8  # an array decodes to more than its bytes: a few values each (ids, resources)
+_MEMO_OF_KEY = {key: _MODEL_VALUES[kind] for key, kind in MODEL_KEYS.items()}
 
 
-def _model_value(encoded: bytes) -> Any:
+def _model_value(key: str, encoded: bytes) -> tuple[Any, bool]:
+    """A model attribute's value, and whether its readers take it as it is (then remembered)."""
     value = _any(encoded)
-    if (len(encoded) <= _MODEL_VALUE_MAX_BYTES and (type(value) is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS)
+    kind = MODEL_KEYS[key]
+    if not clean(value, kind):
+        return value, False
+    if (value is not None and len(encoded) <= _MODEL_VALUE_MAX_BYTES
+            and (kind is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS)
             and not holds_token(encoded)):  # a memo keeps no credential
-        _remember(_MODEL_VALUES, _MODEL_VALUES_MAX, encoded, value)
-    return value
+        _remember(_MODEL_VALUES[kind], _MODEL_VALUES_MAX[kind], encoded, value)
+    return value, True
 
 
 def _any(encoded: bytes) -> Any:
@@ -455,20 +468,36 @@ def _attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def _read(s: Any, origin: str) -> Span | Operation:
+def _read(s: Any, origin: str) -> Span | Lifecycle | Rejected:
     """A lean-decoded span as the detector reads it: only the values of the keys it reads are decoded
-    (none for a span outside the model), and the SDK's request spans become their :class:`Operation` at
-    once, with no :class:`Span` between (one that breaks the model stays a span, for ``Detector.read``
-    to refuse with its reason)."""
+    (none for a span outside the model). A model span whose values are all ``clean`` becomes its event (or
+    its refusal) at once, the SDK's request spans their :class:`Operation`, with no :class:`Span` between;
+    any other stays a span, for ``Detector.read`` to read one value at a time, or refuse with its reason.
+    ``origin`` is already cut and redacted."""
     encoded = s.attributes
     model = sc.SPAN in encoded
+    attributes: dict[str, Any]
     if model:
         attributes = {}
+        as_they_are = True
         for key in encoded:  # not .items(): a map's is a Python generator, half of this loop's cost
-            if key in READ_KEYS:
+            memo = _MEMO_OF_KEY.get(key)
+            if memo is not None:
                 value = encoded[key]
-                decoded = _MODEL_VALUES.get(value)
-                attributes[key] = decoded if decoded is not None else _model_value(value)
+                decoded = memo.get(value)
+                if decoded is None:
+                    decoded, taken = _model_value(key, value)
+                    as_they_are = as_they_are and taken
+                attributes[key] = decoded
+        if attributes[sc.SPAN] is None:  # a key with no value: read as lifecycle reads a span without it
+            attributes.update((key, _any(encoded[key])) for key in _SDK_READ_KEYS if key in encoded)
+        elif as_they_are:
+            parent = s.parent_span_id.hex() or None
+            try:
+                return model_event(attributes, (_trace_id(s.trace_id), s.span_id.hex(), parent, s.start_time_unix_nano,
+                                                s.end_time_unix_nano, cut_origin(origin)), checked=False)
+            except Rejected as rejected:
+                return rejected
     elif sc.MCP_METHOD_NAME in encoded:
         attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
     else:
