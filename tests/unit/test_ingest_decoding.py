@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
@@ -333,14 +333,17 @@ def _model_span_variants(n: int) -> list[Span]:
     return spans
 
 
-def test_a_model_span_read_at_once_is_the_event_or_refusal_of_reading_it_value_by_value() -> None:
+@pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
+def test_a_model_span_read_at_once_is_the_event_or_refusal_of_reading_it_value_by_value(scope: str) -> None:
     """Model spans whose values are all as the readers take them become their events straight from the
-    encoded values; any other is read one value at a time. Either way, the same event or the same reason
-    as reading every value of the span and then the span (``lifecycle``), for every kind of break."""
+    encoded values (in the hooks' scope, from whole encoded attributes); any other is read one value at a
+    time. Either way, the same event or the same reason as reading every value of the span and then the
+    span (``lifecycle``), for every kind of break."""
     spans = _model_span_variants(600)
     origin = "Bearer s3cr3t " + "o" * 300  # cut, then redacted: as every model span's origin is
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
-        resource=Resource(attributes=[_kv("service.name", origin)]), scope_spans=[ScopeSpans(spans=spans)])])
+        resource=Resource(attributes=[_kv("service.name", origin)]),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name=scope), spans=spans)])])
     expected: list[Any] = []
     for s in spans:
         span = ModelSpan(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
@@ -365,4 +368,46 @@ def test_a_model_span_read_at_once_is_the_event_or_refusal_of_reading_it_value_b
         assert isinstance(read[-1], OperationCounts) and read[-1].taken == outside
     taken = [e for e in expected if not isinstance(e, str)]
     assert 100 < len(taken) < len(expected)  # both ways are tried
-    assert all("s3cr3t" not in repr(memo) for memo in (otlp._MODEL_VALUES, otlp._LABELS))
+    assert all("s3cr3t" not in repr(memo) for memo in (otlp._MODEL_VALUES, otlp._LABELS, otlp._KEY_VALUES))
+
+
+def _read_all(body: bytes) -> tuple[list[Any], dict[str, int], int]:
+    events, outcome = Detector().read(decode_protobuf(body, IngestLimits()).spans, "otlp_http")
+    return ([(e.taken, e.counts) if isinstance(e, OperationCounts) else e for e in events], outcome.rejected,
+            outcome.accepted)
+
+
+def test_any_span_in_the_hooks_scope_is_read_as_in_any_other_scope() -> None:
+    """The hooks' scope is read from its encoded attributes; a span there that is no model span (the SDK's,
+    one outside the model, one whose mcp_stream.span has no value) is read as any other scope's, and so is
+    the whole batch: the same events, counts, exemplars and refusals."""
+    spans = [*_varied_sdk_spans(120), *_model_span_variants(120),
+             _span(9001, {sc.SPAN: AnyValue(), sc.MCP_METHOD_NAME: "tools/call", sc.ERROR_TYPE: "-32001"}),
+             _span(9003, {sc.SPAN: AnyValue(kvlist_value={}), sc.ROLE: sc.ROLE_CLIENT}), _span(9005, {"x": "y"})]
+    for i, span in enumerate(spans):
+        span.attributes.append(_kv("mcp_stream.unread", f"value-{i % 7}"))  # a key the model does not read
+
+    def body(scope: str) -> bytes:
+        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+            scope=InstrumentationScope(name=scope), spans=spans)])]).SerializeToString()
+
+    ours, another = _read_all(body(sc.INSTRUMENTATION_NAME)), _read_all(body("another"))
+    assert ours == another
+    assert len(ours[0]) > 50 and ours[1] and ours[2] > 100
+
+
+def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_values() -> None:
+    stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
+    ids = [f"request-{i}" for i in range(otlp._KEY_VALUES_MAX + 100)]
+    spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id], sc.STREAM_REQUEST_IDS: [request_id],
+                           "filler": "f" * (i % 200), sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
+                   exception=None) for i, request_id in enumerate(ids)]
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+        scope=InstrumentationScope(name=sc.INSTRUMENTATION_NAME), spans=spans)])])
+    read = list(decode_protobuf(request.SerializeToString(), IngestLimits()).spans)
+    assert [(e.pending_ids, e.last_event_id) for e in read if isinstance(e, StreamEnd)] == [
+        ((request_id,), request_id) for i, request_id in enumerate(ids) if not i % 5]
+    assert all(e.pending_ids is e.request_ids for e in read if isinstance(e, StreamEnd))
+    assert 0 < len(otlp._KEY_VALUES) <= otlp._KEY_VALUES_MAX
+    assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._KEY_VALUES)
+    assert "s3cr3t" not in repr(otlp._KEY_VALUES)

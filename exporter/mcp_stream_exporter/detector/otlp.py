@@ -18,7 +18,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Status
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
@@ -30,9 +30,12 @@ from mcp_stream_exporter.detector.events import (
     KIND_SERVER,
     MAX_CHARS,
     MODEL_KEYS,
+    CallEnd,
     Lifecycle,
     Rejected,
+    Replay,
     Span,
+    StreamEnd,
     clean,
     cut_origin,
     model_event,
@@ -63,7 +66,7 @@ def decode_protobuf(body: bytes, limits: IngestLimits) -> Batch:
         located = _locate_spans(memoryview(body), limits)
     except DecodeError as exc:
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {exc}", "malformed") from None
-    return Batch(sum(n for _, _, n in located), _decoded_spans(located))
+    return Batch(sum(run[2] for run in located), _decoded_spans(located))
 
 
 def _check_span_count(count: int, limits: IngestLimits) -> None:
@@ -78,14 +81,14 @@ def _check_span_count(count: int, limits: IngestLimits) -> None:
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 
-def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview, int]]:
-    """(origin, encoded spans, how many) for runs of consecutive spans of the request, each run at most
-    ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as soon as there are too
-    many (spans, or fields around them) or one is too large. A scope within that bound, nearly every
-    exporter's, is one run whose spans upb counts (as bytes, no message built); a larger one is walked
-    here, at most a few steps per span."""
+def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, memoryview, int, bool]]:
+    """(origin, encoded spans, how many, whether of the hooks' scope) for runs of consecutive spans of the
+    request, each run at most ``max_span_bytes`` (or one span) and decoded as one ``ScopeSpans``; refused as
+    soon as there are too many (spans, or fields around them) or one is too large. A scope within that
+    bound, nearly every exporter's, is one run whose spans upb counts (as bytes, no message built); a larger
+    one is walked here, at most a few steps per span."""
     fields = [_fields_around_spans(limits)]  # fields walked, left
-    located: list[tuple[str, memoryview, int]] = []
+    located: list[tuple[str, memoryview, int, bool]] = []
     count = 0
     for resource_spans in _messages(body, 1, fields, limits):
         resource = bytearray()
@@ -98,12 +101,13 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
         origin = _resource_origin(resource, limits)
         for scope in scopes:
             if len(scope) <= limits.max_span_bytes:
-                spans = len(_SkeletonScopeSpans.FromString(scope).spans)
+                skeleton = _SkeletonScopeSpans.FromString(scope)
+                spans = len(skeleton.spans)
                 fields[0] -= spans
                 count += spans
                 _check_span_count(count, limits)
                 if spans:
-                    located.append((origin, scope, spans))
+                    located.append((origin, scope, spans, skeleton.scope.name == _OURS))
                 continue
             run_start = run_end = run_spans = 0
             for number, span, start, end in _length_fields(scope, fields, limits):
@@ -115,14 +119,14 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
                 count += 1
                 _check_span_count(count, limits)
                 if run_spans and end - run_start > limits.max_span_bytes:
-                    located.append((origin, scope[run_start:run_end], run_spans))
+                    located.append((origin, scope[run_start:run_end], run_spans, False))
                     run_spans = 0
                 if not run_spans:
                     run_start = start
                 run_end = end
                 run_spans += 1
-            if run_spans:
-                located.append((origin, scope[run_start:run_end], run_spans))
+            if run_spans:  # a scope this large is read as any other's
+                located.append((origin, scope[run_start:run_end], run_spans, False))
     return located
 
 
@@ -201,19 +205,26 @@ def _origin(resource: dict[str, Any]) -> str:
     return redact(origin_of(resource)[:MAX_CHARS])
 
 
-def _decoded_spans(located: list[tuple[str, memoryview, int]]
+def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
                    ) -> Iterator[Span | Lifecycle | Rejected | OperationCounts]:
-    """Each span, read (``_read``), except the SDK's healthy request spans, nearly all of real traffic:
-    those are counted at once into the batch's :class:`OperationCounts` (yielded last), with no
-    :class:`Operation` each, from a memo of their labels by their raw attribute values."""
+    """Each span, read (``_read``, or ``_read_ours`` in the hooks' scope), except the SDK's healthy request
+    spans, nearly all of real traffic: those are counted at once into the batch's :class:`OperationCounts`
+    (yielded last), with no :class:`Operation` each, from a memo of their labels by their raw attribute
+    values."""
     tallies: dict[Any, tuple[list[float], list[Any]]] = {}
     taken = 0
-    for origin, encoded, _ in located:
-        try:
-            spans = _LeanScopeSpans.FromString(encoded).spans  # upb reads any buffer
+    for origin, encoded, _, ours in located:
+        try:  # upb reads any buffer
+            spans = (_ModelScopeSpans if ours else _LeanScopeSpans).FromString(encoded).spans
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
+            if ours:
+                model = _read_ours(span, origin)
+                if model is not None:
+                    yield model
+                    continue
+                span = _LeanSpan.FromString(span.SerializeToString())  # no model span: read as any other scope's
             attributes = span.attributes
             if sc.SPAN not in attributes:  # not one of the model's spans
                 values = tuple(map(attributes.get, _SDK_KEYS))
@@ -293,36 +304,51 @@ def _number(descriptor: Any, name: str) -> int:
     return int(descriptor.fields_by_name[name].number)
 
 
-def _lean_schema() -> tuple[Any, Any]:
-    """The lean ScopeSpans, and its skeleton whose spans stay bytes (to count them before anything is
-    decoded)."""
+def _lean_schema() -> tuple[Any, Any, Any, Any, Any]:
+    """The lean ScopeSpans and Span; ScopeSpans whose spans keep their attributes as encoded KeyValues (the
+    hooks' scope: :func:`_read_ours`) and a KeyValue; the skeleton whose spans stay bytes (to count them
+    before anything is decoded), with its scope's name."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
     status = file.message_type.add(name="Status")
     _field(status, "code", _number(Status.DESCRIPTOR, "code"), _T.TYPE_INT32)
-    span = file.message_type.add(name="Span")
-    for name, kind in (("trace_id", _T.TYPE_BYTES), ("span_id", _T.TYPE_BYTES), ("parent_span_id", _T.TYPE_BYTES),
-                       ("name", _T.TYPE_STRING), ("kind", _T.TYPE_INT32), ("start_time_unix_nano", _T.TYPE_FIXED64),
-                       ("end_time_unix_nano", _T.TYPE_FIXED64)):
-        _field(span, name, number[name], kind)
-    _attribute_map(span, "Span", number["attributes"])
-    event = span.nested_type.add(name="Event")
-    _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
-    _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
-    _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
-    _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
+    key_value = file.message_type.add(name="KeyValue")
+    _field(key_value, "key", 1, _T.TYPE_STRING)
+    _field(key_value, "value", 2, _T.TYPE_BYTES)
+    for span_name in ("Span", "ModelSpan"):
+        span = file.message_type.add(name=span_name)
+        for name, kind in (("trace_id", _T.TYPE_BYTES), ("span_id", _T.TYPE_BYTES), ("parent_span_id", _T.TYPE_BYTES),
+                           ("name", _T.TYPE_STRING), ("kind", _T.TYPE_INT32), ("start_time_unix_nano", _T.TYPE_FIXED64),
+                           ("end_time_unix_nano", _T.TYPE_FIXED64)):
+            _field(span, name, number[name], kind)
+        if span_name == "Span":
+            _attribute_map(span, "Span", number["attributes"])
+            event = span.nested_type.add(name="Event")
+            _field(event, "name", _number(OtlpSpan.Event.DESCRIPTOR, "name"), _T.TYPE_STRING)
+            _attribute_map(event, "Span.Event", _number(OtlpSpan.Event.DESCRIPTOR, "attributes"))
+        else:
+            _field(span, "attributes", number["attributes"], _T.TYPE_BYTES, repeated=True)
+        _field(span, "events", number["events"], _T.TYPE_MESSAGE, "Span.Event", repeated=True)
+        _field(span, "status", number["status"], _T.TYPE_MESSAGE, "Status")
     spans = _number(ScopeSpans.DESCRIPTOR, "spans")
     _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
-    _field(file.message_type.add(name="SkeletonScopeSpans"), "spans", spans, _T.TYPE_BYTES, repeated=True)
+    _field(file.message_type.add(name="ModelScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "ModelSpan", repeated=True)
+    _field(file.message_type.add(name="Scope"), "name", _number(InstrumentationScope.DESCRIPTOR, "name"),
+           _T.TYPE_BYTES)  # compared as bytes: a name that is no UTF-8 is another scope's, not a refusal
+    skeleton_spans = file.message_type.add(name="SkeletonScopeSpans")
+    _field(skeleton_spans, "scope", _number(ScopeSpans.DESCRIPTOR, "scope"), _T.TYPE_MESSAGE, "Scope")
+    _field(skeleton_spans, "spans", spans, _T.TYPE_BYTES, repeated=True)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    scope_spans, skeleton = (message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
-                             for name in ("ScopeSpans", "SkeletonScopeSpans"))
-    return scope_spans, skeleton
+    scope_spans, lean_span, model_scope_spans, lean_key_value, skeleton = (
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_LEAN}.{name}"))
+        for name in ("ScopeSpans", "Span", "ModelScopeSpans", "KeyValue", "SkeletonScopeSpans"))
+    return scope_spans, lean_span, model_scope_spans, lean_key_value, skeleton
 
 
-_LeanScopeSpans, _SkeletonScopeSpans = _lean_schema()
+_LeanScopeSpans, _LeanSpan, _ModelScopeSpans, _LeanKeyValue, _SkeletonScopeSpans = _lean_schema()
+_OURS = sc.INSTRUMENTATION_NAME.encode()  # the hooks' scope: model spans, whose attributes repeat call after call
 
 
 # the keys of the SDK's request spans that their labels are made of
@@ -402,6 +428,38 @@ def _model_value(key: str, encoded: bytes) -> tuple[Any, bool]:
             and not holds_token(encoded)):  # a memo keeps no credential
         _remember(_MODEL_VALUES[kind], _MODEL_VALUES_MAX[kind], encoded, value)
     return value, True
+
+
+# encoded KeyValue of the hooks' scope -> (key, value): a model key's value its readers take as it is, or
+# _NOT_READ for a key they do not read. Bounded: short KeyValues only, none holding a token, emptied when full.
+_KEY_VALUES: dict[bytes, tuple[str, Any]] = {}
+_KEY_VALUES_MAX = 2048  # a process-wide cache outside every budget: about 0.5 MiB at most
+_KEY_VALUE_MAX_BYTES = 128  # a key and a short value
+_NOT_READ = ("", None)
+
+
+def _key_value(encoded: bytes) -> tuple[str, Any, bool] | None:
+    """An encoded KeyValue read: its key, its value and whether the readers take it as it is; None for a key
+    they do not read. Remembered when it may be; the value shared with every other key's (``_model_value``)."""
+    try:
+        key_value = _LeanKeyValue.FromString(encoded)
+    except DecodeError as exc:
+        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+    key = key_value.key
+    kind = MODEL_KEYS.get(key)
+    remembered = len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded)  # a memo keeps no credential
+    if kind is None:
+        if remembered:
+            _remember(_KEY_VALUES, _KEY_VALUES_MAX, encoded, _NOT_READ)
+        return None
+    raw = key_value.value
+    value = _MODEL_VALUES[kind].get(raw)
+    taken = True
+    if value is None:
+        value, taken = _model_value(key, raw)
+    if taken and value is not None and remembered and (kind is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS):
+        _remember(_KEY_VALUES, _KEY_VALUES_MAX, encoded, (key, value))
+    return key, value, taken
 
 
 def _any(encoded: bytes) -> Any:
@@ -489,27 +547,67 @@ def _read(s: Any, origin: str) -> Span | Lifecycle | Rejected:
                     decoded, taken = _model_value(key, value)
                     as_they_are = as_they_are and taken
                 attributes[key] = decoded
-        if attributes[sc.SPAN] is None:  # a key with no value: read as lifecycle reads a span without it
-            attributes.update((key, _any(encoded[key])) for key in _SDK_READ_KEYS if key in encoded)
-        elif as_they_are:
-            parent = s.parent_span_id.hex() or None
-            try:
-                return model_event(attributes, (_trace_id(s.trace_id), s.span_id.hex(), parent, s.start_time_unix_nano,
-                                                s.end_time_unix_nano, cut_origin(origin)), checked=False)
-            except Rejected as rejected:
-                return rejected
+        if attributes[sc.SPAN] is not None:
+            return _model(s, attributes, as_they_are, origin)
+        # a key with no value: read as lifecycle reads a span without it
+        attributes.update((key, _any(encoded[key])) for key in _SDK_READ_KEYS if key in encoded)
     elif sc.MCP_METHOD_NAME in encoded:
         attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
     else:
         attributes = {}  # outside the model: nothing of it is read
     kind = _KINDS.get(s.kind, KIND_INTERNAL)
-    exceptions = tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
-                       for e in s.events if e.name == "exception") if s.events else ()
-    error = s.status.code == _ERROR
     if not model and attributes and kind != KIND_INTERNAL:
         with suppress(Rejected):
-            return operation(kind, s.name, attributes, exceptions, error, s.trace_id.hex(), s.span_id.hex(),
-                             s.start_time_unix_nano, s.end_time_unix_nano, origin)
+            return operation(kind, s.name, attributes, _exceptions(s), s.status.code == _ERROR, s.trace_id.hex(),
+                             s.span_id.hex(), s.start_time_unix_nano, s.end_time_unix_nano, origin)
+    return _span(s, attributes, origin)
+
+
+def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
+    """A span of the hooks' scope, its attributes still encoded KeyValues, read as ``_read`` reads a model
+    span; None for one that is not (no ``mcp_stream.span``, or no value), to be read as any other scope's.
+    The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
+    replaces finding each key, then its value."""
+    attributes: dict[str, Any] = {}
+    as_they_are = True
+    for encoded in s.attributes:
+        pair = _KEY_VALUES.get(encoded)
+        if pair is None:
+            read = _key_value(encoded)
+            if read is None:
+                continue
+            key, value, taken = read
+            as_they_are = as_they_are and taken
+        elif pair is _NOT_READ:
+            continue
+        else:
+            key, value = pair
+        attributes[key] = value
+    if attributes.get(sc.SPAN) is None:
+        return None
+    return _model(s, attributes, as_they_are, origin)
+
+
+def _model(s: Any, attributes: dict[str, Any], as_they_are: bool,
+           origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected:
+    """A model span's event, or its refusal, from values all ``clean``; else a span, read one value at a time."""
+    if not as_they_are:
+        return _span(s, attributes, origin)
+    try:
+        return model_event(attributes, (_trace_id(s.trace_id), s.span_id.hex(), s.parent_span_id.hex() or None,
+                                        s.start_time_unix_nano, s.end_time_unix_nano, cut_origin(origin)),
+                           checked=False)
+    except Rejected as rejected:
+        return rejected
+
+
+def _span(s: Any, attributes: dict[str, Any], origin: str) -> Span:
     return Span(trace_id=_trace_id(s.trace_id), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex() or None,
-                name=s.name, kind=kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
-                attributes=attributes, exception_types=exceptions, error=error, origin=origin)
+                name=s.name, kind=_KINDS.get(s.kind, KIND_INTERNAL), start_ns=s.start_time_unix_nano,
+                end_ns=s.end_time_unix_nano, attributes=attributes, exception_types=_exceptions(s),
+                error=s.status.code == _ERROR, origin=origin)
+
+
+def _exceptions(s: Any) -> tuple[str, ...]:
+    return tuple(str(_any(e.attributes[_EXCEPTION_TYPE]) if _EXCEPTION_TYPE in e.attributes else "")
+                 for e in s.events if e.name == "exception") if s.events else ()
