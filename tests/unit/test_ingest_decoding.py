@@ -411,3 +411,14 @@ def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_val
     assert 0 < len(otlp._KEY_VALUES) <= otlp._KEY_VALUES_MAX
     assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._KEY_VALUES)
     assert "s3cr3t" not in repr(otlp._KEY_VALUES)
+
+
+@pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
+def test_an_attribute_key_that_is_not_utf8_is_refused_as_malformed_in_either_scope(scope: str) -> None:
+    model = _span(1, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT}, exception=None).SerializeToString()
+    bad_key = _field(9, _field(1, b"\xff\xfe") + _field(2, AnyValue(string_value="x").SerializeToString()))
+    name = _field(1, scope.encode())
+    body = _field(1, _field(2, _field(1, name) + _field(2, model + bad_key)))  # resource_spans -> scope_spans
+    with pytest.raises(IngestError) as refused:
+        list(decode_protobuf(body, IngestLimits()).spans)
+    assert refused.value.status == 400

@@ -5,7 +5,9 @@ skeleton when the scope is within one decoding's bound, else walked one by one w
 checked), then decoded a run at a time with a lean schema, so it never exists whole as objects. Only what
 the detector reads is decoded: a model span's keys it reads, an SDK request span's label keys, nothing
 of a span outside the model. The SDK's healthy request spans, nearly all real traffic, become counts
-at once (``OperationCounts``) from a memo of their labels by their encoded values.
+at once (``OperationCounts``) from a memo of their labels by their encoded values. A model span whose
+values its readers take as they are becomes its lifecycle event (or its refusal) at once; in the hooks'
+scope its attributes are read from a memo of whole encoded KeyValues, which repeat call after call.
 """
 
 from __future__ import annotations
@@ -224,7 +226,10 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
                 if model is not None:
                     yield model
                     continue
-                span = _LeanSpan.FromString(span.SerializeToString())  # no model span: read as any other scope's
+                try:  # no model span: read as any other scope's
+                    span = _LeanSpan.FromString(span.SerializeToString())
+                except DecodeError as exc:
+                    raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
             attributes = span.attributes
             if sc.SPAN not in attributes:  # not one of the model's spans
                 values = tuple(map(attributes.get, _SDK_KEYS))
