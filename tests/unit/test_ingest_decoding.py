@@ -223,10 +223,12 @@ def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (payloads under 16 KiB)."""
-    size = len(payload)
-    length = bytes([size]) if size < 0x80 else bytes([size & 0x7F | 0x80, size >> 7])
-    return bytes([number << 3 | 2]) + length + payload
+    """A length-delimited protobuf field."""
+    size, length = len(payload), bytearray()
+    while size >= 0x80:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    return bytes([number << 3 | 2]) + bytes(length) + bytes([size]) + payload
 
 
 def test_a_status_sent_in_two_parts_is_read_merged_as_protobuf_reads_it() -> None:
@@ -387,9 +389,20 @@ def test_any_span_in_the_hooks_scope_is_read_as_in_any_other_scope() -> None:
     for i, span in enumerate(spans):
         span.attributes.append(_kv("mcp_stream.unread", f"value-{i % 7}"))  # a key the model does not read
 
+    def value(text: str) -> bytes:
+        return AnyValue(string_value=text).SerializeToString()
+
+    odd = [  # KeyValues in shapes an encoder may send and upb reads alike
+        _field(2, value("tools/call")) + _field(1, sc.MCP_METHOD_NAME.encode()),  # the value first
+        _field(1, sc.ERROR_TYPE.encode()),  # no value
+        _field(1, sc.END_REASON.encode()) + _field(2, value("r" * 200)),  # a value's length in two bytes
+        _field(1, b"x") + _field(1, sc.ROLE.encode()) + _field(2, value(sc.ROLE_SERVER)),  # the key twice
+        _field(1, sc.SPAN.encode()) + _field(2, value(sc.SPAN_CALL)),  # a key again: the last one counts
+    ]
+    encoded = [span.SerializeToString() + b"".join(_field(9, kv) for kv in odd[:i % 6]) for i, span in enumerate(spans)]
+
     def body(scope: str) -> bytes:
-        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
-            scope=InstrumentationScope(name=scope), spans=spans)])]).SerializeToString()
+        return _field(1, _field(2, _field(1, _field(1, scope.encode())) + b"".join(_field(2, e) for e in encoded)))
 
     ours, another = _read_all(body(sc.INSTRUMENTATION_NAME)), _read_all(body("another"))
     assert ours == another

@@ -34,6 +34,7 @@ from mcp_stream_exporter.detector.events import (
     MODEL_KEYS,
     CallEnd,
     Lifecycle,
+    Operation,
     Rejected,
     Replay,
     Span,
@@ -109,10 +110,13 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
                 count += spans
                 _check_span_count(count, limits)
                 if spans:
-                    located.append((origin, scope, spans, skeleton.scope.name == _OURS))
+                    located.append((origin, scope, spans, skeleton.scope.startswith(_OURS)))
                 continue
             run_start = run_end = run_spans = 0
+            ours = False
             for number, span, start, end in _length_fields(scope, fields, limits):
+                if number == 1:
+                    ours = span[:len(_OURS)] == _OURS
                 if number != 2:
                     continue
                 if len(span) > limits.max_span_bytes:
@@ -121,14 +125,14 @@ def _locate_spans(body: memoryview, limits: IngestLimits) -> list[tuple[str, mem
                 count += 1
                 _check_span_count(count, limits)
                 if run_spans and end - run_start > limits.max_span_bytes:
-                    located.append((origin, scope[run_start:run_end], run_spans, False))
+                    located.append((origin, scope[run_start:run_end], run_spans, ours))
                     run_spans = 0
                 if not run_spans:
                     run_start = start
                 run_end = end
                 run_spans += 1
-            if run_spans:  # a scope this large is read as any other's
-                located.append((origin, scope[run_start:run_end], run_spans, False))
+            if run_spans:
+                located.append((origin, scope[run_start:run_end], run_spans, ours))
     return located
 
 
@@ -222,44 +226,45 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
             if ours:
-                model = _read_ours(span, origin)
-                if model is not None:
-                    yield model
+                values = _read_ours(span, origin)
+                if not isinstance(values, tuple):  # a model span read
+                    yield values
                     continue
-                try:  # no model span: read as any other scope's
-                    span = _LeanSpan.FromString(span.SerializeToString())
-                except DecodeError as exc:
-                    raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-            attributes = span.attributes
-            if sc.SPAN not in attributes:  # not one of the model's spans
+            else:
+                attributes = span.attributes
+                if sc.SPAN in attributes:
+                    try:
+                        yield _read(span, origin)
+                    except UnicodeDecodeError:
+                        raise IngestError(400, _NOT_UTF8, "malformed") from None
+                    continue
                 values = tuple(map(attributes.get, _SDK_KEYS))
-                if values[0] is None:
-                    taken += 1  # outside the model: nothing of it is read
+            if values[0] is None:
+                taken += 1  # outside the model: nothing of it is read
+                continue
+            if not span.events:
+                tool = values[1]  # the name says the tool unless a plain short string does (operation())
+                raw = (span.kind, span.status.code, values, None if tool is not None and len(tool) > 1
+                       and tool[0] == 0x0A and tool[1] == len(tool) - 2 < 0x80 else span.name)
+                key = _LABELS.get(raw, _UNKNOWN)
+                if key is _UNKNOWN:
+                    key = _labels(raw)
+                if key is not None:
+                    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                    duration = (end - start) / 1e9 if end > start else 0.0
+                    tally = tallies.get(key)
+                    if tally is None:
+                        tally = tallies[key] = new_tally()
+                    bucket = bisect_left(BOUNDS, duration)
+                    tally[0][bucket] += 1
+                    tally[0][-1] += duration
+                    tally[1][bucket] = span
+                    taken += 1
                     continue
-                if not span.events:
-                    tool = values[1]  # the name says the tool unless a plain short string does (operation())
-                    raw = (span.kind, span.status.code, values, None if tool is not None and len(tool) > 1
-                           and tool[0] == 0x0A and tool[1] == len(tool) - 2 < 0x80 else span.name)
-                    key = _LABELS.get(raw, _UNKNOWN)
-                    if key is _UNKNOWN:
-                        key = _labels(raw)
-                    if key is not None:
-                        start, end = span.start_time_unix_nano, span.end_time_unix_nano
-                        duration = (end - start) / 1e9 if end > start else 0.0
-                        tally = tallies.get(key)
-                        if tally is None:
-                            tally = tallies[key] = new_tally()
-                        bucket = bisect_left(BOUNDS, duration)
-                        tally[0][bucket] += 1
-                        tally[0][-1] += duration
-                        tally[1][bucket] = span
-                        taken += 1
-                        continue
             try:
-                read = _read(span, origin)
+                yield _read_sdk(span, values, origin)
             except UnicodeDecodeError:
                 raise IngestError(400, _NOT_UTF8, "malformed") from None
-            yield read
         for _, last in tallies.values():  # exemplars read now: a run's decoded objects are freed with it
             last[:] = map(_sample, last)
     if taken:
@@ -312,7 +317,7 @@ def _number(descriptor: Any, name: str) -> int:
 def _lean_schema() -> tuple[Any, Any, Any, Any, Any]:
     """The lean ScopeSpans and Span; ScopeSpans whose spans keep their attributes as encoded KeyValues (the
     hooks' scope: :func:`_read_ours`) and a KeyValue; the skeleton whose spans stay bytes (to count them
-    before anything is decoded), with its scope's name."""
+    before anything is decoded), with its scope still encoded."""
     number = {name: f.number for name, f in OtlpSpan.DESCRIPTOR.fields_by_name.items()}
     file = descriptor_pb2.FileDescriptorProto(name="mcp_stream_exporter/lean_otlp.proto", package=_LEAN,
                                               syntax="proto3")
@@ -339,10 +344,8 @@ def _lean_schema() -> tuple[Any, Any, Any, Any, Any]:
     spans = _number(ScopeSpans.DESCRIPTOR, "spans")
     _field(file.message_type.add(name="ScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "Span", repeated=True)
     _field(file.message_type.add(name="ModelScopeSpans"), "spans", spans, _T.TYPE_MESSAGE, "ModelSpan", repeated=True)
-    _field(file.message_type.add(name="Scope"), "name", _number(InstrumentationScope.DESCRIPTOR, "name"),
-           _T.TYPE_BYTES)  # compared as bytes: a name that is no UTF-8 is another scope's, not a refusal
     skeleton_spans = file.message_type.add(name="SkeletonScopeSpans")
-    _field(skeleton_spans, "scope", _number(ScopeSpans.DESCRIPTOR, "scope"), _T.TYPE_MESSAGE, "Scope")
+    _field(skeleton_spans, "scope", _number(ScopeSpans.DESCRIPTOR, "scope"), _T.TYPE_BYTES)  # not decoded: _OURS
     _field(skeleton_spans, "spans", spans, _T.TYPE_BYTES, repeated=True)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
@@ -353,12 +356,16 @@ def _lean_schema() -> tuple[Any, Any, Any, Any, Any]:
 
 
 _LeanScopeSpans, _LeanSpan, _ModelScopeSpans, _LeanKeyValue, _SkeletonScopeSpans = _lean_schema()
-_OURS = sc.INSTRUMENTATION_NAME.encode()  # the hooks' scope: model spans, whose attributes repeat call after call
+# the hooks' scope (InstrumentationScope.name first, as encoders write it): model spans, whose attributes repeat
+# call after call. Only which schema a scope's spans are decoded with: either reads any span alike.
+_OURS = bytes([_number(InstrumentationScope.DESCRIPTOR, "name") << 3 | _LENGTH, len(sc.INSTRUMENTATION_NAME)]) + (
+    sc.INSTRUMENTATION_NAME.encode())
 
 
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
+_SDK_KEY_SET = frozenset(_SDK_KEYS)
 # the keys besides the model's that lifecycle reads of a span whose mcp_stream.span has no value (an SDK span's)
 _SDK_READ_KEYS = (sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
 # (kind, status code, encoded values of _SDK_KEYS, the name unless a plain string names the tool) -> the
@@ -435,36 +442,59 @@ def _model_value(key: str, encoded: bytes) -> tuple[Any, bool]:
     return value, True
 
 
-# encoded KeyValue of the hooks' scope -> (key, value): a model key's value its readers take as it is, or
-# _NOT_READ for a key they do not read. Bounded: short KeyValues only, none holding a token, emptied when full.
+# encoded KeyValue of the hooks' scope -> (key, value): a model key's value its readers take as it is.
+# Bounded: short KeyValues only, none holding a token, emptied when full.
 _KEY_VALUES: dict[bytes, tuple[str, Any]] = {}
 _KEY_VALUES_MAX = 2048  # a process-wide cache outside every budget: about 0.5 MiB at most
 _KEY_VALUE_MAX_BYTES = 128  # a key and a short value
-_NOT_READ = ("", None)
 
 
-def _key_value(encoded: bytes) -> tuple[str, Any, bool] | None:
-    """An encoded KeyValue read: its key, its value and whether the readers take it as it is; None for a key
-    they do not read. Remembered when it may be; the value shared with every other key's (``_model_value``)."""
-    try:
-        key_value = _LeanKeyValue.FromString(encoded)
-    except DecodeError as exc:
-        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-    key = key_value.key
-    kind = MODEL_KEYS.get(key)
-    remembered = len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded)  # a memo keeps no credential
-    if kind is None:
-        if remembered:
-            _remember(_KEY_VALUES, _KEY_VALUES_MAX, encoded, _NOT_READ)
-        return None
-    raw = key_value.value
+def _model_key_value(encoded: bytes, key: str, kind: type, raw: bytes) -> tuple[Any, bool]:
+    """A model key's value from its encoded KeyValue, and whether the readers take it as it is; remembered
+    when it may be, the value shared with every other key's (``_model_value``)."""
     value = _MODEL_VALUES[kind].get(raw)
     taken = True
     if value is None:
         value, taken = _model_value(key, raw)
-    if taken and value is not None and remembered and (kind is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS):
+    if (taken and value is not None and len(encoded) <= _KEY_VALUE_MAX_BYTES
+            and (kind is not tuple or len(value) <= _MODEL_VALUE_MAX_ITEMS)
+            and not holds_token(encoded)):  # a memo keeps no credential
         _remember(_KEY_VALUES, _KEY_VALUES_MAX, encoded, (key, value))
-    return key, value, taken
+    return value, taken
+
+
+_KEY_NAMES = {key.encode(): key for key in (*MODEL_KEYS, *_SDK_KEYS)}
+
+
+def _key_of(encoded: bytes) -> tuple[str, bytes]:
+    """An encoded KeyValue's key and encoded value, as upb reads them (its usual shape read here)."""
+    size = len(encoded)
+    if size >= 2 and encoded[0] == 0x0A and encoded[1] < 0x80:  # key first, its length in one byte
+        end = 2 + encoded[1]
+        value = None
+        if end == size:
+            value = b""  # no value: as protobuf reads it, an empty AnyValue
+        elif end + 2 <= size and encoded[end] == 0x12 and encoded[end + 1] == size - end - 2 < 0x80:
+            value = encoded[end + 2:]
+        if value is not None:
+            name = encoded[2:end]
+            key = _KEY_NAMES.get(name)
+            return (key if key is not None else _utf8(name)), value
+    try:
+        key_value = _LeanKeyValue.FromString(encoded)
+    except DecodeError as exc:
+        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+    return key_value.key, key_value.value
+
+
+def _sdk_values(s: Any) -> tuple[bytes | None, ...]:
+    """A hooks'-scope span's encoded values of ``_SDK_KEYS`` (None where absent), as a map's look-ups give them."""
+    found = {}
+    for encoded in s.attributes:
+        key, value = _key_of(encoded)
+        if key in _SDK_KEY_SET:
+            found[key] = value
+    return tuple(map(found.get, _SDK_KEYS))
 
 
 def _any(encoded: bytes) -> Any:
@@ -557,40 +587,51 @@ def _read(s: Any, origin: str) -> Span | Lifecycle | Rejected:
         # a key with no value: read as lifecycle reads a span without it
         attributes.update((key, _any(encoded[key])) for key in _SDK_READ_KEYS if key in encoded)
     elif sc.MCP_METHOD_NAME in encoded:
-        attributes = {key: _any(encoded[key]) for key in _SDK_KEYS if key in encoded}
+        return _read_sdk(s, tuple(map(encoded.get, _SDK_KEYS)), origin)
     else:
         attributes = {}  # outside the model: nothing of it is read
+    return _span(s, attributes, origin)
+
+
+def _read_sdk(s: Any, values: tuple[bytes | None, ...], origin: str) -> Span | Operation:
+    """An SDK request span (its ``mcp.method.name`` set) as its :class:`Operation`, from the encoded values of
+    ``_SDK_KEYS``; one that breaks the model stays a span, for ``Detector.read`` to refuse with its reason."""
+    attributes = {key: _any(value) for key, value in zip(_SDK_KEYS, values, strict=True) if value is not None}
     kind = _KINDS.get(s.kind, KIND_INTERNAL)
-    if not model and attributes and kind != KIND_INTERNAL:
+    if kind != KIND_INTERNAL:
         with suppress(Rejected):
             return operation(kind, s.name, attributes, _exceptions(s), s.status.code == _ERROR, s.trace_id.hex(),
                              s.span_id.hex(), s.start_time_unix_nano, s.end_time_unix_nano, origin)
     return _span(s, attributes, origin)
 
 
-def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
+def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | tuple[bytes | None, ...]:
     """A span of the hooks' scope, its attributes still encoded KeyValues, read as ``_read`` reads a model
-    span; None for one that is not (no ``mcp_stream.span``, or no value), to be read as any other scope's.
-    The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
-    replaces finding each key, then its value."""
+    span; for one that is not (no ``mcp_stream.span``), its encoded values of ``_SDK_KEYS``, to be read as
+    any other scope's. The hooks' attributes repeat call after call, key and value alike: a memo of whole
+    encoded KeyValues replaces finding each key, then its value."""
     attributes: dict[str, Any] = {}
     as_they_are = True
     for encoded in s.attributes:
         pair = _KEY_VALUES.get(encoded)
         if pair is None:
-            read = _key_value(encoded)
-            if read is None:
+            key, raw = _key_of(encoded)
+            kind = MODEL_KEYS.get(key)
+            if kind is None:
                 continue
-            key, value, taken = read
+            value, taken = _model_key_value(encoded, key, kind, raw)
             as_they_are = as_they_are and taken
-        elif pair is _NOT_READ:
-            continue
         else:
             key, value = pair
         attributes[key] = value
-    if attributes.get(sc.SPAN) is None:
-        return None
-    return _model(s, attributes, as_they_are, origin)
+    if attributes.get(sc.SPAN) is not None:
+        return _model(s, attributes, as_they_are, origin)
+    values = _sdk_values(s)
+    if sc.SPAN in attributes:  # a key with no value: read as lifecycle reads a span without it
+        attributes.update((key, _any(value)) for key, value in zip(_SDK_KEYS, values, strict=True)
+                          if key in _SDK_READ_KEYS and value is not None)
+        return _span(s, attributes, origin)
+    return values
 
 
 def _model(s: Any, attributes: dict[str, Any], as_they_are: bool,
