@@ -370,7 +370,8 @@ def test_a_model_span_read_at_once_is_the_event_or_refusal_of_reading_it_value_b
         assert isinstance(read[-1], OperationCounts) and read[-1].taken == outside
     taken = [e for e in expected if not isinstance(e, str)]
     assert 100 < len(taken) < len(expected)  # both ways are tried
-    assert all("s3cr3t" not in repr(memo) for memo in (otlp._MODEL_VALUES, otlp._LABELS, otlp._KEY_VALUES))
+    assert all("s3cr3t" not in repr(memo) for memo in (otlp._MODEL_VALUES, otlp._LABELS, otlp._KEY_VALUES,
+                                                         otlp._NOT_READ))
 
 
 def _read_all(body: bytes) -> tuple[list[Any], dict[str, int], int]:
@@ -413,7 +414,8 @@ def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_val
     stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
     ids = [f"request-{i}" for i in range(otlp._KEY_VALUES_MAX + 100)]
     spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id], sc.STREAM_REQUEST_IDS: [request_id],
-                           "filler": "f" * (i % 200), sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
+                           "filler": "f" * (i % 200), "app.auth": f"Bearer s3cr3t{i % 3}",
+                           sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
                    exception=None) for i, request_id in enumerate(ids)]
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
         scope=InstrumentationScope(name=sc.INSTRUMENTATION_NAME), spans=spans)])])
@@ -423,7 +425,9 @@ def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_val
     assert all(e.pending_ids is e.request_ids for e in read if isinstance(e, StreamEnd))
     assert 0 < len(otlp._KEY_VALUES) <= otlp._KEY_VALUES_MAX
     assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._KEY_VALUES)
-    assert "s3cr3t" not in repr(otlp._KEY_VALUES)
+    assert 0 < len(otlp._NOT_READ) <= otlp._NOT_READ_MAX  # the fillers, 200 of them, each of a key no reader reads
+    assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._NOT_READ)
+    assert "s3cr3t" not in repr(otlp._KEY_VALUES) + repr(otlp._NOT_READ)
 
 
 @pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])

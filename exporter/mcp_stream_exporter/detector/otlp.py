@@ -447,6 +447,10 @@ def _model_value(key: str, encoded: bytes) -> tuple[Any, bool]:
 _KEY_VALUES: dict[bytes, tuple[str, Any]] = {}
 _KEY_VALUES_MAX = 2048  # a process-wide cache outside every budget: about 0.5 MiB at most
 _KEY_VALUE_MAX_BYTES = 128  # a key and a short value
+# and those of keys no reader reads (the hooks' protocol version, HTTP method, ...), apart: a flood of them
+# empties only this one
+_NOT_READ: dict[bytes, None] = {}
+_NOT_READ_MAX = 512
 
 
 def _model_key_value(encoded: bytes, key: str, kind: type, raw: bytes) -> tuple[Any, bool]:
@@ -615,9 +619,13 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
     for encoded in s.attributes:
         pair = _KEY_VALUES.get(encoded)
         if pair is None:
+            if encoded in _NOT_READ:
+                continue
             key, raw = _key_of(encoded)
             kind = MODEL_KEYS.get(key)
             if kind is None:
+                if len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded):  # a memo keeps no credential
+                    _remember(_NOT_READ, _NOT_READ_MAX, encoded, None)
                 continue
             value, taken = _model_key_value(encoded, key, kind, raw)
             as_they_are = as_they_are and taken
