@@ -226,19 +226,22 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
         for span in spans:
             if ours:
-                values = _read_ours(span, origin)
-                if not isinstance(values, tuple):  # a model span read
-                    yield values
+                model = _read_ours(span, origin)
+                if model is not None:
+                    yield model
                     continue
-            else:
-                attributes = span.attributes
-                if sc.SPAN in attributes:
-                    try:
-                        yield _read(span, origin)
-                    except UnicodeDecodeError:
-                        raise IngestError(400, _NOT_UTF8, "malformed") from None
-                    continue
-                values = tuple(map(attributes.get, _SDK_KEYS))
+                try:  # no model span: read as any other scope's
+                    span = _LeanSpan.FromString(span.SerializeToString())
+                except DecodeError as exc:
+                    raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+            attributes = span.attributes
+            if sc.SPAN in attributes:
+                try:
+                    yield _read(span, origin)
+                except UnicodeDecodeError:
+                    raise IngestError(400, _NOT_UTF8, "malformed") from None
+                continue
+            values = tuple(map(attributes.get, _SDK_KEYS))
             if values[0] is None:
                 taken += 1  # outside the model: nothing of it is read
                 continue
@@ -365,7 +368,6 @@ _OURS = bytes([_number(InstrumentationScope.DESCRIPTOR, "name") << 3 | _LENGTH, 
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
-_SDK_KEY_SET = frozenset(_SDK_KEYS)
 # the keys besides the model's that lifecycle reads of a span whose mcp_stream.span has no value (an SDK span's)
 _SDK_READ_KEYS = (sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
 # (kind, status code, encoded values of _SDK_KEYS, the name unless a plain string names the tool) -> the
@@ -467,7 +469,8 @@ def _model_key_value(encoded: bytes, key: str, kind: type, raw: bytes) -> tuple[
     return value, taken
 
 
-_KEY_NAMES = {key.encode(): key for key in (*MODEL_KEYS, *_SDK_KEYS)}
+_KEY_NAMES = {key.encode(): key for key in MODEL_KEYS}
+_SPAN_KEY = sc.SPAN.encode()
 
 
 def _key_of(encoded: bytes) -> tuple[str, bytes]:
@@ -489,16 +492,6 @@ def _key_of(encoded: bytes) -> tuple[str, bytes]:
     except DecodeError as exc:
         raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
     return key_value.key, key_value.value
-
-
-def _sdk_values(s: Any) -> tuple[bytes | None, ...]:
-    """A hooks'-scope span's encoded values of ``_SDK_KEYS`` (None where absent), as a map's look-ups give them."""
-    found = {}
-    for encoded in s.attributes:
-        key, value = _key_of(encoded)
-        if key in _SDK_KEY_SET:
-            found[key] = value
-    return tuple(map(found.get, _SDK_KEYS))
 
 
 def _any(encoded: bytes) -> Any:
@@ -609,37 +602,45 @@ def _read_sdk(s: Any, values: tuple[bytes | None, ...], origin: str) -> Span | O
     return _span(s, attributes, origin)
 
 
-def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | tuple[bytes | None, ...]:
+def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
     """A span of the hooks' scope, its attributes still encoded KeyValues, read as ``_read`` reads a model
-    span; for one that is not (no ``mcp_stream.span``), its encoded values of ``_SDK_KEYS``, to be read as
-    any other scope's. The hooks' attributes repeat call after call, key and value alike: a memo of whole
-    encoded KeyValues replaces finding each key, then its value."""
+    span; None for one that is not (no ``mcp_stream.span``, or no value), to be read as any other scope's.
+    The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
+    replaces finding each key, then its value; a KeyValue it misses is read only once the span may be a
+    model span."""
     attributes: dict[str, Any] = {}
-    as_they_are = True
+    missed = False
     for encoded in s.attributes:
         pair = _KEY_VALUES.get(encoded)
-        if pair is None:
-            if encoded in _NOT_READ:
-                continue
-            key, raw = _key_of(encoded)
-            kind = MODEL_KEYS.get(key)
-            if kind is None:
-                if len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded):  # a memo keeps no credential
-                    _remember(_NOT_READ, _NOT_READ_MAX, encoded, None)
-                continue
-            value, taken = _model_key_value(encoded, key, kind, raw)
-            as_they_are = as_they_are and taken
-        else:
+        if pair is not None:
             key, value = pair
-        attributes[key] = value
-    if attributes.get(sc.SPAN) is not None:
-        return _model(s, attributes, as_they_are, origin)
-    values = _sdk_values(s)
-    if sc.SPAN in attributes:  # a key with no value: read as lifecycle reads a span without it
-        attributes.update((key, _any(value)) for key, value in zip(_SDK_KEYS, values, strict=True)
-                          if key in _SDK_READ_KEYS and value is not None)
-        return _span(s, attributes, origin)
-    return values
+            attributes[key] = value
+        elif encoded not in _NOT_READ:
+            missed = True
+    as_they_are = True
+    if missed:
+        if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(s.attributes):
+            return None  # no KeyValue can hold the key
+        attributes = {}
+        for encoded in s.attributes:  # again, in order: the last of a key counts
+            pair = _KEY_VALUES.get(encoded)
+            if pair is None:
+                if encoded in _NOT_READ:
+                    continue
+                key, raw = _key_of(encoded)
+                kind = MODEL_KEYS.get(key)
+                if kind is None:
+                    if len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded):  # no credential kept
+                        _remember(_NOT_READ, _NOT_READ_MAX, encoded, None)
+                    continue
+                value, taken = _model_key_value(encoded, key, kind, raw)
+                as_they_are = as_they_are and taken
+            else:
+                key, value = pair
+            attributes[key] = value
+    if attributes.get(sc.SPAN) is None:
+        return None
+    return _model(s, attributes, as_they_are, origin)
 
 
 def _model(s: Any, attributes: dict[str, Any], as_they_are: bool,
