@@ -224,29 +224,27 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             spans = (_ModelScopeSpans if ours else _LeanScopeSpans).FromString(encoded).spans
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-        for span in spans:
-            values = None
+        at = 0
+        while at < len(spans):
+            span = spans[at]
+            at += 1
             if ours:
-                read = _read_ours(span, origin)
-                if isinstance(read, tuple):  # no model span: its SDK keys' values
-                    values = read
-                elif read is not None:
-                    yield read
+                model = _read_ours(span, origin)
+                if model is not None:
+                    yield model
                     continue
-                else:  # a mcp_stream.span with no value: read as any other scope's
-                    try:
-                        span = _LeanSpan.FromString(span.SerializeToString())
-                    except DecodeError as exc:
-                        raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-            if values is None:
-                attributes = span.attributes
-                if sc.SPAN in attributes:
-                    try:
-                        yield _read(span, origin)
-                    except UnicodeDecodeError:
-                        raise IngestError(400, _NOT_UTF8, "malformed") from None
-                    continue
-                values = tuple(map(attributes.get, _SDK_KEYS))
+                # no model span: the rest of the run is read as any other scope's (decoded again, once)
+                ours = False
+                spans = _LeanScopeSpans.FromString(encoded).spans
+                span = spans[at - 1]
+            attributes = span.attributes
+            if sc.SPAN in attributes:
+                try:
+                    yield _read(span, origin)
+                except UnicodeDecodeError:
+                    raise IngestError(400, _NOT_UTF8, "malformed") from None
+                continue
+            values = tuple(map(attributes.get, _SDK_KEYS))
             if values[0] is None:
                 taken += 1  # outside the model: nothing of it is read
                 continue
@@ -373,7 +371,6 @@ _OURS = bytes([_number(InstrumentationScope.DESCRIPTOR, "name") << 3 | _LENGTH, 
 # the keys of the SDK's request spans that their labels are made of
 _SDK_KEYS = (sc.MCP_METHOD_NAME, sc.GEN_AI_TOOL_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE, sc.NETWORK_TRANSPORT,
              sc.MCP_PROTOCOL_VERSION)
-_SDK_KEY_SET = frozenset(_SDK_KEYS)
 # the keys besides the model's that lifecycle reads of a span whose mcp_stream.span has no value (an SDK span's)
 _SDK_READ_KEYS = (sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE)
 # (kind, status code, encoded values of _SDK_KEYS, the name unless a plain string names the tool) -> the
@@ -475,7 +472,7 @@ def _model_key_value(encoded: bytes, key: str, kind: type, raw: bytes) -> tuple[
     return value, taken
 
 
-_KEY_NAMES = {key.encode(): key for key in (*MODEL_KEYS, *_SDK_KEYS)}
+_KEY_NAMES = {key.encode(): key for key in MODEL_KEYS}
 _SPAN_KEY = sc.SPAN.encode()
 
 
@@ -608,10 +605,9 @@ def _read_sdk(s: Any, values: tuple[bytes | None, ...], origin: str) -> Span | O
     return _span(s, attributes, origin)
 
 
-def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | tuple[bytes | None, ...] | None:
+def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
     """A span of the hooks' scope, its attributes still encoded KeyValues, read as ``_read`` reads a model
-    span; for one without ``mcp_stream.span``, its encoded values of ``_SDK_KEYS``; None for one whose
-    ``mcp_stream.span`` has no value, to be read as any other scope's.
+    span; None for one that is not (no ``mcp_stream.span``, or no value), to be read as any other scope's.
     The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
     replaces finding each key, then its value; a KeyValue it misses is read only once the span may be a
     model span."""
@@ -627,7 +623,7 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
     as_they_are = True
     if missed:
         if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(s.attributes):
-            return _sdk_values(s)  # no KeyValue can hold the key
+            return None  # no KeyValue can hold the key
         attributes = {}
         for encoded in s.attributes:  # again, in order: the last of a key counts
             pair = _KEY_VALUES.get(encoded)
@@ -646,18 +642,9 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
                 key, value = pair
             attributes[key] = value
     if attributes.get(sc.SPAN) is None:
-        return None if sc.SPAN in attributes else _sdk_values(s)
+        return None
     return _model(s, attributes, as_they_are, origin)
 
-
-def _sdk_values(s: Any) -> tuple[bytes | None, ...]:
-    """A hooks'-scope span's encoded values of ``_SDK_KEYS`` (None where absent), as a map's look-ups give them."""
-    found = {}
-    for encoded in s.attributes:
-        key, value = _key_of(encoded)
-        if key in _SDK_KEY_SET:
-            found[key] = value
-    return tuple(map(found.get, _SDK_KEYS))
 
 
 def _model(s: Any, attributes: dict[str, Any], as_they_are: bool,
