@@ -224,18 +224,19 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             spans = (_ModelScopeSpans if ours else _LeanScopeSpans).FromString(encoded).spans
         except DecodeError as exc:
             raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
-        rest = None
-        for at, span in enumerate(spans):
-            if rest is not None:
-                span = rest[at]
-            elif ours:
+        at = 0
+        while at < len(spans):
+            span = spans[at]
+            at += 1
+            if ours:
                 model = _read_ours(span, origin)
                 if model is not None:
                     yield model
                     continue
                 # no model span: the rest of the run is read as any other scope's (decoded again, once)
-                rest = _LeanScopeSpans.FromString(encoded).spans
-                span = rest[at]
+                ours = False
+                spans = _LeanScopeSpans.FromString(encoded).spans
+                span = spans[at - 1]
             attributes = span.attributes
             if sc.SPAN in attributes:
                 try:
