@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import random
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector
-from mcp_stream_exporter.detector.events import Operation
+from mcp_stream_exporter.detector import Detector, otlp
+from mcp_stream_exporter.detector.events import MAX_CHARS, Operation, Rejected, StreamEnd, lifecycle
 from mcp_stream_exporter.detector.events import Span as ModelSpan
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts
 from mcp_stream_exporter.detector.otlp import _any, _value, decode_protobuf
+from mcp_stream_exporter.detector.redaction import redact
 
 VALUES = [
     AnyValue(string_value="3"), AnyValue(string_value=""), AnyValue(string_value="é" * 200),
@@ -68,7 +71,7 @@ def _request(*spans: Span) -> bytes:
         spans=spans)])]).SerializeToString()
 
 
-def test_rules_read_sdk_spans_become_operations_healthy_ones_are_counted_model_spans_keep_their_keys() -> None:
+def test_rules_read_sdk_spans_become_operations_healthy_ones_are_counted_model_spans_become_their_events() -> None:
     failed = _span(1, {sc.MCP_METHOD_NAME: "tools/call", sc.JSONRPC_REQUEST_ID: "3", "http.url": "x"},
                    name="MCP send tools/call fetch", error=True)
     healthy = _span(7, {sc.MCP_METHOD_NAME: "tools/call", sc.GEN_AI_TOOL_NAME: "fetch"},
@@ -83,11 +86,9 @@ def test_rules_read_sdk_spans_become_operations_healthy_ones_are_counted_model_s
     assert isinstance(operation, Operation)
     assert (operation.role, operation.method, operation.tool, operation.timed_out, operation.trace_id) == (
         sc.ROLE_CLIENT, "tools/call", "fetch", True, (1).to_bytes(16, "big").hex())
-    assert isinstance(stream, ModelSpan)
-    assert dict(stream.attributes) == {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post",
-                                       sc.END_REASON: sc.END_DROPPED, sc.PENDING_REQUEST_IDS: ("3",),
-                                       sc.EVENTS_COUNT: 2}
-    assert stream.exception_types == ("TimeoutError",)
+    assert isinstance(stream, StreamEnd)
+    assert (stream.at.role, stream.kind, stream.reason, stream.pending_ids, stream.events) == (
+        sc.ROLE_CLIENT, "post", sc.END_DROPPED, ("3",), 2)
     assert isinstance(counts, OperationCounts) and counts.taken == 2  # the healthy span, and the one outside
     ((key, (buckets, last)),) = counts.counts.items()
     assert key == (sc.ROLE_SERVER, "tools/call", "fetch", "", None, None)
@@ -164,14 +165,15 @@ def test_the_memo_of_sdk_span_labels_is_bounded_in_entries_and_in_the_bytes_of_e
 
 
 def test_a_batch_decoded_in_runs_of_spans_yields_every_span_once_in_order() -> None:
-    spans = [_span(i, {sc.SPAN: sc.SPAN_STREAM, "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER)
+    spans = [_span(i, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_SERVER, sc.STREAM_KIND: "get",
+                       sc.END_REASON: sc.END_CLEAN, "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER)
              for i in range(0, 200, 2)]
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans[:60]),
                                                                                     ScopeSpans(spans=spans[60:])])])
     batch = decode_protobuf(request.SerializeToString(), IngestLimits(max_span_bytes=4096))  # runs of ~4 spans
     read = list(batch.spans)
     assert batch.count == len(read) == 100
-    assert [r.span_id for r in read if isinstance(r, ModelSpan)] == [s.span_id.hex() for s in spans]
+    assert [r.at.span_id for r in read if isinstance(r, StreamEnd)] == [s.span_id.hex() for s in spans]
 
 
 def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
@@ -184,17 +186,23 @@ def test_a_sdk_span_that_breaks_the_model_is_refused_with_its_reason() -> None:
 def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same() -> None:
     from mcp_stream_exporter.detector import otlp as ingest
 
-    ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX + 100)] + ["r" * 300, "request-1"]
-    spans = [_span(2 * i, {sc.SPAN: sc.SPAN_STREAM, sc.PENDING_REQUEST_IDS: [request_id] * (1 + i % 40),
-                           sc.EVENT_LAST_ID: request_id}, exception=None) for i, request_id in enumerate(ids)]
-    read = [s for s in decode_protobuf(_request(*spans), IngestLimits()).spans if isinstance(s, ModelSpan)]
-    assert [(s.attributes[sc.PENDING_REQUEST_IDS], s.attributes[sc.EVENT_LAST_ID]) for s in read] == [
-        ((request_id,) * (1 + i % 40), request_id) for i, request_id in enumerate(ids)]
-    assert 0 < len(ingest._MODEL_VALUES) <= ingest._MODEL_VALUES_MAX
-    assert all(len(encoded) <= ingest._MODEL_VALUE_MAX_BYTES for encoded in ingest._MODEL_VALUES)
+    ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX[str] + 100)] + ["r" * 300, "request-1"]
+    stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
+    spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id] * (1 + i % 40), sc.EVENT_LAST_ID: request_id,
+                           sc.EVENTS_COUNT: i}, exception=None) for i, request_id in enumerate(ids)]
+    read = list(decode_protobuf(_request(*spans), IngestLimits()).spans)
+    expected = [((request_id,) * (1 + i % 40), request_id, i) for i, request_id in enumerate(ids)]
+    del expected[-2]  # its ids are longer than the readers take: read one value at a time, and refused
+    assert [(e.pending_ids, e.last_event_id, e.events) for e in read if isinstance(e, StreamEnd)] == expected
+    assert [s.span_id for s in read if isinstance(s, ModelSpan)] == [spans[-2].span_id.hex()]
+    _, outcome = Detector().read(decode_protobuf(_request(spans[-2]), IngestLimits()).spans, "otlp_http")
+    assert outcome.rejected == {f"{sc.PENDING_REQUEST_IDS} longer than 256 characters": 1}
+    for kind, memo in ingest._MODEL_VALUES.items():
+        assert 0 < len(memo) <= ingest._MODEL_VALUES_MAX[kind]
+        assert all(len(encoded) <= ingest._MODEL_VALUE_MAX_BYTES and type(value) is kind
+                   for encoded, value in memo.items())
     # an array decodes to more than its bytes: only a few values are kept
-    assert all(len(value) <= ingest._MODEL_VALUE_MAX_ITEMS for value in ingest._MODEL_VALUES.values()
-               if isinstance(value, tuple))
+    assert all(len(value) <= ingest._MODEL_VALUE_MAX_ITEMS for value in ingest._MODEL_VALUES[tuple].values())
 
 
 def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -> None:
@@ -207,7 +215,7 @@ def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -
     assert isinstance(reader, Iterator)
     model = 0
     for read in reader:
-        if isinstance(read, ModelSpan):  # each in its own run, after an SDK span's run
+        if not isinstance(read, OperationCounts):  # a model span, each in its own run, after an SDK span's run
             model += 1
             held = [x for _, last in reader.gi_frame.f_locals["tallies"].values() for x in last]  # type: ignore[attr-defined]
             assert all(x is None or type(x) is tuple for x in held)
@@ -215,10 +223,12 @@ def test_exemplars_of_a_batch_read_in_runs_hold_no_decoded_span_past_its_run() -
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (payloads under 16 KiB)."""
-    size = len(payload)
-    length = bytes([size]) if size < 0x80 else bytes([size & 0x7F | 0x80, size >> 7])
-    return bytes([number << 3 | 2]) + length + payload
+    """A length-delimited protobuf field."""
+    size, length = len(payload), bytearray()
+    while size >= 0x80:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    return bytes([number << 3 | 2]) + bytes(length) + bytes([size]) + payload
 
 
 def test_a_status_sent_in_two_parts_is_read_merged_as_protobuf_reads_it() -> None:
@@ -270,13 +280,164 @@ def test_a_tool_that_decodes_to_no_string_lets_the_name_say_it_whatever_its_firs
 
 def test_the_spans_of_one_call_share_their_trace_id_and_id_lists_with_what_the_ledger_keeps() -> None:
     """What the ledger keeps of a span is shared, not copied a span (memory a tracked call)."""
-    from mcp_stream_exporter.detector.events import StreamEnd, lifecycle
-
     common = {sc.ROLE: sc.ROLE_CLIENT, sc.ERA: sc.ERA_RESUMABLE, sc.MCP_SESSION_ID: "s-1", sc.STREAM_KIND: "post",
               sc.END_REASON: sc.END_DROPPED, sc.PENDING_REQUEST_IDS: ["3"], sc.STREAM_REQUEST_IDS: ["3"]}
     first, second = (_span(1, {sc.SPAN: sc.SPAN_STREAM, **common}, exception=None) for _ in range(2))
     second.span_id = (9).to_bytes(8, "big")
-    a, b = (lifecycle(s) for s in decode_protobuf(_request(first, second), IngestLimits()).spans)
+    a, b = decode_protobuf(_request(first, second), IngestLimits()).spans
     assert isinstance(a, StreamEnd) and isinstance(b, StreamEnd)
     assert a.at.trace_id is b.at.trace_id
     assert a.pending_ids is b.pending_ids is a.request_ids
+
+
+def _model_span_variants(n: int) -> list[Span]:
+    """Model spans of the three kinds, valid and broken in every way a reader checks: missing or unknown
+    values, values of the wrong type, too long, token-shaped, with no value, ints as strings, bad ids or times."""
+    rng = random.Random(7)
+    resources = ["https://mcp.example.com/fetch"]
+    base = {
+        sc.SPAN_STREAM: {sc.STREAM_KIND: "resume", sc.END_REASON: sc.END_CLEAN, sc.RESUME_CURSOR: "6",
+                         sc.PENDING_REQUEST_IDS: ["3"], sc.STREAM_REQUEST_IDS: ["3"], sc.EVENTS_COUNT: 0,
+                         sc.HTTP_RESPONSE_STATUS_CODE: 200, sc.AUTH_AUDIENCE: ["https://mcp.example.com/search"],
+                         sc.AUTH_FINGERPRINT: "0123456789abcdef", sc.REQUIRED_RESOURCES: resources},
+        sc.SPAN_CALL: {sc.JSONRPC_REQUEST_ID: "3", sc.CALL_OUTCOME: sc.OUTCOME_CANCELLED, sc.GEN_AI_TOOL_NAME: "fetch",
+                       sc.REQUIRED_RESOURCES: resources, sc.TERMINAL_EVENT_ID: "3_1", sc.CALL_ARGUMENTS_HASH: "ab"},
+        sc.SPAN_REPLAY: {sc.RESUME_CURSOR: "6", sc.REPLAY_DECISION: sc.REPLAY_TRUNCATED, sc.REPLAY_BUFFERED: 4,
+                         sc.REPLAY_SENT: 0, sc.REPLAY_OFFENDING_EVENT_ID: "8", sc.AUTH_SCOPES: ["read"],
+                         sc.REQUIRED_SCOPES: ["read", "write"], sc.AUTH_AUDIENCE: resources},
+    }
+    bad = ["x" * 300, "Bearer s3cr3t-token", "eyJhbGciOi.eyJzdWIi.sig", 7, "12", "twelve", "", ["a", "b"], ["y" * 300],
+           ["z"] * 300, AnyValue(), AnyValue(bool_value=True), AnyValue(double_value=1.5), AnyValue(int_value=-1),
+           AnyValue(array_value=ArrayValue(values=[AnyValue(int_value=4), AnyValue(string_value="4")])),
+           AnyValue(array_value=ArrayValue(values=[AnyValue(bool_value=False)])), "proxy", "stateless", None]
+    keys = sorted({key for attributes in base.values() for key in attributes} | {
+        sc.SPAN, sc.ROLE, sc.ERA, sc.MCP_SESSION_ID, sc.AUTH_VERIFICATION, sc.AUTH_MISSING_RESOURCES,
+        sc.AUTH_MISSING_SCOPES, sc.ERROR_FRAMES_COUNT, sc.REPLAY_FOREIGN_EVENT_IDS, sc.GUARD_DECISION})
+    spans = []
+    for i in range(n):
+        model = (sc.SPAN_STREAM, sc.SPAN_CALL, sc.SPAN_REPLAY)[i % 3]
+        attributes: dict[str, Any] = {sc.SPAN: model, sc.ROLE: sc.ROLE_CLIENT, sc.ERA: sc.ERA_RESUMABLE,
+                                      sc.MCP_SESSION_ID: f"session-{i % 5}", **base[model]}
+        for _ in range(rng.choice((0, 0, 1, 1, 2, 3))):
+            key, value = rng.choice(keys), rng.choice(bad)
+            if value is None:
+                attributes.pop(key, None)
+            else:
+                attributes[key] = value
+        span = _span(2 * i, attributes, exception=None)
+        if i % 17 == 0:
+            span.end_time_unix_nano = span.start_time_unix_nano - 1
+        if i % 19 == 0:
+            span.trace_id = bytes(20)
+        if i % 2:
+            span.parent_span_id = (i + 5).to_bytes(8, "big")
+        spans.append(span)
+    return spans
+
+
+@pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
+def test_a_model_span_read_at_once_is_the_event_or_refusal_of_reading_it_value_by_value(scope: str) -> None:
+    """Model spans whose values are all as the readers take them become their events straight from the
+    encoded values (in the hooks' scope, from whole encoded attributes); any other is read one value at a
+    time. Either way, the same event or the same reason as reading every value of the span and then the
+    span (``lifecycle``), for every kind of break."""
+    spans = _model_span_variants(600)
+    origin = "Bearer s3cr3t " + "o" * 300  # cut, then redacted: as every model span's origin is
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource=Resource(attributes=[_kv("service.name", origin)]),
+        scope_spans=[ScopeSpans(scope=InstrumentationScope(name=scope), spans=spans)])])
+    expected: list[Any] = []
+    for s in spans:
+        span = ModelSpan(trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
+                         parent_span_id=s.parent_span_id.hex() or None, name=s.name, kind="client",
+                         start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                         attributes={kv.key: _value(kv.value) for kv in s.attributes},
+                         origin=redact(origin[:MAX_CHARS]))
+        try:
+            expected.append(lifecycle(span))
+        except Rejected as rejected:
+            expected.append(str(rejected))
+    outside = expected.count(None)  # its mcp_stream.span taken away: counted, not read
+    expected = [e for e in expected if e is not None]
+    biggest = max(len(s.SerializeToString()) for s in spans)
+    for limits in (IngestLimits(), IngestLimits(), IngestLimits(max_span_bytes=biggest)):  # again from the memos;
+        read: list[Any] = []  # in runs of a span or two (after a span of no model, the rest of a run is read apart)
+        for r in decode_protobuf(request.SerializeToString(), limits).spans:
+            try:
+                read.append(lifecycle(r) if isinstance(r, ModelSpan) else str(r) if isinstance(r, Rejected) else r)
+            except Rejected as rejected:
+                read.append(str(rejected))
+        assert read[:-1] == expected
+        assert isinstance(read[-1], OperationCounts) and read[-1].taken == outside
+    taken = [e for e in expected if not isinstance(e, str)]
+    assert 100 < len(taken) < len(expected)  # both ways are tried
+    assert all("s3cr3t" not in repr(memo) for memo in (otlp._MODEL_VALUES, otlp._LABELS, otlp._KEY_VALUES,
+                                                         otlp._NOT_READ))
+
+
+def _read_all(body: bytes, limits: IngestLimits) -> tuple[list[Any], dict[str, int], int]:
+    events, outcome = Detector().read(decode_protobuf(body, limits).spans, "otlp_http")
+    return ([(e.taken, e.counts) if isinstance(e, OperationCounts) else e for e in events], outcome.rejected,
+            outcome.accepted)
+
+
+def test_any_span_in_the_hooks_scope_is_read_as_in_any_other_scope() -> None:
+    """The hooks' scope is read from its encoded attributes; a span there that is no model span (the SDK's,
+    one outside the model, one whose mcp_stream.span has no value) is read as any other scope's, and so is
+    the whole batch: the same events, counts, exemplars and refusals."""
+    spans = [*_model_span_variants(120), *_varied_sdk_spans(120),
+             _span(9001, {sc.SPAN: AnyValue(), sc.MCP_METHOD_NAME: "tools/call", sc.ERROR_TYPE: "-32001"}),
+             _span(9003, {sc.SPAN: AnyValue(kvlist_value={}), sc.ROLE: sc.ROLE_CLIENT}), _span(9005, {"x": "y"})]
+    for i, span in enumerate(spans):
+        span.attributes.append(_kv("mcp_stream.unread", f"value-{i % 7}"))  # a key the model does not read
+
+    def value(text: str) -> bytes:
+        return AnyValue(string_value=text).SerializeToString()
+
+    odd = [  # KeyValues in shapes an encoder may send and upb reads alike
+        _field(2, value("tools/call")) + _field(1, sc.MCP_METHOD_NAME.encode()),  # the value first
+        _field(1, sc.ERROR_TYPE.encode()),  # no value
+        _field(1, sc.END_REASON.encode()) + _field(2, value("r" * 200)),  # a value's length in two bytes
+        _field(1, b"x") + _field(1, sc.ROLE.encode()) + _field(2, value(sc.ROLE_SERVER)),  # the key twice
+        _field(1, sc.SPAN.encode()) + _field(2, value(sc.SPAN_CALL)),  # a key again: the last one counts
+    ]
+    encoded = [span.SerializeToString() + b"".join(_field(9, kv) for kv in odd[:i % 6]) for i, span in enumerate(spans)]
+
+    def body(scope: str) -> bytes:
+        return _field(1, _field(2, _field(1, _field(1, scope.encode())) + b"".join(_field(2, e) for e in encoded)))
+
+    for limits in (IngestLimits(), IngestLimits(max_span_bytes=max(map(len, encoded)))):  # runs of a span or two
+        ours, another = _read_all(body(sc.INSTRUMENTATION_NAME), limits), _read_all(body("another"), limits)
+        assert ours == another
+        assert len(ours[0]) > 50 and ours[1] and ours[2] > 100
+
+
+def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_values() -> None:
+    stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
+    ids = [f"request-{i}" for i in range(otlp._KEY_VALUES_MAX + 100)]
+    spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id], sc.STREAM_REQUEST_IDS: [request_id],
+                           "filler": "f" * (i % 200), "app.auth": f"Bearer s3cr3t{i % 3}",
+                           sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
+                   exception=None) for i, request_id in enumerate(ids)]
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+        scope=InstrumentationScope(name=sc.INSTRUMENTATION_NAME), spans=spans)])])
+    read = list(decode_protobuf(request.SerializeToString(), IngestLimits()).spans)
+    assert [(e.pending_ids, e.last_event_id) for e in read if isinstance(e, StreamEnd)] == [
+        ((request_id,), request_id) for i, request_id in enumerate(ids) if not i % 5]
+    assert all(e.pending_ids is e.request_ids for e in read if isinstance(e, StreamEnd))
+    assert 0 < len(otlp._KEY_VALUES) <= otlp._KEY_VALUES_MAX
+    assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._KEY_VALUES)
+    assert 0 < len(otlp._NOT_READ) <= otlp._NOT_READ_MAX  # the fillers, 200 of them, each of a key no reader reads
+    assert all(len(encoded) <= otlp._KEY_VALUE_MAX_BYTES for encoded in otlp._NOT_READ)
+    assert "s3cr3t" not in repr(otlp._KEY_VALUES) + repr(otlp._NOT_READ)
+
+
+@pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
+def test_an_attribute_key_that_is_not_utf8_is_refused_as_malformed_in_either_scope(scope: str) -> None:
+    model = _span(1, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT}, exception=None).SerializeToString()
+    bad_key = _field(9, _field(1, b"\xff\xfe") + _field(2, AnyValue(string_value="x").SerializeToString()))
+    name = _field(1, scope.encode())
+    body = _field(1, _field(2, _field(1, name) + _field(2, model + bad_key)))  # resource_spans -> scope_spans
+    with pytest.raises(IngestError) as refused:
+        list(decode_protobuf(body, IngestLimits()).spans)
+    assert refused.value.status == 400

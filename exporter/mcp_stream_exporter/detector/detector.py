@@ -88,26 +88,35 @@ class Detector:
         self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
         self._on_finding = on_finding
 
-    def read(self, spans: Iterable[Span | Operation | OperationCounts],
+    def read(self, spans: Iterable[Span | Lifecycle | Rejected | OperationCounts],
              transport: str) -> tuple[list[Event], Outcome]:
         """Spans -> lifecycle events, without touching the ledger (no lock: callers may run it on
         their own thread). A span that breaks the span model is refused with its reason; spans
-        outside the model are taken and ignored. The SDK's request spans (as spans, already read by an
-        OTLP reader, or counted by it) are counted for the metrics in one :class:`OperationCounts` per
-        batch; only those that rules read (``read_by_rules``) are events."""
+        outside the model are taken and ignored. An OTLP reader may hand over a span already read: its
+        event, or its refusal. The SDK's request spans (as spans, already read by an OTLP reader, or
+        counted by it) are counted for the metrics in one :class:`OperationCounts` per batch; only those
+        that rules read (``read_by_rules``) are events."""
         events: list[Event] = []
         counts = OperationCounts()
         outcome = Outcome()
+        rejected = outcome.rejected
         for span in spans:
-            if isinstance(span, OperationCounts):
+            if isinstance(span, Span):
+                try:
+                    event = lifecycle(span)
+                except Rejected as refused:
+                    reason = str(refused)
+                    rejected[reason] = rejected.get(reason, 0) + 1
+                    continue
+            elif isinstance(span, OperationCounts):
                 counts.merge(span)
                 continue
-            try:
-                event = span if isinstance(span, Operation) else lifecycle(span)
-            except Rejected as rejected:
-                reason = str(rejected)
-                outcome.rejected[reason] = outcome.rejected.get(reason, 0) + 1
+            elif isinstance(span, Rejected):
+                reason = str(span)
+                rejected[reason] = rejected.get(reason, 0) + 1
                 continue
+            else:
+                event = span
             if type(event) is Operation:
                 counts.add(event)
                 if read_by_rules(event):
@@ -146,7 +155,8 @@ class Detector:
             self.ledger.account()
             self.metrics.flush()
 
-    def consume(self, spans: Iterable[Span | Operation], transport: str = "embedded") -> Outcome:
+    def consume(self, spans: Iterable[Span | Lifecycle | Rejected | OperationCounts],
+                transport: str = "embedded") -> Outcome:
         """Read and apply a batch on the caller's thread."""
         events, outcome = self.read(spans, transport)
         self.apply(events)

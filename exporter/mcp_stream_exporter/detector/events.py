@@ -8,7 +8,7 @@ cannot. Spans that are not part of the model and not the SDK's MCP spans are ign
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,17 +50,35 @@ class Span:
     origin: str = ""  # the emitting process: resource service.instance.id, else service.name
 
 
-# every attribute the readers below look at: an OTLP reader may skip the others without reading their values
-READ_KEYS = frozenset({
-    sc.SPAN, sc.ROLE, sc.ERA, sc.MCP_SESSION_ID, sc.STREAM_KIND, sc.END_REASON, sc.HTTP_RESPONSE_STATUS_CODE,
-    sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT,
-    sc.EVENT_FIRST_ID, sc.EVENT_LAST_ID, sc.RESUME_CURSOR, sc.GEN_AI_TOOL_NAME, sc.REQUIRED_RESOURCES,
-    sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION, sc.AUTH_MISSING_RESOURCES,
-    sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES, sc.JSONRPC_REQUEST_ID, sc.CALL_OUTCOME, sc.TERMINAL_EVENT_ID,
-    sc.TERMINAL_STREAM_KIND, sc.CALL_ARGUMENTS_HASH, sc.REPLAY_DECISION, sc.REPLAY_BUFFERED, sc.REPLAY_SENT,
-    sc.REPLAY_SENT_LAST_ID, sc.REPLAY_OFFENDING_EVENT_ID, sc.REPLAY_SKIPPED, sc.REPLAY_FOREIGN_EVENT_IDS,
-    sc.GUARD_DECISION, sc.MCP_METHOD_NAME, sc.ERROR_TYPE, sc.RPC_RESPONSE_STATUS_CODE,
-})
+# every attribute the span model's readers look at, by the type they take as it is (``clean``): an OTLP reader
+# may skip the others without reading their values
+MODEL_KEYS: dict[str, type] = {
+    **dict.fromkeys((sc.SPAN, sc.ROLE, sc.ERA, sc.MCP_SESSION_ID, sc.STREAM_KIND, sc.END_REASON, sc.EVENT_FIRST_ID,
+                     sc.EVENT_LAST_ID, sc.RESUME_CURSOR, sc.GEN_AI_TOOL_NAME, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION,
+                     sc.JSONRPC_REQUEST_ID, sc.CALL_OUTCOME, sc.TERMINAL_EVENT_ID, sc.TERMINAL_STREAM_KIND,
+                     sc.CALL_ARGUMENTS_HASH, sc.REPLAY_DECISION, sc.REPLAY_SENT_LAST_ID, sc.REPLAY_OFFENDING_EVENT_ID,
+                     sc.GUARD_DECISION), str),
+    **dict.fromkeys((sc.HTTP_RESPONSE_STATUS_CODE, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT, sc.REPLAY_BUFFERED,
+                     sc.REPLAY_SENT, sc.REPLAY_SKIPPED), int),
+    **dict.fromkeys((sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS, sc.REQUIRED_RESOURCES,
+                     sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE, sc.AUTH_MISSING_RESOURCES, sc.AUTH_MISSING_SCOPES,
+                     sc.AUTH_SCOPES, sc.REPLAY_FOREIGN_EVENT_IDS), tuple),
+}
+
+
+def clean(value: object, kind: type) -> bool:
+    """Whether the readers take ``value`` of a key of ``kind`` (``MODEL_KEYS``) as it is: nothing to coerce,
+    cut, redact or refuse. A reader of OTLP checks each encoded value once, and hands a span whose values
+    all are to :func:`model_event` unchecked."""
+    if value is None:
+        return True
+    if type(value) is not kind:
+        return False
+    if type(value) is str:
+        return len(value) <= MAX_CHARS and redact(value) == value
+    if type(value) is tuple:
+        return len(value) <= MAX_ITEMS and all(type(v) is str and clean(v, str) for v in value)
+    return True  # an int (not a bool: its type is not int)
 
 
 def origin_of(resource: Mapping[str, Any]) -> str:
@@ -195,20 +213,34 @@ def lifecycle(span: Span) -> Lifecycle | None:
 
     Raises :class:`Rejected` for a span that claims a place in the model but cannot hold it."""
     a = span.attributes
-    model = a.get(sc.SPAN)
-    if model is None:
+    if a.get(sc.SPAN) is None:
         return _operation(span) if sc.MCP_METHOD_NAME in a and span.kind != KIND_INTERNAL else None
+    return model_event(a, (span.trace_id, span.span_id, span.parent_span_id, span.start_ns, span.end_ns,
+                           cut_origin(span.origin)))
+
+
+# where a model span sits: its trace, span and parent span ids (hex), start, end, and origin (cut and redacted)
+Where = tuple[str, str, str | None, int, int, str]
+
+
+def model_event(a: Mapping[str, Any], where: Where, checked: bool = True) -> StreamEnd | CallEnd | Replay:
+    """The event of a model span (``mcp_stream.span`` set). ``checked=False`` is for a caller that found every
+    value of ``MODEL_KEYS`` in ``a`` ``clean``: the values are then taken as they are, with the same event
+    (or refusal) as checking each one, at a fraction of the cost.
+
+    Raises :class:`Rejected` for a span that cannot hold its place in the model."""
+    text, number, texts = _CHECKED if checked else _AS_THEY_ARE
+    model = a.get(sc.SPAN)
     if model == sc.SPAN_STREAM:
-        return _stream(span)
+        return _stream(a, where, text, number, texts)
     if model == sc.SPAN_CALL:
-        return _call(span)
+        return _call(a, where, text, texts)
     if model == sc.SPAN_REPLAY:
-        return _replay(span)
+        return _replay(a, where, text, number, texts)
     raise Rejected(f"unknown {sc.SPAN} {redact(str(model)[:MAX_CHARS])[:40]!r}")
 
 
-def _required(a: Mapping[str, Any], key: str) -> str:
-    value = _str(a, key)
+def _present(value: str | None, key: str) -> str:
     if value is None:
         raise Rejected(f"missing {key}")
     return value
@@ -274,27 +306,32 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
     return value if type(value) is tuple and all(map(operator.is_, items, value)) else tuple(items)
 
 
-def _common(span: Span) -> Common:
-    a = span.attributes
-    role = _required(a, sc.ROLE)
+# a reader of one attribute, (attributes, key) -> value: checked (``_str``, ``_int``, ``_strs``), or as it is
+_Get = Callable[[Any, str], Any]
+_CHECKED: tuple[_Get, _Get, _Get] = (_str, _int, _strs)
+_AS_THEY_ARE: tuple[_Get, _Get, _Get] = (dict.get, dict.get, dict.get)
+
+
+def _common(a: Mapping[str, Any], where: Where, text: _Get) -> Common:
+    role = _present(text(a, sc.ROLE), sc.ROLE)
     if role not in (sc.ROLE_CLIENT, sc.ROLE_SERVER):
         raise Rejected(f"{sc.ROLE} must be client or server")
-    era = _str(a, sc.ERA) or sc.ERA_RESUMABLE
+    era = text(a, sc.ERA) or sc.ERA_RESUMABLE
     if era not in (sc.ERA_RESUMABLE, sc.ERA_STATELESS):
         raise Rejected(f"{sc.ERA} must be resumable or stateless")
-    session_id = _str(a, sc.MCP_SESSION_ID)
-    if span.end_ns < span.start_ns:
+    session_id = text(a, sc.MCP_SESSION_ID)
+    trace_id, span_id, parent_span_id, start_ns, end_ns, origin = where
+    if end_ns < start_ns:
         raise Rejected("span ends before it starts")
-    if (len(span.trace_id) > _MAX_TRACE_ID or len(span.span_id) > _MAX_SPAN_ID
-            or len(span.parent_span_id or "") > _MAX_SPAN_ID):
+    if len(trace_id) > _MAX_TRACE_ID or len(span_id) > _MAX_SPAN_ID or len(parent_span_id or "") > _MAX_SPAN_ID:
         raise Rejected("trace or span id longer than 16 or 8 bytes")
-    return Common(role, era, session_id or f"trace:{span.trace_id}", session_id, span.trace_id, span.span_id,
-                  span.start_ns, span.end_ns, _origin(span))
+    return Common(role, era, session_id or f"trace:{trace_id}", session_id, trace_id, span_id, start_ns, end_ns,
+                  origin)
 
 
-def _origin(span: Span) -> str:
+def cut_origin(origin: str) -> str:
     """The emitting process, cut (not refused: it is the resource's, shared by every span of a batch)."""
-    return redact(span.origin[:MAX_CHARS])
+    return redact(origin[:MAX_CHARS])
 
 
 _TOKEN_KEYS = (sc.AUTH_AUDIENCE, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION, sc.AUTH_MISSING_RESOURCES,
@@ -302,61 +339,58 @@ _TOKEN_KEYS = (sc.AUTH_AUDIENCE, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION, sc.A
 _NO_TOKEN = Token()  # shared by every event whose span says nothing of a token (no reader changes a Token)
 
 
-def _token(a: Mapping[str, Any]) -> Token:
+def _token(a: Mapping[str, Any], text: _Get, texts: _Get) -> Token:
     if a.keys().isdisjoint(_TOKEN_KEYS):
         return _NO_TOKEN  # most spans (a POST, a call's end): nothing to read, and no Token a timeline keeps each
-    audience = _strs(a, sc.AUTH_AUDIENCE)
-    fingerprint = _str(a, sc.AUTH_FINGERPRINT)
-    if _str(a, sc.AUTH_VERIFICATION) in _UNKNOWN_AUDIENCE:
+    audience = texts(a, sc.AUTH_AUDIENCE) or ()
+    fingerprint = text(a, sc.AUTH_FINGERPRINT)
+    if text(a, sc.AUTH_VERIFICATION) in _UNKNOWN_AUDIENCE:
         return Token(audience, fingerprint)
-    missing_resources = _strs(a, sc.AUTH_MISSING_RESOURCES)
-    missing_scopes = _strs(a, sc.AUTH_MISSING_SCOPES)
+    missing_resources = texts(a, sc.AUTH_MISSING_RESOURCES) or ()
+    missing_scopes = texts(a, sc.AUTH_MISSING_SCOPES) or ()
     if sc.AUTH_AUDIENCE in a and sc.AUTH_MISSING_RESOURCES not in a:
         held = canonical_resources(audience)
-        missing_resources = tuple(sorted(canonical_resources(_strs(a, sc.REQUIRED_RESOURCES)) - held))
+        missing_resources = tuple(sorted(canonical_resources(texts(a, sc.REQUIRED_RESOURCES) or ()) - held))
     if sc.AUTH_SCOPES in a and sc.AUTH_MISSING_SCOPES not in a:
-        missing_scopes = tuple(sorted(set(_strs(a, sc.REQUIRED_SCOPES)) - set(_strs(a, sc.AUTH_SCOPES))))
+        missing_scopes = tuple(sorted(set(texts(a, sc.REQUIRED_SCOPES) or ()) - set(texts(a, sc.AUTH_SCOPES) or ())))
     return Token(audience, fingerprint, missing_resources, missing_scopes)
 
 
-def _stream(span: Span) -> StreamEnd:
-    a = span.attributes
-    kind = _required(a, sc.STREAM_KIND)
-    reason = _required(a, sc.END_REASON)
+def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts: _Get) -> StreamEnd:
+    kind = _present(text(a, sc.STREAM_KIND), sc.STREAM_KIND)
+    reason = _present(text(a, sc.END_REASON), sc.END_REASON)
     return StreamEnd(
-        _common(span), kind, reason, _int(a, sc.HTTP_RESPONSE_STATUS_CODE),
-        _strs(a, sc.STREAM_REQUEST_IDS), _strs(a, sc.PENDING_REQUEST_IDS), _strs(a, sc.TERMINAL_REQUEST_IDS),
-        _int(a, sc.EVENTS_COUNT) or 0, _int(a, sc.ERROR_FRAMES_COUNT) or 0,
-        _str(a, sc.EVENT_FIRST_ID), _str(a, sc.EVENT_LAST_ID), _str(a, sc.RESUME_CURSOR),
-        _str(a, sc.GEN_AI_TOOL_NAME), _strs(a, sc.REQUIRED_RESOURCES), _token(a),
+        _common(a, where, text), kind, reason, number(a, sc.HTTP_RESPONSE_STATUS_CODE),
+        texts(a, sc.STREAM_REQUEST_IDS) or (), texts(a, sc.PENDING_REQUEST_IDS) or (),
+        texts(a, sc.TERMINAL_REQUEST_IDS) or (), number(a, sc.EVENTS_COUNT) or 0, number(a, sc.ERROR_FRAMES_COUNT) or 0,
+        text(a, sc.EVENT_FIRST_ID), text(a, sc.EVENT_LAST_ID), text(a, sc.RESUME_CURSOR),
+        text(a, sc.GEN_AI_TOOL_NAME), texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts),
     )
 
 
-def _call(span: Span) -> CallEnd:
-    a = span.attributes
-    request_id = _required(a, sc.JSONRPC_REQUEST_ID)
-    outcome = _required(a, sc.CALL_OUTCOME)
-    return CallEnd(_common(span), request_id, _str(a, sc.GEN_AI_TOOL_NAME), outcome,
-                   _strs(a, sc.REQUIRED_RESOURCES), _token(a), _str(a, sc.TERMINAL_EVENT_ID), span.parent_span_id,
-                   _str(a, sc.TERMINAL_STREAM_KIND), _str(a, sc.CALL_ARGUMENTS_HASH))
+def _call(a: Mapping[str, Any], where: Where, text: _Get, texts: _Get) -> CallEnd:
+    request_id = _present(text(a, sc.JSONRPC_REQUEST_ID), sc.JSONRPC_REQUEST_ID)
+    outcome = _present(text(a, sc.CALL_OUTCOME), sc.CALL_OUTCOME)
+    return CallEnd(_common(a, where, text), request_id, text(a, sc.GEN_AI_TOOL_NAME), outcome,
+                   texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts), text(a, sc.TERMINAL_EVENT_ID),
+                   where[2], text(a, sc.TERMINAL_STREAM_KIND), text(a, sc.CALL_ARGUMENTS_HASH))
 
 
-def _replay(span: Span) -> Replay:
-    a = span.attributes
-    cursor = _required(a, sc.RESUME_CURSOR)
-    decision = _required(a, sc.REPLAY_DECISION)
+def _replay(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts: _Get) -> Replay:
+    cursor = _present(text(a, sc.RESUME_CURSOR), sc.RESUME_CURSOR)
+    decision = _present(text(a, sc.REPLAY_DECISION), sc.REPLAY_DECISION)
     return Replay(
-        _common(span), cursor, _str(a, sc.JSONRPC_REQUEST_ID), decision,
-        _int(a, sc.REPLAY_BUFFERED) or 0, _int(a, sc.REPLAY_SENT) or 0, _str(a, sc.REPLAY_SENT_LAST_ID),
-        _str(a, sc.REPLAY_OFFENDING_EVENT_ID), _int(a, sc.REPLAY_SKIPPED) or 0,
-        _strs(a, sc.REPLAY_FOREIGN_EVENT_IDS), _str(a, sc.GUARD_DECISION), _strs(a, sc.REQUIRED_RESOURCES),
-        _token(a),
+        _common(a, where, text), cursor, text(a, sc.JSONRPC_REQUEST_ID), decision,
+        number(a, sc.REPLAY_BUFFERED) or 0, number(a, sc.REPLAY_SENT) or 0, text(a, sc.REPLAY_SENT_LAST_ID),
+        text(a, sc.REPLAY_OFFENDING_EVENT_ID), number(a, sc.REPLAY_SKIPPED) or 0,
+        texts(a, sc.REPLAY_FOREIGN_EVENT_IDS) or (), text(a, sc.GUARD_DECISION), texts(a, sc.REQUIRED_RESOURCES) or (),
+        _token(a, text, texts),
     )
 
 
 def _operation(span: Span) -> Operation:
     return operation(span.kind, span.name, span.attributes, span.exception_types, span.error, span.trace_id,
-                     span.span_id, span.start_ns, span.end_ns, _origin(span))
+                     span.span_id, span.start_ns, span.end_ns, cut_origin(span.origin))
 
 
 def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple[str, ...], error: bool,
