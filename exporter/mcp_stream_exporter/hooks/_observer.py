@@ -234,8 +234,8 @@ class WireObserver:
         if asked.protocol_version is not None:
             ex.protocol_version = asked.protocol_version
         if asked.calls:
-            started = {call.key[1] for call in ex.calls}  # by the SDK's middleware
-            ex.calls.extend(self._start_call(ex, msg) for msg in asked.calls if msg.id not in started)
+            started = {call.key[1] for call in ex.calls} if ex.calls else ()  # by the SDK's middleware
+            ex.calls += [self._start_call(ex, msg) for msg in asked.calls if msg.id not in started]
         for request_id in asked.cancelled:
             self.tracker.cancel((ex.scope.session_id, request_id))
 

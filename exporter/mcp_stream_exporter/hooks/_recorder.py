@@ -18,7 +18,7 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView
-from mcp_stream_exporter.exchange import request_id_of, stream_id_of
+from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID, request_id_of, stream_id_of
 from mcp_stream_exporter.hooks._tracking import (
     Call,
     Requirements,
@@ -69,12 +69,11 @@ class StoreRecorder:
         self._stream_of_event[(session_id, event_id)] = (stream_id, self._store_order)
         while len(self._stream_of_event) > self._max_streams * 10:
             self._stream_of_event.popitem(last=False)
-        owner = request_id_of(stream_id)
-        if request_id is not None and owner is not None:
-            call = self.tracker.call((session_id, owner))
+        if request_id is not None and stream_id != STANDALONE_STREAM_ID:  # a request's stream: ``request_id_of``
+            call = self.tracker.call((session_id, stream_id))
             if call is not None:
                 call.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
-                if request_id == owner:
+                if request_id == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
                     self.tracker.stored(call, event_id, _outcome(message))
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:

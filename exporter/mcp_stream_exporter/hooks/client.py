@@ -293,7 +293,11 @@ def _picked(headers: httpx2.Headers, names: frozenset[bytes]) -> dict[str, str]:
     """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
     (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
     name lowered and hashed again, on every request and response."""
-    return {key.decode("latin-1"): value.decode("latin-1") for _, key, value in headers._list if key in names}
+    picked = {}
+    for _, key, value in headers._list:  # a loop, not a comprehension: that would be one more call
+        if key in names:
+            picked[key.decode("latin-1")] = value.decode("latin-1")
+    return picked
 
 
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
