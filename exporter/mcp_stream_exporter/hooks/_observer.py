@@ -104,9 +104,15 @@ class _Exchange:
             return frames
         for chunk, seen in held:
             for frame in parser.feed(chunk):
-                messages = classify_frame(frame.data) if frame.data else ()
-                _refusals(self.calls, messages)
-                frames.append((frame, messages, seen))
+                if frame.data:
+                    messages = classify_frame(frame.data)
+                    for msg in messages:
+                        if msg.error_code is not None:
+                            _refusals(self.calls, messages)
+                            break
+                    frames.append((frame, messages, seen))
+                else:
+                    frames.append((frame, (), seen))
         return frames
 
 
@@ -319,6 +325,19 @@ class WireObserver:
         self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
+        held = ex.held
+        if held is not None:  # a held stream (``_on_response_start``): its chunks kept, read at its end
+            stream = ex.stream
+            assert stream is not None
+            chunk = message.get("body", b"")
+            if chunk:
+                held.append((chunk, time.time_ns()))
+                ex.held_bytes += len(chunk)
+                if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+                    self.tracker.follow(stream)
+            if not message.get("more_body", False):
+                self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
+            return
         stream = ex.stream
         if stream is None:
             if ex.deferred:
@@ -327,14 +346,7 @@ class WireObserver:
         if stream.ended:
             return
         chunk = message.get("body", b"")
-        held = ex.held
-        if held is not None:
-            if chunk:
-                held.append((chunk, time.time_ns()))
-                ex.held_bytes += len(chunk)
-                if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-                    self.tracker.follow(stream)
-        elif ex.parser is not None:
+        if ex.parser is not None:
             for frame in ex.parser.feed(chunk) if chunk else ():
                 self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
         elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:

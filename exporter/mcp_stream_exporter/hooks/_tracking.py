@@ -435,6 +435,7 @@ class Stream(_Deferred):
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+_TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})  # ``WireMessage.is_terminal``
 Terminal = tuple[str, str | None]  # where a call's terminal event came: the stream's kind, the event's id
 
 
@@ -610,8 +611,9 @@ class Tracker:
             call.held_on = stream
         held = self._held.get(stream.session_id)
         if held is None:
-            held = self._held[stream.session_id] = {}
-        held[stream] = None
+            self._held[stream.session_id] = {stream: None}
+        else:
+            held[stream] = None
 
     def follow(self, stream: Stream) -> None:
         """Read what ``stream``'s side held as it would have been read had it been followed from its start;
@@ -627,11 +629,10 @@ class Tracker:
         for call in stream.calls:
             if call.held_on is stream:
                 call.held_on = None
-        held = self._held.get(stream.session_id)
-        if held is not None:
-            held.pop(stream, None)
-            if not held:
-                del self._held[stream.session_id]
+        held = self._held[stream.session_id]
+        del held[stream]
+        if not held:
+            del self._held[stream.session_id]
         return holder.read_held()
 
     def _unhold(self, call: Call) -> None:
@@ -648,24 +649,28 @@ class Tracker:
             return False
         session_id, calls = stream.session_id, stream.calls
         delivered: list[tuple[Call, WireMessage, str | None]] = []
-        answered: set[str] = set()
         for frame, messages, _ in frames:
-            if frame is not None and (frame.event or "message") != "message":
-                if frame.event == "error":
+            event = frame.event if frame is not None else None
+            if event and event != "message":
+                if event == "error":
                     return False
                 continue  # another event type: a frame event, nothing more (``frame``)
             for msg in messages:
-                if msg.id is None or not msg.is_terminal:
+                if msg.id is None or msg.kind not in _TERMINAL_KINDS:
                     continue
+                key = (session_id, msg.id)
                 for call in calls:
-                    if call.key == (session_id, msg.id):
+                    if call.key == key:
                         break
                 else:
                     return False  # another call's result on this stream
                 delivered.append((call, msg, frame.id if frame is not None else None))
-                answered.add(msg.id)
-        for call in calls:
-            if not call.done and call.key[1] not in answered:
+        if len(calls) == 1:
+            if not (calls[0].done or delivered):
+                return False
+        else:
+            answered = {call.key for call, _, _ in delivered}
+            if any(not call.done and call.key not in answered for call in calls):
                 return False
         for call, msg, event_id in delivered:
             if not call.done:

@@ -243,7 +243,7 @@ class _TapStream(httpx2.AsyncByteStream):
         for frame in parser.feed(chunk):
             messages = classify_frame(frame.data) if frame.data else ()
             held.append((frame, messages, seen))
-            if frame.event is None or frame.event == "message":  # what ``Tracker.frame`` reads messages of
+            if not frame.event or frame.event == "message":  # what ``Tracker.frame`` reads messages of
                 for msg in messages:
                     if msg.id is not None and msg.is_terminal:
                         self._tracker.deliver(stream, msg, frame.id)
