@@ -267,7 +267,7 @@ def _held_post(tracker, call, chunks):
     ex.parser, ex.held = SSEParser(), list(chunks)
     ex.calls.append(call)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
-    tracker.hold(stream, ex)
+    tracker.hold(stream, ex, resumable=True)
     return stream, ex
 
 

@@ -277,7 +277,7 @@ class WireObserver:
                 self._open(ex, content)
                 assert ex.stream is not None  # a POST carrying calls always has one
                 ex.held = []  # read at its end, or when something needs it (``Tracker.hold``)
-                self.tracker.hold(ex.stream, ex)
+                self.tracker.hold(ex.stream, ex, resumable=True)
                 return
         elif content == CONTENT_JSON:
             ex.json_body = bytearray()

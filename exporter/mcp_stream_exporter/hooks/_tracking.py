@@ -480,7 +480,8 @@ class Tracker:
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
         self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
-        self._held: dict[str | None, dict[Stream, None]] = {}  # held streams by session: what a resume reads first
+        # the server's held streams by session, what a resume reads first (``hold``)
+        self._held: dict[str | None, dict[Stream, None]] = {}
 
     # --- calls ---
 
@@ -603,15 +604,21 @@ class Tracker:
 
     # --- held streams ---
 
-    def hold(self, stream: Stream, holder: Holder) -> None:
+    def hold(self, stream: Stream, holder: Holder, *, resumable: bool) -> None:
         """``holder`` keeps what ``stream`` carries, unread, until it ends (``end_stream``) or something
-        needs it read (``follow``)."""
+        needs it read (``follow``). ``resumable``: a resume from one of its events may come before it
+        ends (the server's side: a client resumes before the server sees its POST drop), so a resume
+        in its session reads it first. Only then does the tracker keep it (the client's stream ends
+        before the SDK resumes from it, and the tracker must not keep one its side abandons)."""
         stream.holder = holder
         for call in stream.calls:
             call.held_on = stream
-        held = self._held.get(stream.session_id)
+        session_id = stream.session_id
+        if not resumable or session_id is None:  # no resume can need it first: nothing here keeps it
+            return
+        held = self._held.get(session_id)
         if held is None:
-            self._held[stream.session_id] = {stream: None}
+            self._held[session_id] = {stream: None}
         else:
             held[stream] = None
 
@@ -629,10 +636,11 @@ class Tracker:
         for call in stream.calls:
             if call.held_on is stream:
                 call.held_on = None
-        held = self._held[stream.session_id]
-        del held[stream]
-        if not held:
-            del self._held[stream.session_id]
+        held = self._held.get(stream.session_id)
+        if held is not None:
+            del held[stream]
+            if not held:
+                del self._held[stream.session_id]
         return holder.read_held()
 
     def _unhold(self, call: Call) -> None:

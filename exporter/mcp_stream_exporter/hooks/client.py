@@ -155,7 +155,7 @@ class ClientInstrumentation:
         tap = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE, status=status)
         if content == CONTENT_SSE and stream.kind == sc.STREAM_KIND_POST:
             tap.held = []  # its frames are read as they pass, and kept until it ends (``Tracker.hold``)
-            self.tracker.hold(stream, tap)
+            self.tracker.hold(stream, tap, resumable=False)
         response.stream = tap
         return response
 
