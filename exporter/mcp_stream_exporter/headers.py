@@ -15,9 +15,13 @@ def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes], *, lowered
     headers are latin-1. A repeated header keeps its last value. ``lowered``: the names in ``raw``
     are lower-case already, as ASGI requires of a server (and Starlette, so the MCP SDK, relies on)."""
     found: dict[str, str] = {}
+    if lowered:
+        for key, value in raw:
+            if key in names:
+                found[key.decode("latin-1")] = value.decode("latin-1")
+        return found
     for key, value in raw:
-        if not lowered:
-            key = key.lower()
+        key = key.lower()
         if key in names:
             found[key.decode("latin-1")] = value.decode("latin-1")
     return found

@@ -8,6 +8,7 @@ scope, and ``replay_events_after`` runs in the resuming GET's task and sees that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -24,17 +25,11 @@ class RequestScope:
 
 _current: ContextVar[RequestScope | None] = ContextVar("mcp_stream_request_scope", default=None)
 
-
-def current() -> RequestScope | None:
-    return _current.get()
-
-
-def bind(scope: RequestScope) -> Token[RequestScope | None]:
-    return _current.set(scope)
-
-
-def unbind(token: Token[RequestScope | None]) -> None:
-    _current.reset(token)
+# The context variable's own methods, not functions around them: the server's hooks read the scope on
+# every event stored and bind one to every request, and a call of ours around each is a Python frame.
+current: Callable[[], RequestScope | None] = _current.get
+bind: Callable[[RequestScope | None], Token[RequestScope | None]] = _current.set
+unbind: Callable[[Token[RequestScope | None]], None] = _current.reset
 
 
 @runtime_checkable

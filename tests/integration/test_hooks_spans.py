@@ -9,6 +9,7 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks._tracking import HOLD_BYTES
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
@@ -257,6 +258,22 @@ async def test_a_call_whose_body_and_result_come_in_many_pieces_is_tracked_to_it
         call = _call(found, role, "fetch")
         assert _attr(call, sc.AUTH_MISSING_RESOURCES) == (FETCH_RESOURCE,)
         assert _attr(call, sc.CALL_OUTCOME) == sc.OUTCOME_RESULT
+
+
+async def test_a_clean_call_whose_result_is_past_what_the_hooks_hold_is_followed_and_still_healthy():
+    """A POST's SSE stream is held and read at its end; a result larger than the hooks hold is followed
+    frame by frame from there on both sides, and the call is still the healthy path: no span of ours."""
+    url = "u" * (2 * HOLD_BYTES)
+    async with incident("legacy") as s:
+        result = await s.call("fetch", {"url": url})
+    assert result.content[0].text == f"contents of {url}"
+    found = spans()
+    assert ours(found, sc.SPAN_CALL) == []
+    assert {_attr(sp, sc.STREAM_KIND) for sp in ours(found, sc.SPAN_STREAM)} <= {sc.STREAM_KIND_GET,
+                                                                               sc.STREAM_KIND_DELETE}
+    (sdk_client,) = [sp for sp in found if sp.name == "MCP send tools/call fetch"]
+    assert _attr(sdk_client, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_POST
+    assert _attr(sdk_client, sc.TERMINAL_EVENT_ID) is not None
 
 
 async def _fetch_cut_after_the_answers_first_read() -> None:

@@ -11,8 +11,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.hooks._observer import _Exchange
 from mcp_stream_exporter.hooks._tracking import Tracker
-from mcp_stream_exporter.sse import SSEFrame
+from mcp_stream_exporter.scope import RequestScope
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import classify
 
 
@@ -249,3 +251,77 @@ def test_a_json_answer_to_a_call_that_already_deviated_is_followed_on_its_stream
     assert not tracker.answered([call, tracker.start_call(None, _request(2), None, ABSENT, stateless=True)],
                                 _response(1))
     assert not call.done
+
+
+def _sse(event_id, data="", event=None):
+    return render(SSEFrame(data, event, event_id))
+
+
+_PROGRESS = '{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}'
+_RESULT = '{"jsonrpc":"2.0","id":1,"result":{}}'
+
+
+def _held_post(tracker, call, chunks):
+    """A POST's SSE stream as the server's observer holds it: its chunks, each with when it was sent."""
+    ex = _Exchange("POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex.parser, ex.held = SSEParser(), list(chunks)
+    ex.calls.append(call)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.hold(stream, ex, resumable=True)
+    return stream, ex
+
+
+def test_a_held_stream_that_shows_the_healthy_path_ends_its_call_and_builds_nothing_else():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, _ = _held_post(tracker, call, [(_sse("e1"), 10), (_sse("e2", _RESULT), 20)])
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert call.done and stream.ended and call.open_streams == 0
+    assert exporter.get_finished_spans() == ()
+    assert (stream.events, stream.first_event_id, stream.terminal_ids) == (0, None, ())  # only a span needs them
+
+
+@pytest.mark.parametrize("reason", [sc.END_CLEAN, sc.END_DROPPED])
+def test_a_held_stream_that_deviates_is_read_as_if_followed_with_the_times_its_chunks_were_sent(reason):
+    chunks = [(_sse("e1"), 10), (_sse("e2", _PROGRESS)[:9], 20), (_sse("e2", _PROGRESS)[9:], 30)]
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, ex = _held_post(tracker, call, chunks)
+    tracker.end_stream(stream, reason, 200)
+    followed_tracker, followed_exporter = _tracker()
+    followed_call = followed_tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    followed = followed_tracker.open_stream(sc.STREAM_KIND_POST, "s", [followed_call], {}, ABSENT, 200)
+    parser = SSEParser()
+    for chunk, _ in chunks:
+        for frame in parser.feed(chunk):
+            followed_tracker.frame(followed, frame, classify(frame.data) if frame.data else ())
+    followed_tracker.end_stream(followed, reason, 200)
+    (held_span,), (followed_span,) = _by(exporter, sc.SPAN_STREAM), _by(followed_exporter, sc.SPAN_STREAM)
+    assert held_span.attributes == followed_span.attributes
+    assert held_span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert [(e.name, e.attributes) for e in held_span.events] == [(e.name, e.attributes) for e in followed_span.events]
+    assert [e.timestamp for e in held_span.events] == [10, 30]  # the chunk each frame was completed in
+    assert ex.held is None
+
+
+def test_a_resume_from_an_event_of_a_stream_still_held_reads_it_first_and_continues_its_call():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, ex = _held_post(tracker, call, [(_sse("e1"), 10)])
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    assert ex.held is None and stream.holder is None and stream.first_event_id == "e1"  # followed from now on
+    assert tracker.calls_of_cursor("other-session", "e1") == ()
+
+
+def test_a_cancel_or_eviction_after_the_result_was_held_leaves_the_call_answered():
+    tracker, exporter = _tracker(max_calls=1)
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, _ = _held_post(tracker, call, [(_sse("e1"), 10), (_sse("e2", _RESULT), 20)])
+    tracker.cancel(("s", "1"))
+    assert call.done and exporter.get_finished_spans() == ()  # its result came first: no cancelled span
+    other = tracker.start_call("s", _request(2), "2025-11-25", ABSENT, stateless=False)
+    _held_post(tracker, other, [(_sse("e3", '{"jsonrpc":"2.0","id":2,"result":{}}'), 30)])
+    tracker.start_call("s", _request(3), "2025-11-25", ABSENT, stateless=False)  # evicts 2, answered already
+    assert other.done and exporter.get_finished_spans() == ()
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert exporter.get_finished_spans() == ()

@@ -35,7 +35,10 @@ from mcp_stream_exporter.exchange import (
 )
 from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.hooks._tracking import (
+    HOLD_BYTES,
+    HOLD_PIECES,
     Call,
+    HeldFrame,
     Requirements,
     Stream,
     Tracker,
@@ -60,8 +63,8 @@ DECISION_UNKNOWN_TOOL = "unknown_tool"
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("body", "calls", "cursor", "deferred", "disconnected", "json_body", "method", "oversized", "parser",
-                 "protocol_version", "scope", "start_ns", "status", "stream", "unread")
+    __slots__ = ("body", "calls", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body", "method",
+                 "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream", "unread")
 
     def __init__(self, method: str, start_ns: int, cursor: str | None, scope: request_scope.RequestScope,
                  protocol_version: str | None) -> None:
@@ -76,6 +79,8 @@ class _Exchange:
         self.stream: Stream | None = None
         self.deferred = False  # a stateless call's JSON answer: its stream is opened only if it deviates
         self.parser: SSEParser | None = None
+        self.held: list[tuple[bytes, int]] | None = None  # a POST's SSE chunks and when each was sent, unread
+        self.held_bytes = 0
         self.json_body: bytearray | None = None
         self.status = 0
         self.disconnected = False
@@ -86,7 +91,29 @@ class _Exchange:
         ``receive`` and ``send`` (and the scope) are often in reference cycles, which only the garbage
         collector frees: what they reach would otherwise wait for it, and make its passes more frequent."""
         self.calls.clear()
-        self.stream = self.parser = self.json_body = self.unread = None
+        self.stream = self.parser = self.held = self.json_body = self.unread = None
+
+    def read_held(self) -> list[HeldFrame]:
+        """The SSE chunks held so far, parsed now, each frame with the time its chunk was sent; the
+        parser goes on from there with the chunks that follow (``Holder``). A refusal among them is
+        recorded on its call before anything reads them, as following them would have."""
+        held, self.held = self.held, None
+        parser = self.parser
+        frames: list[HeldFrame] = []
+        if held is None or parser is None:
+            return frames
+        for chunk, seen in held:
+            for frame in parser.feed(chunk):
+                if frame.data:
+                    messages = classify_frame(frame.data)
+                    for msg in messages:
+                        if msg.error_code is not None:
+                            _refusals(self.calls, messages)
+                            break
+                    frames.append((frame, messages, seen))
+                else:
+                    frames.append((frame, (), seen))
+        return frames
 
 
 class WireObserver:
@@ -213,8 +240,8 @@ class WireObserver:
         if asked.protocol_version is not None:
             ex.protocol_version = asked.protocol_version
         if asked.calls:
-            started = {call.key[1] for call in ex.calls}  # by the SDK's middleware
-            ex.calls.extend(self._start_call(ex, msg) for msg in asked.calls if msg.id not in started)
+            started = {call.key[1] for call in ex.calls} if ex.calls else ()  # by the SDK's middleware
+            ex.calls += [self._start_call(ex, msg) for msg in asked.calls if msg.id not in started]
         for request_id in asked.cancelled:
             self.tracker.cancel((ex.scope.session_id, request_id))
 
@@ -246,6 +273,12 @@ class WireObserver:
         content = content_of(headers.get(CONTENT_TYPE, ""))
         if content == CONTENT_SSE:
             ex.parser = SSEParser()
+            if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
+                self._open(ex, content)
+                assert ex.stream is not None  # a POST carrying calls always has one
+                ex.held = []  # read at its end, or when something needs it (``Tracker.hold``)
+                self.tracker.hold(ex.stream, ex, resumable=True)
+                return
         elif content == CONTENT_JSON:
             ex.json_body = bytearray()
             calls = ex.calls
@@ -292,6 +325,19 @@ class WireObserver:
         self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
 
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
+        held = ex.held
+        if held is not None:  # a held stream (``_on_response_start``): its chunks kept, read at its end
+            stream = ex.stream
+            assert stream is not None
+            chunk = message.get("body", b"")
+            if chunk:
+                held.append((chunk, time.time_ns()))
+                ex.held_bytes += len(chunk)
+                if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+                    self.tracker.follow(stream)
+            if not message.get("more_body", False):
+                self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
+            return
         stream = ex.stream
         if stream is None:
             if ex.deferred:
@@ -312,9 +358,14 @@ class WireObserver:
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
     def _frame(self, ex: _Exchange, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
-        for msg in messages:
-            if msg.error_code == REFUSED_ERROR_CODE:  # the policy was enforced: before the error ends the call
-                for call in ex.calls:
-                    if call.key[1] == msg.id and call.decision == DECISION_ALLOWED:
-                        call.require(call.requirement, call.missing, DECISION_REFUSED)
+        _refusals(ex.calls, messages)
         self.tracker.frame(stream, frame, messages)
+
+
+def _refusals(calls: Sequence[Call], messages: Sequence[WireMessage]) -> None:
+    """The policy was enforced: a refusal is recorded on its call before the error ends it."""
+    for msg in messages:
+        if msg.error_code == REFUSED_ERROR_CODE:
+            for call in calls:
+                if call.key[1] == msg.id and call.decision == DECISION_ALLOWED:
+                    call.require(call.requirement, call.missing, DECISION_REFUSED)

@@ -18,7 +18,7 @@ from opentelemetry.util.types import AttributeValue
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView
-from mcp_stream_exporter.exchange import request_id_of, stream_id_of
+from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID, request_id_of, stream_id_of
 from mcp_stream_exporter.hooks._tracking import (
     Call,
     Requirements,
@@ -47,6 +47,7 @@ class StoreRecorder:
         self._store_order = 0
         self._max_events_per_stream = max_events_per_stream
         self._max_streams = max_streams
+        self._max_indexed = max_streams * 10
 
     def event_store(self, inner: EventStore) -> EventStore:
         return _ObservedEventStore(inner, self)
@@ -62,19 +63,18 @@ class StoreRecorder:
         events = self._stored.get(key)
         if events is None:
             events = self._stored[key] = deque(maxlen=self._max_events_per_stream)
-            while len(self._stored) > self._max_streams:
+            if len(self._stored) > self._max_streams:  # one added: one out
                 self._stored.popitem(last=False)
         events.append((event_id, kind))
-        self._store_order += 1
-        self._stream_of_event[(session_id, event_id)] = (stream_id, self._store_order)
-        while len(self._stream_of_event) > self._max_streams * 10:
+        self._store_order = order = self._store_order + 1
+        self._stream_of_event[(session_id, event_id)] = (stream_id, order)
+        if len(self._stream_of_event) > self._max_indexed:
             self._stream_of_event.popitem(last=False)
-        owner = request_id_of(stream_id)
-        if request_id is not None and owner is not None:
-            call = self.tracker.call((session_id, owner))
+        if request_id is not None and stream_id != STANDALONE_STREAM_ID:  # a request's stream: ``request_id_of``
+            call = self.tracker.call(key)
             if call is not None:
-                call.event(sc.EVENT_STORED, {sc.EVENT_ID: event_id, sc.FRAME_KIND: kind})
-                if request_id == owner:
+                call.event(sc.EVENT_STORED, (kind, event_id, None, None, None))  # attributes built if it is a span
+                if request_id == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
                     self.tracker.stored(call, event_id, _outcome(message))
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:

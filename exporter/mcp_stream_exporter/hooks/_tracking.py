@@ -8,6 +8,13 @@ Spans are deferred: a call or a POST stream becomes a span only once it deviates
 path (a stream ends with the call pending, a resume, an error frame, a refusal, an eviction...). A
 healthy call, answered on its own POST, leaves no span of ours: the SDK's own spans already record
 it, and the hooks then cost next to nothing (docs/span-model.md, "The healthy path").
+
+A POST's SSE stream is held: its side keeps what it saw (``Holder``) and the tracker reads it only when
+the stream ends, or when something else needs what it holds (a resume from one of its events, a cancel
+or an eviction of one of its calls, its call's result on another stream). A stream whose held frames
+show the healthy path then ends with its calls' terminal events and nothing else: no frame events, no
+event-id index, no counts, which only a span would have carried. Any other stream is replayed through
+``frame`` with the times its frames were seen, exactly as if it had been followed from its start.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -134,6 +142,23 @@ Opening = tuple[str, str, str | None, str | None]
 FrameFields = tuple[str, str | None, str | None, str | None, str | None]
 
 
+# What a side holds of one stream at most (bytes, and chunks or frames, each with its time): past either, it
+# reads what it held and follows the rest frame by frame. A healthy answer is far smaller; a large result, a
+# long run of progress notifications or a hostile stream is followed as it goes, never kept whole.
+HOLD_BYTES = 64 * 1024
+HOLD_PIECES = 64
+# A frame a held stream's side read at last (``None`` for a JSON body), its messages, and when it was seen.
+HeldFrame = tuple[SSEFrame | None, Sequence[WireMessage], int]
+
+
+class Holder(Protocol):
+    """A side holding a stream's bytes (``Tracker.hold``)."""
+
+    def read_held(self) -> list[HeldFrame]:
+        """The frames held so far, read now; what comes after is followed frame by frame (``Tracker.frame``)."""
+        ...
+
+
 def _frame_attributes(fields: FrameFields) -> dict[str, AttributeValue]:
     kind, event_id, event_type, request_id, method = fields
     attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: kind}
@@ -173,15 +198,16 @@ class _Deferred:
     def describe(self) -> Description:
         raise NotImplementedError
 
-    def event(self, name: str, attrs: Mapping[str, AttributeValue] | FrameFields) -> None:
+    def event(self, name: str, attrs: Mapping[str, AttributeValue] | FrameFields, timestamp: int | None = None) -> None:
+        """An event now, or at ``timestamp`` (when what it records was seen, for a held stream read later)."""
         if self.closed:
             return
         if self.span is not None:
-            self.span.add_event(name, _attributes(attrs))
+            self.span.add_event(name, _attributes(attrs), timestamp)
         elif self._events is None:
-            self._events = [(name, attrs, time.time_ns())]
+            self._events = [(name, attrs, timestamp or time.time_ns())]
         else:
-            self._events.append((name, attrs, time.time_ns()))
+            self._events.append((name, attrs, timestamp or time.time_ns()))
 
     def link(self, ctx: SpanContext, attrs: Mapping[str, AttributeValue]) -> None:
         if self.closed:
@@ -217,8 +243,8 @@ class _Deferred:
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("_fingerprint", "_identify", "auth", "decision", "done", "key", "method", "missing", "open_streams",
-                 "protocol_version", "requirement", "role", "sdk_span", "stateless", "streams", "tool")
+    __slots__ = ("_fingerprint", "_identify", "auth", "decision", "done", "held_on", "key", "method", "missing",
+                 "open_streams", "protocol_version", "requirement", "role", "sdk_span", "stateless", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
@@ -240,6 +266,7 @@ class Call(_Deferred):
         self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
         self._fingerprint: str | None = None
         self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+        self.held_on: Stream | None = None  # the held stream carrying it: read before anything else judges it
 
     @property
     def fingerprint(self) -> str | None:
@@ -363,8 +390,8 @@ _INSTALL_LOCK = threading.Lock()
 class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
-    __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "kind", "last_event_id",
-                 "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
+    __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "holder", "kind",
+                 "last_event_id", "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
 
     def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
                  opened: Mapping[str, AttributeValue] | Opening, status: int | None, calls: list[Call], *,
@@ -384,6 +411,7 @@ class Stream(_Deferred):
         self.first_event_id: str | None = None
         self.last_event_id: str | None = None
         self.ended = False
+        self.holder: Holder | None = None  # its side holds its frames, unread (``Tracker.hold``)
 
     def pending(self) -> list[Call]:
         return [c for c in self.calls if not c.done]
@@ -407,6 +435,7 @@ class Stream(_Deferred):
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+_TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})  # ``WireMessage.is_terminal``
 Terminal = tuple[str, str | None]  # where a call's terminal event came: the stream's kind, the event's id
 
 
@@ -451,6 +480,8 @@ class Tracker:
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
         self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
+        # the server's held streams by session, what a resume reads first (``hold``)
+        self._held: dict[str | None, dict[Stream, None]] = {}
 
     # --- calls ---
 
@@ -472,11 +503,15 @@ class Tracker:
         if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
             previous = self._calls.pop(call.key, None)
             if previous is not None:
-                self._finish(previous, sc.OUTCOME_EVICTED)
+                self._evict(previous)
             self._calls[call.key] = call
             while len(self._calls) > self._max_calls:
-                self._finish(self._calls.popitem(last=False)[1], sc.OUTCOME_EVICTED)
+                self._evict(self._calls.popitem(last=False)[1])
         return call
+
+    def _evict(self, call: Call) -> None:
+        self._unhold(call)  # its result may be held: then it ends with it, as it would have
+        self._finish(call, sc.OUTCOME_EVICTED)
 
     def call(self, key: CallKey) -> Call | None:
         return self._calls.get(key)
@@ -488,6 +523,7 @@ class Tracker:
     def cancel(self, key: CallKey) -> None:
         call = self._calls.get(key)
         if call is not None:
+            self._unhold(call)
             self._finish(call, sc.OUTCOME_CANCELLED)
 
     def _finish(self, call: Call, outcome: str, terminal: Terminal | None = None) -> None:
@@ -559,11 +595,102 @@ class Tracker:
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
+        held = self._held.get(session_id)
+        if held:  # the event may be on a stream of the session still held: read them first
+            for stream in list(held):
+                self.follow(stream)
         ids = self._event_index.get((session_id, event_id), ())
         return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
 
-    def frame(self, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
-        """One SSE frame (or, with ``frame=None``, a JSON body) sent on ``stream``."""
+    # --- held streams ---
+
+    def hold(self, stream: Stream, holder: Holder, *, resumable: bool) -> None:
+        """``holder`` keeps what ``stream`` carries, unread, until it ends (``end_stream``) or something
+        needs it read (``follow``). ``resumable``: a resume from one of its events may come before it
+        ends (the server's side: a client resumes before the server sees its POST drop), so a resume
+        in its session reads it first. Only then does the tracker keep it (the client's stream ends
+        before the SDK resumes from it, and the tracker must not keep one its side abandons)."""
+        stream.holder = holder
+        for call in stream.calls:
+            call.held_on = stream
+        session_id = stream.session_id
+        if not resumable or session_id is None:  # no resume can need it first: nothing here keeps it
+            return
+        held = self._held.get(session_id)
+        if held is None:
+            self._held[session_id] = {stream: None}
+        else:
+            held[stream] = None
+
+    def follow(self, stream: Stream) -> None:
+        """Read what ``stream``'s side held as it would have been read had it been followed from its start;
+        from now on it is followed frame by frame."""
+        for frame, messages, seen in self._release(stream):
+            self.frame(stream, frame, messages, seen)
+
+    def _release(self, stream: Stream) -> list[HeldFrame]:
+        holder = stream.holder
+        if holder is None:
+            return []
+        stream.holder = None
+        for call in stream.calls:
+            if call.held_on is stream:
+                call.held_on = None
+        held = self._held.get(stream.session_id)
+        if held is not None:
+            del held[stream]
+            if not held:
+                del self._held[stream.session_id]
+        return holder.read_held()
+
+    def _unhold(self, call: Call) -> None:
+        """A held stream carrying ``call`` is read before anything else judges the call."""
+        if call.held_on is not None:
+            self.follow(call.held_on)
+
+    def _settled(self, stream: Stream, frames: list[HeldFrame], status: int | None) -> bool:
+        """End a held stream whose frames show the healthy path: every call it carries answered on it (or
+        done before), no other call's result, no error frame, no HTTP error. Its terminal events end their
+        calls as ``frame`` would have; nothing only a span would carry is built. Otherwise False, and
+        nothing changed."""
+        if stream.span is not None or (status or 0) >= 400:
+            return False
+        session_id, calls = stream.session_id, stream.calls
+        delivered: list[tuple[Call, WireMessage, str | None]] = []
+        for frame, messages, _ in frames:
+            event = frame.event if frame is not None else None
+            if event and event != "message":
+                if event == "error":
+                    return False
+                continue  # another event type: a frame event, nothing more (``frame``)
+            for msg in messages:
+                if msg.id is None or msg.kind not in _TERMINAL_KINDS:
+                    continue
+                key = (session_id, msg.id)
+                for call in calls:
+                    if call.key == key:
+                        break
+                else:
+                    return False  # another call's result on this stream
+                delivered.append((call, msg, frame.id if frame is not None else None))
+        if len(calls) == 1:
+            if not (calls[0].done or delivered):
+                return False
+        else:
+            answered = {call.key for call, _, _ in delivered}
+            if any(not call.done and call.key not in answered for call in calls):
+                return False
+        for call, msg, event_id in delivered:
+            if not call.done:
+                self._finish(call, _outcome(msg), (stream.kind, event_id))
+        stream.ended = True
+        for call in calls:
+            call.open_streams -= 1
+        return True
+
+    def frame(self, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage],
+              timestamp: int | None = None) -> None:
+        """One SSE frame (or, with ``frame=None``, a JSON body) sent on ``stream``, now or when ``timestamp`` says."""
         event_id = event_type = None
         if frame is not None:
             event_id, event_type = frame.id, frame.event or "message"
@@ -574,32 +701,39 @@ class Tracker:
                 if stream.request_ids:
                     self._index(stream.session_id, event_id, stream.request_ids)
             if event_type == "error":
-                self._error_frame(stream, frame)
+                self._error_frame(stream, frame, timestamp)
                 return
             if event_type != "message":
-                stream.event(sc.EVENT_FRAME, (sc.FRAME_OTHER, event_id, event_type, None, None))
+                stream.event(sc.EVENT_FRAME, (sc.FRAME_OTHER, event_id, event_type, None, None), timestamp)
                 return
             if not frame.data:
                 stream.events += 1
-                stream.event(sc.EVENT_FRAME, (sc.FRAME_PRIMING, event_id, event_type, None, None))
+                stream.event(sc.EVENT_FRAME, (sc.FRAME_PRIMING, event_id, event_type, None, None), timestamp)
                 return
         for msg in messages:
             stream.events += 1
-            stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method))
+            stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method), timestamp)
             if msg.id is not None and msg.is_terminal:
                 self._terminal(stream, msg, event_id)
 
-    def _error_frame(self, stream: Stream, frame: SSEFrame) -> None:
+    def _error_frame(self, stream: Stream, frame: SSEFrame, timestamp: int | None) -> None:
         stream.error_frames += 1
         attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: sc.FRAME_ERROR_FRAME, sc.EVENT_TYPE: frame.type,
                                             sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
-        stream.event(sc.EVENT_ERROR_FRAME, attrs)
+        stream.event(sc.EVENT_ERROR_FRAME, attrs, timestamp)
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
         stream.terminal_ids += (msg.id,)
+        self.deliver(stream, msg, event_id)
+
+    def deliver(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
+        """A terminal event for ``msg.id`` came on ``stream``: its call ends, if it was still pending. The
+        client delivers those of a held stream as they pass: its call ends when its result came, while
+        the SDK's own span is open, and the rest of the stream stays held."""
+        assert msg.id is not None
         key = (stream.session_id, msg.id)
         call: Call | None = None
         for own in stream.calls:
@@ -608,6 +742,8 @@ class Tracker:
                 break
         else:
             call = self._calls.get(key)
+            if call is not None:
+                self._unhold(call)  # another stream's call: what its own stream holds comes first
         if call is None or call.done:
             return
         if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
@@ -632,6 +768,12 @@ class Tracker:
         nothing else, is the healthy path and leaves no span."""
         if stream.ended:
             return
+        if stream.holder is not None:
+            frames = self._release(stream)
+            if self._settled(stream, frames, status):
+                return
+            for frame, messages, seen in frames:
+                self.frame(stream, frame, messages, seen)
         stream.ended = True
         answered = True
         for call in stream.calls:
@@ -675,7 +817,7 @@ class Tracker:
     def shutdown(self) -> None:
         """End every pending call span (as evicted) so nothing is left open at exit."""
         for call in list(self._calls.values()):
-            self._finish(call, sc.OUTCOME_EVICTED)
+            self._evict(call)
 
 
 def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:

@@ -41,7 +41,17 @@ from mcp_stream_exporter.exchange import (
     read_body,
     stream_kind,
 )
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Stream, Tracker, audience_known
+from mcp_stream_exporter.hooks._tracking import (
+    HOLD_BYTES,
+    HOLD_PIECES,
+    Call,
+    DeviationTracer,
+    HeldFrame,
+    SdkSpans,
+    Stream,
+    Tracker,
+    audience_known,
+)
 from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_frame
 
@@ -142,8 +152,11 @@ class ClientInstrumentation:
                                     response.status_code)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        response.stream = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE,
-                                     status=response.status_code)
+        tap = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE, status=status)
+        if content == CONTENT_SSE and stream.kind == sc.STREAM_KIND_POST:
+            tap.held = []  # its frames are read as they pass, and kept until it ends (``Tracker.hold``)
+            self.tracker.hold(stream, tap, resumable=False)
+        response.stream = tap
         return response
 
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
@@ -160,6 +173,10 @@ class _TapStream(httpx2.AsyncByteStream):
     A POST's JSON answer to its one call is deferred (no ``stream``, an ``opener``): its body is read
     once at its end, and the stream is opened only if that body is not the call's result, or the
     response does not end cleanly; then it is followed exactly as if it had been from the start.
+
+    A POST's SSE stream is held (``Tracker.hold``): each chunk is parsed as it passes and a terminal
+    event in it delivered at once (``Tracker.deliver``: the call ends while the SDK's span is open), and
+    its frames are kept, with the time each was seen, for the tracker to read when the stream ends.
 
     An iterator object rather than an async generator: the SDK stops reading at the response and
     closes the response, and an abandoned async generator costs the event loop a finaliser task. For
@@ -178,6 +195,8 @@ class _TapStream(httpx2.AsyncByteStream):
         self._parser = SSEParser() if sse else None
         self._json = bytearray()
         self._status = status
+        self.held: list[HeldFrame] | None = None
+        self._held_bytes = 0
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._chunks is None:  # httpx2 asks twice (``__aiter__()``, then ``async for``): one inner iterator
@@ -199,7 +218,9 @@ class _TapStream(httpx2.AsyncByteStream):
         except BaseException:  # cancelled while reading: the client gave up on it
             self._end(sc.END_CLOSED)
             raise
-        if self._parser is not None:
+        if self.held is not None:
+            self._hold(chunk)
+        elif self._parser is not None:
             self._feed(chunk)
         elif len(self._json) <= MAX_PARSED_BODY:
             self._json += chunk
@@ -212,6 +233,28 @@ class _TapStream(httpx2.AsyncByteStream):
             return
         for frame in self._parser.feed(chunk):
             self._tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
+
+    def _hold(self, chunk: bytes) -> None:
+        held, stream, parser = self.held, self._stream, self._parser
+        assert held is not None
+        assert stream is not None
+        assert parser is not None
+        seen = time.time_ns()
+        for frame in parser.feed(chunk):
+            messages = classify_frame(frame.data) if frame.data else ()
+            held.append((frame, messages, seen))
+            if not frame.event or frame.event == "message":  # what ``Tracker.frame`` reads messages of
+                for msg in messages:
+                    if msg.id is not None and msg.is_terminal:
+                        self._tracker.deliver(stream, msg, frame.id)
+        self._held_bytes += len(chunk)
+        if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+            self._tracker.follow(stream)
+
+    def read_held(self) -> list[HeldFrame]:
+        """The frames held so far (``Holder``); the chunks that follow are followed frame by frame."""
+        held, self.held = self.held, None
+        return held or []
 
     def _followed(self) -> Stream | None:
         """The stream, opened now if it was deferred: None once a deferred body was the call's result."""
@@ -250,7 +293,11 @@ def _picked(headers: httpx2.Headers, names: frozenset[bytes]) -> dict[str, str]:
     """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
     (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
     name lowered and hashed again, on every request and response."""
-    return {key.decode("latin-1"): value.decode("latin-1") for _, key, value in headers._list if key in names}
+    picked = {}
+    for _, key, value in headers._list:  # a loop, not a comprehension: that would be one more call
+        if key in names:
+            picked[key.decode("latin-1")] = value.decode("latin-1")
+    return picked
 
 
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
