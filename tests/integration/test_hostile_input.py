@@ -335,7 +335,7 @@ def test_at_the_connection_limit_a_body_still_coming_after_its_grace_makes_way_f
         select.select(trickling, [], [], 5.0)
         made_way = [sock for sock in trickling if select.select([sock], [], [], 0)[0]]
         assert len(made_way) == 1 and _answer(made_way[0]).startswith(b"HTTP/1.1 408 ")
-        assert [_closed(registry, reason) for reason in ("slow_body", "slow_headers", "busy")] == [1, 2, 0]
+        assert [_closed(registry, reason) for reason in ("slow_body", "idle", "slow_headers", "busy")] == [1, 2, 0, 0]
         for sock in [*trickling, *prompt]:
             sock.close()
 

@@ -398,10 +398,13 @@ def test_any_span_in_the_hooks_scope_is_read_as_in_any_other_scope() -> None:
         _field(2, value("tools/call")) + _field(1, sc.MCP_METHOD_NAME.encode()),  # the value first
         _field(1, sc.ERROR_TYPE.encode()),  # no value
         _field(1, sc.END_REASON.encode()) + _field(2, value("r" * 200)),  # a value's length in two bytes
+        _field(1, sc.END_REASON.encode()) + _field(2, value(sc.END_CLEAN)) + b"\x28\x01",  # a field besides
         _field(1, b"x") + _field(1, sc.ROLE.encode()) + _field(2, value(sc.ROLE_SERVER)),  # the key twice
         _field(1, sc.SPAN.encode()) + _field(2, value(sc.SPAN_CALL)),  # a key again: the last one counts
     ]
-    encoded = [span.SerializeToString() + b"".join(_field(9, kv) for kv in odd[:i % 6]) for i, span in enumerate(spans)]
+    encoded = [span.SerializeToString() + b"".join(_field(9, kv) for kv in odd[:i % 7]) for i, span in enumerate(spans)]
+    repeated = _field(9, _field(1, sc.STREAM_REQUEST_IDS.encode()) + _field(2, value("r")))
+    encoded[::40] = [e + repeated * 100 for e in encoded[::40]]  # a key a hundred times: more KeyValues than the hooks'
 
     def body(scope: str) -> bytes:
         return _field(1, _field(2, _field(1, _field(1, scope.encode())) + b"".join(_field(2, e) for e in encoded)))
@@ -433,11 +436,22 @@ def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_val
 
 
 @pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
-def test_an_attribute_key_that_is_not_utf8_is_refused_as_malformed_in_either_scope(scope: str) -> None:
-    model = _span(1, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT}, exception=None).SerializeToString()
+@pytest.mark.parametrize("attributes", [{sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT}, {sc.ROLE: sc.ROLE_CLIENT}],
+                         ids=["model span", "no model span"])
+def test_an_attribute_key_that_is_not_utf8_is_refused_as_malformed_in_either_scope(scope: str,
+                                                                                   attributes: dict[str, Any]) -> None:
+    model = _span(1, attributes, exception=None).SerializeToString()
     bad_key = _field(9, _field(1, b"\xff\xfe") + _field(2, AnyValue(string_value="x").SerializeToString()))
     name = _field(1, scope.encode())
     body = _field(1, _field(2, _field(1, name) + _field(2, model + bad_key)))  # resource_spans -> scope_spans
     with pytest.raises(IngestError) as refused:
         list(decode_protobuf(body, IngestLimits()).spans)
     assert refused.value.status == 400
+
+
+def test_a_token_is_seen_in_encoded_bytes_whatever_byte_stands_before_it() -> None:
+    from mcp_stream_exporter.detector.redaction import holds_token
+
+    secret = b"Bearer " + b"s" * 58  # 65 bytes: its length byte is "A", a word character before "Bearer"
+    assert _field(1, secret)[1:2] == b"A"
+    assert holds_token(_field(1, secret)) and holds_token(_field(2, _field(1, secret)))

@@ -26,9 +26,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 _MAX_HEADER_BYTES = 16 * 1024  # h11 refuses (400) a request whose headers are larger
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-# why a connection was closed before the app answered it (the metric's label values)
-_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY = (
-    "bad_request", "busy", "header_timeout", "slow_headers", "slow_body")
+# why a connection was closed before the app answered its request, or while it waited idle for the next
+# (the metric's label values)
+_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY, _IDLE = (
+    "bad_request", "busy", "header_timeout", "slow_headers", "slow_body", "idle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +45,14 @@ def server_config(app: Any, host: str, port: int, limits: ConnectionLimits, regi
     """A uvicorn config for ``app`` that holds to ``limits``, counting the connections it closes in
     ``registry``."""
     closed = Counter(
-        "mcp_stream_detector_http_connections_closed", "HTTP connections the detector closed before its app "
-        "answered them, by reason: bad_request (400, a malformed or oversized head), header_timeout (no head "
-        "in time), slow_headers or slow_body (a slow client made way for a new connection at "
-        "--max-connections), busy (503: every connection was serving a request). A steady busy or slow_body "
-        "rate means slow senders hold the slots: find them, or raise --max-connections.",
+        "mcp_stream_detector_http_connections_closed", "HTTP connections the detector closed with a request "
+        "unanswered, by reason: bad_request (400, a malformed or oversized head), header_timeout (a head not "
+        "complete in time), slow_headers or slow_body (a slow client made way for a new connection at "
+        "--max-connections), busy (503: every connection was serving a request); and idle (a keep-alive "
+        "connection made way). A steady busy or slow_body rate means slow senders hold the slots: find them, "
+        "or raise --max-connections.",
         ["reason"], registry=registry)
-    for reason in (_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY):
+    for reason in (_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY, _IDLE):
         closed.labels(reason)  # each shows as 0 before its first
     return uvicorn.Config(app, host=host, port=port, http=_bounded_protocol(limits, closed),
                           timeout_keep_alive=max(1, round(limits.idle_timeout_s)),
@@ -64,6 +66,7 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
         _deadline: asyncio.TimerHandle | None = None
         _waiting_since = 0.0
         _request_since = 0.0  # when the current request's head came
+        _served = False  # a response went out: with nothing of a next request yet, it is an idle keep-alive
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limits.max_connections and not self._make_room():
@@ -91,7 +94,8 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
             ours = [c for c in self.connections if isinstance(c, BoundedH11Protocol)]
             waiting = [c for c in ours if c._waiting()]
             if waiting:
-                min(waiting, key=lambda c: c._waiting_since)._close(_SLOW_HEADERS)
+                oldest = min(waiting, key=lambda c: c._waiting_since)
+                oldest._close(_IDLE if oldest._idle() else _SLOW_HEADERS)
                 return True
             slow_since = self.loop.time() - limits.body_grace_s
             slow = [c for c in ours if c._request_since <= slow_since and c._receiving_body()]
@@ -110,6 +114,9 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
         def _waiting(self) -> bool:
             return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
 
+        def _idle(self) -> bool:
+            return self._served and not self.conn.trailing_data[0]
+
         def _receiving_body(self) -> bool:
             cycle = self.cycle
             return (cycle is not None and cycle.more_body and not cycle.response_complete
@@ -117,6 +124,7 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._served = True
             if not self.transport.is_closing():
                 self._arm()
 
@@ -132,8 +140,13 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
             self._deadline = self.loop.call_later(limits.header_timeout_s, self._headers_late)
 
         def _headers_late(self) -> None:
-            if self._waiting():  # no request being served: its headers never came
-                self.transport.close()
-                closed.labels(_HEADER_TIMEOUT).inc()
+            if not self._waiting():
+                return  # a request is being served
+            if self._idle():  # nothing of a next request: uvicorn's keep-alive timeout closes it, unless a
+                # head starts meanwhile, which must then be in within the header timeout
+                self._deadline = self.loop.call_later(limits.header_timeout_s, self._headers_late)
+                return
+            self.transport.close()
+            closed.labels(_HEADER_TIMEOUT).inc()
 
     return BoundedH11Protocol

@@ -20,6 +20,7 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Status
@@ -235,7 +236,10 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
                     continue
                 # no model span: the rest of the run is read as any other scope's (decoded again, once)
                 ours = False
-                spans = _LeanScopeSpans.FromString(encoded).spans
+                try:
+                    spans = _LeanScopeSpans.FromString(encoded).spans
+                except DecodeError as exc:
+                    raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
                 span = spans[at - 1]
             attributes = span.attributes
             if sc.SPAN in attributes:
@@ -472,12 +476,16 @@ def _model_key_value(encoded: bytes, key: str, kind: type, raw: bytes) -> tuple[
     return value, taken
 
 
+# a span of the hooks' scope carries a few dozen attributes at most; one with more (a key repeated, keys no
+# reader reads) is read as any other scope's, where the map keeps each key once without a Python step each
+_OURS_MAX_ATTRIBUTES = 2 * len(MODEL_KEYS)
 _KEY_NAMES = {key.encode(): key for key in MODEL_KEYS}
 _SPAN_KEY = sc.SPAN.encode()
 
 
-def _key_of(encoded: bytes) -> tuple[str, bytes]:
-    """An encoded KeyValue's key and encoded value, as upb reads them (its usual shape read here)."""
+def _key_of(encoded: bytes) -> tuple[str, bytes] | None:
+    """An encoded KeyValue's key and encoded value, as upb reads them (its usual shape read here); None for
+    one upb's map leaves out (a field besides key and value)."""
     size = len(encoded)
     if size >= 2 and encoded[0] == 0x0A and encoded[1] < 0x80:  # key first, its length in one byte
         end = 2 + encoded[1]
@@ -494,6 +502,8 @@ def _key_of(encoded: bytes) -> tuple[str, bytes]:
         key_value = _LeanKeyValue.FromString(encoded)
     except DecodeError as exc:
         raise IngestError(400, f"a span does not decode: {exc}", "malformed") from None
+    if len(UnknownFieldSet(key_value)):
+        return None
     return key_value.key, key_value.value
 
 
@@ -611,6 +621,8 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
     The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
     replaces finding each key, then its value; a KeyValue it misses is read only once the span may be a
     model span."""
+    if len(s.attributes) > _OURS_MAX_ATTRIBUTES:
+        return None  # read by upb's map, each key once: a KeyValue at a time is for the hooks' few
     attributes: dict[str, Any] = {}
     missed = False
     for encoded in s.attributes:
@@ -630,7 +642,10 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
             if pair is None:
                 if encoded in _NOT_READ:
                     continue
-                key, raw = _key_of(encoded)
+                read = _key_of(encoded)
+                if read is None:
+                    continue
+                key, raw = read
                 kind = MODEL_KEYS.get(key)
                 if kind is None:
                     if len(encoded) <= _KEY_VALUE_MAX_BYTES and not holds_token(encoded):  # no credential kept

@@ -14,12 +14,13 @@ _TOKEN = re.compile(r"\b(?:bearer|basic)\s+[^\s,;\"']+|eyJ[A-Za-z0-9_-]+\.[A-Za-
                     re.IGNORECASE | re.ASCII)
 
 
-_TOKEN_BYTES = re.compile(_TOKEN.pattern.encode(), re.IGNORECASE | re.ASCII)
+# without the word boundary: in encoded bytes a length byte may stand before the scheme, and may be a letter
+_TOKEN_BYTES = re.compile(_TOKEN.pattern.removeprefix(r"\b").encode(), re.IGNORECASE | re.ASCII)
 
 
 def holds_token(encoded: bytes) -> bool:
     """Whether encoded text (a span's raw bytes, before decoding) holds anything token-shaped: what a
-    cache of raw values must not keep."""
+    cache of raw values must not keep (erring towards yes)."""
     return _TOKEN_BYTES.search(encoded) is not None
 
 
