@@ -119,6 +119,7 @@ class Timeline:
         n = len(kept)
         if n < self.max_entries and n < _TABLED:  # most timelines: the list's growth from the table
             grown = size + _LIST_GROWTH[n]
+            kept.append(step)
         else:
             grown = size - sys.getsizeof(kept)
             if n == self.max_entries:
@@ -126,9 +127,6 @@ class Timeline:
                 self.omitted += 1
             kept.append(step)
             grown += sys.getsizeof(kept)
-            self.bytes += grown
-            return grown
-        kept.append(step)
         self.bytes += grown
         return grown
 
