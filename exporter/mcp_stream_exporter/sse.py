@@ -44,10 +44,10 @@ class SSEParser:
     and only field values are decoded.
     """
 
-    __slots__ = ("_buf", "_data", "_event", "_id", "_retry", "_seen_field", "comments")
+    __slots__ = ("_data", "_event", "_id", "_kept", "_retry", "_seen_field", "comments")
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._kept: list[bytes] = []  # a partial line, in the pieces it came in
         self.comments = 0
         self._data: list[str] = []
         self._event: str | None = None
@@ -56,7 +56,7 @@ class SSEParser:
         self._seen_field = False
 
     def feed(self, chunk: bytes) -> list[SSEFrame]:
-        if self._buf or self._seen_field:
+        if self._kept or self._seen_field:
             return self._feed_lines(chunk)
         frames: list[SSEFrame] = []
         match = _SDK_FRAME.match
@@ -72,19 +72,26 @@ class SSEParser:
         return frames
 
     def _feed_lines(self, chunk: bytes) -> list[SSEFrame]:
-        buf = self._buf + chunk if self._buf else chunk
-        end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)  # a last CR may be half of a CRLF
-        cut = max(buf.rfind(b"\n", 0, end), buf.rfind(b"\r", 0, end)) + 1
+        # Only the new chunk is searched for a line end: what is kept has none, bar a last CR, so a
+        # line that comes in many chunks is joined once (linear), not re-copied with each chunk.
+        end = len(chunk) - 1 if chunk.endswith(b"\r") else len(chunk)  # a last CR may be half of a CRLF
+        cut = max(chunk.rfind(b"\n", 0, end), chunk.rfind(b"\r", 0, end)) + 1
+        kept = self._kept
         if cut == 0:
-            self._buf = buf
+            if kept and kept[-1].endswith(b"\r") and chunk:  # that CR was a line end after all
+                self._kept = [chunk]
+                return self._lines(b"".join(kept).splitlines())
+            if chunk:
+                kept.append(chunk)
             return []
-        self._buf = buf[cut:]
-        return self._lines(buf[:cut].splitlines())
+        self._kept = [chunk[cut:]] if cut < len(chunk) else []
+        return self._lines((b"".join(kept) + chunk[:cut] if kept else chunk[:cut]).splitlines())
 
     def close(self) -> list[SSEFrame]:
         """End of input: a trailing frame without its blank line is not dispatched (as browsers do)."""
-        frames = self._lines([self._buf[:-1]]) if self._buf.endswith(b"\r") else []
-        self._buf = b""
+        kept = self._kept
+        frames = self._lines([b"".join(kept)[:-1]]) if kept and kept[-1].endswith(b"\r") else []
+        self._kept = []
         self._data, self._event, self._id, self._retry, self._seen_field = [], None, None, None, False
         return frames
 

@@ -151,3 +151,11 @@ def test_a_payload_is_read_as_json_reads_it_whatever_surrounds_its_value(value, 
 
 def test_a_payload_nested_deeper_than_json_can_read_is_not_json_rather_than_an_error():
     assert classify(b"[" * 100_000) == []
+
+
+def test_a_frame_longer_than_many_chunks_is_read_whole_whatever_line_ends_split_it():
+    payload = '{"jsonrpc":"2.0","id":9,"result":{"text":"' + "a" * 1_000_000 + '"}}'
+    for end in (b"\r\n", b"\n", b"\r"):
+        wire = b"id: 9" + end + b"data: " + payload.encode() + end + end
+        chunks = [wire[i:i + 1024] for i in range(0, len(wire), 1024)]
+        assert _parse(chunks)[0] == [SSEFrame(payload, None, "9")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -91,6 +91,21 @@ def test_error_frames_are_recorded_and_do_not_complete_the_call():
     assert span.attributes[sc.ERROR_FRAMES_COUNT] == 1
     assert [e.name for e in span.events] == [sc.EVENT_ERROR_FRAME]
     assert not call.done
+
+
+def test_a_long_stream_not_yet_a_span_keeps_only_the_frames_its_span_would_keep():
+    limit = SpanLimits().max_events
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    progress = classify('{"jsonrpc":"2.0","method":"notifications/progress","params":{}}')
+    for n in range(3 * limit):
+        tracker.frame(stream, SSEFrame("", id=f"e{n}"), progress)
+        assert len(stream._events or ()) <= limit  # bounded while the stream is followed, not only once a span
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert [e.attributes[sc.EVENT_ID] for e in span.events] == [f"e{n}" for n in range(2 * limit, 3 * limit)]
+    assert span.attributes[sc.EVENTS_COUNT] == 3 * limit
 
 
 def test_cancel_and_eviction_end_pending_calls():

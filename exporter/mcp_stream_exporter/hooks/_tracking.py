@@ -24,14 +24,14 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, StatusCode, TraceFlags
@@ -49,6 +49,9 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
+# A deferred span keeps its last events as the SDK's span would (OTEL_SPAN_EVENT_COUNT_LIMIT, oldest
+# dropped), so a long stream's frames cost bounded memory before its span exists; 128 if unlimited.
+_MAX_DEFERRED_EVENTS = SpanLimits().max_events or 128
 
 
 class DeviationTracer:
@@ -190,7 +193,7 @@ class _Deferred:
         self.start_time = start_time or time.time_ns()
         self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.parent: Context | None = None
-        self._events: list[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
+        self._events: deque[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
         self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
         self.span: Span | None = None
         self.closed = False  # the span has ended: nothing more goes on it
@@ -205,7 +208,7 @@ class _Deferred:
         if self.span is not None:
             self.span.add_event(name, _attributes(attrs), timestamp)
         elif self._events is None:
-            self._events = [(name, attrs, timestamp or time.time_ns())]
+            self._events = deque([(name, attrs, timestamp or time.time_ns())], _MAX_DEFERRED_EVENTS)
         else:
             self._events.append((name, attrs, timestamp or time.time_ns()))
 
