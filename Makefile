@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint system-deps
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=12
 
 test-fast: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider -m "not fuzz and not load" tests/unit
