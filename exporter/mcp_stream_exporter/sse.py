@@ -47,7 +47,7 @@ class SSEParser:
     __slots__ = ("_data", "_event", "_id", "_kept", "_retry", "_seen_field", "comments")
 
     def __init__(self) -> None:
-        self._kept: list[bytes] = []  # a partial line, in the pieces it came in
+        self._kept = bytearray()  # a partial line
         self.comments = 0
         self._data: list[str] = []
         self._event: str | None = None
@@ -72,26 +72,30 @@ class SSEParser:
         return frames
 
     def _feed_lines(self, chunk: bytes) -> list[SSEFrame]:
-        # Only the new chunk is searched for a line end: what is kept has none, bar a last CR, so a
-        # line that comes in many chunks is joined once (linear), not re-copied with each chunk.
+        # Only the new chunk is searched for a line end: what is kept has none, bar a last CR, and grows
+        # in place, so a line that comes in many chunks costs its length once, whatever their sizes.
         end = len(chunk) - 1 if chunk.endswith(b"\r") else len(chunk)  # a last CR may be half of a CRLF
         cut = max(chunk.rfind(b"\n", 0, end), chunk.rfind(b"\r", 0, end)) + 1
         kept = self._kept
         if cut == 0:
-            if kept and kept[-1].endswith(b"\r") and chunk:  # that CR was a line end after all
-                self._kept = [chunk]
-                return self._lines(b"".join(kept).splitlines())
-            if chunk:
-                kept.append(chunk)
+            if kept.endswith(b"\r") and chunk:  # that CR was a line end after all
+                self._kept = bytearray(chunk)
+                return self._lines(bytes(kept).splitlines())
+            kept += chunk
             return []
-        self._kept = [chunk[cut:]] if cut < len(chunk) else []
-        return self._lines((b"".join(kept) + chunk[:cut] if kept else chunk[:cut]).splitlines())
+        if kept:
+            kept += chunk[:cut]
+            lines = bytes(kept).splitlines()
+        else:
+            lines = chunk[:cut].splitlines()
+        self._kept = bytearray(chunk[cut:])
+        return self._lines(lines)
 
     def close(self) -> list[SSEFrame]:
         """End of input: a trailing frame without its blank line is not dispatched (as browsers do)."""
         kept = self._kept
-        frames = self._lines([b"".join(kept)[:-1]]) if kept and kept[-1].endswith(b"\r") else []
-        self._kept = []
+        frames = self._lines([bytes(kept[:-1])]) if kept.endswith(b"\r") else []
+        self._kept = bytearray()
         self._data, self._event, self._id, self._retry, self._seen_field = [], None, None, None, False
         return frames
 
