@@ -34,6 +34,11 @@ SPAN_NAME_REPLAY: Final = "MCP replay"
 SDK_CLIENT_SPAN_PREFIX: Final = "MCP send "  # the SDK client's request span: "MCP send {method} {target}"
 SDK_CLIENT_CALL_SPAN: Final = SDK_CLIENT_SPAN_PREFIX + "tools/call"  # ... " {tool}": pinned by test_sdk_contract
 
+# The most a span-model string and string array may carry: a consumer (the detector) refuses a span
+# with a longer one, rather than cut an id into another call's. Producers keep within them.
+MAX_CHARS: Final = 256
+MAX_ITEMS: Final = 256
+
 # --- which span of the model a span is (names are for humans, this is for machines) ---
 SPAN: Final = "mcp_stream.span"
 SPAN_STREAM: Final = "stream"

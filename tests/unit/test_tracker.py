@@ -11,6 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.detector import Detector, DetectorConfig
+from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.hooks._observer import _Exchange
 from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.scope import RequestScope
@@ -79,6 +81,48 @@ def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there(
     assert span.attributes[sc.TERMINAL_REQUEST_IDS] == ("2",)
     assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
     assert other.done and not mine.done
+
+
+def test_a_stream_flooded_with_other_calls_results_still_tells_the_detector_its_own_call_is_pending():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    for n in range(2, 2 + 3 * sc.MAX_ITEMS):
+        tracker.frame(stream, SSEFrame("x", id=f"e{n}"), _response(n))
+        tracker.frame(stream, SSEFrame("x", id=f"again{n}"), _response(n))  # each id listed once
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.TERMINAL_REQUEST_IDS] == tuple(str(n) for n in range(2, 2 + sc.MAX_ITEMS))
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    detector = Detector(DetectorConfig(), clock=lambda: span.end_time)
+    outcome = detector.consume([span_of(span)])
+    assert outcome.rejected_count == 0  # a list past the bound would have had the whole span refused
+    assert [f.rule for f in detector.findings] == ["foreign_result"]
+
+
+def test_a_streams_own_answered_calls_stay_listed_past_a_flood_of_other_results():
+    tracker, exporter = _tracker()
+    calls = [tracker.start_call("s", _request(n), None, ABSENT, stateless=False) for n in (1, 2)]
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", calls, {}, ABSENT, 200)
+    for n in range(10, 10 + sc.MAX_ITEMS):
+        tracker.frame(stream, SSEFrame("x"), _response(n))
+    tracker.frame(stream, SSEFrame("x"), _response(2))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    listed = span.attributes[sc.TERMINAL_REQUEST_IDS]
+    assert len(listed) == sc.MAX_ITEMS and listed[0] == "2" and "10" in listed
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+
+
+def test_an_event_id_longer_than_any_span_may_carry_is_not_indexed():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    longest, longer = "e" * sc.MAX_CHARS, "e" * (sc.MAX_CHARS + 1)
+    tracker.frame(stream, SSEFrame("", id=longest), [])
+    tracker.frame(stream, SSEFrame("", id=longer), [])
+    assert tracker.calls_of_cursor("s", longest) == (call,)
+    assert tracker.calls_of_cursor("s", longer) == ()
 
 
 def test_error_frames_are_recorded_and_do_not_complete_the_call():

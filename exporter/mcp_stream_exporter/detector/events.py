@@ -26,8 +26,8 @@ _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
 
 # Bounds on what one span may make the detector keep: longer strings and lists are refused, not cut
 # (a cut id would be another call's). Ids are hex of 16 and 8 bytes per OTLP.
-MAX_CHARS = 256
-MAX_ITEMS = 256
+MAX_CHARS = sc.MAX_CHARS
+MAX_ITEMS = sc.MAX_ITEMS
 _MAX_TRACE_ID = 32
 _MAX_SPAN_ID = 16
 _MAX_INT_DIGITS = 18  # an int64 as a string; isdigit() alone also takes "²" and 5,000 digits int() refuses

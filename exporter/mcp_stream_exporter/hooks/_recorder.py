@@ -146,7 +146,7 @@ class StoreRecorder:
             if skipped:
                 out[sc.REPLAY_SKIPPED] = skipped
         if foreign:
-            out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign
+            out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign[:sc.MAX_ITEMS]
         requirement = self._requirements.get((session_id, owner)) if owner is not None else None
         if requirement is not None:
             out.update(requirement_attributes(requirement, known_missing(auth, requirement)))

@@ -431,7 +431,7 @@ class Stream(_Deferred):
         if self.session_id is not None:
             attrs[sc.MCP_SESSION_ID] = self.session_id
         if self.calls:
-            attrs[sc.STREAM_REQUEST_IDS] = list(self.request_ids)
+            attrs[sc.STREAM_REQUEST_IDS] = list(self.request_ids[:sc.MAX_ITEMS])
             if len(self.calls) == 1 and self.calls[0].tool is not None:
                 attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
         return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
@@ -455,6 +455,15 @@ def _outcome(msg: WireMessage) -> str:
     if msg.kind == sc.FRAME_ERROR:
         return sc.OUTCOME_ERROR
     return sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
+
+
+def _listed(terminal_ids: tuple[str, ...], own: tuple[str, ...]) -> list[str]:
+    """A stream's terminal ids as its span lists them: all of them, or past ``MAX_ITEMS`` its own calls'
+    first, so a flood of other calls' results never hides which of its own calls were answered."""
+    if len(terminal_ids) <= sc.MAX_ITEMS:
+        return list(terminal_ids)
+    mine = set(own)
+    return ([i for i in terminal_ids if i in mine] + [i for i in terminal_ids if i not in mine])[:sc.MAX_ITEMS]
 
 
 def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
@@ -729,7 +738,11 @@ class Tracker:
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
-        stream.terminal_ids += (msg.id,)
+        # each id once, and other calls' ids only while the list is short: a server that answers a
+        # stream with results without end costs a bounded tuple, and the span keeps its own calls' ids
+        ids = stream.terminal_ids
+        if msg.id not in ids and (len(ids) < sc.MAX_ITEMS or msg.id in stream.request_ids):
+            stream.terminal_ids = (*ids, msg.id)
         self.deliver(stream, msg, event_id)
 
     def deliver(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
@@ -801,10 +814,10 @@ class Tracker:
         if stream.first_event_id is not None:
             attrs[sc.EVENT_FIRST_ID] = stream.first_event_id
             attrs[sc.EVENT_LAST_ID] = stream.last_event_id or stream.first_event_id
-        if stream.terminal_ids:
-            attrs[sc.TERMINAL_REQUEST_IDS] = list(terminal_ids)
+        if terminal_ids:
+            attrs[sc.TERMINAL_REQUEST_IDS] = _listed(terminal_ids, stream.request_ids)
         if pending:
-            attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending]
+            attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
             attrs.update(_owed(stream, pending))
         span.set_attributes(attrs)
         span.end()
@@ -813,6 +826,8 @@ class Tracker:
                 self._finish(call, sc.OUTCOME_NO_TERMINAL)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
+        if len(event_id) > sc.MAX_CHARS:  # no span may name it (a consumer refuses it): not worth its memory
+            return
         self._event_index[(session_id, event_id)] = request_ids
         if len(self._event_index) > self._max_event_index:
             self._event_index.popitem(last=False)
