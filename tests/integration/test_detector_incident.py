@@ -128,6 +128,16 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
         assert after_grace(found, clock) == []
 
 
+async def test_a_stateless_call_the_client_times_out_on_is_cancelled_not_a_call_owed_a_reissue():
+    with detector() as (found, clock):
+        async with incident(None) as lab:  # 2026-07-28: closing the response stream is the client's cancel
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 40}, timeout=0.5)
+        assert after_grace(found, clock) == []
+    (client,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
+    assert client.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+
+
 async def test_another_call_of_the_same_tool_right_after_the_break_is_not_the_reissue():
     with detector() as (found, clock):
         async with incident(None) as lab:

@@ -821,9 +821,12 @@ class Tracker:
             attrs.update(_owed(stream, pending))
         span.set_attributes(attrs)
         span.end()
+        # no resumption in this era: nothing else can deliver it. A client that closed the stream itself
+        # cancelled the call (the era's cancel: no notifications/cancelled is sent), as at a timeout
+        outcome = sc.OUTCOME_CANCELLED if reason == sc.END_CLOSED else sc.OUTCOME_NO_TERMINAL
         for call in pending:
-            if call.stateless:  # no resumption in this era: nothing else can deliver it
-                self._finish(call, sc.OUTCOME_NO_TERMINAL)
+            if call.stateless:
+                self._finish(call, outcome)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
         if len(event_id) > sc.MAX_CHARS:  # no span may name it (a consumer refuses it): not worth its memory
