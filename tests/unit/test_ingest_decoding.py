@@ -20,7 +20,7 @@ from mcp_stream_exporter.detector.events import Span as ModelSpan
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts
 from mcp_stream_exporter.detector.otlp import _any, _value, decode_protobuf
-from mcp_stream_exporter.detector.redaction import redact
+from mcp_stream_exporter.redaction import redact
 
 VALUES = [
     AnyValue(string_value="3"), AnyValue(string_value=""), AnyValue(string_value="é" * 200),
@@ -450,7 +450,7 @@ def test_an_attribute_key_that_is_not_utf8_is_refused_as_malformed_in_either_sco
 
 
 def test_a_token_is_seen_in_encoded_bytes_whatever_byte_stands_before_it() -> None:
-    from mcp_stream_exporter.detector.redaction import holds_token
+    from mcp_stream_exporter.redaction import holds_token
 
     secret = b"Bearer " + b"s" * 58  # 65 bytes: its length byte is "A", a word character before "Bearer"
     assert _field(1, secret)[1:2] == b"A"

@@ -152,6 +152,21 @@ def test_a_long_stream_not_yet_a_span_keeps_only_the_frames_its_span_would_keep(
     assert span.attributes[sc.EVENTS_COUNT] == 3 * limit
 
 
+def test_an_error_frame_that_quotes_a_credential_is_recorded_without_it():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    jwt = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOiJ4In0.c2lnbmF0dXJl"
+    quoted = "x" * 2000 + f'{{"error":"invalid_token","authorization":"Bearer {jwt}"}}'
+    tracker.frame(stream, SSEFrame(f"token {jwt} refused", event="error"), [])
+    tracker.frame(stream, SSEFrame(quoted[:1000] + jwt + quoted[1000:], event="error"), [])  # across the cut
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    recorded = [e.attributes[sc.ERROR_FRAME_DATA] for e in span.events if e.name == sc.EVENT_ERROR_FRAME]
+    assert recorded[0] == "token [redacted] refused"
+    assert len(recorded) == 2 and not any(jwt[:20] in r for r in recorded)
+
+
 def test_cancel_and_eviction_end_pending_calls():
     tracker, exporter = _tracker(max_calls=2)
     for rid in (1, 2, 3):

@@ -14,7 +14,7 @@ from typing import Any
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import canonical_resources
-from mcp_stream_exporter.detector.redaction import redact
+from mcp_stream_exporter.redaction import redact
 
 KIND_CLIENT = "client"
 KIND_SERVER = "server"

@@ -35,7 +35,7 @@ from mcp_stream_exporter.detector.detector import Detector, Event, Outcome
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import OperationCounts
 from mcp_stream_exporter.detector.otlp import Batch, decode_protobuf
-from mcp_stream_exporter.detector.redaction import redact
+from mcp_stream_exporter.redaction import redact
 
 __all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQueue", "decode", "decode_protobuf",
            "decompress", "partial_success", "receive", "serve_grpc"]

@@ -24,8 +24,8 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import Operation, StreamEnd
 from mcp_stream_exporter.detector.findings import Finding, FindingStore
 from mcp_stream_exporter.detector.ledger import Ledger
-from mcp_stream_exporter.detector.redaction import redact
 from mcp_stream_exporter.detector.rules import RULES
+from mcp_stream_exporter.redaction import redact
 
 OTHER = "other"
 # semconv mcp.{client,server}.operation.duration advisory buckets, in seconds

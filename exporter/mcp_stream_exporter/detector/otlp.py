@@ -49,7 +49,7 @@ from mcp_stream_exporter.detector.events import (
 )
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts, Sample, new_tally
-from mcp_stream_exporter.detector.redaction import holds_token, redact
+from mcp_stream_exporter.redaction import holds_token, redact
 
 _KINDS: dict[int, str] = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
 _MAX_ARRAY = 1_000  # values kept from one array attribute

@@ -40,6 +40,7 @@ from opentelemetry.util.types import Attributes, AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import NO_REQUIREMENT, NOTHING_MISSING, AuthView, Requirement
 from mcp_stream_exporter.exchange import stream_attributes
+from mcp_stream_exporter.redaction import redact
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import WireMessage
 
@@ -731,7 +732,7 @@ class Tracker:
     def _error_frame(self, stream: Stream, frame: SSEFrame, timestamp: int | None) -> None:
         stream.error_frames += 1
         attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: sc.FRAME_ERROR_FRAME, sc.EVENT_TYPE: frame.type,
-                                            sc.ERROR_FRAME_DATA: frame.data[:_ERROR_FRAME_DATA_CHARS]}
+                                            sc.ERROR_FRAME_DATA: redact(frame.data)[:_ERROR_FRAME_DATA_CHARS]}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
         stream.event(sc.EVENT_ERROR_FRAME, attrs, timestamp)

@@ -1,7 +1,9 @@
-"""Token-shaped text out of everything the detector keeps or shows: ledger, findings, labels, logs.
+"""Token-shaped text out of what the hooks record of a peer's text, and of everything the detector keeps
+or shows: ledger, findings, labels, logs.
 
-Producers should never put a credential in a span (the hooks do not), but one that does must not
-see it come back on ``/metrics``, ``/api/findings``, in the snapshot file or in a log line. A
+A server's ``event: error`` frame may quote the request's credential; the hooks record its text only
+redacted. Producers should never put a credential in a span, but one that does must not see it come
+back on ``/metrics``, ``/api/findings``, in the snapshot file or in a log line. A
 ``Bearer``/``Basic`` credential and anything shaped like a JWT (``eyJ...x.y.z``) is replaced.
 """
 
