@@ -92,9 +92,10 @@ class SSEParser:
         return self._lines(lines)
 
     def close(self) -> list[SSEFrame]:
-        """End of input: a trailing frame without its blank line is not dispatched (as browsers do)."""
+        """End of input: a trailing frame without its blank line is not dispatched (as browsers do), but
+        one whose last line a CR ended is, as the MCP SDK's client (httpx2) reads the CR at the end."""
         kept = self._kept
-        frames = self._lines([bytes(kept[:-1])]) if kept.endswith(b"\r") else []
+        frames = self._lines([bytes(kept[:-1]), b""]) if kept.endswith(b"\r") else []
         self._kept = bytearray()
         self._data, self._event, self._id, self._retry, self._seen_field = [], None, None, None, False
         return frames

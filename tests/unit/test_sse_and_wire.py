@@ -159,3 +159,9 @@ def test_a_frame_longer_than_many_chunks_is_read_whole_whatever_line_ends_split_
         wire = b"id: 9" + end + b"data: " + payload.encode() + end + end
         chunks = [wire[i:i + 1024] for i in range(0, len(wire), 1024)]
         assert _parse(chunks)[0] == [SSEFrame(payload, None, "9")]
+
+
+def test_the_end_of_input_dispatches_only_a_frame_whose_last_line_a_cr_ended_as_httpx2_does():
+    assert _parse([b"data: x\r"])[0] == [SSEFrame("x")]
+    assert _parse([b"data: x\r\n\r"])[0] == [SSEFrame("x")]
+    assert _parse([b"data: x"])[0] == _parse([b"data: x\n"])[0] == _parse([b"data: x\r\n"])[0] == []

@@ -63,8 +63,8 @@ DECISION_UNKNOWN_TOOL = "unknown_tool"
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("body", "calls", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body", "method",
-                 "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream", "unread")
+    __slots__ = ("body", "calls", "complete", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body",
+                 "method", "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream", "unread")
 
     def __init__(self, method: str, start_ns: int, cursor: str | None, scope: request_scope.RequestScope,
                  protocol_version: str | None) -> None:
@@ -81,6 +81,7 @@ class _Exchange:
         self.parser: SSEParser | None = None
         self.held: list[tuple[bytes, int]] | None = None  # a POST's SSE chunks and when each was sent, unread
         self.held_bytes = 0
+        self.complete = False  # the app sent the body's last message
         self.json_body: bytearray | None = None
         self.status = 0
         self.disconnected = False
@@ -103,17 +104,22 @@ class _Exchange:
         if held is None or parser is None:
             return frames
         for chunk, seen in held:
-            for frame in parser.feed(chunk):
-                if frame.data:
-                    messages = classify_frame(frame.data)
-                    for msg in messages:
-                        if msg.error_code is not None:
-                            _refusals(self.calls, messages)
-                            break
-                    frames.append((frame, messages, seen))
-                else:
-                    frames.append((frame, (), seen))
+            self._read(parser.feed(chunk), seen, frames)
+        if self.complete and held:  # what the body's end dispatches, at its last chunk's time
+            self._read(parser.close(), held[-1][1], frames)
         return frames
+
+    def _read(self, parsed: list[SSEFrame], seen: int, frames: list[HeldFrame]) -> None:
+        for frame in parsed:
+            if frame.data:
+                messages = classify_frame(frame.data)
+                for msg in messages:
+                    if msg.error_code is not None:
+                        _refusals(self.calls, messages)
+                        break
+                frames.append((frame, messages, seen))
+            else:
+                frames.append((frame, (), seen))
 
 
 class WireObserver:
@@ -329,13 +335,14 @@ class WireObserver:
         if held is not None:  # a held stream (``_on_response_start``): its chunks kept, read at its end
             stream = ex.stream
             assert stream is not None
+            ex.complete = not message.get("more_body", False)  # before ``follow``: it may read all that is held
             chunk = message.get("body", b"")
             if chunk:
                 held.append((chunk, time.time_ns()))
                 ex.held_bytes += len(chunk)
                 if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
                     self.tracker.follow(stream)
-            if not message.get("more_body", False):
+            if ex.complete:
                 self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
             return
         stream = ex.stream
@@ -353,9 +360,16 @@ class WireObserver:
             ex.json_body += chunk
         if message.get("more_body", False):
             return
+        self._last_frames(ex, stream)
         if ex.json_body:
             self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
+
+    def _last_frames(self, ex: _Exchange, stream: Stream) -> None:
+        """The body ended: a frame its last CR ended is dispatched, as the SDK's client reads it."""
+        if ex.parser is not None:
+            for frame in ex.parser.close():
+                self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
 
     def _frame(self, ex: _Exchange, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
         _refusals(ex.calls, messages)

@@ -52,7 +52,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     audience_known,
 )
-from mcp_stream_exporter.sse import SSEParser
+from mcp_stream_exporter.sse import SSEFrame, SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_frame
 
 _FINGERPRINT_CHARS = 16
@@ -231,25 +231,33 @@ class _TapStream(httpx2.AsyncByteStream):
         stream = self._stream
         if stream is None or stream.ended:
             return
-        for frame in self._parser.feed(chunk):
+        self._follow(stream, self._parser.feed(chunk))
+
+    def _follow(self, stream: Stream, frames: list[SSEFrame]) -> None:
+        for frame in frames:
             self._tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
 
     def _hold(self, chunk: bytes) -> None:
-        held, stream, parser = self.held, self._stream, self._parser
+        held, parser = self.held, self._parser
+        assert held is not None
+        assert parser is not None
+        self._keep(parser.feed(chunk), time.time_ns())
+        self._held_bytes += len(chunk)
+        if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+            assert self._stream is not None
+            self._tracker.follow(self._stream)
+
+    def _keep(self, frames: list[SSEFrame], seen: int) -> None:
+        held, stream = self.held, self._stream
         assert held is not None
         assert stream is not None
-        assert parser is not None
-        seen = time.time_ns()
-        for frame in parser.feed(chunk):
+        for frame in frames:
             messages = classify_frame(frame.data) if frame.data else ()
             held.append((frame, messages, seen))
             if not frame.event or frame.event == "message":  # what ``Tracker.frame`` reads messages of
                 for msg in messages:
                     if msg.id is not None and msg.is_terminal:
                         self._tracker.deliver(stream, msg, frame.id)
-        self._held_bytes += len(chunk)
-        if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-            self._tracker.follow(stream)
 
     def read_held(self) -> list[HeldFrame]:
         """The frames held so far (``Holder``); the chunks that follow are followed frame by frame."""
@@ -263,7 +271,13 @@ class _TapStream(httpx2.AsyncByteStream):
         return self._stream
 
     def _ended(self) -> None:
-        """The server ended the response: its JSON body, if any, is read."""
+        """The server ended the response: its JSON body, if any, is read, and what the end of an SSE
+        body dispatches (a frame its last CR ended, as httpx2 reads it) goes where its chunks went."""
+        if self._parser is not None and (last := self._parser.close()):
+            if self.held is not None:
+                self._keep(last, time.time_ns())
+            elif self._stream is not None and not self._stream.ended:
+                self._follow(self._stream, last)
         messages = classify_frame(self._json.decode("utf-8", "replace")) if self._json else None
         if self._opener is not None and messages is not None and self._tracker.answered(self._calls, messages):
             self._opener = None

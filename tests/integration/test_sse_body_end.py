@@ -1,0 +1,73 @@
+"""An SSE body's end is read as the SDK's client reads it: a frame whose last line a lone CR ended is
+dispatched (httpx2 takes that CR for a line end and the blank line after it), so the hooks on both sides
+see the call answered, as the client was, rather than a clean end with the call pending."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks import ServerInstrumentation, instrument_client
+from mcp_stream_exporter.lab import serve
+
+from harness import after_grace, detector, ours, span_exporter, spans
+
+pytestmark = pytest.mark.anyio
+_HEADERS = [(b"mcp-session-id", b"s1")]
+_RESULT = {"content": [{"type": "text", "text": "hello"}]}
+
+
+def _server(tail: bytes):
+    """A hand-written MCP server (legacy era) whose tools/call answer is one SSE frame ended by ``tail``."""
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body) if scope["method"] == "POST" else {}
+        if "id" not in request:  # a notification, the GET stream, the DELETE
+            await send({"type": "http.response.start", "status": 202 if request else 405, "headers": _HEADERS})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        result = {"initialize": {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                                 "serverInfo": {"name": "hand-written", "version": "1"}},
+                  "tools/list": {"tools": [{"name": "echo", "inputSchema": {"type": "object"}}]}}.get(request["method"])
+        answer = json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": result or _RESULT}).encode()
+        if result is not None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [*_HEADERS, (b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*_HEADERS, (b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"id: e1\r\ndata: " + answer + tail, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    return app
+
+
+@pytest.mark.parametrize("tail", [b"\r\n\r\n", b"\r\n\r", b"\r"], ids=["crlf-crlf", "crlf-cr", "cr"])
+async def test_a_result_whose_frame_a_last_cr_ends_is_the_healthy_path_on_both_sides(tail):
+    span_exporter().clear()
+    server = ServerInstrumentation()
+    with detector() as (found, clock):
+        async with serve(server.asgi(_server(tail))) as port:
+            http = instrument_client()
+            async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                                    mode="legacy") as client:
+                result = await asyncio.wait_for(client.call_tool("echo", {}), 10)
+        assert result.content[0].text == "hello"  # the SDK's client dispatched it
+        assert after_grace(found, clock) == []
+    assert ours(spans(), sc.SPAN_CALL) == []
+    assert [s for s in ours(spans(), sc.SPAN_STREAM) if s.attributes.get(sc.PENDING_REQUEST_IDS)] == []
