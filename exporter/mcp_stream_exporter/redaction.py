@@ -9,7 +9,9 @@ back on ``/metrics``, ``/api/findings``, in the snapshot file or in a log line. 
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Callable
 
 REDACTED = "[redacted]"
 _TOKEN = re.compile(r"\b(?:bearer|basic)\s+[^\s,;\"']+|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*",
@@ -39,9 +41,25 @@ def redact(text: str) -> str:
     Text found clean is remembered (bounded): the same session ids, tools, resources and audiences
     come back on every span of a session, and a look-up costs a tenth of the scan. Text that held a
     token is never remembered, so no credential stays in the cache."""
+    return _replaced(text, REDACTED)
+
+
+def redact_id(text: str) -> str:
+    """``text`` with every token-shaped part replaced by ``[redacted:<12 hex digits of its SHA-256>]``.
+
+    For identifiers: a session id may be a JWT (the MCP spec names one as an example), and sessions
+    whose ids are redacted must stay told apart, or one session's answer would hide another's loss."""
+    return _replaced(text, _digest)
+
+
+def _digest(match: re.Match[str]) -> str:
+    return f"[redacted:{hashlib.sha256(match.group().encode()).hexdigest()[:12]}]"
+
+
+def _replaced(text: str, replacement: str | Callable[[re.Match[str]], str]) -> str:
     if text in _clean:
         return text
-    redacted = _TOKEN.sub(REDACTED, text)
+    redacted = _TOKEN.sub(replacement, text)
     if redacted == text and len(text) <= _CLEAN_MAX_CHARS:
         if len(_clean) >= _CLEAN_CACHE:
             _clean.clear()

@@ -3,6 +3,7 @@ kept anywhere; memory bounded in bytes (budget, per-session state, timers, evide
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gc
 import json
@@ -107,6 +108,21 @@ def test_token_shaped_values_in_any_attribute_are_redacted_from_ledger_findings_
     assert "[redacted]" in kept
     for secret in (JWT, JWT.split(".")[2], "Bearer"):
         assert secret not in kept
+
+
+def test_sessions_whose_ids_are_jwts_stay_apart_once_redacted_so_one_sessions_answer_hides_no_others_loss():
+    clock = Clock()
+    detector = Detector(CONFIG, clock=clock)
+    lost, answered = ("eyJhbGciOiJSUzI1NiJ9." + base64.urlsafe_b64encode(b'{"sid":%d}' % n).decode() + ".c2ln"
+                      for n in (1, 2))
+    detector.consume([stream(C, "post", "clean", session=lost, pending=("3",)),
+                      stream(C, "post", "clean", session=answered, pending=("3",)),
+                      stream(C, "resume", "clean", session=answered, terminal=("3",), cursor="e1")])
+    clock.now += 6 * S
+    detector.tick()
+    assert [f.rule for f in detector.findings if f.rule == "clean_end_pending"] == ["clean_end_pending"]
+    kept = json.dumps([detector.ledger.dump(), detector.findings.dump()])
+    assert lost not in kept and answered not in kept and len(detector.ledger.dump()["sessions"]) == 2
 
 
 BUDGET = 1024 * 1024  # the ledger's

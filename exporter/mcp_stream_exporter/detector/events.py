@@ -14,7 +14,7 @@ from typing import Any
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import canonical_resources
-from mcp_stream_exporter.redaction import redact
+from mcp_stream_exporter.redaction import redact, redact_id
 
 KIND_CLIENT = "client"
 KIND_SERVER = "server"
@@ -248,7 +248,7 @@ def _present(value: str | None, key: str) -> str:
 
 def _str(a: Mapping[str, Any], key: str) -> str | None:
     value = _plain(a, key)
-    return redact(value) if value is not None else None
+    return redact_id(value) if value is not None else None  # ids told apart: a session id may be a JWT
 
 
 def _plain(a: Mapping[str, Any], key: str) -> str | None:
@@ -301,7 +301,7 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
             v = str(v)
         if len(v) > MAX_CHARS:
             raise Rejected(f"{key} longer than {MAX_CHARS} characters")
-        items.append(redact(v))
+        items.append(redact_id(v))
     # a tuple of clean strings is kept as it came (an OTLP reader shares it from its memo of values)
     return value if type(value) is tuple and all(map(operator.is_, items, value)) else tuple(items)
 
