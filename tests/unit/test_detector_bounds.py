@@ -110,11 +110,12 @@ def test_token_shaped_values_in_any_attribute_are_redacted_from_ledger_findings_
         assert secret not in kept
 
 
-def test_sessions_whose_ids_are_jwts_stay_apart_once_redacted_so_one_sessions_answer_hides_no_others_loss():
+@pytest.mark.parametrize("pad", [0, 400], ids=["short", "longer-than-the-bound"])
+def test_sessions_whose_ids_are_jwts_stay_apart_once_redacted_so_one_sessions_answer_hides_no_others_loss(pad):
     clock = Clock()
     detector = Detector(CONFIG, clock=clock)
-    lost, answered = ("eyJhbGciOiJSUzI1NiJ9." + base64.urlsafe_b64encode(b'{"sid":%d}' % n).decode() + ".c2ln"
-                      for n in (1, 2))
+    lost, answered = ("eyJhbGciOiJSUzI1NiJ9." + base64.urlsafe_b64encode(b'{"sid":%d,"p":"%s"}' % (n, b"x" * pad))
+                      .decode().rstrip("=") + ".c2ln" for n in (1, 2))
     detector.consume([stream(C, "post", "clean", session=lost, pending=("3",)),
                       stream(C, "post", "clean", session=answered, pending=("3",)),
                       stream(C, "resume", "clean", session=answered, terminal=("3",), cursor="e1")])

@@ -114,15 +114,16 @@ def test_a_streams_own_answered_calls_stay_listed_past_a_flood_of_other_results(
     assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
 
 
-def test_an_event_id_longer_than_any_span_may_carry_is_not_indexed():
+def test_an_event_id_of_any_length_is_indexed_for_resumes_by_a_digest_past_the_bound():
     tracker, _ = _tracker()
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
-    longest, longer = "e" * sc.MAX_CHARS, "e" * (sc.MAX_CHARS + 1)
+    longest, long = "e" * sc.MAX_CHARS, "e" * 1_000_000
     tracker.frame(stream, SSEFrame("", id=longest), [])
-    tracker.frame(stream, SSEFrame("", id=longer), [])
-    assert tracker.calls_of_cursor("s", longest) == (call,)
-    assert tracker.calls_of_cursor("s", longer) == ()
+    tracker.frame(stream, SSEFrame("", id=long), [])
+    assert tracker.calls_of_cursor("s", longest) == tracker.calls_of_cursor("s", long) == (call,)
+    assert tracker.calls_of_cursor("s", long[:-1]) == ()
+    assert max(len(event_id) for _, event_id in tracker._event_index) <= sc.MAX_CHARS
 
 
 def test_error_frames_are_recorded_and_do_not_complete_the_call():

@@ -7,6 +7,7 @@ cannot. Spans that are not part of the model and not the SDK's MCP spans are ign
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ _SDK_CLIENT_PREFIX = sc.SDK_CLIENT_SPAN_PREFIX
 _TIMEOUT_CODES = frozenset({"-32001"})  # the SDK's "Request timed out"
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
 
-# Bounds on what one span may make the detector keep: longer strings and lists are refused, not cut
-# (a cut id would be another call's). Ids are hex of 16 and 8 bytes per OTLP.
+# Bounds on what one span may make the detector keep: a longer list is refused, and a longer string is kept
+# as a digest of it, never cut (a cut id would be another call's): a server's ids may be long (a JWT
+# session id), and the same id gives the same digest on every span. Trace and span ids are hex of 16
+# and 8 bytes per OTLP.
 MAX_CHARS = sc.MAX_CHARS
 MAX_ITEMS = sc.MAX_ITEMS
 _MAX_TRACE_ID = 32
@@ -247,8 +250,17 @@ def _present(value: str | None, key: str) -> str:
 
 
 def _str(a: Mapping[str, Any], key: str) -> str | None:
-    value = _plain(a, key)
-    return redact_id(value) if value is not None else None  # ids told apart: a session id may be a JWT
+    value = a.get(key)
+    if value is None:
+        return None
+    if type(value) is not str:
+        value = _coerced(key, value)
+    return redact_id(value) if len(value) <= MAX_CHARS else _digest(value)  # ids told apart: one may be a JWT
+
+
+def _digest(value: str) -> str:
+    """A string longer than the bound, as a digest of it: the same on every span, and never the value."""
+    return f"[sha256:{hashlib.sha256(value.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}]"
 
 
 def _plain(a: Mapping[str, Any], key: str) -> str | None:
@@ -299,9 +311,7 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
             if isinstance(v, bool) or not isinstance(v, (str, int)):
                 raise Rejected(f"{key} must be a list of strings")
             v = str(v)
-        if len(v) > MAX_CHARS:
-            raise Rejected(f"{key} longer than {MAX_CHARS} characters")
-        items.append(redact_id(v))
+        items.append(redact_id(v) if len(v) <= MAX_CHARS else _digest(v))
     # a tuple of clean strings is kept as it came (an OTLP reader shares it from its memo of values)
     return value if type(value) is tuple and all(map(operator.is_, items, value)) else tuple(items)
 

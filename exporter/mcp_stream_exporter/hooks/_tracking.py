@@ -20,6 +20,7 @@ event-id index, no counts, which only a span would have carried. Any other strea
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import threading
 import time
@@ -458,6 +459,14 @@ def _outcome(msg: WireMessage) -> str:
     return sc.OUTCOME_TOOL_ERROR if msg.is_tool_error else sc.OUTCOME_RESULT
 
 
+def _indexed(event_id: str) -> str:
+    """An event id as the index keeps it: a long one (a server's ids may be anything) by a digest of it,
+    so the index's memory is bounded by its entries whatever the server streams."""
+    if len(event_id) <= sc.MAX_CHARS:
+        return event_id
+    return hashlib.sha256(event_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def _listed(terminal_ids: tuple[str, ...], own: tuple[str, ...]) -> list[str]:
     """A stream's terminal ids as its span lists them: all of them, or past ``MAX_ITEMS`` its own calls'
     first, so a flood of other calls' results never hides which of its own calls were answered."""
@@ -612,7 +621,7 @@ class Tracker:
         if held:  # the event may be on a stream of the session still held: read them first
             for stream in list(held):
                 self.follow(stream)
-        ids = self._event_index.get((session_id, event_id), ())
+        ids = self._event_index.get((session_id, _indexed(event_id)), ())
         return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
 
     # --- held streams ---
@@ -830,9 +839,7 @@ class Tracker:
                 self._finish(call, outcome)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
-        if len(event_id) > sc.MAX_CHARS:  # no span may name it (a consumer refuses it): not worth its memory
-            return
-        self._event_index[(session_id, event_id)] = request_ids
+        self._event_index[(session_id, _indexed(event_id))] = request_ids
         if len(self._event_index) > self._max_event_index:
             self._event_index.popitem(last=False)
 
