@@ -44,6 +44,21 @@ def redact(text: str) -> str:
     return _replaced(text, REDACTED)
 
 
+# what a cut may leave of a JWT at the end of the text: its start, with fewer than its two dots
+_CUT_JWT = re.compile(r"eyJ[A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]*)?\Z", re.ASCII)
+
+
+def redact_cut(text: str, limit: int) -> str:
+    """The first ``limit`` characters of ``text``, redacted, a token the cut splits included.
+
+    For a peer's text of any length (an ``event: error`` frame's data): the token pattern backtracks,
+    so it is run on the part kept only, which bounds the cost whatever the peer sends."""
+    kept = _TOKEN.sub(REDACTED, text[:limit])
+    if len(text) > limit:
+        kept = _CUT_JWT.sub(REDACTED, kept)
+    return kept[:limit]
+
+
 def redact_id(text: str) -> str:
     """``text`` with every token-shaped part replaced by ``[redacted:<12 hex digits of its SHA-256>]``.
 

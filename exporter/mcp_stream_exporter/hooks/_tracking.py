@@ -41,7 +41,7 @@ from opentelemetry.util.types import Attributes, AttributeValue
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import NO_REQUIREMENT, NOTHING_MISSING, AuthView, Requirement
 from mcp_stream_exporter.exchange import stream_attributes
-from mcp_stream_exporter.redaction import redact
+from mcp_stream_exporter.redaction import redact_cut
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import WireMessage
 
@@ -741,17 +741,18 @@ class Tracker:
     def _error_frame(self, stream: Stream, frame: SSEFrame, timestamp: int | None) -> None:
         stream.error_frames += 1
         attrs: dict[str, AttributeValue] = {sc.FRAME_KIND: sc.FRAME_ERROR_FRAME, sc.EVENT_TYPE: frame.type,
-                                            sc.ERROR_FRAME_DATA: redact(frame.data)[:_ERROR_FRAME_DATA_CHARS]}
+                                            sc.ERROR_FRAME_DATA: redact_cut(frame.data, _ERROR_FRAME_DATA_CHARS)}
         if frame.id is not None:
             attrs[sc.EVENT_ID] = frame.id
         stream.event(sc.EVENT_ERROR_FRAME, attrs, timestamp)
 
     def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
         assert msg.id is not None
-        # each id once, and other calls' ids only while the list is short: a server that answers a
-        # stream with results without end costs a bounded tuple, and the span keeps its own calls' ids
+        # every delivery while the list is short (a second one of a call is duplicate_terminal), then only
+        # the first of each of the stream's own calls: a server that answers a stream with results without
+        # end costs a bounded tuple, and the span still says which of its own calls were answered
         ids = stream.terminal_ids
-        if msg.id not in ids and (len(ids) < sc.MAX_ITEMS or msg.id in stream.request_ids):
+        if len(ids) < sc.MAX_ITEMS or (msg.id not in ids and msg.id in stream.request_ids):
             stream.terminal_ids = (*ids, msg.id)
         self.deliver(stream, msg, event_id)
 
