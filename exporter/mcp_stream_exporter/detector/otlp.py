@@ -622,11 +622,12 @@ def _read_ours(s: Any, origin: str, model_origin: str) -> Span | StreamEnd | Cal
     The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
     replaces finding each key, then its value; a KeyValue it misses is read only once the span may be a
     model span."""
-    if len(s.attributes) > _OURS_MAX_ATTRIBUTES:
+    key_values = s.attributes  # upb makes the container at each access: once
+    if len(key_values) > _OURS_MAX_ATTRIBUTES:
         return None  # read by upb's map, each key once: a KeyValue at a time is for the hooks' few
     attributes: dict[str, Any] = {}
     missed = False
-    for encoded in s.attributes:
+    for encoded in key_values:
         pair = _KEY_VALUES.get(encoded)
         if pair is not None:
             key, value = pair
@@ -635,10 +636,10 @@ def _read_ours(s: Any, origin: str, model_origin: str) -> Span | StreamEnd | Cal
             missed = True
     as_they_are = True
     if missed:
-        if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(s.attributes):
+        if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(key_values):
             return None  # no KeyValue can hold the key
         attributes = {}
-        for encoded in s.attributes:  # again, in order: the last of a key counts
+        for encoded in key_values:  # again, in order: the last of a key counts
             pair = _KEY_VALUES.get(encoded)
             if pair is None:
                 if encoded in _NOT_READ:
