@@ -129,7 +129,7 @@ def test_healthy_sdk_spans_counted_at_once_give_the_labels_counts_and_exemplars_
 
     spans = _varied_sdk_spans(700)
     events, outcome = Detector().read(decode_protobuf(_request(*spans), IngestLimits()).spans, "otlp_http")
-    one_by_one = [ingest._read(s, "") for s in ingest._LeanScopeSpans.FromString(
+    one_by_one = [ingest._read(s, "", "") for s in ingest._LeanScopeSpans.FromString(
         ScopeSpans(spans=spans).SerializeToString()).spans]
     expected_events, expected_outcome = Detector().read(one_by_one, "otlp_http")
     assert (outcome.accepted, outcome.rejected) == (expected_outcome.accepted, expected_outcome.rejected)
@@ -274,7 +274,7 @@ def test_a_tool_that_decodes_to_no_string_lets_the_name_say_it_whatever_its_firs
         tool = _field(1, sc.GEN_AI_TOOL_NAME.encode()) + _field(2, encoded)  # a KeyValue, sent as it is
         spans = _field(2, span.SerializeToString() + _field(9, tool))  # a ScopeSpans
         events, _ = Detector().read(decode_protobuf(_field(1, _field(2, spans)), IngestLimits()).spans, "otlp_http")
-        one_by_one, _ = Detector().read([otlp._read(s, "") for s in otlp._LeanScopeSpans.FromString(spans).spans],
+        one_by_one, _ = Detector().read([otlp._read(s, "", "") for s in otlp._LeanScopeSpans.FromString(spans).spans],
                                         "otlp_http")
         (counts,) = [e for e in events if isinstance(e, OperationCounts)]
         (expected,) = [e for e in one_by_one if isinstance(e, OperationCounts)]

@@ -4,8 +4,9 @@ findings)."""
 from __future__ import annotations
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, Finding, RuleConfig, Span
+from mcp_stream_exporter.detector import Detector, DetectorConfig, Finding, RuleConfig, Span, sizes
 from mcp_stream_exporter.detector.events import lifecycle
+from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue
 from mcp_stream_exporter.detector.timeline import TimelineLimits, Timelines
 
 from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
@@ -105,6 +106,39 @@ def test_lists_a_producer_sent_are_cut_and_its_longest_strings_are_charged():
     (entry,) = timeline.entries()
     assert entry.cursor == huge and entry.audience == (huge,) * 2 and entry.missing_resources == (huge,) * 2
     assert 5 * 250 < timelines.bytes < 4_000
+
+
+def test_a_size_handed_along_is_charged_and_kept_as_the_one_the_timelines_count():
+    huge = "x" * 250
+    events = [_event(stream(C, "resume", "clean", pending=("3",), cursor=huge, audience=(huge,) * 50,
+                            missing=(huge,) * 50)),  # cut: its lists past the cap
+              _event(stream(C, "post", "dropped", pending=("3",), first="4", last="6", events=2)),
+              _event(replay(sc.REPLAY_TRUNCATED, cursor="6", missing=(FETCH,))),
+              _event(call(C, sc.OUTCOME_CANCELLED))]
+    counted, handed = Timelines(TimelineLimits(max_items=2)), Timelines(TimelineLimits(max_items=2))
+    for event in events:
+        counted.record(event)
+        handed.record(event, sizes.event(event))
+    for timelines in (counted, handed):
+        timelines.attach(_lost())
+    steps = [timelines.of(_lost()) for timelines in (counted, handed)]
+    assert steps[0] is not None and steps[1] is not None
+    assert handed.bytes == counted.bytes and steps[1].bytes == steps[0].bytes
+    assert steps[1].entries() == steps[0].entries() and steps[1].entries()[0].audience == (huge,) * 2
+
+
+def test_the_ingest_queue_hands_each_event_s_size_to_the_timelines_in_order():
+    spans = [*_incident("s1"), *_incident("s2")]
+    consumed, queued = (Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=Clock()) for _ in "ab")
+    consumed.consume(spans, "otlp_http")
+    queue = IngestQueue(queued, IngestLimits())
+    try:
+        events, _ = queued.read(spans, "otlp_http")  # one batch: sizes of every kind of event, in order
+        assert queue.offer(events) and queue.wait_idle(10)
+    finally:
+        queue.close()
+    assert queued.timelines.bytes == consumed.timelines.bytes > 0
+    assert len(queued.timelines) == len(consumed.timelines) > 2 and len(queued.findings) == len(consumed.findings)
 
 
 def test_the_byte_budget_holds_and_evicts_unflagged_calls_before_findings_timelines():

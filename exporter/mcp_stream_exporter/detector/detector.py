@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from prometheus_client import CollectorRegistry
 
@@ -133,15 +134,17 @@ class Detector:
             self.metrics.spans_rejected.labels(SPAN_REJECTIONS[0]).inc(outcome.rejected_count)
         return events, outcome
 
-    def apply(self, events: Iterable[Event]) -> None:
-        """Lifecycle events -> ledger, rules, findings and metrics."""
+    def apply(self, events: Iterable[Event], weights: Sequence[int] | None = None) -> None:
+        """Lifecycle events -> ledger, rules, findings and metrics. ``weights``, when given, are the events'
+        sizes (``sizes.event``, in the same order), as the ingest queue counted them: not counted again."""
         with self.lock:
             now = self.clock()
-            for event in events:
+            sized = weights if weights is not None else repeat(None)  # None: the timelines size what they keep
+            for event, weight in zip(events, sized, strict=False):
                 if isinstance(event, OperationCounts):
                     self.metrics.operations.add(event)
                     continue
-                self.timelines.record(event)
+                self.timelines.record(event, weight)
                 if isinstance(event, StreamEnd):
                     self.metrics.stream_end(event)
                     self.rules.stream(event, now)

@@ -221,6 +221,7 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
     tallies: dict[Any, tuple[list[float], list[Any]]] = {}
     taken = 0
     for origin, encoded, _, ours in located:
+        model_origin = cut_origin(origin)  # a model span's, once for the run rather than once a span
         try:  # upb reads any buffer
             spans = (_ModelScopeSpans if ours else _LeanScopeSpans).FromString(encoded).spans
         except DecodeError as exc:
@@ -230,7 +231,7 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             span = spans[at]
             at += 1
             if ours:
-                model = _read_ours(span, origin)
+                model = _read_ours(span, origin, model_origin)
                 if model is not None:
                     yield model
                     continue
@@ -244,7 +245,7 @@ def _decoded_spans(located: list[tuple[str, memoryview, int, bool]]
             attributes = span.attributes
             if sc.SPAN in attributes:
                 try:
-                    yield _read(span, origin)
+                    yield _read(span, origin, model_origin)
                 except UnicodeDecodeError:
                     raise IngestError(400, _NOT_UTF8, "malformed") from None
                 continue
@@ -571,12 +572,12 @@ def _attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def _read(s: Any, origin: str) -> Span | Lifecycle | Rejected:
+def _read(s: Any, origin: str, model_origin: str) -> Span | Lifecycle | Rejected:
     """A lean-decoded span as the detector reads it: only the values of the keys it reads are decoded
     (none for a span outside the model). A model span whose values are all ``clean`` becomes its event (or
     its refusal) at once, the SDK's request spans their :class:`Operation`, with no :class:`Span` between;
     any other stays a span, for ``Detector.read`` to read one value at a time, or refuse with its reason.
-    ``origin`` is already cut and redacted."""
+    ``origin`` is already cut and redacted; ``model_origin`` is ``cut_origin(origin)``, a model event's."""
     encoded = s.attributes
     model = sc.SPAN in encoded
     attributes: dict[str, Any]
@@ -593,7 +594,7 @@ def _read(s: Any, origin: str) -> Span | Lifecycle | Rejected:
                     as_they_are = as_they_are and taken
                 attributes[key] = decoded
         if attributes[sc.SPAN] is not None:
-            return _model(s, attributes, as_they_are, origin)
+            return _model(s, attributes, as_they_are, origin, model_origin)
         # a key with no value: read as lifecycle reads a span without it
         attributes.update((key, _any(encoded[key])) for key in _SDK_READ_KEYS if key in encoded)
     elif sc.MCP_METHOD_NAME in encoded:
@@ -615,17 +616,18 @@ def _read_sdk(s: Any, values: tuple[bytes | None, ...], origin: str) -> Span | O
     return _span(s, attributes, origin)
 
 
-def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
+def _read_ours(s: Any, origin: str, model_origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected | None:
     """A span of the hooks' scope, its attributes still encoded KeyValues, read as ``_read`` reads a model
     span; None for one that is not (no ``mcp_stream.span``, or no value), to be read as any other scope's.
     The hooks' attributes repeat call after call, key and value alike: a memo of whole encoded KeyValues
     replaces finding each key, then its value; a KeyValue it misses is read only once the span may be a
     model span."""
-    if len(s.attributes) > _OURS_MAX_ATTRIBUTES:
+    key_values = s.attributes  # upb makes the container at each access: once
+    if len(key_values) > _OURS_MAX_ATTRIBUTES:
         return None  # read by upb's map, each key once: a KeyValue at a time is for the hooks' few
     attributes: dict[str, Any] = {}
     missed = False
-    for encoded in s.attributes:
+    for encoded in key_values:
         pair = _KEY_VALUES.get(encoded)
         if pair is not None:
             key, value = pair
@@ -634,10 +636,10 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
             missed = True
     as_they_are = True
     if missed:
-        if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(s.attributes):
+        if sc.SPAN not in attributes and _SPAN_KEY not in b"".join(key_values):
             return None  # no KeyValue can hold the key
         attributes = {}
-        for encoded in s.attributes:  # again, in order: the last of a key counts
+        for encoded in key_values:  # again, in order: the last of a key counts
             pair = _KEY_VALUES.get(encoded)
             if pair is None:
                 if encoded in _NOT_READ:
@@ -658,18 +660,18 @@ def _read_ours(s: Any, origin: str) -> Span | StreamEnd | CallEnd | Replay | Rej
             attributes[key] = value
     if attributes.get(sc.SPAN) is None:
         return None
-    return _model(s, attributes, as_they_are, origin)
+    return _model(s, attributes, as_they_are, origin, model_origin)
 
 
 
-def _model(s: Any, attributes: dict[str, Any], as_they_are: bool,
-           origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected:
+def _model(s: Any, attributes: dict[str, Any], as_they_are: bool, origin: str,
+           model_origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected:
     """A model span's event, or its refusal, from values all ``clean``; else a span, read one value at a time."""
     if not as_they_are:
         return _span(s, attributes, origin)
     try:
         return model_event(attributes, (_trace_id(s.trace_id), s.span_id.hex(), s.parent_span_id.hex() or None,
-                                        s.start_time_unix_nano, s.end_time_unix_nano, cut_origin(origin)),
+                                        s.start_time_unix_nano, s.end_time_unix_nano, model_origin),
                            checked=False)
     except Rejected as rejected:
         return rejected

@@ -357,7 +357,8 @@ class RuleEngine:
         era = at.era if at is not None else (call.era if call is not None else sc.ERA_RESUMABLE)
         if era not in RULES[rule].eras:
             return
-        known = call.finding(rule) if call is not None else None
+        findings = call.findings if call is not None else None  # call.finding(rule), inlined: a call per event
+        known = findings.get(rule) if findings is not None else None
         if known is not None:  # seen already (a resume loop, the other side): at most a role to add
             existing = self._lookup(known)
             if existing is not None and at is not None and at.role not in existing.roles:

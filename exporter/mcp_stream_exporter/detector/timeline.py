@@ -197,13 +197,14 @@ class Timelines:
 
     # --- in: every lifecycle event ---
 
-    def record(self, event: Lifecycle) -> None:
+    def record(self, event: Lifecycle, size: int | None = None) -> None:
+        """Keep ``event`` on its calls' timelines; ``size`` is ``sizes.event(event)`` when the caller has it."""
         if isinstance(event, StreamEnd):
-            self._stream(event)
+            self._stream(event, size)
         elif isinstance(event, Replay):
-            self._add((event.at.scope, event.request_id or SESSION_LEVEL), *self._kept(event))
+            self._add((event.at.scope, event.request_id or SESSION_LEVEL), *self._kept(event, size))
         elif isinstance(event, CallEnd):
-            self._call(event)
+            self._call(event, size)
         else:
             self._operation(event)
         if self.bytes > self.limits.max_bytes:
@@ -232,7 +233,7 @@ class Timelines:
 
     # --- entries ---
 
-    def _stream(self, e: StreamEnd) -> None:
+    def _stream(self, e: StreamEnd, size: int | None) -> None:
         scope = e.at.scope
         request_ids, pending = e.request_ids, e.pending_ids
         if e.terminal_ids and not pending and all((scope, rid) not in self._calls for rid in request_ids):
@@ -242,15 +243,15 @@ class Timelines:
             ids = tuple(dict.fromkeys((*request_ids, *pending)))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
-        step, size = self._kept(e)
+        step, size = self._kept(e, size)
         for rid in ids[:self.limits.max_items] or (SESSION_LEVEL,):
             self._add((scope, rid), step, size)
 
-    def _call(self, e: CallEnd) -> None:
+    def _call(self, e: CallEnd, size: int | None) -> None:
         key = (e.at.scope, e.request_id)
         if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
             return  # answered, and nothing was kept about it
-        self._add(key, *self._kept(e))
+        self._add(key, *self._kept(e, size))
         if e.at.role != sc.ROLE_CLIENT:
             return
         if e.sdk_span_id is not None:
@@ -277,13 +278,16 @@ class Timelines:
         while len(self._early) > self.limits.max_index // 10:
             self._early.popitem(last=False)
 
-    def _kept(self, e: _E) -> tuple[_E, int]:
-        """What a timeline keeps of ``e``, and its size: ``e`` itself, or a copy of it with every list cut to
-        ``max_items`` (a producer's lists reach 256 items)."""
+    def _kept(self, e: _E, size: int | None) -> tuple[_E, int]:
+        """What a timeline keeps of ``e``, and its size (``size``, ``sizes.event(e)``, when already counted):
+        ``e`` itself, or a copy of it with every list cut to ``max_items`` (a producer's lists reach 256 items)."""
         cap = self.limits.max_items
         lists = sizes.event_lists(e)
-        size, items = sizes.event_items(e, lists)
-        if items <= cap or max(map(len, lists)) <= cap:  # no list past the cap: the event itself
+        if size is None:
+            size, items = sizes.event_items(e, lists)
+            if items <= cap:  # no list past the cap: the event itself
+                return e, size
+        if max(map(len, lists)) <= cap:
             return e, size
         cut = copy(e)
         for name in sizes.LIST_NAMES[type(e)]:
