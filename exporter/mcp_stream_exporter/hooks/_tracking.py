@@ -543,8 +543,12 @@ class Tracker:
             return
         if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
             sdk = call.sdk_span
-            if sdk is not None and terminal is not None and sdk.is_recording():
-                sdk.set_attributes(_terminal_attributes(terminal))  # where its terminal event came: on the SDK's span
+            if sdk is not None and terminal is not None and sdk.is_recording():  # where its terminal event came
+                # one key at a time: the SDK's ``set_attributes`` checks a mapping against two ABCs, on every call
+                stream_kind, event_id = terminal
+                sdk.set_attribute(sc.TERMINAL_STREAM_KIND, stream_kind)
+                if event_id is not None:
+                    sdk.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
             return
         self.span_of(call)
         attrs = _terminal_attributes(terminal) if terminal is not None else {}
