@@ -358,8 +358,9 @@ class SdkSpans(SpanProcessor):
             self._open[span.get_span_context().span_id] = span
 
     def on_end(self, span: ReadableSpan) -> None:
-        if span.context is not None:
-            self._open.pop(span.context.span_id, None)
+        context = span.context  # a property: read once, this runs on every span the application ends
+        if context is not None:
+            self._open.pop(context.span_id, None)
 
     def get(self, traceparent: str | None) -> Span | None:
         if traceparent is None or len(traceparent) < 55:
@@ -404,7 +405,8 @@ class Stream(_Deferred):
         self.opened = opened  # what the side saw of the exchange when the response started
         self.status = status
         self.calls = calls
-        self.request_ids = tuple([c.key[1] for c in calls])  # what a resume from any of its events continues
+        # what a resume from any of its events continues (one call, the usual: no comprehension's call)
+        self.request_ids = (calls[0].key[1],) if len(calls) == 1 else tuple([c.key[1] for c in calls])
         self.terminal_ids: tuple[str, ...] = ()
         self.events = 0
         self.error_frames = 0
