@@ -8,13 +8,24 @@ Both hooks and the guard read an exchange through this module, so they cannot di
 
 from __future__ import annotations
 
-from typing import Final, NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
-from mcp_stream_exporter.wire import CANCELLED, INITIALIZE, MAX_PARSED_BODY, TOOLS_CALL, WireMessage, classify
+from mcp_stream_exporter.wire import (
+    CANCELLED,
+    INITIALIZE,
+    MAX_PARSED_BODY,
+    TOOLS_CALL,
+    WireMessage,
+    classify_parsed,
+    parse,
+    request_message,
+)
 
 SESSION_ID: Final = "mcp-session-id"
 AUTHORIZATION: Final = "authorization"
@@ -65,6 +76,8 @@ class Body(NamedTuple):
 
 
 UNREAD: Final = Body()
+# Builds a Body from all its fields in order, in one C call (a NamedTuple's constructor is a Python function)
+_body: Callable[[tuple[Any, ...]], Body] = functools.partial(tuple.__new__, Body)
 # A JSON string decodes to one of these methods only if the method's bytes are in the body as they are,
 # or the body escapes something (``\/``, ``\u0074``): a body with neither cannot ask for one of them.
 _CALL, _CANCEL, _INITIALIZE = (m.encode() for m in (TOOLS_CALL, CANCELLED, INITIALIZE))
@@ -74,9 +87,13 @@ def read_body(body: bytes) -> Body:
     """The requests in a POST body; ``UNREAD`` for one too large to parse (observed, not read)."""
     if not body or len(body) > MAX_PARSED_BODY:
         return UNREAD
-    messages = classify(body)
-    if len(messages) == 1 and messages[0].method == TOOLS_CALL and messages[0].id is not None:
-        return Body(calls=(messages[0],), requests=(messages[0],))  # the usual: one call
+    obj = parse(body)
+    if type(obj) is dict and obj.get("method") == TOOLS_CALL and "id" in obj:  # the usual: one call, read as
+        msg = request_message(obj["id"], TOOLS_CALL, obj.get("params"))        # ``classify`` reads it
+        if msg.id is not None:
+            one = (msg,)
+            return _body((one, one, None, ()))
+    messages = classify_parsed(obj)
     calls: list[WireMessage] = []
     requests: list[WireMessage] = []
     cancelled: list[str] = []

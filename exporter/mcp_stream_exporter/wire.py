@@ -64,8 +64,11 @@ def request_message(request_id: Any, method: str, params: Any) -> WireMessage:
     pv = params.get("protocolVersion")
     call = method == TOOLS_CALL
     name = params.get("name") if call else None
+    # an id is an int or a str nearly always: read here, not by a call of ``_id`` (a bool is an int, and no id)
+    kind = type(request_id)
+    rid = request_id if kind is str else str(request_id) if kind is int else _id(request_id)
     # kind, id, method, tool, is_tool_error, traceparent, cancelled_id, protocol_version, arguments, error_code
-    return _wire_message((sc.FRAME_REQUEST, _id(request_id), method, name if isinstance(name, str) else None, False,
+    return _wire_message((sc.FRAME_REQUEST, rid, method, name if isinstance(name, str) else None, False,
                           tp if isinstance(tp, str) else None, None, pv if isinstance(pv, str) else None,
                           params.get("arguments") if call else None, None))
 
@@ -140,12 +143,26 @@ def _loads(text: str) -> Any:
     return obj if end == len(text) else json.loads(text)
 
 
-def classify(payload: str | bytes) -> list[WireMessage]:
-    """Every JSON-RPC message in a payload (a 2025-03-26 batch gives several); [] for non-JSON."""
+NOT_JSON: Final = object()  # what ``parse`` gives for a payload that is not JSON
+
+
+def parse(payload: str | bytes) -> Any:
+    """A payload's JSON value, or ``NOT_JSON``."""
     try:  # JSON-RPC on MCP's transports is UTF-8: decoding first spares json its encoding detection
-        obj = _loads(payload.decode() if isinstance(payload, bytes) else payload)
+        return _loads(payload.decode() if isinstance(payload, bytes) else payload)
     except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep for json: not read, as non-JSON
+        return NOT_JSON
+
+
+def classify_parsed(obj: Any) -> list[WireMessage]:
+    """Every JSON-RPC message in a payload ``parse`` read; [] for non-JSON."""
+    if obj is NOT_JSON:
         return []
     if isinstance(obj, list):
         return [_classify(o) for o in obj]
     return [_classify(obj)]
+
+
+def classify(payload: str | bytes) -> list[WireMessage]:
+    """Every JSON-RPC message in a payload (a 2025-03-26 batch gives several); [] for non-JSON."""
+    return classify_parsed(parse(payload))

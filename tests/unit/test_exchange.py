@@ -21,7 +21,7 @@ from mcp_stream_exporter.exchange import (
     requirement_of,
     stream_attributes,
 )
-from mcp_stream_exporter.wire import MAX_PARSED_BODY
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
 
 FETCH = "https://mcp.example.com/tools/fetch"
 
@@ -96,3 +96,28 @@ def test_a_body_the_byte_check_rules_out_has_nothing_the_hooks_read(messages, ba
         if not can_ask(body):
             asked = read_body(body)
             assert not asked.calls and not asked.cancelled and asked.protocol_version is None
+
+
+_IDS = st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=5), st.booleans(), st.none(),
+                 st.floats(allow_nan=False))
+_PARAMS = st.one_of(
+    st.fixed_dictionaries({"name": st.one_of(st.text(max_size=5), st.integers())},
+                          optional={"arguments": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                                    "_meta": st.one_of(st.fixed_dictionaries({"traceparent": st.one_of(
+                                        st.text(max_size=5), st.integers())}), st.integers())}),
+    st.integers(), st.none())
+
+
+@given(_IDS, _PARAMS, st.booleans(), st.booleans())
+def test_a_body_of_one_call_reads_as_its_message_classifies(rid, params, with_id, with_params):
+    message: dict[str, object] = {"jsonrpc": "2.0", "method": TOOLS_CALL}
+    if with_id:
+        message["id"] = rid
+    if with_params:
+        message["params"] = params
+    body = json.dumps(message).encode()
+    (msg,) = classify(body)
+    # JSON-RPC's id as semconv writes it: an integer's or a string's text; no id for anything else
+    assert msg.id == (str(rid) if with_id and isinstance(rid, int | str) and not isinstance(rid, bool) else None)
+    is_call = msg.method == TOOLS_CALL and msg.id is not None
+    assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, ())

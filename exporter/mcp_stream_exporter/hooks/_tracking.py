@@ -363,8 +363,9 @@ class SdkSpans(SpanProcessor):
             self._open[span.get_span_context().span_id] = span
 
     def on_end(self, span: ReadableSpan) -> None:
-        if span.context is not None:
-            self._open.pop(span.context.span_id, None)
+        context = span.context  # a property: read once, this runs on every span the application ends
+        if context is not None:
+            self._open.pop(context.span_id, None)
 
     def get(self, traceparent: str | None) -> Span | None:
         if traceparent is None or len(traceparent) < 55:
@@ -409,7 +410,8 @@ class Stream(_Deferred):
         self.opened = opened  # what the side saw of the exchange when the response started
         self.status = status
         self.calls = calls
-        self.request_ids = tuple([c.key[1] for c in calls])  # what a resume from any of its events continues
+        # what a resume from any of its events continues (one call, the usual: no comprehension's call)
+        self.request_ids = (calls[0].key[1],) if len(calls) == 1 else tuple([c.key[1] for c in calls])
         self.terminal_ids: tuple[str, ...] = ()
         self.events = 0
         self.error_frames = 0
@@ -565,8 +567,12 @@ class Tracker:
             return
         if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
             sdk = call.sdk_span
-            if sdk is not None and terminal is not None and sdk.is_recording():
-                sdk.set_attributes(_terminal_attributes(terminal))  # where its terminal event came: on the SDK's span
+            if sdk is not None and terminal is not None and sdk.is_recording():  # where its terminal event came
+                # one key at a time: the SDK's ``set_attributes`` checks a mapping against two ABCs, on every call
+                stream_kind, event_id = terminal
+                sdk.set_attribute(sc.TERMINAL_STREAM_KIND, stream_kind)
+                if event_id is not None:
+                    sdk.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
             return
         self.span_of(call)
         attrs = _terminal_attributes(terminal) if terminal is not None else {}

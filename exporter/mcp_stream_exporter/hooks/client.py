@@ -86,14 +86,17 @@ class ClientInstrumentation:
         asked = read_body(body)
         if asked.protocol_version is not None:
             self._protocol_version = asked.protocol_version
-        calls = [self._start_call(msg, session_id, protocol_version, view, start) for msg in asked.calls]
+        calls: list[Call] = []
+        if asked.calls:
+            stateless = era_of(protocol_version) == sc.ERA_STATELESS
+            for msg in asked.calls:  # a loop, not a comprehension: that would be one more call
+                calls.append(self._start_call(msg, session_id, protocol_version, view, start, stateless))
         for request_id in asked.cancelled:
             self.tracker.cancel((session_id, request_id))
         return calls
 
     def _start_call(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
-                    start: int) -> Call:
-        stateless = era_of(protocol_version) == sc.ERA_STATELESS
+                    start: int, stateless: bool) -> Call:
         # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
         identify = (functools.partial(_fingerprint, self.tokens.subject_salt, msg.tool, msg.arguments)
                     if stateless else None)
@@ -101,18 +104,14 @@ class ClientInstrumentation:
                                        start_time=start, identify=identify)
         if self._sdk_spans is not None:
             call.sdk_span = self._sdk_spans.get(msg.traceparent)
-        self._annotate_requirement(call, msg.tool, view)
-        return call
-
-    def _annotate_requirement(self, call: Call, tool: str | None, view: AuthView) -> None:
         if self.policy is None:
-            return
-        requirement, missing = self.policy.gap(tool, view)
-        if requirement is None:
-            return
-        call.require(requirement, missing)  # the call's span records it only where the audience is known
-        if (missing[0] or missing[1]) and audience_known(view):
-            self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
+            return call
+        requirement, missing = self.policy.gap(msg.tool, view)
+        if requirement is not None:
+            call.require(requirement, missing)  # the call's span records it only where the audience is known
+            if (missing[0] or missing[1]) and audience_known(view):
+                self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
+        return call
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
