@@ -28,8 +28,8 @@ _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: c
 _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 # why a connection was closed before the app answered its request, or while it waited idle for the next
 # (the metric's label values)
-_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY, _IDLE = (
-    "bad_request", "busy", "header_timeout", "slow_headers", "slow_body", "idle")
+_REASONS = ("bad_request", "busy", "header_timeout", "slow_headers", "slow_body", "idle")
+_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY, _IDLE = _REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ def server_config(app: Any, host: str, port: int, limits: ConnectionLimits, regi
         "connection made way). A steady busy or slow_body rate means slow senders hold the slots: find them, "
         "or raise --max-connections.",
         ["reason"], registry=registry)
-    for reason in (_BAD_REQUEST, _FULL, _HEADER_TIMEOUT, _SLOW_HEADERS, _SLOW_BODY, _IDLE):
+    for reason in _REASONS:
         closed.labels(reason)  # each shows as 0 before its first
     return uvicorn.Config(app, host=host, port=port, http=_bounded_protocol(limits, closed),
                           timeout_keep_alive=max(1, round(limits.idle_timeout_s)),

@@ -354,22 +354,21 @@ class WireObserver:
             return
         chunk = message.get("body", b"")
         if ex.parser is not None:
-            for frame in ex.parser.feed(chunk) if chunk else ():
-                self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
+            if chunk:
+                self._follow(ex, stream, ex.parser.feed(chunk))
         elif ex.json_body is not None and len(ex.json_body) <= MAX_PARSED_BODY:
             ex.json_body += chunk
         if message.get("more_body", False):
             return
-        self._last_frames(ex, stream)
+        if ex.parser is not None:  # a frame its last CR ended is dispatched, as the SDK's client reads it
+            self._follow(ex, stream, ex.parser.close())
         if ex.json_body:
             self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
-    def _last_frames(self, ex: _Exchange, stream: Stream) -> None:
-        """The body ended: a frame its last CR ended is dispatched, as the SDK's client reads it."""
-        if ex.parser is not None:
-            for frame in ex.parser.close():
-                self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
+    def _follow(self, ex: _Exchange, stream: Stream, frames: list[SSEFrame]) -> None:
+        for frame in frames:
+            self._frame(ex, stream, frame, classify_frame(frame.data) if frame.data else ())
 
     def _frame(self, ex: _Exchange, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
         _refusals(ex.calls, messages)
