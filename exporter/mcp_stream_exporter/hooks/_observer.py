@@ -7,8 +7,9 @@ call refused by whatever enforces the policy (``guard.CallGuard``) is seen as it
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from mcp_stream_exporter import scope as request_scope
@@ -34,6 +35,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
+from mcp_stream_exporter.hooks._recorder import Stored
 from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
@@ -55,6 +57,11 @@ from mcp_stream_exporter.wire import (
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
+# One SDK event as sse-starlette sends it, alone in its chunk: its id, an ``event: message`` line but on a
+# priming event, one ``data`` line, a priming event's ``retry``, the blank line.
+_STORED_EVENT = re.compile(rb"id: ([^\r\n\0]*)\r\n(?:event: message\r\n)?data: [^\r\n]*\r\n(?:retry: \d+\r\n)?\r\n")
+_RESULTS = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR})
+_TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
@@ -99,10 +106,10 @@ class _Exchange:
         parser goes on from there with the chunks that follow (``Holder``). A refusal among them is
         recorded on its call before anything reads them, as following them would have."""
         held, self.held = self.held, None
-        parser = self.parser
         frames: list[HeldFrame] = []
-        if held is None or parser is None:
+        if held is None:
             return frames
+        parser = self.parser = SSEParser()
         for chunk, seen in held:
             self._read(parser.feed(chunk), seen, frames)
         if self.complete and held:  # what the body's end dispatches, at its last chunk's time
@@ -126,8 +133,9 @@ class WireObserver:
     """Observes the ASGI app's exchanges on one MCP endpoint for the server's tracker."""
 
     def __init__(self, tracker: Tracker, requirements: Requirements, policy: ToolPolicy, tokens: TokenReader,
-                 path: str) -> None:
+                 path: str, stored_on: Callable[[str | None, str], list[Stored]]) -> None:
         self.tracker = tracker
+        self.stored_on = stored_on  # what the event store holds of a stream (``StoreRecorder``)
         self.requirements = requirements
         self.policy = policy
         self.tokens = tokens
@@ -278,13 +286,13 @@ class WireObserver:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
         content = content_of(headers.get(CONTENT_TYPE, ""))
         if content == CONTENT_SSE:
-            ex.parser = SSEParser()
             if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
                 self._open(ex, content)
                 assert ex.stream is not None  # a POST carrying calls always has one
                 ex.held = []  # read at its end, or when something needs it (``Tracker.hold``)
                 self.tracker.hold(ex.stream, ex, resumable=True)
                 return
+            ex.parser = SSEParser()
         elif content == CONTENT_JSON:
             ex.json_body = bytearray()
             calls = ex.calls
@@ -342,7 +350,7 @@ class WireObserver:
                 ex.held_bytes += len(chunk)
                 if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
                     self.tracker.follow(stream)
-            if ex.complete:
+            if ex.complete and not self._settled_as_stored(ex, stream):
                 self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
             return
         stream = ex.stream
@@ -365,6 +373,33 @@ class WireObserver:
         if ex.json_body:
             self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
+
+    def _settled_as_stored(self, ex: _Exchange, stream: Stream) -> bool:
+        """End a held stream of one call without parsing it when it carried exactly what the event store
+        recorded of its call's stream, ending with the call's result: the SDK stores each event before it
+        sends it, in store order, as one chunk holding one frame with the stored event's id and message.
+        So each chunk is checked to be one frame of that form with the next stored id; anything else
+        (another frame, a ping, a missing or evicted record, an error) is left to ``end_stream`` to read."""
+        held, calls = ex.held, stream.calls
+        if not held or ex.status >= 400 or len(calls) != 1:
+            return False
+        stored = self.stored_on(ex.scope.session_id, calls[0].key[1])
+        first = len(stored) - len(held)  # the last events stored: a reused request id stored others before
+        if first < 0:
+            return False
+        events = stored[first:]
+        event_id, _, outcome = events[-1]
+        if outcome not in _RESULTS:
+            return False
+        match = _STORED_EVENT.fullmatch
+        terminals = 0
+        for (chunk, _), (stored_id, kind, _) in zip(held, events, strict=True):
+            m = match(chunk)
+            if m is None or m.group(1) != stored_id.encode():
+                return False
+            terminals += kind in _TERMINAL_KINDS
+        # one result, its call's, last: the SDK ends a call's stream with its result
+        return terminals == 1 and self.tracker.settle(stream, outcome, event_id)
 
     def _follow(self, ex: _Exchange, stream: Stream, frames: list[SSEFrame]) -> None:
         for frame in frames:

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
@@ -195,7 +195,7 @@ class _Deferred:
         self.start_time = start_time or time.time_ns()
         self.traceparent = traceparent  # the parent, as the SDK sent it: parsed only if a span is made
         self.parent: Context | None = None
-        self._events: deque[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
+        self._events: list[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
         self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
         self.span: Span | None = None
         self.closed = False  # the span has ended: nothing more goes on it
@@ -209,10 +209,13 @@ class _Deferred:
             return
         if self.span is not None:
             self.span.add_event(name, _attributes(attrs), timestamp)
-        elif self._events is None:
-            self._events = deque([(name, attrs, timestamp or time.time_ns())], _MAX_DEFERRED_EVENTS)
+        elif self._events is None:  # a list, not a deque: most calls get one event, which no span ever reads
+            self._events = [(name, attrs, timestamp or time.time_ns())]
         else:
-            self._events.append((name, attrs, timestamp or time.time_ns()))
+            events = self._events
+            if len(events) >= _MAX_DEFERRED_EVENTS:
+                del events[0]  # the oldest goes, as the span's own limit would drop it
+            events.append((name, attrs, timestamp or time.time_ns()))
 
     def link(self, ctx: SpanContext, attrs: Mapping[str, AttributeValue]) -> None:
         if self.closed:
@@ -660,6 +663,10 @@ class Tracker:
         holder = stream.holder
         if holder is None:
             return []
+        self._unhold_stream(stream)
+        return holder.read_held()
+
+    def _unhold_stream(self, stream: Stream) -> None:
         stream.holder = None
         for call in stream.calls:
             if call.held_on is stream:
@@ -669,7 +676,21 @@ class Tracker:
             del held[stream]
             if not held:
                 del self._held[stream.session_id]
-        return holder.read_held()
+
+    def settle(self, stream: Stream, outcome: str, event_id: str) -> bool:
+        """End a held stream of one call on the healthy path from what its side knows it carried, unread:
+        the call's result ``event_id`` (``outcome``) after events that end no call. The server knows that
+        from its event store's record (``_observer``), and then spares the stream its frames' parse. False,
+        and nothing changed, when the stream or its call is past the healthy path: ``end_stream`` reads it."""
+        calls = stream.calls
+        if stream.holder is None or stream.span is not None or len(calls) != 1 or calls[0].done:
+            return False
+        call = calls[0]
+        self._unhold_stream(stream)
+        self._finish(call, outcome, (stream.kind, event_id))
+        stream.ended = True
+        call.open_streams -= 1
+        return True
 
     def _unhold(self, call: Call) -> None:
         """A held stream carrying ``call`` is read before anything else judges the call."""

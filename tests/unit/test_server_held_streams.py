@@ -1,0 +1,127 @@
+"""The server ends a held POST stream that carried exactly what its event store recorded, ending with its
+call's result, without parsing it; whatever else the stream carried, what it emits is what reading it
+frame by frame emits. Driven through the server instrumentation's ASGI observer and EventStore wrapper,
+around an app that stores and sends each event as the MCP SDK does (one frame a chunk, in store order)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mcp_stream_exporter.auth import ToolPolicy
+from mcp_stream_exporter.hooks import ServerInstrumentation
+from mcp_stream_exporter.lab import IncidentEventStore
+from mcp_stream_exporter.sse import SSEFrame, render
+from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
+
+_CALL = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"search","arguments":{"q":"x"}}}'
+_PROGRESS = render(SSEFrame('{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}'))
+_RESULT = JSONRPCResponse(jsonrpc="2.0", id=7, result={"content": [], "isError": False})
+_TOOL_ERROR = JSONRPCResponse(jsonrpc="2.0", id=7, result={"content": [], "isError": True})
+_REFUSED = JSONRPCError(jsonrpc="2.0", id=7, error={"code": REFUSED_ERROR_CODE, "message": "narrower token"})
+
+
+def _frame(event_id: str, message: JSONRPCMessage | None) -> bytes:
+    """What the SDK sends for a stored event: a priming event without an event type, a message with one."""
+    if message is None:
+        return render(SSEFrame("", None, event_id))
+    return render(SSEFrame(message.model_dump_json(by_alias=True, exclude_none=True), "message", event_id))
+
+
+def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"", wire_id: str | None = None,
+                   coalesce: bool = False) -> Any:
+    """One POST answered as the SDK answers it: the priming event and the result, each stored, then sent.
+    ``extra``: a chunk something else adds before the result, or a message stored on the stream and sent
+    before it; ``wire_id``: the id the result goes out with, if not the one stored; ``coalesce``: the
+    priming event and the result in one chunk."""
+
+    def app(store: Any) -> Any:
+        async def asgi(scope: Any, receive: Any, send: Any) -> None:
+            request = json.loads((await receive())["body"])
+            stream_id = str(request["id"])
+            priming = _frame(await store.store_event(stream_id, None), None)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            if not coalesce:
+                await send({"type": "http.response.body", "body": priming, "more_body": True})
+            if isinstance(extra, bytes) and extra:
+                await send({"type": "http.response.body", "body": extra, "more_body": True})
+            elif not isinstance(extra, bytes):
+                chunk = _frame(await store.store_event(stream_id, extra), extra)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            event_id = await store.store_event(stream_id, result)
+            answer = _frame(wire_id or event_id, result)
+            await send({"type": "http.response.body", "body": priming + answer if coalesce else answer,
+                        "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return asgi
+
+    return app
+
+
+def _run(build: Any, *, from_the_store: bool) -> tuple[list[Any], list[bool]]:
+    """The spans one POST leaves, and whether each end was settled from the store's record."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instr = ServerInstrumentation(tracer_provider=provider)
+    if not from_the_store:
+        instr.observer.stored_on = lambda session_id, stream_id: []
+    settled: list[bool] = []
+    settle = instr.tracker.settle
+
+    def counted_settle(*args: Any) -> bool:
+        settled.append(settle(*args))
+        return settled[-1]
+
+    instr.tracker.settle = counted_settle  # type: ignore[method-assign]
+    app = instr.asgi(build(instr.event_store(IncidentEventStore(ToolPolicy()))))
+    messages = [{"type": "http.request", "body": _CALL, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    scope = {"type": "http", "path": "/mcp", "method": "POST",
+             "headers": [(b"mcp-session-id", b"s1"), (b"mcp-protocol-version", b"2025-11-25")]}
+    asyncio.run(app(scope, receive, send))
+    spans = [(s.name, dict(s.attributes or {}), [(e.name, dict(e.attributes or {})) for e in s.events])
+             for s in exporter.get_finished_spans()]
+    return spans, settled
+
+
+@pytest.mark.parametrize("result", [_RESULT, _TOOL_ERROR], ids=["result", "tool_error"])
+def test_a_stream_that_carried_what_the_store_recorded_ends_its_call_unparsed_and_leaves_no_span(result):
+    spans, settled = _run(_sdk_like_post(result), from_the_store=True)
+    assert settled == [True]
+    assert spans == []
+
+
+@pytest.mark.parametrize(("build", "deviates"), [
+    (_sdk_like_post(_RESULT, extra=_PROGRESS), False),  # a frame the store never recorded
+    (_sdk_like_post(_RESULT, extra=b": ping - 2026-12-02\r\n\r\n"), False),
+    (_sdk_like_post(_RESULT, coalesce=True), False),  # two frames in one chunk
+    (_sdk_like_post(_RESULT, extra=render(SSEFrame("upstream failed", "error", "e-x"))), True),
+    (_sdk_like_post(_RESULT, extra=_frame("e-x", JSONRPCResponse(jsonrpc="2.0", id=8, result={}))), True),
+    (_sdk_like_post(_RESULT, extra=JSONRPCResponse(jsonrpc="2.0", id=8, result={})), True),  # stored on it
+    (_sdk_like_post(_RESULT, wire_id="e-rewritten"), False),  # sent under another id than stored
+    (_sdk_like_post(_REFUSED), False),  # an error ends the call: read, so a refusal is recorded on it
+], ids=["unrecorded-frame", "ping", "coalesced", "error-frame", "foreign-result",
+    "foreign-result-stored", "rewritten-id", "refusal"])
+def test_a_stream_that_carried_anything_else_is_read_and_emits_what_reading_it_frame_by_frame_emits(build,
+                                                                                                  deviates):
+    spans, settled = _run(build, from_the_store=True)
+    assert True not in settled
+    read_spans, _ = _run(build, from_the_store=False)
+    assert spans == read_spans
+    assert bool(spans) == deviates
