@@ -323,18 +323,22 @@ class WireObserver:
         it, exactly as if it had been followed from the start."""
         json_body = ex.json_body
         assert json_body is not None
-        if len(json_body) <= MAX_PARSED_BODY:
-            json_body += message.get("body", b"")
-        if message.get("more_body", False):
-            return
+        body: bytes | bytearray = message.get("body", b"")
+        more = message.get("more_body", False)
+        if more or json_body:  # an answer in several messages: gathered (one message, the usual, is read as it is)
+            if len(json_body) <= MAX_PARSED_BODY:
+                json_body += body
+            if more:
+                return
+            body = json_body
         ex.deferred = False
-        messages = classify_frame(json_body.decode("utf-8", "replace")) if json_body else []
+        messages = classify_frame(body.decode("utf-8", "replace")) if body else []
         if self.tracker.answered(ex.calls, messages):
             return
         self._open(ex, CONTENT_JSON)
         stream = ex.stream
         assert stream is not None  # a POST carrying a call always has one
-        if json_body:
+        if body:
             self._frame(ex, stream, None, messages)
         self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
 
