@@ -120,11 +120,14 @@ class SSEParser:
             elif name == b"event":
                 event = value.decode("utf-8", "replace")
             elif name == b"id":
-                if b"\0" not in value:
-                    id_ = value.decode("utf-8", "replace")
+                if b"\0" in value:  # ignored, as if absent: a block of nothing else dispatches no frame
+                    continue
+                id_ = value.decode("utf-8", "replace")
             elif name == b"retry":
-                if value.isdigit():
+                try:  # what the SDK's client (httpx2) reads as one; anything else is ignored, as above
                     retry = int(value)
+                except ValueError:
+                    continue
             else:
                 continue
             seen = True

@@ -165,3 +165,27 @@ def test_the_end_of_input_dispatches_only_a_frame_whose_last_line_a_cr_ended_as_
     assert _parse([b"data: x\r"])[0] == [SSEFrame("x")]
     assert _parse([b"data: x\r\n\r"])[0] == [SSEFrame("x")]
     assert _parse([b"data: x"])[0] == _parse([b"data: x\n"])[0] == _parse([b"data: x\r\n"])[0] == []
+
+
+def _httpx2_frames(wire: bytes) -> list[tuple[str, str, int | None]]:
+    """What the MCP SDK's client dispatches (httpx2's own decoder), line by line."""
+    from httpx2._sse import _SSEEventDecoder
+
+    decoder = _SSEEventDecoder()
+    frames = []
+    for line in wire.decode().split("\n"):
+        sse = decoder.decode(line)
+        if sse is not None:
+            frames.append((sse.data, sse.event, sse.retry))
+    return frames
+
+
+_FIELD_LINES = st.sampled_from([b"data: x", b"data", b"event: e", b"id: 7", b"id: a\0b", b"id", b"retry: 9",
+                                b"retry: 1x", b"retry: -3", b"retry:  12", b"retry", b": ping", b"", b"other: z"])
+
+
+@given(st.lists(_FIELD_LINES, max_size=30))
+def test_a_frame_is_dispatched_exactly_when_the_sdks_client_dispatches_one(lines):
+    wire = b"".join(line + b"\n" for line in lines) + b"\n"
+    frames, _ = _parse([wire])
+    assert [(f.data, f.type, f.retry) for f in frames] == _httpx2_frames(wire)
