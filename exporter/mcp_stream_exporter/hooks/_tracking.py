@@ -14,7 +14,9 @@ the stream ends, or when something else needs what it holds (a resume from one o
 or an eviction of one of its calls, its call's result on another stream). A stream whose held frames
 show the healthy path then ends with its calls' terminal events and nothing else: no frame events, no
 event-id index, no counts, which only a span would have carried. Any other stream is replayed through
-``frame`` with the times its frames were seen, exactly as if it had been followed from its start.
+``frame`` with the times its frames were seen, exactly as if it had been followed from its start. The
+server's side can tell the healthy path without reading its frames at all when they are, chunk for chunk,
+the events its event store recorded for the call (``settle``).
 """
 
 from __future__ import annotations
