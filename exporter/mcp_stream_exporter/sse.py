@@ -16,6 +16,12 @@ from typing import Any, NamedTuple
 _SDK_FRAME = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ([^\r\n]*)\r\n\r\n")
 
 
+# A chunk that is one whole frame in that form and nothing else, a priming event's ``retry`` included: the
+# SDK sends each event as one chunk (sse-starlette), and a healthy stream is read a chunk at a time by it.
+_ONE_SDK_FRAME = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ([^\r\n]*)\r\n"
+                            rb"(?:retry: (\d+)\r\n)?\r\n")
+
+
 class SSEFrame(NamedTuple):
     """One dispatched event. ``id`` is None when the frame has no ``id:`` line (the cursor stays)."""
 
@@ -33,6 +39,17 @@ class SSEFrame(NamedTuple):
 # Builds an SSEFrame from all its fields in order, in one C call: a NamedTuple's own constructor is a
 # Python function, and both hooks build one for every frame of every stream.
 _sse_frame: Callable[[tuple[Any, ...]], SSEFrame] = functools.partial(tuple.__new__, SSEFrame)
+
+
+def whole_frame(chunk: bytes) -> SSEFrame | None:
+    """The frame ``chunk`` is when it is exactly one frame in the SDK's form, as a parser at a frame
+    boundary reads it; None for anything else, which only the parser reads right."""
+    m = _ONE_SDK_FRAME.fullmatch(chunk)
+    if m is None:
+        return None
+    id_, event, data, retry = m.groups()
+    return _sse_frame((data.decode("utf-8", "replace"), None if event is None else event.decode("utf-8", "replace"),
+                       None if id_ is None else id_.decode("utf-8", "replace"), None if retry is None else int(retry)))
 
 
 class SSEParser:
@@ -124,8 +141,8 @@ class SSEParser:
                     continue
                 id_ = value.decode("utf-8", "replace")
             elif name == b"retry":
-                try:  # what the SDK's client (httpx2) reads as one; anything else is ignored, as above
-                    retry = int(value)
+                try:  # what the SDK's client (httpx2) reads as one, from text; anything else is ignored, as above
+                    retry = int(value.decode("utf-8", "replace"))
                 except ValueError:
                     continue
             else:

@@ -1,7 +1,8 @@
-"""The server ends a held POST stream that carried exactly what its event store recorded, ending with its
-call's result, without parsing it; whatever else the stream carried, what it emits is what reading it
-frame by frame emits. Driven through the server instrumentation's ASGI observer and EventStore wrapper,
-around an app that stores and sends each event as the MCP SDK does (one frame a chunk, in store order)."""
+"""The server ends a held POST stream whose chunks are each one whole frame in the SDK's form, ending with
+its call's result, from one read of each chunk, without the SSE parser; whatever else a stream carried,
+what it emits is what reading it in full emits. Driven through the server instrumentation's ASGI observer
+and EventStore wrapper, around an app that stores and sends each event as the MCP SDK does (one frame a
+chunk, in store order)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ def _frame(event_id: str, message: JSONRPCMessage | None) -> bytes:
 
 
 def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"", wire_id: str | None = None,
-                   coalesce: bool = False) -> Any:
+                   coalesce: bool = False, sent: JSONRPCMessage | None = None) -> Any:
     """One POST answered as the SDK answers it: the priming event and the result, each stored, then sent.
     ``extra``: a chunk something else adds before the result, or a message stored on the stream and sent
     before it; ``wire_id``: the id the result goes out with, if not the one stored; ``coalesce``: the
-    priming event and the result in one chunk."""
+    priming event and the result in one chunk; ``sent``: what goes out in the result's place (``None``
+    with ``wire_id=""``: nothing)."""
 
     def app(store: Any) -> Any:
         async def asgi(scope: Any, receive: Any, send: Any) -> None:
@@ -57,9 +59,10 @@ def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"
                 chunk = _frame(await store.store_event(stream_id, extra), extra)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             event_id = await store.store_event(stream_id, result)
-            answer = _frame(wire_id or event_id, result)
-            await send({"type": "http.response.body", "body": priming + answer if coalesce else answer,
-                        "more_body": True})
+            answer = b"" if wire_id == "" else _frame(wire_id or event_id, sent or result)
+            if answer:
+                await send({"type": "http.response.body", "body": priming + answer if coalesce else answer,
+                            "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         return asgi
@@ -67,14 +70,15 @@ def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"
     return app
 
 
-def _run(build: Any, *, from_the_store: bool) -> tuple[list[Any], list[bool]]:
-    """The spans one POST leaves, and whether each end was settled from the store's record."""
+def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
+    """The spans one POST leaves, and whether its end was settled unparsed (``unparsed=False``: every
+    held stream is read in full, as before there was another way)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instr = ServerInstrumentation(tracer_provider=provider)
-    if not from_the_store:
-        instr.observer.stored_on = lambda session_id, stream_id: []
+    if not unparsed:
+        instr.observer._settled_unparsed = lambda ex, stream: False  # type: ignore[method-assign]
     settled: list[bool] = []
     settle = instr.tracker.settle
 
@@ -101,27 +105,30 @@ def _run(build: Any, *, from_the_store: bool) -> tuple[list[Any], list[bool]]:
 
 
 @pytest.mark.parametrize("result", [_RESULT, _TOOL_ERROR], ids=["result", "tool_error"])
-def test_a_stream_that_carried_what_the_store_recorded_ends_its_call_unparsed_and_leaves_no_span(result):
-    spans, settled = _run(_sdk_like_post(result), from_the_store=True)
+def test_a_stream_of_whole_sdk_frames_ending_with_its_calls_result_ends_it_unparsed_and_leaves_no_span(result):
+    spans, settled = _run(_sdk_like_post(result), unparsed=True)
     assert settled == [True]
     assert spans == []
+    assert _run(_sdk_like_post(_RESULT, extra=_PROGRESS), unparsed=True)[1] == [True]  # a notification before
+
+
+_OTHER_RESULT = JSONRPCResponse(jsonrpc="2.0", id=8, result={})
 
 
 @pytest.mark.parametrize(("build", "deviates"), [
-    (_sdk_like_post(_RESULT, extra=_PROGRESS), False),  # a frame the store never recorded
     (_sdk_like_post(_RESULT, extra=b": ping - 2026-12-02\r\n\r\n"), False),
     (_sdk_like_post(_RESULT, coalesce=True), False),  # two frames in one chunk
     (_sdk_like_post(_RESULT, extra=render(SSEFrame("upstream failed", "error", "e-x"))), True),
-    (_sdk_like_post(_RESULT, extra=_frame("e-x", JSONRPCResponse(jsonrpc="2.0", id=8, result={}))), True),
-    (_sdk_like_post(_RESULT, extra=JSONRPCResponse(jsonrpc="2.0", id=8, result={})), True),  # stored on it
-    (_sdk_like_post(_RESULT, wire_id="e-rewritten"), False),  # sent under another id than stored
+    (_sdk_like_post(_RESULT, extra=_frame("e-x", _OTHER_RESULT)), True),  # another call's result, unstored
+    (_sdk_like_post(_RESULT, extra=_OTHER_RESULT), True),  # another call's result stored on this stream
+    (_sdk_like_post(_RESULT, sent=_OTHER_RESULT), True),  # the store's result id, another call's result
+    (_sdk_like_post(_RESULT, wire_id=""), True),  # stored, never sent: the call is still pending
     (_sdk_like_post(_REFUSED), False),  # an error ends the call: read, so a refusal is recorded on it
-], ids=["unrecorded-frame", "ping", "coalesced", "error-frame", "foreign-result",
-    "foreign-result-stored", "rewritten-id", "refusal"])
-def test_a_stream_that_carried_anything_else_is_read_and_emits_what_reading_it_frame_by_frame_emits(build,
-                                                                                                  deviates):
-    spans, settled = _run(build, from_the_store=True)
+], ids=["ping", "coalesced", "error-frame", "foreign-result", "foreign-result-stored", "foreign-result-as-stored",
+        "result-never-sent", "refusal"])
+def test_a_stream_that_carried_anything_else_is_read_and_emits_what_reading_it_in_full_emits(build, deviates):
+    spans, settled = _run(build, unparsed=True)
     assert True not in settled
-    read_spans, _ = _run(build, from_the_store=False)
+    read_spans, _ = _run(build, unparsed=False)
     assert spans == read_spans
     assert bool(spans) == deviates

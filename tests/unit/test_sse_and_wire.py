@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, render, whole_frame
 from mcp_stream_exporter.wire import classify
 
 WIRE = (b"id: ev-3\r\ndata: \r\nretry: 750\r\n\r\n"
@@ -189,3 +189,33 @@ def test_a_frame_is_dispatched_exactly_when_the_sdks_client_dispatches_one(lines
     wire = b"".join(line + b"\n" for line in lines) + b"\n"
     frames, _ = _parse([wire])
     assert [(f.data, f.type, f.retry) for f in frames] == _httpx2_frames(wire)
+
+
+_ANY_FIELD = st.one_of(st.sampled_from(["x", "", "message", "error", "7", " 7", "a\0b", "\u00e9", "1x", "12"]),
+                       st.text(max_size=8))
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"id", b"event", b"data", b"retry", b"", b"other"]), _ANY_FIELD),
+                max_size=5), st.sampled_from([b"\r\n", b"\n", b"\r"]), st.booleans())
+def test_a_chunk_read_as_one_whole_sdk_frame_is_what_the_parser_reads_from_it(fields, end, blank):
+    chunk = b"".join(name + (b": " if name else b"") + value.encode() + end for name, value in fields)
+    chunk += end if blank else b""
+    frame = whole_frame(chunk)
+    if frame is not None:
+        assert _parse([chunk])[0] == [frame]
+    wire = render(SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', "message", "e-9")) + b""
+    assert whole_frame(wire) == _parse([wire])[0][0]
+    assert whole_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") == SSEFrame("", None, "3", 750)  # SDK priming
+
+
+@given(st.one_of(st.none(), _ANY_FIELD), st.one_of(st.none(), _ANY_FIELD), _ANY_FIELD,
+       st.one_of(st.none(), _ANY_FIELD))
+def test_a_chunk_in_the_sdks_form_is_read_as_one_whole_frame_exactly_as_the_parser_reads_it(id_, event, data, retry):
+    chunk = b"".join(f"{name}: {value}\r\n".encode() for name, value in
+                     (("id", id_), ("event", event), ("data", data), ("retry", retry)) if value is not None) + b"\r\n"
+    frame = whole_frame(chunk)
+    if frame is not None:
+        assert _parse([chunk])[0] == [frame]
+    elif not any(c in v for v in (id_ or "", event or "", data, retry or "") for c in "\r\n\0") and (
+            retry is None or (retry.isascii() and retry.isdigit())):
+        raise AssertionError(f"an SDK-form chunk not read whole: {chunk!r}")

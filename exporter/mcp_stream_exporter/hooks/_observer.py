@@ -7,9 +7,8 @@ call refused by whatever enforces the policy (``guard.CallGuard``) is seen as it
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from mcp_stream_exporter import scope as request_scope
@@ -35,7 +34,6 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._recorder import Stored
 from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
@@ -46,7 +44,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     audience_known,
 )
-from mcp_stream_exporter.sse import SSEFrame, SSEParser
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, whole_frame
 from mcp_stream_exporter.wire import (
     MAX_PARSED_BODY,
     REFUSED_ERROR_CODE,
@@ -57,11 +55,6 @@ from mcp_stream_exporter.wire import (
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
-# One SDK event as sse-starlette sends it, alone in its chunk: its id, an ``event: message`` line but on a
-# priming event, one ``data`` line, a priming event's ``retry``, the blank line.
-_STORED_EVENT = re.compile(rb"id: ([^\r\n\0]*)\r\n(?:event: message\r\n)?data: [^\r\n]*\r\n(?:retry: \d+\r\n)?\r\n")
-_RESULTS = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR})
-_TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
@@ -133,9 +126,8 @@ class WireObserver:
     """Observes the ASGI app's exchanges on one MCP endpoint for the server's tracker."""
 
     def __init__(self, tracker: Tracker, requirements: Requirements, policy: ToolPolicy, tokens: TokenReader,
-                 path: str, stored_on: Callable[[str | None, str], list[Stored]]) -> None:
+                 path: str) -> None:
         self.tracker = tracker
-        self.stored_on = stored_on  # what the event store holds of a stream (``StoreRecorder``)
         self.requirements = requirements
         self.policy = policy
         self.tokens = tokens
@@ -354,7 +346,7 @@ class WireObserver:
                 ex.held_bytes += len(chunk)
                 if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
                     self.tracker.follow(stream)
-            if ex.complete and not self._settled_as_stored(ex, stream):
+            if ex.complete and not self._settled_unparsed(ex, stream):
                 self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
             return
         stream = ex.stream
@@ -378,32 +370,26 @@ class WireObserver:
             self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
-    def _settled_as_stored(self, ex: _Exchange, stream: Stream) -> bool:
-        """End a held stream of one call without parsing it when it carried exactly what the event store
-        recorded of its call's stream, ending with the call's result: the SDK stores each event before it
-        sends it, in store order, as one chunk holding one frame with the stored event's id and message.
-        So each chunk is checked to be one frame of that form with the next stored id; anything else
-        (another frame, a ping, a missing or evicted record, an error) is left to ``end_stream`` to read."""
+    def _settled_unparsed(self, ex: _Exchange, stream: Stream) -> bool:
+        """End a held stream of one call on the healthy path from one read of each chunk, without a parser
+        or frame records: every chunk one whole frame in the SDK's form (it sends one a chunk), none of
+        another event type, no result but in the last, which is the call's own. Anything else (a ping, an
+        error frame, frames split or joined, a refusal) is left to ``end_stream`` to read in full."""
         held, calls = ex.held, stream.calls
         if not held or ex.status >= 400 or len(calls) != 1:
             return False
-        stored = self.stored_on(ex.scope.session_id, calls[0].key[1])
-        first = len(stored) - len(held)  # the last events stored: a reused request id stored others before
-        if first < 0:
-            return False
-        events = stored[first:]
-        event_id, _, outcome = events[-1]
-        if outcome not in _RESULTS:
-            return False
-        match = _STORED_EVENT.fullmatch
-        terminals = 0
-        for (chunk, _), (stored_id, kind, _) in zip(held, events, strict=True):
-            m = match(chunk)
-            if m is None or m.group(1) != stored_id.encode():
+        last = len(held) - 1
+        for i, (chunk, _) in enumerate(held):
+            frame = whole_frame(chunk)
+            if frame is None or (frame.event is not None and frame.event != "message"):
                 return False
-            terminals += kind in _TERMINAL_KINDS
-        # one result, its call's, last: the SDK ends a call's stream with its result
-        return terminals == 1 and self.tracker.settle(stream, outcome, event_id)
+            messages = classify_frame(frame.data) if frame.data else ()
+            if i == last:
+                return len(messages) == 1 and self.tracker.settle(stream, messages[0], frame.id)
+            for msg in messages:
+                if msg.is_terminal:
+                    return False
+        return False
 
     def _follow(self, ex: _Exchange, stream: Stream, frames: list[SSEFrame]) -> None:
         for frame in frames:

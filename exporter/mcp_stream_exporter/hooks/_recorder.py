@@ -30,9 +30,7 @@ from mcp_stream_exporter.hooks._tracking import (
 )
 
 _TERMINAL = (JSONRPCResponse, JSONRPCError)  # built once: ``A | B`` in isinstance builds a union on every call
-# An event id, its frame kind, and for the result of the stream's own request its outcome (else ""): a
-# tuple of strings, which the GC stops tracking
-Stored = tuple[str, str, str]
+_Stored = tuple[str, str]  # an event id and its frame kind: a tuple of strings, which the GC stops tracking
 
 
 class StoreRecorder:
@@ -40,10 +38,12 @@ class StoreRecorder:
 
     def __init__(self, tracker: Tracker, tracer: SpanStarter, requirements: Requirements, *,
                  max_events_per_stream: int = 1_000, max_streams: int = 10_000) -> None:
+        if max_events_per_stream < 0 or max_streams < 0:
+            raise ValueError("max_events_per_stream and max_streams must not be negative")
         self.tracker = tracker
         self.tracer = tracer
         self._requirements = requirements
-        self._stored: OrderedDict[tuple[str | None, str], list[Stored]] = OrderedDict()
+        self._stored: OrderedDict[tuple[str | None, str], list[_Stored]] = OrderedDict()
         # (session, event id) -> (stream id, store order): whose event it is, and what came before it
         self._stream_of_event: OrderedDict[tuple[str | None, str], tuple[str, int]] = OrderedDict()
         self._store_order = 0
@@ -55,12 +55,10 @@ class StoreRecorder:
         return _ObservedEventStore(inner, self)
 
     def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:
-        kind, request_id, outcome = sc.FRAME_PRIMING, None, ""
+        kind, request_id = sc.FRAME_PRIMING, None
         if isinstance(message, _TERMINAL):
             kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
                                 None if message.id is None else str(message.id))
-            if request_id == stream_id:
-                outcome = _outcome(message)
         elif message is not None:
             kind = sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
         key = (session_id, stream_id)
@@ -69,9 +67,9 @@ class StoreRecorder:
             events = self._stored[key] = []
             if len(self._stored) > self._max_streams:  # one added: one out
                 self._stored.popitem(last=False)
-        elif len(events) >= self._max_events_per_stream:
+        events.append((event_id, kind))
+        if len(events) > self._max_events_per_stream:
             del events[0]
-        events.append((event_id, kind, outcome))
         self._store_order = order = self._store_order + 1
         self._stream_of_event[(session_id, event_id)] = (stream_id, order)
         if len(self._stream_of_event) > self._max_indexed:
@@ -80,12 +78,8 @@ class StoreRecorder:
             call = self.tracker.call(key)
             if call is not None:
                 call.event(sc.EVENT_STORED, (kind, event_id, None, None, None))  # attributes built if it is a span
-                if outcome and not call.open_streams:  # else a stream open carries it: ``stored``
-                    self.tracker.stored(call, event_id, outcome)
-
-    def stored_on(self, session_id: str | None, stream_id: str) -> list[Stored]:
-        """What the store holds of one stream, in store order (the order the SDK sends it in)."""
-        return self._stored.get((session_id, stream_id)) or []
+                if request_id == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
+                    self.tracker.stored(call, event_id, _outcome(message))
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         known = self._stream_of_event.get((session_id, event_id))
@@ -102,13 +96,13 @@ class StoreRecorder:
         """Events stored on ``stream_id`` after ``cursor``: after it in that stream, or, for a cursor
         stored on another stream, after it in store order."""
         events = list(self._stored.get((session_id, stream_id), ()))
-        ids = [e[0] for e in events]
+        ids = [event_id for event_id, _ in events]
         if cursor in ids:
             after = events[ids.index(cursor) + 1:]
         else:
             position = self._order(session_id, cursor)
             after = [e for e in events if self._order(session_id, e[0]) > position]
-        return [event_id for event_id, kind, _ in after if kind != sc.FRAME_PRIMING]
+        return [event_id for event_id, kind in after if kind != sc.FRAME_PRIMING]
 
     def _order(self, session_id: str | None, event_id: str) -> int:
         known = self._stream_of_event.get((session_id, event_id))

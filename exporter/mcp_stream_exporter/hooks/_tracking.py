@@ -14,9 +14,9 @@ the stream ends, or when something else needs what it holds (a resume from one o
 or an eviction of one of its calls, its call's result on another stream). A stream whose held frames
 show the healthy path then ends with its calls' terminal events and nothing else: no frame events, no
 event-id index, no counts, which only a span would have carried. Any other stream is replayed through
-``frame`` with the times its frames were seen, exactly as if it had been followed from its start. The
-server's side can tell the healthy path without reading its frames at all when they are, chunk for chunk,
-the events its event store recorded for the call (``settle``).
+``frame`` with the times its frames were seen, exactly as if it had been followed from its start. A
+stream whose every chunk is one whole frame in the SDK's form, ending with its call's result, is settled
+from one read of each chunk, with no parser and no frame records (``settle``).
 """
 
 from __future__ import annotations
@@ -679,17 +679,19 @@ class Tracker:
             if not held:
                 del self._held[stream.session_id]
 
-    def settle(self, stream: Stream, outcome: str, event_id: str) -> bool:
-        """End a held stream of one call on the healthy path from what its side knows it carried, unread:
-        the call's result ``event_id`` (``outcome``) after events that end no call. The server knows that
-        from its event store's record (``_observer``), and then spares the stream its frames' parse. False,
-        and nothing changed, when the stream or its call is past the healthy path: ``end_stream`` reads it."""
+    def settle(self, stream: Stream, msg: WireMessage, event_id: str | None) -> bool:
+        """End a held stream of one call on the healthy path, unread: its side has seen that it carried
+        nothing but its call's result ``msg`` (event ``event_id``) after frames that end no call, and spared
+        it the parse and frame records ``_settled`` works from. False, and nothing changed, unless ``msg``
+        is that call's result and the stream and the call are still on the healthy path."""
         calls = stream.calls
-        if stream.holder is None or stream.span is not None or len(calls) != 1 or calls[0].done:
+        if stream.holder is None or stream.span is not None or len(calls) != 1 or msg.kind != sc.FRAME_RESPONSE:
             return False
         call = calls[0]
+        if call.done or msg.id != call.key[1]:
+            return False
         self._unhold_stream(stream)
-        self._finish(call, outcome, (stream.kind, event_id))
+        self._finish(call, _outcome(msg), (stream.kind, event_id))
         stream.ended = True
         call.open_streams -= 1
         return True

@@ -50,10 +50,10 @@ class ServerInstrumentation:
         tracer = DeviationTracer(tracer_provider)
         self.tracker = Tracker(tracer, sc.ROLE_SERVER, max_calls=max_calls)
         requirements = Requirements(max_calls)
+        self.observer = WireObserver(self.tracker, requirements, policy or ToolPolicy(),
+                                     token_reader or TokenReader(), path)
         self.recorder = StoreRecorder(self.tracker, tracer, requirements,
                                       max_events_per_stream=max_events_per_stream, max_streams=max_streams)
-        self.observer = WireObserver(self.tracker, requirements, policy or ToolPolicy(),
-                                     token_reader or TokenReader(), path, self.recorder.stored_on)
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes tracker input."""
