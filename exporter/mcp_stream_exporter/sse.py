@@ -11,15 +11,12 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-# A frame as the MCP SDK writes it (sse_starlette): ``id``, ``event``, one ``data`` line, CRLF ends.
-# The parser splits a run of them with this, and gives anything else to its line parser.
-_SDK_FRAME = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ([^\r\n]*)\r\n\r\n")
-
-
-# A chunk that is one whole frame in that form and nothing else, a priming event's ``retry`` included: the
-# SDK sends each event as one chunk (sse-starlette), and a healthy stream is read a chunk at a time by it.
-_ONE_SDK_FRAME = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ([^\r\n]*)\r\n"
-                            rb"(?:retry: (\d+)\r\n)?\r\n")
+# A frame as the MCP SDK writes it (sse-starlette): ``id``, ``event``, one ``data`` line, a priming event's
+# ``retry``, CRLF ends. The parser reads a run of them by this head and a search for the data's line end
+# (a regex's character class walks a megabyte result byte by byte, ``bytes.find`` does not), and gives
+# anything else to its line parser.
+_SDK_HEAD = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ")
+_SDK_RETRY = re.compile(rb"\r\nretry: (\d+)\r\n\r\n")
 
 
 class SSEFrame(NamedTuple):
@@ -41,22 +38,42 @@ class SSEFrame(NamedTuple):
 _sse_frame: Callable[[tuple[Any, ...]], SSEFrame] = functools.partial(tuple.__new__, SSEFrame)
 
 
-def whole_frame(chunk: bytes) -> SSEFrame | None:
-    """The frame ``chunk`` is when it is exactly one frame in the SDK's form, as a parser at a frame
-    boundary reads it; None for anything else, which only the parser reads right."""
-    m = _ONE_SDK_FRAME.fullmatch(chunk)
-    if m is None:
+def _sdk_frame_at(chunk: bytes, at: int) -> tuple[SSEFrame, int] | None:
+    """The frame in the SDK's form that starts at ``at``, and where it ends; None if there is none."""
+    head = _SDK_HEAD.match(chunk, at)
+    if head is None:
         return None
-    id_, event, data, retry = m.groups()
-    return _sse_frame((data.decode("utf-8", "replace"), None if event is None else event.decode("utf-8", "replace"),
-                       None if id_ is None else id_.decode("utf-8", "replace"), None if retry is None else int(retry)))
+    start = head.end()
+    cr = chunk.find(b"\r", start)
+    if cr < 0 or chunk.find(b"\n", start, cr) >= 0:
+        return None
+    retry = None
+    if chunk.startswith(b"\r\n\r\n", cr):
+        end = cr + 4
+    else:
+        tail = _SDK_RETRY.match(chunk, cr)
+        if tail is None:
+            return None
+        end, retry = tail.end(), int(tail.group(1))
+    id_, event = head.groups()
+    return _sse_frame((chunk[start:cr].decode("utf-8", "replace"),
+                       None if event is None else event.decode("utf-8", "replace"),
+                       None if id_ is None else id_.decode("utf-8", "replace"), retry)), end
+
+
+def whole_frame(chunk: bytes) -> SSEFrame | None:
+    """The frame ``chunk`` is when it is exactly one frame in the SDK's form (the SDK sends each event as
+    one chunk), as a parser at a frame boundary reads it; None for anything else, which only the parser
+    reads right."""
+    found = _sdk_frame_at(chunk, 0)
+    return found[0] if found is not None and found[1] == len(chunk) else None
 
 
 class SSEParser:
     """Feed it chunks in any split; it returns each complete frame once. Comments (pings) are counted.
 
     Both hooks run it on every chunk of every stream, so a chunk that starts at a frame boundary is
-    read frame by frame in the SDK's own form by one regex, as far as it goes; the rest is split into
+    read frame by frame in the SDK's own form (``_sdk_frame_at``), as far as it goes; the rest is split into
     its complete lines at once (``bytes.splitlines`` breaks at exactly SSE's line ends: CRLF, LF, CR)
     and only field values are decoded.
     """
@@ -76,14 +93,10 @@ class SSEParser:
         if self._kept or self._seen_field:
             return self._feed_lines(chunk)
         frames: list[SSEFrame] = []
-        match = _SDK_FRAME.match
         at, end = 0, len(chunk)
-        while at < end and (m := match(chunk, at)) is not None:
-            id_, event, data = m.groups()
-            frames.append(_sse_frame((data.decode("utf-8", "replace"),
-                                      None if event is None else event.decode("utf-8", "replace"),
-                                      None if id_ is None else id_.decode("utf-8", "replace"), None)))
-            at = m.end()
+        while at < end and (found := _sdk_frame_at(chunk, at)) is not None:
+            frame, at = found
+            frames.append(frame)
         if at < end:
             frames += self._feed_lines(chunk[at:] if at else chunk)
         return frames
