@@ -25,6 +25,7 @@ from mcp_stream_exporter.wire import (
     classify_parsed,
     parse,
     request_message,
+    sdk_call,
 )
 
 SESSION_ID: Final = "mcp-session-id"
@@ -87,7 +88,15 @@ def read_body(body: bytes) -> Body:
     """The requests in a POST body; ``UNREAD`` for one too large to parse (observed, not read)."""
     if not body or len(body) > MAX_PARSED_BODY:
         return UNREAD
-    obj = parse(body)
+    try:  # JSON-RPC on MCP's transports is UTF-8 (``parse``)
+        text = body.decode()
+    except UnicodeDecodeError:
+        return UNREAD
+    msg = sdk_call(text)  # the usual: one call, as the SDK writes it
+    if msg is not None:
+        one = (msg,)
+        return _body((one, one, None, ()))
+    obj = parse(text)
     if type(obj) is dict and obj.get("method") == TOOLS_CALL and "id" in obj:  # the usual: one call, read as
         msg = request_message(obj["id"], TOOLS_CALL, obj.get("params"))        # ``classify`` reads it
         if msg.id is not None:

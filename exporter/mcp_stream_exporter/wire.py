@@ -143,6 +143,69 @@ def _loads(text: str) -> Any:
     return obj if end == len(text) else json.loads(text)
 
 
+# A ``tools/call`` request as the SDK writes one: compact; ``jsonrpc``, ``id``, ``method``, ``params``; in
+# ``params`` ``name``, ``arguments``, ``_meta``; ``traceparent`` last in ``_meta``. ``sdk_call`` reads it.
+_SDK_CALL = re.compile(r'\{"jsonrpc":"2\.0","id":(?:"([^"\\\x00-\x1f]*)"|(0|-?[1-9][0-9]{0,17})),'
+                       r'"method":"tools/call","params":\{"name":"([^"\\\x00-\x1f]*)","arguments":')
+_META = ',"_meta":{'
+_TRACEPARENT = '"traceparent":"'
+_SDK_CALL_END = '"}}}'
+# The ``_meta`` members before ``traceparent`` found to be valid JSON: a client sends the same ones (its
+# protocol version, its name) on every call. Bounded in count and in size, whatever a client sends.
+_VALID_MEMBERS: dict[str, None] = {}
+_MAX_VALID_MEMBERS = 64
+_MAX_MEMBERS_CHARS = 4096
+
+
+def sdk_call(text: str) -> WireMessage | None:
+    """A body holding one ``tools/call`` request in the SDK's own form, read exactly as ``json.loads`` and
+    ``request_message`` would read it, without building its ``_meta``: the head and the tail are matched
+    as they must be, the arguments parsed, the members of ``_meta`` before ``traceparent`` checked to be
+    valid JSON (once for all the calls that repeat them). None for anything else, which is parsed in full:
+    another order, whitespace, escapes in what is matched, malformed JSON."""
+    head = _SDK_CALL.match(text)
+    if head is None or not text.endswith(_SDK_CALL_END):
+        return None
+    try:
+        arguments, at = _scan(text, head.end())
+    except (StopIteration, ValueError, RecursionError):
+        return None
+    if not text.startswith(_META, at):
+        return None
+    at += len(_META)
+    cut = text.rfind(_TRACEPARENT, at)
+    value_at, end = cut + len(_TRACEPARENT), len(text) - len(_SDK_CALL_END)
+    if cut < 0 or value_at > end:
+        return None
+    traceparent = text[value_at:end]
+    if '"' in traceparent or "\\" in traceparent or not traceparent.isprintable():  # not one JSON string as it is
+        return None
+    if cut > at and not _valid_members(text[at:cut]):
+        return None
+    string_id, int_id, tool = head.group(1, 2, 3)
+    # kind, id, method, tool, is_tool_error, traceparent, cancelled_id, protocol_version, arguments, error_code
+    return _wire_message((sc.FRAME_REQUEST, int_id if string_id is None else string_id, TOOLS_CALL, tool, False,
+                          traceparent, None, None, arguments, None))
+
+
+def _valid_members(members: str) -> bool:
+    """Whether ``members`` (each followed by a comma) are the valid members of a JSON object."""
+    if members in _VALID_MEMBERS:
+        return True
+    if len(members) > _MAX_MEMBERS_CHARS or not members.endswith(","):
+        return False
+    try:
+        obj, end = _scan("{" + members[:-1] + "}", 0)
+    except (StopIteration, ValueError, RecursionError):
+        return False
+    if end != len(members) + 1 or type(obj) is not dict:
+        return False
+    if len(_VALID_MEMBERS) >= _MAX_VALID_MEMBERS:
+        _VALID_MEMBERS.clear()
+    _VALID_MEMBERS[members] = None
+    return True
+
+
 NOT_JSON: Final = object()  # what ``parse`` gives for a payload that is not JSON
 
 

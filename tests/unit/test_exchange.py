@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter import wire
 from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import (
     CONTENT_JSON,
@@ -21,7 +22,7 @@ from mcp_stream_exporter.exchange import (
     requirement_of,
     stream_attributes,
 )
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_call
 
 FETCH = "https://mcp.example.com/tools/fetch"
 
@@ -121,3 +122,60 @@ def test_a_body_of_one_call_reads_as_its_message_classifies(rid, params, with_id
     assert msg.id == (str(rid) if with_id and isinstance(rid, int | str) and not isinstance(rid, bool) else None)
     is_call = msg.method == TOOLS_CALL and msg.id is not None
     assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, ())
+
+
+# Bodies as the SDK writes them: a default-era call (client info in ``_meta``) and a 2025-11-25 one.
+_SDK_BODIES = [
+    '{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"search","arguments":{"query":"q"},"_meta":'
+    '{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientInfo":{"name":"mcp",'
+    '"version":"0.1.0"},"io.modelcontextprotocol/clientCapabilities":{},'
+    '"traceparent":"00-3153cfd231911e9a4f63487742599663-d1f898b49d683e55-03"}}}',
+    '{"jsonrpc":"2.0","id":"a-3","method":"tools/call","params":{"name":"fetch","arguments":{"url":"x","n":[1,2.5]},'
+    '"_meta":{"traceparent":"00-3df2b53aa01e834c447dbd1252e6ee77-200d09763faefb9c-03"}}}',
+]
+
+
+def test_a_call_as_the_sdk_writes_it_is_read_without_the_full_parse_and_reads_the_same():
+    for text in _SDK_BODIES:
+        fast = sdk_call(text)
+        assert fast is not None and [fast] == classify(text), text
+        assert read_body(text.encode()).calls == (fast,)
+
+
+def test_a_call_almost_in_the_sdks_form_is_parsed_in_full():
+    head = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"f","arguments":{},"_meta":'
+    for text in (head + '{"a":,"traceparent":"t"}}}',  # malformed members before traceparent
+                 head + '{"a":1,"traceparent":"t"}}}x',  # something after the body
+                 head + '{"traceparent":"t","a":1}}}',  # traceparent not last: parsed, not matched
+                 head + '{"traceparent":"}}}',  # the value's quote is the end's
+                 head + '{"traceparent":"t\\u0041"}}}',  # an escape in the value
+                 head.replace('"id":1', '"id":01') + '{"traceparent":"t"}}}'):  # not JSON's number
+        assert sdk_call(text) is None, text
+        assert read_body(text.encode()).calls == tuple(m for m in classify(text) if m.id is not None), text
+
+
+def test_the_meta_members_the_fast_read_remembers_are_bounded_in_count_and_size():
+    head = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"f","arguments":{},"_meta":'
+    for i in range(200):
+        assert sdk_call(head + f'{{"k{i}":{i},"traceparent":"t"}}}}}}') is not None
+    assert len(wire._VALID_MEMBERS) <= 64
+    huge = head + '{"k":"' + "x" * 5000 + '","traceparent":"t"}}}'
+    assert sdk_call(huge) is None and [m.traceparent for m in read_body(huge.encode()).calls] == ["t"]
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                 max_size=3), max_leaves=8)
+
+
+@given(st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=5), st.floats(allow_nan=False)), st.text(max_size=5),
+       _JSON, st.dictionaries(st.text(max_size=4), _JSON, max_size=3), st.text(max_size=6), st.integers(0, 400),
+       st.sampled_from(["", '"', "\\", ",", "}", "{", "]", "x", "\x01", " "]), st.booleans())
+def test_a_body_in_the_sdks_form_or_one_edit_from_it_reads_as_its_full_parse(rid, name, arguments, members, traceparent,
+                                                                             at, char, drop):
+    message = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+               "params": {"name": name, "arguments": arguments, "_meta": {**members, "traceparent": traceparent}}}
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+    for body in (text, text[:at] + char + text[at + drop:]):
+        fast = sdk_call(body)
+        assert fast is None or [fast] == classify(body), body

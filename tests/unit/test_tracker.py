@@ -230,7 +230,8 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     computed: list[str] = []
 
     def identify(fingerprint: str):
-        def compute() -> str:
+        def compute(tool: str | None, arguments: object) -> str:
+            assert (tool, arguments) == ("fetch", None)  # what the request named
             computed.append(fingerprint)
             return fingerprint
         return compute

@@ -30,7 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -141,6 +141,7 @@ def _sdk_parent(traceparent: str | None) -> Context | None:
 
 
 Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attributes
+Identify = Callable[[str | None, Any], str]  # a call's fingerprint, of its tool and its arguments
 # What a side saw of an exchange when its response started: HTTP method, content, protocol version,
 # resume cursor. A stream keeps this tuple and builds its opening attributes only if it becomes a span.
 Opening = tuple[str, str, str | None, str | None]
@@ -253,13 +254,14 @@ class _Deferred:
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("_fingerprint", "_identify", "auth", "decision", "done", "held_on", "key", "method", "missing",
-                 "open_streams", "protocol_version", "requirement", "role", "sdk_span", "stateless", "streams", "tool")
+    __slots__ = ("_arguments", "_fingerprint", "_identify", "auth", "decision", "done", "held_on", "key", "method",
+                 "missing", "open_streams", "protocol_version", "requirement", "role", "sdk_span", "stateless",
+                 "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
-                 traceparent: str | None = None, identify: Callable[[], str] | None = None) -> None:
-        super().__init__(SpanKind.INTERNAL, start_time, traceparent)
+                 traceparent: str | None = None, identify: Identify | None = None, arguments: Any = None) -> None:
+        _Deferred.__init__(self, SpanKind.INTERNAL, start_time, traceparent)  # not ``super()``: no proxy a call
         self.key = key
         self.tool = tool
         self.method = method
@@ -274,6 +276,7 @@ class Call(_Deferred):
         self.open_streams = 0  # streams carrying it that have not ended
         self.done = False
         self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
+        self._arguments = arguments  # what it computes it of, with the tool: kept until then, never exported
         self._fingerprint: str | None = None
         self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
         self.held_on: Stream | None = None  # the held stream carrying it: read before anything else judges it
@@ -282,7 +285,8 @@ class Call(_Deferred):
     def fingerprint(self) -> str | None:
         """Salted hash of the tool and its canonical arguments: which call this is, for matching a re-issue."""
         if self._fingerprint is None and self._identify is not None:
-            self._fingerprint, self._identify = self._identify(), None
+            self._fingerprint = self._identify(self.tool, self._arguments)
+            self._identify = self._arguments = None
         return self._fingerprint
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
@@ -516,15 +520,17 @@ class Tracker:
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
                    auth: AuthView, *, stateless: bool, start_time: int | None = None,
-                   identify: Callable[[], str] | None = None) -> Call:
+                   identify: Identify | None = None) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's.
 
         A stateless call with the fingerprint of one whose stream broke is its re-issue: a deviation,
         so it gets a span however it ends, and the detector sees the loss answered (not_reissued).
-        ``identify`` computes the fingerprint: only when a call has broken, or this one gets a span."""
+        ``identify`` computes the fingerprint of its tool and arguments: only when a call has broken, or this
+        one gets a span."""
         assert msg.id is not None
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
-                    start_time=start_time, traceparent=msg.traceparent, identify=identify)
+                    start_time=start_time, traceparent=msg.traceparent, identify=identify,
+                    arguments=None if identify is None else msg.arguments)
         fingerprint = call.fingerprint if self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]

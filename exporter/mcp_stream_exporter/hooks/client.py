@@ -47,6 +47,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Call,
     DeviationTracer,
     HeldFrame,
+    Identify,
     SdkSpans,
     Stream,
     Tracker,
@@ -74,6 +75,7 @@ class ClientInstrumentation:
         self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
+        self._identify: Identify = self._fingerprint  # bound once, not per call
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
                        protocol_version: str | None, view: AuthView, start: int) -> list[Call]:
@@ -98,10 +100,8 @@ class ClientInstrumentation:
     def _start_call(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
                     start: int, stateless: bool) -> Call:
         # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
-        identify = (functools.partial(_fingerprint, self.tokens.subject_salt, msg.tool, msg.arguments)
-                    if stateless else None)
         call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
-                                       start_time=start, identify=identify)
+                                       start_time=start, identify=self._identify if stateless else None)
         if self._sdk_spans is not None:
             call.sdk_span = self._sdk_spans.get(msg.traceparent)
         if self.policy is None:
@@ -158,6 +158,9 @@ class ClientInstrumentation:
         response.stream = tap
         return response
 
+    def _fingerprint(self, tool: str | None, arguments: Any) -> str:
+        return _fingerprint(self.tokens.subject_salt, tool, arguments)
+
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
               calls: list[Call], auth: AuthView, cursor: str | None, start: int,
               status: int | None, content: str) -> Stream | None:
@@ -182,20 +185,24 @@ class _TapStream(httpx2.AsyncByteStream):
     the same reason it closes the inner stream's iterator itself, as ``httpx2`` does with the iterators
     it opens (it cannot see the one behind this object)."""
 
+    # what a tap starts with and most never change, as class defaults: fewer stores on every response
+    _chunks: AsyncIterator[bytes] | None = None
+    _exhausted = False
+    _parser: SSEParser | None = None
+    _json: bytes | bytearray = b""  # a JSON body: its one chunk as it came (the usual), or the chunks joined
+    held: list[HeldFrame] | None = None
+    _held_bytes = 0
+
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
                  status: int, calls: Sequence[Call] = (), opener: Callable[[], Stream | None] | None = None) -> None:
         self._inner = inner
-        self._chunks: AsyncIterator[bytes] | None = None
-        self._exhausted = False
         self._tracker = tracker
         self._stream = stream
         self._calls = calls
         self._opener = opener
-        self._parser = SSEParser() if sse else None
-        self._json = bytearray()
+        if sse:
+            self._parser = SSEParser()
         self._status = status
-        self.held: list[HeldFrame] | None = None
-        self._held_bytes = 0
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._chunks is None:  # httpx2 asks twice (``__aiter__()``, then ``async for``): one inner iterator
@@ -217,11 +224,21 @@ class _TapStream(httpx2.AsyncByteStream):
         except BaseException:  # cancelled while reading: the client gave up on it
             self._end(sc.END_CLOSED)
             raise
-        if self.held is not None:
-            self._hold(chunk)
+        held = self.held
+        if held is not None:  # what ``_keep`` takes in, up to the bounds of a held stream, then followed
+            assert self._parser is not None
+            self._keep(self._parser.feed(chunk), time.time_ns())
+            self._held_bytes += len(chunk)
+            if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+                assert self._stream is not None
+                self._tracker.follow(self._stream)
         elif self._parser is not None:
             self._feed(chunk)
+        elif not self._json:
+            self._json = chunk
         elif len(self._json) <= MAX_PARSED_BODY:
+            if type(self._json) is bytes:  # a second chunk: joined in place from now on
+                self._json = bytearray(self._json)
             self._json += chunk
         return chunk
 
@@ -235,16 +252,6 @@ class _TapStream(httpx2.AsyncByteStream):
     def _follow(self, stream: Stream, frames: list[SSEFrame]) -> None:
         for frame in frames:
             self._tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
-
-    def _hold(self, chunk: bytes) -> None:
-        held, parser = self.held, self._parser
-        assert held is not None
-        assert parser is not None
-        self._keep(parser.feed(chunk), time.time_ns())
-        self._held_bytes += len(chunk)
-        if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-            assert self._stream is not None
-            self._tracker.follow(self._stream)
 
     def _keep(self, frames: list[SSEFrame], seen: int) -> None:
         held, stream = self.held, self._stream
@@ -293,12 +300,16 @@ class _TapStream(httpx2.AsyncByteStream):
         if stream is not None:
             self._tracker.end_stream(stream, reason, self._status)
 
-    async def aclose(self) -> None:
+    def aclose(self) -> Coroutine[Any, Any, None]:
         self._end(sc.END_CLOSED)
         chunks = self._chunks
         # an exhausted generator has nothing to close: closing it anyway costs a coroutine
         if not self._exhausted and isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
-            await chunks.aclose()
+            return self._close(chunks)
+        return self._inner.aclose()  # its coroutine, not one more around it
+
+    async def _close(self, chunks: types.AsyncGeneratorType[bytes, None]) -> None:
+        await chunks.aclose()
         await self._inner.aclose()
 
 
