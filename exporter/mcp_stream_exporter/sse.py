@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 # (a regex's character class walks a megabyte result byte by byte, ``bytes.find`` does not), and gives
 # anything else to its line parser.
 _SDK_HEAD = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: ([^\r\n]*)\r\n)?data: ")
-_SDK_RETRY = re.compile(rb"\r\nretry: (\d+)\r\n\r\n")
+# a longer retry goes to the line parser, which reads it as httpx2 does (past int's 4,300 digits: ignored)
+_SDK_RETRY = re.compile(rb"\r\nretry: (\d{1,18})\r\n\r\n")
 
 
 class SSEFrame(NamedTuple):

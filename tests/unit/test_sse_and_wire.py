@@ -219,3 +219,10 @@ def test_a_chunk_in_the_sdks_form_is_read_as_one_whole_frame_exactly_as_the_pars
     elif not any(c in v for v in (id_ or "", event or "", data, retry or "") for c in "\r\n\0") and (
             retry is None or (retry.isascii() and retry.isdigit())):
         raise AssertionError(f"an SDK-form chunk not read whole: {chunk!r}")
+
+
+def test_a_retry_too_long_for_an_int_is_ignored_as_httpx2_ignores_it_never_raised():
+    wire = b"id: 1\r\ndata: x\r\nretry: " + b"9" * 5000 + b"\r\n\r\n"
+    frames, _ = _parse([wire])
+    assert [(f.data, f.type, f.retry) for f in frames] == _httpx2_frames(wire.replace(b"\r\n", b"\n"))
+    assert whole_frame(wire) is None
