@@ -17,10 +17,15 @@ what they cost in wall time, which other processes' scheduling moves. ``--sides`
 the server's or only the client's hooks in H (an operator may instrument one side). Bounded:
 WORKERS x 3 x CALLS calls per run.
 
-``--instructions`` counts instead of timing, for a figure a busy machine cannot move: each configuration
-runs alone in a process under ``valgrind --tool=callgrind`` (PYTHONHASHSEED=0), which dumps its counts
-when the worker calls ``os.getppid()`` just before and just after CALLS round trips (after a warm-up);
-the report is the instructions a round trip of each configuration, and their ratios.
+``--instructions`` counts instead of timing, for a figure neither a busy machine nor the event loop can
+move: each configuration (A, S, H) runs alone in a process under ``valgrind --tool=callgrind``
+(PYTHONHASHSEED=0), which dumps its counts when the worker calls ``os.getppid()`` just before and just
+after CALLS round trips (after a warm-up). The client reaches the server in process, through
+``httpx2.ASGITransport`` (the request body handed over in one message, as uvicorn does): no sockets and
+no uvicorn, whose timing-dependent reads moved a socket round trip's count by some 40k instructions from
+run to run; this way a configuration's count repeats to within about 0.1 %. The report is the
+instructions a round trip, what the hooks add (H-S) against what the SDK's tracing adds (S-A), and H/S
+(against the SDK's work alone, without the HTTP server's, so higher than the timed ratio).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
@@ -106,7 +111,9 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
     request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": "q"}))
     options = {"mode": "legacy"} if mode == "legacy" else {}
 
-    async def setup(stack: contextlib.AsyncExitStack, configuration: str) -> Client:
+    async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
+        """A server and a client of one configuration: over loopback TCP, or ``in_process`` through
+        httpx2's ASGI transport (``--instructions``)."""
         hooked = configuration == "H" and not control
         policy = incident_policy()
         store = IncidentEventStore(policy)
@@ -115,14 +122,19 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
             app = instrument_server(server, policy=policy, event_store=store)
         else:
             app = server.streamable_http_app(event_store=store)
-        if hooked and side in ("both", "client"):
-            http = instrument_client(auth=BearerAuth(token), policy=policy)
+        timeout = httpx2.Timeout(30.0, read=300.0)
+        if in_process:
+            await stack.enter_async_context(server.session_manager.run())  # what the app's lifespan would run
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(_whole_body(app)), auth=BearerAuth(token),
+                                      timeout=timeout)
+            url = "http://127.0.0.1:8000/mcp"
         else:
-            http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=httpx2.Timeout(30.0, read=300.0))
-        port = await stack.enter_async_context(serve(app))
+            http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
+            url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
+        if hooked and side in ("both", "client"):
+            http = instrument_client(http, policy=policy)
         await stack.enter_async_context(http)
-        return await stack.enter_async_context(
-            Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http), **options))
+        return await stack.enter_async_context(Client(streamable_http_client(url, http_client=http), **options))
 
     async def call(client: Client, configuration: str) -> float:
         token = untraced.set(configuration == "A" or (control and configuration != "S"))
@@ -136,7 +148,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
     async def counted(configuration: str) -> dict[str, float]:
         """One configuration alone, its calls between two ``os.getppid()``: callgrind dumps at each."""
         async with contextlib.AsyncExitStack() as stack:
-            client = await setup(stack, configuration)
+            client = await setup(stack, configuration, in_process=True)
             for _ in range(20):
                 await call(client, configuration)
             gc.collect()
@@ -168,6 +180,32 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
     return asyncio.run(counted(only) if only is not None else run())
 
 
+def _whole_body(app: Any) -> Any:
+    """The app, handed each HTTP request's body in one message (httpx2's ASGI transport sends a body and
+    then an empty last message; uvicorn sends a small body as one), so the hooks take the path they take
+    behind uvicorn."""
+    async def whole_body(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        parts = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        first = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def rest() -> Any:
+            return first.pop() if first else await receive()
+
+        await app(scope, rest, send)
+
+    return whole_body
+
+
 def _instructions(mode: str, side: str, configuration: str, calls: int) -> int:
     """Instructions a round trip of one configuration, counted by callgrind between the worker's dumps."""
     with tempfile.TemporaryDirectory() as out:
@@ -186,13 +224,15 @@ def _count(modes: list[str], sides: list[str], calls: int) -> None:
         raise SystemExit("--instructions needs valgrind")
     report = {}
     for mode in modes:
-        sdk = _instructions(mode, "both", "S", calls)
+        bare, sdk = _instructions(mode, "both", "A", calls), _instructions(mode, "both", "S", calls)
         for side in sides:
             hooked = _instructions(mode, side, "H", calls)
             name = mode if side == "both" else f"{mode} {side} only"
-            report[name] = {"calls": calls, "S_instructions": sdk, "H_instructions": hooked,
+            report[name] = {"calls": calls, "A_instructions": bare, "S_instructions": sdk, "H_instructions": hooked,
+                            "hooks (H-S)": hooked - sdk, "sdk_tracing (S-A)": sdk - bare,
                             "H/S": round(hooked / sdk, 4)}
-            print(f"{name}: instructions a round trip S {sdk}, H {hooked}, H/S {hooked / sdk:.4f}", flush=True)
+            print(f"{name}: instructions a round trip A {bare}, S {sdk}, H {hooked}; the hooks add {hooked - sdk}, "
+                  f"the SDK's tracing {sdk - bare}; H/S {hooked / sdk:.4f}", flush=True)
     print(json.dumps(report, indent=2))
 
 

@@ -125,14 +125,17 @@ def can_ask(body: bytes) -> bool:
     """Whether ``body`` may hold a ``tools/call``, a ``notifications/cancelled`` or an ``initialize``,
     by a byte search: False only when no parse of it could find one (``read_body`` would give no calls,
     no cancels and no protocol version), so the hooks parse only the bodies that can matter to them."""
-    return _CALL in body or _CANCEL in body or _INITIALIZE in body or b"\\" in body
+    # ``find``, not ``in``: ``bytes in bytes`` first tries its operand as an int, and raises and clears a
+    # TypeError (with its message formatted) before it searches, on every request
+    return (body.find(_CALL) >= 0 or body.find(_CANCEL) >= 0 or body.find(_INITIALIZE) >= 0
+            or body.find(b"\\") >= 0)
 
 
 def calls_only(body: bytes) -> bool:
     """Whether ``body``, one ``can_ask`` let through, can hold nothing the hooks read but ``tools/call``
     requests (no cancel, no initialize, nothing escaped): its calls are the ones the SDK's server
     middleware hands over, already parsed, and it needs reading only for calls the middleware never sees."""
-    return _CANCEL not in body and _INITIALIZE not in body and b"\\" not in body
+    return body.find(_CANCEL) < 0 and body.find(_INITIALIZE) < 0 and body.find(b"\\") < 0  # ``can_ask``: not ``in``
 
 
 def most_calls(body: bytes) -> int:

@@ -103,6 +103,26 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
     assert [s.name for s in exporter.get_finished_spans()] == ["ours"]
 
 
+def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index_reads():
+    """hooks._tracking.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, not
+    the ``name``/``context`` properties and ``get_span_context()`` around them."""
+    from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+
+    seen: list[tuple[str, object, object]] = []
+
+    class Probe(SpanProcessor):
+        def on_start(self, span: Span, parent_context: object = None) -> None:
+            seen.append(("start", span._name == span.name, span._context is span.get_span_context()))
+
+        def on_end(self, span: ReadableSpan) -> None:
+            seen.append(("end", span._name == span.name, span._context is span.context))
+
+    provider = TracerProvider()
+    provider.add_span_processor(Probe())
+    provider.get_tracer("app").start_span("MCP send tools/call search").end()
+    assert seen == [("start", True, True), ("end", True, True)]
+
+
 @pytest.mark.anyio
 async def test_the_sdk_files_a_requests_events_under_its_request_id_and_the_rest_under_the_standalone_stream():
     """``exchange.stream_id_of``: the SDK's event store gets a POST's events under the stream id ``str(request

@@ -367,12 +367,15 @@ class SdkSpans(SpanProcessor):
     def __init__(self) -> None:
         self._open: dict[int, Span] = {}
 
+    # Both run on every span the application starts and ends: they read the span's name and context off
+    # its fields, not through the properties and the method around them (pinned by
+    # tests/integration/test_sdk_contract.py).
     def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
-        if span.name.startswith(sc.SDK_CLIENT_CALL_SPAN):
-            self._open[span.get_span_context().span_id] = span
+        if span._name.startswith(sc.SDK_CLIENT_CALL_SPAN) and span._context is not None:
+            self._open[span._context.span_id] = span
 
     def on_end(self, span: ReadableSpan) -> None:
-        context = span.context  # a property: read once, this runs on every span the application ends
+        context = span._context
         if context is not None:
             self._open.pop(context.span_id, None)
 
