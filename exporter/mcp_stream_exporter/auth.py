@@ -235,8 +235,8 @@ class ToolPolicy:
 
     def __init__(self, tools: Mapping[str, Requirement] | None = None) -> None:
         self._tools: dict[str, Requirement] = dict(tools or {})
-        # tool -> the last token view asked about it, and what that view lacks: one entry per named tool
-        self._gaps: dict[str, tuple[AuthView, tuple[frozenset[str], frozenset[str]]]] = {}
+        # tool -> the last token view asked about it, its requirement and what the view lacks: one entry per named tool
+        self._gaps: dict[str | None, tuple[AuthView, Requirement, tuple[frozenset[str], frozenset[str]]]] = {}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ToolPolicy:
@@ -279,12 +279,12 @@ class ToolPolicy:
         """The tool's requirement and what ``view`` lacks of it (``AuthView.missing``; nothing for a tool
         the policy does not name). Remembered per tool for the last view asked: a client calls with the
         same token (the same view, cached by its header) on every request."""
+        last = self._gaps.get(tool)  # (view, requirement, missing) of a tool the policy names; None never is one
+        if last is not None and last[0] is view:
+            return last[1], last[2]
         requirement = self._tools.get(tool) if tool is not None else None
         if requirement is None or tool is None:
             return None, NOTHING_MISSING
-        last = self._gaps.get(tool)
-        if last is not None and last[0] is view:
-            return requirement, last[1]
         missing = view.missing(requirement)
-        self._gaps[tool] = (view, missing)
+        self._gaps[tool] = (view, requirement, missing)
         return requirement, missing

@@ -251,17 +251,28 @@ class _Deferred:
         return self.span
 
 
+_SDK_REQUEST_LINK = MappingProxyType({sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
+
+
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("_arguments", "_fingerprint", "_identify", "auth", "decision", "done", "held_on", "key", "method",
-                 "missing", "open_streams", "protocol_version", "requirement", "role", "sdk_span", "stateless",
-                 "streams", "tool")
+    __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
+                 "key", "method", "missing", "open_streams", "protocol_version", "requirement", "role", "sdk_span",
+                 "stateless", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
                  traceparent: str | None = None, identify: Identify | None = None, arguments: Any = None) -> None:
-        _Deferred.__init__(self, SpanKind.INTERNAL, start_time, traceparent)  # not ``super()``: no proxy a call
+        # ``_Deferred.__init__``'s fields, set here: a call is made for every request, and this spares it a frame
+        self.span_kind = SpanKind.INTERNAL
+        self.start_time = start_time or time.time_ns()
+        self.traceparent = traceparent
+        self.parent: Context | None = None
+        self._events: list[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
+        self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
+        self.span: Span | None = None
+        self.closed = False
         self.key = key
         self.tool = tool
         self.method = method
@@ -280,6 +291,7 @@ class Call(_Deferred):
         self._fingerprint: str | None = None
         self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
         self.held_on: Stream | None = None  # the held stream carrying it: read before anything else judges it
+        self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
 
     @property
     def fingerprint(self) -> str | None:
@@ -288,6 +300,26 @@ class Call(_Deferred):
             self._fingerprint = self._identify(self.tool, self._arguments)
             self._identify = self._arguments = None
         return self._fingerprint
+
+    def in_sdk_request(self, context: Context) -> None:
+        """(server) The SDK's own ``tools/call`` span is current in ``context``: the call's span links to it
+        (``sdk_request``). A stateless call, which lives no longer than its exchange, keeps the context and
+        reads the span off it only if it gets a span: its healthy path never does. Any other links it now."""
+        if self.stateless and self.span is None:
+            self._sdk_request = context
+        else:
+            self._link_sdk_request(context)
+
+    def _link_sdk_request(self, context: Context) -> None:
+        sdk = trace.get_current_span(context).get_span_context()
+        if sdk.is_valid:
+            self.link(sdk, _SDK_REQUEST_LINK)
+
+    def create(self, tracer: SpanStarter) -> Span:
+        if self._sdk_request is not None:
+            context, self._sdk_request = self._sdk_request, None
+            self._link_sdk_request(context)
+        return _Deferred.create(self, tracer)
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
                 decision: str | None = None) -> None:

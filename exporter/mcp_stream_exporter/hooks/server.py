@@ -12,13 +12,13 @@ all three.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from types import MappingProxyType
-from typing import Any, Final, cast
+from typing import Any, cast
 
 from mcp.server.context import CallNext, HandlerResult, ServerMiddleware, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from opentelemetry import trace
+from opentelemetry.context import get_current
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
@@ -28,8 +28,6 @@ from mcp_stream_exporter.hooks._observer import WireObserver
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
 from mcp_stream_exporter.hooks._tracking import DeviationTracer, Requirements, Tracker
 from mcp_stream_exporter.wire import TOOLS_CALL
-
-_SDK_REQUEST_LINK: Final = MappingProxyType({sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
 
 
 class ServerInstrumentation:
@@ -71,9 +69,8 @@ class ServerInstrumentation:
         message the server receives is spared a coroutine of ours around its handler."""
         if ctx.method == TOOLS_CALL and ctx.request_id is not None:
             call = self.observer.dispatched(ctx.request, ctx.request_id, ctx.params)
-            sdk = trace.get_current_span().get_span_context()  # the SDK's own tools/call span
-            if call is not None and sdk.is_valid:
-                call.link(sdk, _SDK_REQUEST_LINK)
+            if call is not None:
+                call.in_sdk_request(get_current())  # the SDK's own tools/call span is current
         return call_next(ctx)
 
 
