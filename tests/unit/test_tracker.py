@@ -415,3 +415,31 @@ def test_a_cancel_or_eviction_after_the_result_was_held_leaves_the_call_answered
     assert other.done and exporter.get_finished_spans() == ()
     tracker.end_stream(stream, sc.END_CLEAN, 200)
     assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(("stateless", "spanned_first"), [(True, False), (True, True), (False, False)])
+def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(stateless, spanned_first):
+    """``Call.in_sdk_request``: a stateless call keeps the middleware's context and reads the SDK's span off
+    it only when it gets a span; one already a span, or a resumable one, links at once. Either way the
+    call's span carries the ``sdk_request`` link, and a healthy stateless call never reads it."""
+    from opentelemetry import context, trace
+
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=stateless)
+    if spanned_first:
+        tracker.span_of(call)
+    sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
+    call.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
+    sdk.end()
+    tracker.span_of(call).end()
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    links = {link.attributes[sc.LINK_TYPE]: link.context.span_id for link in span.links}
+    assert links == {sc.LINK_SDK_REQUEST: sdk.get_span_context().span_id}
+
+
+def test_a_healthy_stateless_server_call_never_reads_the_sdks_request_span():
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    call.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
+    assert tracker.answered([call], _response(1))
+    assert exporter.get_finished_spans() == ()
