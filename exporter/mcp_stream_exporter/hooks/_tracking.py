@@ -264,15 +264,7 @@ class Call(_Deferred):
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
                  traceparent: str | None = None, identify: Identify | None = None, arguments: Any = None) -> None:
-        # ``_Deferred.__init__``'s fields, set here: a call is made for every request, and this spares it a frame
-        self.span_kind = SpanKind.INTERNAL
-        self.start_time = start_time or time.time_ns()
-        self.traceparent = traceparent
-        self.parent: Context | None = None
-        self._events: list[tuple[str, Mapping[str, AttributeValue] | FrameFields, int]] | None = None
-        self._links: list[tuple[SpanContext, Mapping[str, AttributeValue]]] | None = None
-        self.span: Span | None = None
-        self.closed = False
+        _Deferred.__init__(self, SpanKind.INTERNAL, start_time, traceparent)  # not ``super()``: no proxy a call
         self.key = key
         self.tool = tool
         self.method = method
