@@ -132,7 +132,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
             http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
             url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
         if hooked and side in ("both", "client"):
-            http = instrument_client(http, policy=policy)
+            http = instrument_client(http, policy=incident_policy())  # its own, as in its own process
         await stack.enter_async_context(http)
         return await stack.enter_async_context(Client(streamable_http_client(url, http_client=http), **options))
 

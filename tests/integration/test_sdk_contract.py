@@ -123,6 +123,25 @@ def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index
     assert seen == [("start", True, True), ("end", True, True)]
 
 
+def test_otel_sdk_spans_keep_attributes_end_time_and_lock_where_the_terminal_annotation_writes():
+    """hooks._tracking._annotate writes a healthy call's terminal into the SDK span's ``_attributes``
+    (a ``BoundedAttributes``: ``_dict``, ``maxlen``, ``max_value_len``) under ``_lock``, while ``_end_time``
+    is None, as ``set_attribute`` does; ``end`` sets ``_end_time`` under that lock."""
+    from opentelemetry.attributes import BoundedAttributes
+    from opentelemetry.sdk.trace import TracerProvider
+
+    span = TracerProvider().get_tracer("app").start_span("MCP send tools/call search")
+    assert type(span._attributes) is BoundedAttributes and span._end_time is None
+    assert (span._attributes.maxlen, span._attributes.max_value_len) == (128, None)  # the SDK's default limits
+    span.set_attribute("k", "v")
+    assert span._attributes._dict == {"k": "v"}
+    with span._lock:
+        pass  # a context manager the span does not hold between calls
+    span.end()
+    assert span._end_time is not None and not span.is_recording()
+    assert "with self._lock" in inspect.getsource(type(span).end).split("_end_time =")[0]
+
+
 @pytest.mark.anyio
 async def test_the_sdk_files_a_requests_events_under_its_request_id_and_the_rest_under_the_standalone_stream():
     """``exchange.stream_id_of``: the SDK's event store gets a POST's events under the stream id ``str(request

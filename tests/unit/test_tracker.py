@@ -443,3 +443,46 @@ def test_a_healthy_stateless_server_call_never_reads_the_sdks_request_span():
     call.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
     assert tracker.answered([call], _response(1))
     assert exporter.get_finished_spans() == ()
+
+
+def _sdk_client_span(exporter, limits=None):
+    provider = TracerProvider(span_limits=limits) if limits is not None else TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("sdk").start_span("MCP send tools/call fetch", attributes={"a": "1", "b": "2"})
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        (None, {"a": "1", "b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
+        # a value length limit cuts the event id, as the SDK's set_attribute does
+        (SpanLimits(max_span_attribute_length=4),
+         {"a": "1", "b": "2", sc.TERMINAL_STREAM_KIND: "post", sc.TERMINAL_EVENT_ID: "e-lo"}),
+        # no room for both: the oldest attribute goes, as the SDK's set_attribute drops it
+        (SpanLimits(max_span_attributes=3), {"b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
+    ],
+)
+def test_a_healthy_call_records_where_its_terminal_came_on_the_sdks_span_within_the_sdks_limits(limits, expected):
+    tracker, ours = _tracker()
+    sdk_exporter = InMemorySpanExporter()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    call.sdk_span = sdk = _sdk_client_span(sdk_exporter, limits)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e-long-id"), _response(1))
+    sdk.end()
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = sdk_exporter.get_finished_spans()
+    assert dict(span.attributes) == expected
+    assert ours.get_finished_spans() == ()
+
+
+def test_an_sdk_span_that_ended_before_its_calls_terminal_came_is_left_as_it_ended():
+    tracker, _ = _tracker()
+    sdk_exporter = InMemorySpanExporter()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    call.sdk_span = sdk = _sdk_client_span(sdk_exporter)
+    sdk.end()
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    (span,) = sdk_exporter.get_finished_spans()
+    assert dict(span.attributes) == {"a": "1", "b": "2"}

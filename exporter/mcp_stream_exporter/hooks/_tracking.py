@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
@@ -281,7 +282,7 @@ class Call(_Deferred):
         self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
         self._arguments = arguments  # what it computes it of, with the tool: kept until then, never exported
         self._fingerprint: str | None = None
-        self.sdk_span: Span | None = None  # the SDK's own span for this request, while it is open
+        self.sdk_span: SdkSpan | None = None  # the SDK's own span for this request, while it is open
         self.held_on: Stream | None = None  # the held stream carrying it: read before anything else judges it
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
 
@@ -383,13 +384,39 @@ class Requirements:
         return self._of.get(key)
 
 
+def _annotate(sdk: SdkSpan, terminal: Terminal) -> None:
+    """Where a healthy call's terminal event came, on the SDK's own span while it is open.
+
+    Two strings, written into its attributes under the span's lock, as ``set_attribute`` does them
+    (``end`` sets ``_end_time`` under that lock; every mutator takes it), without the checks two plain
+    strings need none of: the SDK's ``set_attribute`` costs some 10k instructions each, as much as the
+    rest of a healthy call's client hooks put together. A span with a value length limit, or too full to
+    take both without dropping one, goes through ``set_attribute``, which applies the limits (pinned by
+    tests/integration/test_sdk_contract.py)."""
+    stream_kind, event_id = terminal
+    attributes = sdk._attributes
+    if (type(attributes) is BoundedAttributes and attributes.max_value_len is None
+            and (attributes.maxlen is None or len(attributes._dict) + 2 <= attributes.maxlen)):
+        with sdk._lock:
+            if sdk._end_time is None:  # ``is_recording``
+                values = attributes._dict
+                values[sc.TERMINAL_STREAM_KIND] = stream_kind
+                if event_id is not None:
+                    values[sc.TERMINAL_EVENT_ID] = event_id
+        return
+    if sdk.is_recording():
+        sdk.set_attribute(sc.TERMINAL_STREAM_KIND, stream_kind)
+        if event_id is not None:
+            sdk.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
+
+
 class SdkSpans(SpanProcessor):
     """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
     recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start
     another) instead of on a span of ours."""
 
     def __init__(self) -> None:
-        self._open: dict[int, Span] = {}
+        self._open: dict[int, SdkSpan] = {}
 
     # Both run on every span the application starts and ends: they read the span's name and context off
     # its fields, not through the properties and the method around them (pinned by
@@ -403,7 +430,7 @@ class SdkSpans(SpanProcessor):
         if context is not None:
             self._open.pop(context.span_id, None)
 
-    def get(self, traceparent: str | None) -> Span | None:
+    def get(self, traceparent: str | None) -> SdkSpan | None:
         if traceparent is None or len(traceparent) < 55:
             return None
         try:
@@ -604,13 +631,8 @@ class Tracker:
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
         if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
-            sdk = call.sdk_span
-            if sdk is not None and terminal is not None and sdk.is_recording():  # where its terminal event came
-                # one key at a time: the SDK's ``set_attributes`` checks a mapping against two ABCs, on every call
-                stream_kind, event_id = terminal
-                sdk.set_attribute(sc.TERMINAL_STREAM_KIND, stream_kind)
-                if event_id is not None:
-                    sdk.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
+            if call.sdk_span is not None and terminal is not None:  # where its terminal event came
+                _annotate(call.sdk_span, terminal)
             return
         self.span_of(call)
         attrs = _terminal_attributes(terminal) if terminal is not None else {}
