@@ -459,7 +459,8 @@ def _sdk_client_span(exporter, limits=None):
         (SpanLimits(max_span_attribute_length=4),
          {"a": "1", "b": "2", sc.TERMINAL_STREAM_KIND: "post", sc.TERMINAL_EVENT_ID: "e-lo"}),
         # no room for both: the oldest attribute goes, as the SDK's set_attribute drops it
-        (SpanLimits(max_span_attributes=3), {"b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
+        (SpanLimits(max_span_attributes=3),
+         {"b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
     ],
 )
 def test_a_healthy_call_records_where_its_terminal_came_on_the_sdks_span_within_the_sdks_limits(limits, expected):
