@@ -417,11 +417,14 @@ def test_a_cancel_or_eviction_after_the_result_was_held_leaves_the_call_answered
     assert exporter.get_finished_spans() == ()
 
 
-@pytest.mark.parametrize(("stateless", "spanned_first"), [(True, False), (True, True), (False, False)])
-def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(stateless, spanned_first):
-    """``Call.in_sdk_request``: a stateless call keeps the middleware's context and reads the SDK's span off
-    it only when it gets a span; one already a span, or a resumable one, links at once. Either way the
-    call's span carries the ``sdk_request`` link, and a healthy stateless call never reads it."""
+@pytest.mark.parametrize(("stateless", "spanned_first"), [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("pending_at_exchange_end", [False, True])
+def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(stateless, spanned_first,
+                                                                            pending_at_exchange_end):
+    """``Call.in_sdk_request``: a call keeps the middleware's context and reads the SDK's span off it only
+    when it gets a span, or is still pending when its exchange ends (``exchange_over``: a resumable call
+    may get one long after, and holds no context meanwhile); one already a span links at once. Either
+    way the call's span carries the ``sdk_request`` link."""
     from opentelemetry import context, trace
 
     tracker, exporter = _tracker()
@@ -431,18 +434,48 @@ def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(state
     sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
     call.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
     sdk.end()
+    if pending_at_exchange_end:
+        call.exchange_over()
+        assert call._sdk_request is None
     tracker.span_of(call).end()
     (span,) = _by(exporter, sc.SPAN_CALL)
     links = {link.attributes[sc.LINK_TYPE]: link.context.span_id for link in span.links}
     assert links == {sc.LINK_SDK_REQUEST: sdk.get_span_context().span_id}
 
 
-def test_a_healthy_stateless_server_call_never_reads_the_sdks_request_span():
+@pytest.mark.parametrize("stateless", [True, False])
+def test_a_healthy_server_call_never_reads_the_sdks_request_span(stateless):
     tracker, exporter = _tracker()
-    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=stateless)
     call.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
-    assert tracker.answered([call], _response(1))
+    if stateless:
+        assert tracker.answered([call], _response(1))
+    else:
+        stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+        tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e1"), _response(1))
+        tracker.end_stream(stream, sc.END_CLEAN, 200)
+    call.exchange_over()
     assert exporter.get_finished_spans() == ()
+
+
+def test_an_exchange_that_ends_links_its_pending_calls_to_the_sdks_span_and_keeps_no_context():
+    from opentelemetry import context, trace
+
+    tracker, exporter = _tracker()
+    pending = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    answered = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
+    sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
+    pending.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
+    answered.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [answered], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', id="e1"), _response(2))
+    ex = _Exchange("POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex.calls += [pending, answered]
+    ex.release()
+    assert pending._sdk_request is None
+    tracker.shutdown()  # evicted: its span, linked to the SDK's request span read when the exchange ended
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert [link.context.span_id for link in span.links] == [sdk.get_span_context().span_id]
 
 
 def _sdk_client_span(exporter, limits=None):

@@ -91,6 +91,9 @@ class _Exchange:
         """The exchange is over: let go of its calls, stream and parser. The app's objects that hold our
         ``receive`` and ``send`` (and the scope) are often in reference cycles, which only the garbage
         collector frees: what they reach would otherwise wait for it, and make its passes more frequent."""
+        for call in self.calls:
+            if not call.done:
+                call.exchange_over()
         self.calls.clear()
         self.stream = self.parser = self.held = self.json_body = self.unread = None
 

@@ -296,11 +296,19 @@ class Call(_Deferred):
 
     def in_sdk_request(self, context: Context) -> None:
         """(server) The SDK's own ``tools/call`` span is current in ``context``: the call's span links to it
-        (``sdk_request``). A stateless call, which lives no longer than its exchange, keeps the context and
-        reads the span off it only if it gets a span: its healthy path never does. Any other links it now."""
-        if self.stateless and self.span is None:
+        (``sdk_request``). A call not yet a span keeps the context, and reads the span off it only if it
+        gets a span while its exchange lasts, or is still pending when the exchange ends
+        (``exchange_over``): the healthy path never reads it (some 6k instructions a call)."""
+        if self.span is None:
             self._sdk_request = context
         else:
+            self._link_sdk_request(context)
+
+    def exchange_over(self) -> None:
+        """(server) The exchange that carried the call is over: a call still pending may yet get a span (a
+        resume, an eviction), so it links the SDK's request span now and lets go of the context."""
+        context, self._sdk_request = self._sdk_request, None
+        if context is not None and not self.done:
             self._link_sdk_request(context)
 
     def _link_sdk_request(self, context: Context) -> None:
