@@ -70,6 +70,17 @@ def whole_frame(chunk: bytes) -> SSEFrame | None:
     return found[0] if found is not None and found[1] == len(chunk) else None
 
 
+# A frame in the SDK's form with no data and the default event type: what a resumable stream opens with
+# (its priming event), the usual frame before a call's result
+_SDK_EMPTY = re.compile(rb"(?:id: [^\r\n\0]*\r\n)?(?:event: message\r\n)?data: \r\n(?:retry: \d{1,18}\r\n)?\r\n")
+
+
+def empty_frame(chunk: bytes) -> bool:
+    """Whether ``chunk`` is exactly one frame in the SDK's form with no data and no event type but
+    ``message`` (or none): what ``whole_frame`` reads as such, known without building it."""
+    return _SDK_EMPTY.fullmatch(chunk) is not None
+
+
 class SSEParser:
     """Feed it chunks in any split; it returns each complete frame once. Comments (pings) are counted.
 

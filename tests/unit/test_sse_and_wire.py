@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, render, whole_frame
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, render, whole_frame
 from mcp_stream_exporter.wire import classify
 
 WIRE = (b"id: ev-3\r\ndata: \r\nretry: 750\r\n\r\n"
@@ -203,9 +203,11 @@ def test_a_chunk_read_as_one_whole_sdk_frame_is_what_the_parser_reads_from_it(fi
     frame = whole_frame(chunk)
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
+    assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
     wire = render(SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', "message", "e-9")) + b""
     assert whole_frame(wire) == _parse([wire])[0][0]
     assert whole_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") == SSEFrame("", None, "3", 750)  # SDK priming
+    assert empty_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") and empty_frame(b"id: 3\r\ndata: \r\n\r\n")
 
 
 @given(st.one_of(st.none(), _ANY_FIELD), st.one_of(st.none(), _ANY_FIELD), _ANY_FIELD,
@@ -214,6 +216,7 @@ def test_a_chunk_in_the_sdks_form_is_read_as_one_whole_frame_exactly_as_the_pars
     chunk = b"".join(f"{name}: {value}\r\n".encode() for name, value in
                      (("id", id_), ("event", event), ("data", data), ("retry", retry)) if value is not None) + b"\r\n"
     frame = whole_frame(chunk)
+    assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
     elif not any(c in v for v in (id_ or "", event or "", data, retry or "") for c in "\r\n\0") and (

@@ -44,7 +44,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     audience_known,
 )
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, whole_frame
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, whole_frame
 from mcp_stream_exporter.wire import (
     MAX_PARSED_BODY,
     REFUSED_ERROR_CODE,
@@ -383,6 +383,8 @@ class WireObserver:
             return False
         last = len(held) - 1
         for i, (chunk, _) in enumerate(held):
+            if i < last and empty_frame(chunk):  # a priming event: no message in it
+                continue
             frame = whole_frame(chunk)
             if frame is None or (frame.event is not None and frame.event != "message"):
                 return False

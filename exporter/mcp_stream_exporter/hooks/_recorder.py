@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import cast
 
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
-from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
@@ -30,6 +31,10 @@ from mcp_stream_exporter.hooks._tracking import (
 )
 
 _TERMINAL = (JSONRPCResponse, JSONRPCError)  # built once: ``A | B`` in isinstance builds a union on every call
+_KINDS: dict[type, str] = {type(None): sc.FRAME_PRIMING, JSONRPCResponse: sc.FRAME_RESPONSE,
+                           JSONRPCError: sc.FRAME_ERROR, JSONRPCRequest: sc.FRAME_REQUEST,
+                           JSONRPCNotification: sc.FRAME_NOTIFICATION}
+_TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})
 _Stored = tuple[str, str]  # an event id and its frame kind: a tuple of strings, which the GC stops tracking
 
 
@@ -55,12 +60,9 @@ class StoreRecorder:
         return _ObservedEventStore(inner, self)
 
     def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:
-        kind, request_id = sc.FRAME_PRIMING, None
-        if isinstance(message, _TERMINAL):
-            kind, request_id = (sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE,
-                                None if message.id is None else str(message.id))
-        elif message is not None:
-            kind = sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
+        kind = _KINDS.get(type(message))  # the SDK's own classes, and None (a priming event), in one look-up
+        if kind is None:
+            kind = _kind_of(message)
         key = (session_id, stream_id)
         events = self._stored.get(key)
         if events is None:  # a list, not a deque: a stream stores a few events, and a deque allocates 64
@@ -74,12 +76,14 @@ class StoreRecorder:
         self._stream_of_event[(session_id, event_id)] = (stream_id, order)
         if len(self._stream_of_event) > self._max_indexed:
             self._stream_of_event.popitem(last=False)
-        if request_id is not None and stream_id != STANDALONE_STREAM_ID:  # a request's stream: ``request_id_of``
-            call = self.tracker.call(key)
-            if call is not None:
-                call.event(sc.EVENT_STORED, (kind, event_id, None, None, None))  # attributes built if it is a span
-                if request_id == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
-                    self.tracker.stored(call, event_id, _outcome(message))
+        if kind not in _TERMINAL_KINDS or stream_id == STANDALONE_STREAM_ID:  # a request's stream: ``request_id_of``
+            return
+        request_id = cast(JSONRPCResponse | JSONRPCError, message).id
+        call = self.tracker.call(key) if request_id is not None else None
+        if call is not None:
+            call.event(sc.EVENT_STORED, (kind, event_id, None, None, None))  # attributes built if it is a span
+            if str(request_id) == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
+                self.tracker.stored(call, event_id, _outcome(message))
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         known = self._stream_of_event.get((session_id, event_id))
@@ -155,6 +159,15 @@ class StoreRecorder:
         if requirement is not None:
             out.update(requirement_attributes(requirement, known_missing(auth, requirement)))
         return out
+
+
+def _kind_of(message: JSONRPCMessage | None) -> str:
+    """What a stored event is, for a message of a class other than the SDK's own (a subclass of one)."""
+    if isinstance(message, _TERMINAL):
+        return sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE
+    if message is None:
+        return sc.FRAME_PRIMING
+    return sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
 
 
 def _outcome(message: JSONRPCMessage | None) -> str:
