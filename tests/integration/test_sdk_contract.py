@@ -104,8 +104,8 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
 
 
 def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index_reads():
-    """hooks._tracking.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, not
-    the ``name``/``context`` properties and ``get_span_context()`` around them."""
+    """hooks._tracking.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, and the
+    span id at index 1 of that tuple, not the properties and ``get_span_context()`` around them."""
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 
     seen: list[tuple[str, object, object]] = []
@@ -113,6 +113,7 @@ def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index
     class Probe(SpanProcessor):
         def on_start(self, span: Span, parent_context: object = None) -> None:
             seen.append(("start", span._name == span.name, span._context is span.get_span_context()))
+            assert span._context is not None and span._context[1] == span.get_span_context().span_id
 
         def on_end(self, span: ReadableSpan) -> None:
             seen.append(("end", span._name == span.name, span._context is span.context))

@@ -30,7 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -418,6 +418,9 @@ def _annotate(sdk: SdkSpan, terminal: Terminal) -> None:
             sdk.set_attribute(sc.TERMINAL_EVENT_ID, event_id)
 
 
+_SPAN_ID: Final = 1  # where a SpanContext, a tuple, keeps its span id (``SpanContext.span_id`` reads it there)
+
+
 class SdkSpans(SpanProcessor):
     """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
     recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start
@@ -427,16 +430,16 @@ class SdkSpans(SpanProcessor):
         self._open: dict[int, SdkSpan] = {}
 
     # Both run on every span the application starts and ends: they read the span's name and context off
-    # its fields, not through the properties and the method around them (pinned by
-    # tests/integration/test_sdk_contract.py).
+    # its fields, and the span id off the context's tuple, not through the properties and the method
+    # around them (pinned by tests/integration/test_sdk_contract.py).
     def on_start(self, span: SdkSpan, parent_context: Context | None = None) -> None:
         if span._name.startswith(sc.SDK_CLIENT_CALL_SPAN) and span._context is not None:
-            self._open[span._context.span_id] = span
+            self._open[span._context[_SPAN_ID]] = span
 
     def on_end(self, span: ReadableSpan) -> None:
         context = span._context
         if context is not None:
-            self._open.pop(context.span_id, None)
+            self._open.pop(context[_SPAN_ID], None)
 
     def get(self, traceparent: str | None) -> SdkSpan | None:
         if traceparent is None or len(traceparent) < 55:
