@@ -162,11 +162,9 @@ class StoreRecorder:
 
 
 def _kind_of(message: JSONRPCMessage | None) -> str:
-    """What a stored event is, for a message of a class other than the SDK's own (a subclass of one)."""
+    """What a stored message is, of a class other than the SDK's own (a subclass of one; None is in ``_KINDS``)."""
     if isinstance(message, _TERMINAL):
         return sc.FRAME_ERROR if isinstance(message, JSONRPCError) else sc.FRAME_RESPONSE
-    if message is None:
-        return sc.FRAME_PRIMING
     return sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
 
 

@@ -397,10 +397,10 @@ def _annotate(sdk: SdkSpan, terminal: Terminal) -> None:
 
     Two strings, written into its attributes under the span's lock, as ``set_attribute`` does them
     (``end`` sets ``_end_time`` under that lock; every mutator takes it), without the checks two plain
-    strings need none of: the SDK's ``set_attribute`` costs some 10k instructions each, as much as the
-    rest of a healthy call's client hooks put together. A span with a value length limit, or too full to
-    take both without dropping one, goes through ``set_attribute``, which applies the limits (pinned by
-    tests/integration/test_sdk_contract.py)."""
+    strings need none of: the SDK's ``set_attribute`` costs some 10k instructions each (two locks, a
+    Python ``__setitem__``, a recursive value check), a tenth of a legacy client's hooks for the two. A
+    span with a value length limit, or too full to take both without dropping one, goes through
+    ``set_attribute``, which applies the limits (pinned by tests/integration/test_sdk_contract.py)."""
     stream_kind, event_id = terminal
     attributes = sdk._attributes
     if (type(attributes) is BoundedAttributes and attributes.max_value_len is None
