@@ -299,27 +299,29 @@ class Call(_Deferred):
         (``sdk_request``). A call not yet a span keeps the context, and reads the span off it only if it
         gets a span while its exchange lasts, or is still pending when the exchange ends
         (``exchange_over``): the healthy path never reads it (some 6k instructions a call)."""
-        if self.span is None:
-            self._sdk_request = context
-        else:
-            self._link_sdk_request(context)
+        self._sdk_request = context
+        if self.span is not None:
+            self._link_sdk_request()
 
     def exchange_over(self) -> None:
         """(server) The exchange that carried the call is over: a call still pending may yet get a span (a
         resume, an eviction), so it links the SDK's request span now and lets go of the context."""
-        context, self._sdk_request = self._sdk_request, None
-        if context is not None and not self.done:
-            self._link_sdk_request(context)
+        if self.done:
+            self._sdk_request = None
+        else:
+            self._link_sdk_request()
 
-    def _link_sdk_request(self, context: Context) -> None:
-        sdk = trace.get_current_span(context).get_span_context()
-        if sdk.is_valid:
-            self.link(sdk, _SDK_REQUEST_LINK)
+    def _link_sdk_request(self) -> None:
+        """Link the SDK's request span off the kept context, if any, and let go of the context."""
+        context, self._sdk_request = self._sdk_request, None
+        if context is not None:
+            sdk = trace.get_current_span(context).get_span_context()
+            if sdk.is_valid:
+                self.link(sdk, _SDK_REQUEST_LINK)
 
     def create(self, tracer: SpanStarter) -> Span:
         if self._sdk_request is not None:
-            context, self._sdk_request = self._sdk_request, None
-            self._link_sdk_request(context)
+            self._link_sdk_request()
         return _Deferred.create(self, tracer)
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
