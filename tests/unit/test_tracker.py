@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -443,11 +444,18 @@ def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(state
     assert links == {sc.LINK_SDK_REQUEST: sdk.get_span_context().span_id}
 
 
+class _Unreadable(Context):
+    """A context that fails the test if anything reads it."""
+
+    def get(self, key: str, default: object = None) -> object:
+        raise AssertionError(f"the context was read ({key})")
+
+
 @pytest.mark.parametrize("stateless", [True, False])
 def test_a_healthy_server_call_never_reads_the_sdks_request_span(stateless):
     tracker, exporter = _tracker()
     call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=stateless)
-    call.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
+    call.in_sdk_request(_Unreadable())
     if stateless:
         assert tracker.answered([call], _response(1))
     else:
@@ -466,7 +474,7 @@ def test_an_exchange_that_ends_links_its_pending_calls_to_the_sdks_span_and_keep
     answered = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
     sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
     pending.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
-    answered.in_sdk_request(object())  # type: ignore[arg-type]  # would fail if it were read
+    answered.in_sdk_request(_Unreadable())
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [answered], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', id="e1"), _response(2))
     ex = _Exchange("POST", 0, None, RequestScope("s"), "2025-11-25")
