@@ -30,11 +30,6 @@ HOT_PATH = (
     "hooks/client.py",
 )
 _PACKAGE = Path("exporter") / "mcp_stream_exporter"
-# Other libraries' types are read as Any, whether or not the build's environment has them installed (it
-# has not when pip builds the package before installing its dependencies): the same build everywhere, and
-# no compiled check on another library's objects. Our own types are compiled as declared.
-_MYPY_OPTIONS = ("--no-site-packages", "--ignore-missing-imports", "--allow-subclassing-any",
-                 "--no-warn-return-any", "--no-warn-unused-ignores")
 
 
 def _compiled() -> list[Extension]:
@@ -44,8 +39,10 @@ def _compiled() -> list[Extension]:
         from mypyc.build import mypycify
     except ImportError:  # a build without its build requirements (--no-build-isolation): pure Python
         return []
+    # mypyc must know the other libraries' classes the hooks subclass (pyproject.toml gives the build the
+    # package's dependencies): a base it cannot find fails the type check, and the build goes pure Python
     try:
-        return list(mypycify([*_MYPY_OPTIONS, *(str(_PACKAGE / module) for module in HOT_PATH)]))
+        return list(mypycify([str(_PACKAGE / module) for module in HOT_PATH]))
     except (Exception, SystemExit) as exc:  # mypy's errors end it with SystemExit
         print(f"mcp-stream-exporter: the hooks were not compiled ({exc!r}); they run as pure Python", file=sys.stderr)
         return []

@@ -30,7 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Final, Protocol, TypeAlias
+from typing import Any, Final, Protocol
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -96,7 +96,7 @@ class DeviationTracer:
                                           start_time=start_time)
 
 
-SpanStarter: TypeAlias = DeviationTracer | trace.Tracer  # explicit: the build reads it without OpenTelemetry (setup.py)
+SpanStarter = DeviationTracer | trace.Tracer
 
 
 def audience_known(view: AuthView) -> bool:
