@@ -3,10 +3,9 @@
 # Non-root (uid 10001, as the chart's securityContext), read-only root filesystem friendly.
 FROM python:3.11-slim
 WORKDIR /app
-# The detector runs no hooks: their compiled build (setup.py), which needs a C compiler, is left out.
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY exporter ./exporter
-RUN MCP_STREAM_EXPORTER_PURE=1 pip install --no-cache-dir '.[detector]' && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin detector
+RUN pip install --no-cache-dir '.[detector]' && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin detector
 USER 10001
 ENV PYTHONDONTWRITEBYTECODE=1
 EXPOSE 9464 4317 4318

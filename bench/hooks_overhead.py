@@ -27,9 +27,6 @@ run to run; this way a configuration's count repeats to within about 0.1 %. The 
 instructions a round trip, what the hooks add (H-S) against what the SDK's tracing adds (S-A), and H/S
 (against the SDK's work alone, without the HTTP server's, so higher than the timed ratio).
 
-Either way it measures the hooks as installed, which its first line says: compiled by setup.py (mypyc),
-or pure Python (``PYTHONPATH=exporter`` runs the sources in the tree, which are).
-
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
@@ -239,13 +236,6 @@ def _count(modes: list[str], sides: list[str], calls: int) -> None:
     print(json.dumps(report, indent=2))
 
 
-def _build() -> str:
-    """Which build of the hooks runs: compiled by setup.py (mypyc), or pure Python."""
-    from mcp_stream_exporter.hooks import _tracking
-
-    return "pure Python" if (_tracking.__file__ or "").endswith(".py") else "compiled (mypyc)"
-
-
 def _ratios(num: list[float], den: list[float]) -> dict[str, float]:
     """Per worker, the ratio of two configurations' median round trips: median and spread over workers."""
     ratios = [n / d for n, d in zip(num, den, strict=True)]
@@ -271,7 +261,6 @@ def main() -> None:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
                                  only=args.only)))
         return
-    print(f"hooks: {_build()}", flush=True)
     if args.instructions:
         _count(args.modes.split(","), args.sides.split(","), args.calls)
         return

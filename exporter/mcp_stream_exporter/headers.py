@@ -7,13 +7,12 @@ every header on each look-up).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
-def pick(raw: Iterable[Sequence[bytes]], names: frozenset[bytes], *, lowered: bool = False) -> dict[str, str]:
+def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes], *, lowered: bool = False) -> dict[str, str]:
     """The values of the headers in ``names`` (lower-case), keyed by lower-case name; HTTP/1.1
-    headers are latin-1. A repeated header keeps its last value. A pair may be any sequence: ASGI allows
-    lists, and compiled (setup.py) a ``tuple`` annotation would refuse one. ``lowered``: the names in ``raw``
+    headers are latin-1. A repeated header keeps its last value. ``lowered``: the names in ``raw``
     are lower-case already, as ASGI requires of a server (and Starlette, so the MCP SDK, relies on)."""
     found: dict[str, str] = {}
     if lowered:
@@ -28,7 +27,7 @@ def pick(raw: Iterable[Sequence[bytes]], names: frozenset[bytes], *, lowered: bo
     return found
 
 
-def values(raw: Iterable[Sequence[bytes]], name: str) -> list[str]:
+def values(raw: Iterable[tuple[bytes, bytes]], name: str) -> list[str]:
     """Every value of one header (``name`` lower-case; latin-1): a repeat is kept, so it can be refused,
     not guessed at."""
     key = name.encode("latin-1")

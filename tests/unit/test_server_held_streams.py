@@ -17,14 +17,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mcp_stream_exporter.auth import ToolPolicy
-from mcp_stream_exporter.hooks import ServerInstrumentation, _observer
+from mcp_stream_exporter.hooks import ServerInstrumentation
 from mcp_stream_exporter.lab import IncidentEventStore
 from mcp_stream_exporter.sse import SSEFrame, render
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
-
-# These tests replace a method of the observer and of the tracker, which compiled classes (setup.py) do not
-# allow: they run on the pure-Python sources, as ``make test`` runs the unit tier a second time.
-pytestmark = pytest.mark.skipif(not _observer.__file__.endswith(".py"), reason="replaces methods: pure Python only")
 
 _CALL = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"search","arguments":{"q":"x"}}}'
 _PROGRESS = render(SSEFrame('{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}'))

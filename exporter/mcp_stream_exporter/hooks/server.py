@@ -11,7 +11,6 @@ all three.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable
 from typing import Any, cast
 
@@ -23,7 +22,7 @@ from opentelemetry.context import get_current
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.asgi import ASGIApp, Receive, Scope, Send
+from mcp_stream_exporter.asgi import ASGIApp
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._observer import WireObserver
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
@@ -56,16 +55,7 @@ class ServerInstrumentation:
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes tracker input."""
-        observed = self.observer.asgi(app)
-        if inspect.isfunction(observed):
-            return observed
-        # Compiled (setup.py), the observer is no Python function, and ASGI servers tell an ASGI 3 app by its
-        # being a Python coroutine function (uvicorn would take it for ASGI 2): this one is, around it.
-
-        async def instrumented(scope: Scope, receive: Receive, send: Send) -> None:
-            await observed(scope, receive, send)
-
-        return instrumented
+        return self.observer.asgi(app)
 
     def event_store(self, inner: EventStore) -> EventStore:
         """Wrap the author's ``EventStore``: what it stores and replays is recorded."""
