@@ -25,7 +25,10 @@ after CALLS round trips (after a warm-up). The client reaches the server in proc
 no uvicorn, whose timing-dependent reads moved a socket round trip's count by some 40k instructions from
 run to run; this way a configuration's count repeats to within about 0.1 %. The report is the
 instructions a round trip, what the hooks add (H-S) against what the SDK's tracing adds (S-A), and H/S
-(against the SDK's work alone, without the HTTP server's, so higher than the timed ratio).
+(against the SDK's work alone, without the HTTP server's, so higher than the timed ratio). The
+collector's passes fall at different calls from run to run and move a count by up to some 10k:
+``--gc-off`` turns it off for the counted calls, leaving 2-4k, for comparing two versions of the hooks
+(the figures to report keep it on, as a deployment does).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
@@ -57,7 +60,7 @@ CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tra
 
 
 def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
-            only: str | None = None) -> dict[str, float]:
+            only: str | None = None, gc_off: bool = False) -> dict[str, float]:
     import contextvars
 
     import httpx2
@@ -152,10 +155,13 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
             for _ in range(20):
                 await call(client, configuration)
             gc.collect()
+            if gc_off:
+                gc.disable()
             os.getppid()
             for _ in range(calls):
                 await call(client, configuration)
             os.getppid()
+            gc.enable()
         return {}
 
     async def run() -> dict[str, float]:
@@ -206,12 +212,12 @@ def _whole_body(app: Any) -> Any:
     return whole_body
 
 
-def _instructions(mode: str, side: str, configuration: str, calls: int) -> int:
+def _instructions(mode: str, side: str, configuration: str, calls: int, gc_off: bool) -> int:
     """Instructions a round trip of one configuration, counted by callgrind between the worker's dumps."""
     with tempfile.TemporaryDirectory() as out:
         command = ["valgrind", "--tool=callgrind", "--dump-before=os_getppid*",
                    f"--callgrind-out-file={out}/cg", sys.executable, __file__, "--worker", "--only", configuration,
-                   "--mode", mode, "--side", side, "--calls", str(calls)]
+                   "--mode", mode, "--side", side, "--calls", str(calls), *(["--gc-off"] if gc_off else [])]
         subprocess.run(command, check=True, capture_output=True, timeout=1800,
                        env={**os.environ, "PYTHONHASHSEED": "0"})
         with open(f"{out}/cg.2", encoding="utf-8") as dump:  # .1: set-up and warm-up; .2: the calls
@@ -219,14 +225,14 @@ def _instructions(mode: str, side: str, configuration: str, calls: int) -> int:
     return round(total / calls)
 
 
-def _count(modes: list[str], sides: list[str], calls: int) -> None:
+def _count(modes: list[str], sides: list[str], calls: int, gc_off: bool) -> None:
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind")
     report = {}
     for mode in modes:
-        bare, sdk = _instructions(mode, "both", "A", calls), _instructions(mode, "both", "S", calls)
+        bare, sdk = _instructions(mode, "both", "A", calls, gc_off), _instructions(mode, "both", "S", calls, gc_off)
         for side in sides:
-            hooked = _instructions(mode, side, "H", calls)
+            hooked = _instructions(mode, side, "H", calls, gc_off)
             name = mode if side == "both" else f"{mode} {side} only"
             report[name] = {"calls": calls, "A_instructions": bare, "S_instructions": sdk, "H_instructions": hooked,
                             "hooks (H-S)": hooked - sdk, "sdk_tracing (S-A)": sdk - bare,
@@ -256,13 +262,15 @@ def main() -> None:
     parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
     parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
+    parser.add_argument("--gc-off", action="store_true",
+                        help="(--instructions) the garbage collector off while counting: to compare two versions")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
-                                 only=args.only)))
+                                 only=args.only, gc_off=args.gc_off)))
         return
     if args.instructions:
-        _count(args.modes.split(","), args.sides.split(","), args.calls)
+        _count(args.modes.split(","), args.sides.split(","), args.calls, args.gc_off)
         return
     report = {}
     modes, sides = args.modes.split(","), args.sides.split(",")
