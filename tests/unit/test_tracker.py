@@ -450,6 +450,9 @@ class _Unreadable(Context):
     def get(self, key: str, default: object = None) -> object:
         raise AssertionError(f"the context was read ({key})")
 
+    def __getitem__(self, key: str) -> object:
+        raise AssertionError(f"the context was read ({key})")
+
 
 @pytest.mark.parametrize("stateless", [True, False])
 def test_a_healthy_server_call_never_reads_the_sdks_request_span(stateless):
