@@ -105,15 +105,17 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
 
 def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index_reads():
     """hooks._tracking.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, and the
-    span id at index 1 of that tuple, not the properties and ``get_span_context()`` around them."""
+    span id at index ``_SPAN_ID`` of that tuple, not the properties and ``get_span_context()`` around them."""
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+
+    from mcp_stream_exporter.hooks._tracking import _SPAN_ID
 
     seen: list[tuple[str, object, object]] = []
 
     class Probe(SpanProcessor):
         def on_start(self, span: Span, parent_context: object = None) -> None:
             seen.append(("start", span._name == span.name, span._context is span.get_span_context()))
-            assert span._context is not None and span._context[1] == span.get_span_context().span_id
+            assert span._context is not None and span._context[_SPAN_ID] == span.get_span_context().span_id
 
         def on_end(self, span: ReadableSpan) -> None:
             seen.append(("end", span._name == span.name, span._context is span.context))

@@ -320,8 +320,7 @@ class Call(_Deferred):
                 self.link(sdk, _SDK_REQUEST_LINK)
 
     def create(self, tracer: SpanStarter) -> Span:
-        if self._sdk_request is not None:
-            self._link_sdk_request()
+        self._link_sdk_request()
         return _Deferred.create(self, tracer)
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
