@@ -875,17 +875,17 @@ class Tracker:
             call.link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
         self._finish(call, _outcome(msg), (stream.kind, event_id))
 
-    def answered(self, calls: Sequence[Call], messages: Sequence[WireMessage]) -> bool:
-        """Whether a POST's JSON body is its one call's result and nothing else: the call then ends on
-        the healthy path here, and the POST, whose stream would leave no span, is never opened as a
-        stream at all. False for anything else: the caller opens the stream and follows it in full,
-        exactly as if it had from the response's start (a JSON body is one frame, read at its end)."""
+    def answered(self, calls: Sequence[Call], messages: Sequence[WireMessage], event_id: str | None = None) -> bool:
+        """Whether a POST's JSON body (or an SSE frame of it, event ``event_id``) is its one call's result
+        and nothing else: the call then ends on the healthy path here, and the POST, whose stream would
+        leave no span, is not opened as a stream. False for anything else: the caller opens the stream
+        and follows it in full, exactly as if it had from the response's start."""
         if len(calls) != 1 or len(messages) != 1:
             return False
         call, msg = calls[0], messages[0]
         if msg.kind != sc.FRAME_RESPONSE or msg.id != call.key[1] or call.done or call.span is not None:
             return False
-        self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, None))
+        self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, event_id))
         return True
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:

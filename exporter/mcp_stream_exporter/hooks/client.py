@@ -135,13 +135,16 @@ class ClientInstrumentation:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
-        if (content == CONTENT_JSON and status < 400 and len(calls) == 1 and not cursor and request.method == "POST"
-                and calls[0].span is None):  # one body, most likely the call's result: see ``Tracker.answered``
+        if (content in (CONTENT_SSE, CONTENT_JSON) and status < 400 and len(calls) == 1 and not cursor
+                and request.method == "POST" and calls[0].span is None):  # most likely the call's result and no more
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
                                        status, content)
-            response.stream = _TapStream(response.stream, self.tracker, None, sse=False, status=status, calls=calls,
-                                         opener=opener)
+            sse = content == CONTENT_SSE
+            tap = _TapStream(response.stream, self.tracker, None, sse=sse, status=status, calls=calls, opener=opener)
+            if sse:
+                tap.held = []  # read as its frames pass, kept in case it deviates (``Tracker.hold``)
+            response.stream = tap
             return response
         stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
         if stream is None:
@@ -172,13 +175,15 @@ class ClientInstrumentation:
 class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
 
-    A POST's JSON answer to its one call is deferred (no ``stream``, an ``opener``): its body is read
-    once at its end, and the stream is opened only if that body is not the call's result, or the
-    response does not end cleanly; then it is followed exactly as if it had been from the start.
-
     A POST's SSE stream is held (``Tracker.hold``): each chunk is parsed as it passes and a terminal
     event in it delivered at once (``Tracker.deliver``: the call ends while the SDK's span is open), and
     its frames are kept, with the time each was seen, for the tracker to read when the stream ends.
+
+    A POST's answer to its one call is deferred (no ``stream``, an ``opener``): no stream is opened while
+    it shows the healthy path, a JSON body read once at its end, SSE frames with no data before the call's
+    result (which ends the call as it passes, ``Tracker.answered``). Anything else opens the stream, held
+    with the frames kept so far, or the JSON body read on it: it is then followed exactly as if it had
+    been from the start.
 
     An iterator object rather than an async generator: the SDK stops reading at the response and
     closes the response, and an abandoned async generator costs the event loop a finaliser task. For
@@ -192,6 +197,7 @@ class _TapStream(httpx2.AsyncByteStream):
     _json: bytes | bytearray = b""  # a JSON body: its one chunk as it came (the usual), or the chunks joined
     held: list[HeldFrame] | None = None
     _held_bytes = 0
+    _answered = False  # a deferred SSE answer carried its call's result: it ends the healthy path's way
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
                  status: int, calls: Sequence[Call] = (), opener: Callable[[], Stream | None] | None = None) -> None:
@@ -230,8 +236,9 @@ class _TapStream(httpx2.AsyncByteStream):
             self._keep(self._parser.feed(chunk), time.time_ns())
             self._held_bytes += len(chunk)
             if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-                assert self._stream is not None
-                self._tracker.follow(self._stream)
+                stream = self._followed()
+                assert stream is not None
+                self._tracker.follow(stream)
         elif self._parser is not None:
             self._feed(chunk)
         elif not self._json:
@@ -254,8 +261,14 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.frame(stream, frame, classify_frame(frame.data) if frame.data else ())
 
     def _keep(self, frames: list[SSEFrame], seen: int) -> None:
-        held, stream = self.held, self._stream
+        held = self.held
         assert held is not None
+        if self._opener is not None:  # deferred: the frames the healthy path has, kept without a stream
+            taken = self._deferred(held, frames, seen)
+            if taken == len(frames):
+                return
+            frames = frames[taken:]
+        stream = self._followed()
         assert stream is not None
         for frame in frames:
             messages = classify_frame(frame.data) if frame.data else ()
@@ -265,15 +278,32 @@ class _TapStream(httpx2.AsyncByteStream):
                     if msg.id is not None and msg.is_terminal:
                         self._tracker.deliver(stream, msg, frame.id)
 
+    def _deferred(self, held: list[HeldFrame], frames: list[SSEFrame], seen: int) -> int:
+        """How many of ``frames`` a deferred answer keeps on the healthy path: frames with no data before
+        its call's result, and that result, which ends the call now (``Tracker.answered``)."""
+        for taken, frame in enumerate(frames):
+            if self._answered or (frame.event and frame.event != "message"):
+                return taken
+            messages = classify_frame(frame.data) if frame.data else ()
+            if messages:
+                if not self._tracker.answered(self._calls, messages, frame.id):
+                    return taken
+                self._answered = True
+            held.append((frame, messages, seen))
+        return len(frames)
+
     def read_held(self) -> list[HeldFrame]:
         """The frames held so far (``Holder``); the chunks that follow are followed frame by frame."""
         held, self.held = self.held, None
         return held or []
 
     def _followed(self) -> Stream | None:
-        """The stream, opened now if it was deferred: None once a deferred body was the call's result."""
+        """The stream, opened now if it was deferred (held, if its frames are): None once a deferred
+        answer was the call's result."""
         if self._opener is not None:
             self._stream, self._opener = self._opener(), None
+            if self.held is not None and self._stream is not None:
+                self._tracker.hold(self._stream, self, resumable=False)
         return self._stream
 
     def _ended(self) -> None:
@@ -285,7 +315,8 @@ class _TapStream(httpx2.AsyncByteStream):
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
         messages = classify_frame(self._json.decode("utf-8", "replace")) if self._json else None
-        if self._opener is not None and messages is not None and self._tracker.answered(self._calls, messages):
+        if self._opener is not None and (self._answered or (
+                messages is not None and self._tracker.answered(self._calls, messages))):
             self._opener = None
             return
         stream = self._followed()
@@ -296,6 +327,9 @@ class _TapStream(httpx2.AsyncByteStream):
         self._tracker.end_stream(stream, sc.END_CLEAN, self._status)
 
     def _end(self, reason: str) -> None:
+        if self._answered and self._opener is not None:  # its call's result came, and nothing else
+            self._opener = None
+            return
         stream = self._followed()
         if stream is not None:
             self._tracker.end_stream(stream, reason, self._status)
