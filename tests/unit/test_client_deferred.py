@@ -6,7 +6,7 @@ chunks each case needs, read one chunk at a time."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx2
 import pytest
@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.hooks import ClientInstrumentation
+from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.hooks.client import ClientTap
 
 pytestmark = pytest.mark.anyio
@@ -42,16 +43,18 @@ class _Chunks(httpx2.AsyncByteStream):
             raise self._error
 
 
-async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, after: int | None = None):
-    """One tools/call POST answered with ``chunks`` as an SSE stream, read chunk by chunk; the tracker's
-    call still pending after ``after`` chunks were read (or None), and the spans of ours."""
+async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, after: int | None = None,
+                    then: Callable[[Tracker], None] | None = None, content: str = "text/event-stream"):
+    """One tools/call POST answered with ``chunks`` (an SSE stream, or ``content``), read chunk by chunk;
+    the tracker's call still pending after ``after`` chunks were read (or None), when ``then`` acts on
+    the tracker, and the spans of ours."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instrumentation = ClientInstrumentation(tracer_provider=provider)
 
     def answer(request: httpx2.Request) -> httpx2.Response:
-        return httpx2.Response(200, headers={"mcp-session-id": "s1", "content-type": "text/event-stream"},
+        return httpx2.Response(200, headers={"mcp-session-id": "s1", "content-type": content},
                                stream=_Chunks(chunks, error))
 
     pending_then = None
@@ -63,6 +66,8 @@ async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, 
                 read += 1
                 if read == after:
                     pending_then = instrumentation.tracker.call(("s1", "1"))
+                    if then is not None:
+                        then(instrumentation.tracker)
         except httpx2.ReadError:
             pass
     return instrumentation, pending_then, exporter.get_finished_spans()
@@ -117,3 +122,16 @@ async def test_a_notification_before_the_result_is_followed_and_the_call_still_e
     _, pending, spans = await _exchange([PRIMING, progress, _result(1, "e1")], after=3)
     assert pending is None
     assert _ours(spans, sc.SPAN_STREAM) == _ours(spans, sc.SPAN_CALL) == []
+
+
+@pytest.mark.parametrize(("chunks", "content"), [
+    ([PRIMING, _result(1, "e1")], "text/event-stream"),
+    ([b'{"jsonrpc":"2.0","id":1,', b'"result":{}}'], "application/json"),
+], ids=["sse", "json"])
+async def test_a_call_cancelled_while_its_answer_is_deferred_counts_the_post_that_carried_it(chunks, content):
+    _, pending, spans = await _exchange(chunks, after=1, then=lambda tracker: tracker.cancel(("s1", "1")),
+                                        content=content)
+    assert pending is not None
+    (call,) = _ours(spans, sc.SPAN_CALL)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+    assert call.attributes[sc.CALL_STREAMS] == 1  # its own POST, still deferred when the cancel came

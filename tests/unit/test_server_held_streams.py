@@ -78,7 +78,7 @@ def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instr = ServerInstrumentation(tracer_provider=provider)
     if not unparsed:
-        instr.observer._settled_unparsed = lambda ex, stream: False  # type: ignore[method-assign]
+        instr.observer._settled_unparsed = lambda ex: False  # type: ignore[method-assign]
     settled: list[bool] = []
     settle = instr.tracker.settle
 

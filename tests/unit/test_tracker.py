@@ -14,6 +14,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
 from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.embedded import span_of
+from mcp_stream_exporter.exchange import CONTENT_SSE
 from mcp_stream_exporter.hooks._observer import _Exchange
 from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.scope import RequestScope
@@ -352,14 +353,20 @@ _PROGRESS = '{"jsonrpc":"2.0","method":"notifications/progress","params":{"progr
 _RESULT = '{"jsonrpc":"2.0","id":1,"result":{}}'
 
 
-def _held_post(tracker, call, chunks):
-    """A POST's SSE stream as the server's observer holds it: its chunks, each with when it was sent."""
-    ex = _Exchange("POST", 0, None, RequestScope("s"), "2025-11-25")
-    ex.parser, ex.held = SSEParser(), list(chunks)
+def _held_exchange(tracker, call, chunks):
+    """A POST's SSE stream as the server's observer holds it, not opened as a stream: its chunks, each
+    with when it was sent."""
+    ex = _Exchange(tracker, "POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex.held, ex.deferred, ex.status = list(chunks), CONTENT_SSE, 200
     ex.calls.append(call)
-    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
-    tracker.hold(stream, ex, resumable=True)
-    return stream, ex
+    tracker.hold(ex, ex.calls, "s", resumable=True)
+    return ex
+
+
+def _held_post(tracker, call, chunks):
+    """A held POST, its stream opened."""
+    ex = _held_exchange(tracker, call, chunks)
+    return ex.held_stream(), ex
 
 
 def test_a_held_stream_that_shows_the_healthy_path_ends_its_call_and_builds_nothing_else():
@@ -381,7 +388,8 @@ def test_a_held_stream_that_deviates_is_read_as_if_followed_with_the_times_its_c
     tracker.end_stream(stream, reason, 200)
     followed_tracker, followed_exporter = _tracker()
     followed_call = followed_tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
-    followed = followed_tracker.open_stream(sc.STREAM_KIND_POST, "s", [followed_call], {}, ABSENT, 200)
+    followed = followed_tracker.open_stream(sc.STREAM_KIND_POST, "s", [followed_call],
+                                            ("POST", CONTENT_SSE, "2025-11-25", None), ABSENT, 200)
     parser = SSEParser()
     for chunk, _ in chunks:
         for frame in parser.feed(chunk):
@@ -402,6 +410,31 @@ def test_a_resume_from_an_event_of_a_stream_still_held_reads_it_first_and_contin
     assert tracker.calls_of_cursor("s", "e1") == (call,)
     assert ex.held is None and stream.holder is None and stream.first_event_id == "e1"  # followed from now on
     assert tracker.calls_of_cursor("other-session", "e1") == ()
+
+
+def test_a_held_post_not_yet_a_stream_is_opened_and_read_when_a_resume_needs_one_of_its_events():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    ex = _held_exchange(tracker, call, [(_sse("e1"), 10)])
+    assert ex.stream is None and (call.streams, call.open_streams) == (1, 1)  # it carries the call already
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    assert ex.held is None and ex.stream is not None and ex.stream.first_event_id == "e1"
+    assert (call.streams, call.held_on) == (1, None)  # counted once, held no more
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_cancel_while_a_post_is_held_unopened_reads_it_first(answered):
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    chunks = [(_sse("e1"), 10)] + ([(_sse("e2", _RESULT), 20)] if answered else [])
+    _held_exchange(tracker, call, chunks)
+    tracker.cancel(("s", "1"))
+    if answered:  # its result was sent before the cancel came: answered, no span
+        assert call.done and exporter.get_finished_spans() == ()
+    else:
+        (span,) = _by(exporter, sc.SPAN_CALL)
+        assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+        assert span.attributes[sc.CALL_STREAMS] == 1
 
 
 def test_a_cancel_or_eviction_after_the_result_was_held_leaves_the_call_answered():
@@ -480,7 +513,7 @@ def test_an_exchange_that_ends_links_its_pending_calls_to_the_sdks_span_and_keep
     answered.in_sdk_request(_Unreadable())
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [answered], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', id="e1"), _response(2))
-    ex = _Exchange("POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex = _Exchange(tracker, "POST", 0, None, RequestScope("s"), "2025-11-25")
     ex.calls += [pending, answered]
     ex.release()
     assert pending._sdk_request is None

@@ -64,10 +64,12 @@ class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
     __slots__ = ("body", "calls", "complete", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body",
-                 "method", "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream", "unread")
+                 "method", "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream",
+                 "tracker", "unread")
 
-    def __init__(self, method: str, start_ns: int, cursor: str | None, scope: request_scope.RequestScope,
-                 protocol_version: str | None) -> None:
+    def __init__(self, tracker: Tracker, method: str, start_ns: int, cursor: str | None,
+                 scope: request_scope.RequestScope, protocol_version: str | None) -> None:
+        self.tracker = tracker
         self.method = method
         self.start_ns = start_ns
         self.cursor = cursor  # Last-Event-ID
@@ -77,7 +79,9 @@ class _Exchange:
         self.unread: bytes | None = None  # a body of calls only, left for the SDK's middleware (``dispatched``)
         self.calls: list[Call] = []
         self.stream: Stream | None = None
-        self.deferred = False  # a stateless call's JSON answer: its stream is opened only if it deviates
+        # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
+        # JSON answer, a POST's SSE stream (held)
+        self.deferred: str | None = None
         self.parser: SSEParser | None = None
         self.held: list[tuple[bytes, int]] | None = None  # a POST's SSE chunks and when each was sent, unread
         self.held_bytes = 0
@@ -96,6 +100,24 @@ class _Exchange:
                 call.exchange_over()
         self.calls.clear()
         self.stream = self.parser = self.held = self.json_body = self.unread = None
+
+    def open(self, content: str) -> Stream | None:
+        """Its stream, opened now, with the calls a resume continues (``Tracker.open_stream``)."""
+        cursor, calls, scope = self.cursor, self.calls, self.scope
+        if cursor:
+            calls = calls + list(self.tracker.calls_of_cursor(scope.session_id, cursor))
+        self.deferred = None
+        self.stream = self.tracker.open_stream(stream_kind(self.method, cursor), scope.session_id, calls,
+                                               (self.method, content, self.protocol_version, cursor), scope.auth,
+                                               self.status, start_time=self.start_ns,
+                                               holder=self if self.held is not None else None)
+        return self.stream
+
+    def held_stream(self) -> Stream:
+        """The held POST's stream, opened now if it was not yet (``Holder``)."""
+        stream = self.stream if self.deferred is None else self.open(self.deferred)
+        assert stream is not None  # a POST carrying calls always has one
+        return stream
 
     def read_held(self) -> list[HeldFrame]:
         """The SSE chunks held so far, parsed now, each frame with the time its chunk was sent; the
@@ -147,7 +169,7 @@ class WireObserver:
             headers = pick(scope.get("headers", ()), REQUEST_HEADERS, lowered=True)
             rs = request_scope.RequestScope(headers.get(SESSION_ID),
                                             self.tokens.from_authorization(headers.get(AUTHORIZATION)))
-            ex = _Exchange(scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
+            ex = _Exchange(tracker, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
                            headers.get(PROTOCOL_VERSION))
             token = request_scope.bind(rs)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
@@ -160,7 +182,7 @@ class WireObserver:
                         self._on_body(ex, message)
                 elif kind == "http.disconnect":
                     ex.disconnected = True
-                    stream = self._followed(ex) if ex.deferred else ex.stream
+                    stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
                     if stream is not None:
                         tracker.end_stream(stream, sc.END_DROPPED, ex.status)
                 return message
@@ -180,7 +202,7 @@ class WireObserver:
                 del scope[_EXCHANGE]
                 if ex.unread is not None:  # no response, and calls the SDK's middleware never saw
                     self._read_unread(ex)
-                stream = self._followed(ex) if ex.deferred else ex.stream
+                stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
                 if stream is not None:
                     tracker.end_stream(stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
                 ex.release()
@@ -282,10 +304,9 @@ class WireObserver:
         content = content_of(headers.get(CONTENT_TYPE, ""))
         if content == CONTENT_SSE:
             if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
-                self._open(ex, content)
-                assert ex.stream is not None  # a POST carrying calls always has one
-                ex.held = []  # read at its end, or when something needs it (``Tracker.hold``)
-                self.tracker.hold(ex.stream, ex, resumable=True)
+                # held: read at its end, or when something needs it, and opened as a stream only then
+                ex.held, ex.deferred = [], content
+                self.tracker.hold(ex, ex.calls, ex.scope.session_id, resumable=True)
                 return
             ex.parser = SSEParser()
         elif content == CONTENT_JSON:
@@ -293,24 +314,9 @@ class WireObserver:
             calls = ex.calls
             if (len(calls) == 1 and status < 400 and ex.method == "POST" and not ex.cursor and calls[0].stateless
                     and calls[0].span is None):
-                ex.deferred = True  # its one body is most likely the call's result: see ``_on_deferred_body``
+                ex.deferred = content  # its one body is most likely the call's result: see ``_on_deferred_body``
                 return
-        self._open(ex, content)
-
-    def _open(self, ex: _Exchange, content: str) -> None:
-        cursor = ex.cursor
-        calls = ex.calls
-        if cursor:
-            calls = calls + list(self.tracker.calls_of_cursor(ex.scope.session_id, cursor))
-        ex.stream = self.tracker.open_stream(stream_kind(ex.method, cursor), ex.scope.session_id, calls,
-                                             (ex.method, content, ex.protocol_version, cursor),
-                                             ex.scope.auth, ex.status, start_time=ex.start_ns)
-
-    def _followed(self, ex: _Exchange) -> Stream | None:
-        """A deferred exchange's stream, opened now: it deviated (a disconnect, an end without its body)."""
-        ex.deferred = False
-        self._open(ex, CONTENT_JSON)
-        return ex.stream
+        ex.open(content)
 
     def _on_deferred_body(self, ex: _Exchange, message: Message) -> None:
         """A stateless call's JSON answer, gathered, then read once: the call's result ends it and no
@@ -326,12 +332,11 @@ class WireObserver:
             if more:
                 return
             body = json_body
-        ex.deferred = False
         messages = classify_frame(body.decode("utf-8", "replace")) if body else []
         if self.tracker.answered(ex.calls, messages):
+            ex.deferred = None
             return
-        self._open(ex, CONTENT_JSON)
-        stream = ex.stream
+        stream = ex.open(CONTENT_JSON)
         assert stream is not None  # a POST carrying a call always has one
         if body:
             self._frame(ex, stream, None, messages)
@@ -340,21 +345,19 @@ class WireObserver:
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
         held = ex.held
         if held is not None:  # a held stream (``_on_response_start``): its chunks kept, read at its end
-            stream = ex.stream
-            assert stream is not None
             ex.complete = not message.get("more_body", False)  # before ``follow``: it may read all that is held
             chunk = message.get("body", b"")
             if chunk:
                 held.append((chunk, time.time_ns()))
                 ex.held_bytes += len(chunk)
                 if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-                    self.tracker.follow(stream)
-            if ex.complete and not self._settled_unparsed(ex, stream):
-                self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
+                    self.tracker.follow(ex)
+            if ex.complete and not self._settled_unparsed(ex):
+                self.tracker.end_stream(ex.held_stream(), sc.END_CLEAN, ex.status)
             return
         stream = ex.stream
         if stream is None:
-            if ex.deferred:
+            if ex.deferred is not None:
                 self._on_deferred_body(ex, message)
             return
         if stream.ended:
@@ -373,12 +376,12 @@ class WireObserver:
             self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
-    def _settled_unparsed(self, ex: _Exchange, stream: Stream) -> bool:
-        """End a held stream of one call on the healthy path from one read of each chunk, without a parser
-        or frame records: every chunk one whole frame in the SDK's form (it sends one a chunk), none of
-        another event type, no result but in the last, which is the call's own. Anything else (a ping, an
-        error frame, frames split or joined, a refusal) is left to ``end_stream`` to read in full."""
-        held, calls = ex.held, stream.calls
+    def _settled_unparsed(self, ex: _Exchange) -> bool:
+        """End a held POST of one call on the healthy path from one read of each chunk, never opened as a
+        stream: every chunk one whole frame in the SDK's form (it sends one a chunk), none of another event
+        type, no result but in the last, which is the call's own. Anything else (a ping, an error frame,
+        frames split or joined, a refusal) is left to ``end_stream`` to read in full."""
+        held, calls = ex.held, ex.calls
         if not held or ex.status >= 400 or len(calls) != 1:
             return False
         last = len(held) - 1
@@ -390,7 +393,11 @@ class WireObserver:
                 return False
             messages = classify_frame(frame.data) if frame.data else ()
             if i == last:
-                return len(messages) == 1 and self.tracker.settle(stream, messages[0], frame.id)
+                if (len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)
+                        and self.tracker.settle(ex, calls, ex.scope.session_id)):
+                    ex.deferred = None
+                    return True
+                return False
             for msg in messages:
                 if msg.is_terminal:
                     return False

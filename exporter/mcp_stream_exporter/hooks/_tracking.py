@@ -14,9 +14,11 @@ the stream ends, or when something else needs what it holds (a resume from one o
 or an eviction of one of its calls, its call's result on another stream). A stream whose held frames
 show the healthy path then ends with its calls' terminal events and nothing else: no frame events, no
 event-id index, no counts, which only a span would have carried. Any other stream is replayed through
-``frame`` with the times its frames were seen, exactly as if it had been followed from its start. A
-stream whose every chunk is one whole frame in the SDK's form, ending with its call's result, is settled
-from one read of each chunk, with no parser and no frame records (``settle``).
+``frame`` with the times its frames were seen, exactly as if it had been followed from its start. A held
+POST of one call is not even opened as a stream until something needs it: its side, seeing nothing but
+frames that end no call and then the call's result (the server: one whole frame in the SDK's form a
+chunk, read once; the client: as the frames pass), ends the call (``answered``) and lets go of it
+(``settle``), with no stream, no parser and no frame records.
 """
 
 from __future__ import annotations
@@ -161,10 +163,15 @@ HeldFrame = tuple[SSEFrame | None, Sequence[WireMessage], int]
 
 
 class Holder(Protocol):
-    """A side holding a stream's bytes (``Tracker.hold``)."""
+    """A side holding what a POST's stream carries (``Tracker.hold``): the stream is opened only when
+    something needs it, and never if it shows the healthy path to its end."""
 
     def read_held(self) -> list[HeldFrame]:
         """The frames held so far, read now; what comes after is followed frame by frame (``Tracker.frame``)."""
+        ...
+
+    def held_stream(self) -> Stream:
+        """Its stream, opened now (``Tracker.open_stream`` with ``holder``) if it was not yet."""
         ...
 
 
@@ -283,7 +290,7 @@ class Call(_Deferred):
         self._arguments = arguments  # what it computes it of, with the tool: kept until then, never exported
         self._fingerprint: str | None = None
         self.sdk_span: SdkSpan | None = None  # the SDK's own span for this request, while it is open
-        self.held_on: Stream | None = None  # the held stream carrying it: read before anything else judges it
+        self.held_on: Holder | None = None  # who holds a stream carrying it: read before anything else judges it
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
 
     @property
@@ -579,8 +586,8 @@ class Tracker:
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
         self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
-        # the server's held streams by session, what a resume reads first (``hold``)
-        self._held: dict[str | None, dict[Stream, None]] = {}
+        # who holds the server's held streams, by session: what a resume reads first (``hold``)
+        self._held: dict[str | None, dict[Holder, None]] = {}
 
     # --- calls ---
 
@@ -666,17 +673,21 @@ class Tracker:
 
     def open_stream(self, kind: str, session_id: str | None, calls: Sequence[Call],
                     attributes: Mapping[str, AttributeValue] | Opening, auth: AuthView,
-                    status: int | None, start_time: int | None = None) -> Stream | None:
+                    status: int | None, start_time: int | None = None, holder: Holder | None = None) -> Stream | None:
         """A stream, or None for a POST that carries no ``tools/call`` and did not fail: those
         (initialize, notifications, other requests) tell nothing about a call's fate. ``attributes``:
-        its opening attributes, or the ``Opening`` they are built from if it becomes a span."""
+        its opening attributes, or the ``Opening`` they are built from if it becomes a span. ``holder``:
+        the side holding it (``hold``), whose calls count it already."""
         if kind == sc.STREAM_KIND_POST and not calls and (status is None or status < 400):
             return None
         stream = Stream(session_id, kind, self._role, auth, attributes, status, list(calls),
                         span_kind=self._stream_kind, start_time=start_time)
-        for call in calls:
-            call.streams += 1
-            call.open_streams += 1
+        if holder is not None:
+            stream.holder = holder
+        else:
+            for call in calls:
+                call.streams += 1
+                call.open_streams += 1
         if kind != sc.STREAM_KIND_POST:  # a resume or a GET is a deviation already: a span now
             self._create(stream)
         return stream
@@ -697,34 +708,38 @@ class Tracker:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
         held = self._held.get(session_id)
         if held:  # the event may be on a stream of the session still held: read them first
-            for stream in list(held):
-                self.follow(stream)
+            for holder in list(held):
+                self.follow(holder)
         ids = self._event_index.get((session_id, _indexed(event_id)), ())
         return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
 
     # --- held streams ---
 
-    def hold(self, stream: Stream, holder: Holder, *, resumable: bool) -> None:
-        """``holder`` keeps what ``stream`` carries, unread, until it ends (``end_stream``) or something
-        needs it read (``follow``). ``resumable``: a resume from one of its events may come before it
-        ends (the server's side: a client resumes before the server sees its POST drop), so a resume
-        in its session reads it first. Only then does the tracker keep it (the client's stream ends
-        before the SDK resumes from it, and the tracker must not keep one its side abandons)."""
-        stream.holder = holder
-        for call in stream.calls:
-            call.held_on = stream
-        session_id = stream.session_id
+    def hold(self, holder: Holder, calls: Sequence[Call], session_id: str | None, *, resumable: bool) -> None:
+        """``holder`` keeps what a POST of session ``session_id`` carrying ``calls`` sends, unread, until it
+        ends or something needs it read (``follow``): the calls count it as a stream carrying them from
+        now on. Its stream is opened with ``holder`` (``open_stream``) only when it is needed, and never
+        when the POST ends on the healthy path (``settle``). ``resumable``: a resume from one of its
+        events may come before it ends (the server's side: a client resumes before the server sees its
+        POST drop), so a resume in its session reads it first. Only then does the tracker keep it (the
+        client's stream ends before the SDK resumes from it, and the tracker must not keep one its side
+        abandons)."""
+        for call in calls:
+            call.held_on = holder
+            call.streams += 1
+            call.open_streams += 1
         if not resumable or session_id is None:  # no resume can need it first: nothing here keeps it
             return
         held = self._held.get(session_id)
         if held is None:
-            self._held[session_id] = {stream: None}
+            self._held[session_id] = {holder: None}
         else:
-            held[stream] = None
+            held[holder] = None
 
-    def follow(self, stream: Stream) -> None:
-        """Read what ``stream``'s side held as it would have been read had it been followed from its start;
+    def follow(self, holder: Holder) -> None:
+        """Read what ``holder`` held as it would have been read had its stream been followed from its start;
         from now on it is followed frame by frame."""
+        stream = holder.held_stream()
         for frame, messages, seen in self._release(stream):
             self.frame(stream, frame, messages, seen)
 
@@ -736,31 +751,31 @@ class Tracker:
         return holder.read_held()
 
     def _unhold_stream(self, stream: Stream) -> None:
-        stream.holder = None
-        for call in stream.calls:
-            if call.held_on is stream:
-                call.held_on = None
-        held = self._held.get(stream.session_id)
-        if held is not None:
-            del held[stream]
-            if not held:
-                del self._held[stream.session_id]
+        holder, stream.holder = stream.holder, None
+        if holder is not None:
+            self._unhold_holder(holder, stream.calls, stream.session_id)
 
-    def settle(self, stream: Stream, msg: WireMessage, event_id: str | None) -> bool:
-        """End a held stream of one call on the healthy path, unread: its side has seen that it carried
-        nothing but its call's result ``msg`` (event ``event_id``) after frames that end no call, and spared
-        it the parse and frame records ``_settled`` works from. False, and nothing changed, unless ``msg``
-        is that call's result and the stream and the call are still on the healthy path."""
-        calls = stream.calls
-        if stream.holder is None or stream.span is not None or len(calls) != 1 or msg.kind != sc.FRAME_RESPONSE:
-            return False
-        call = calls[0]
-        if call.done or msg.id != call.key[1]:
-            return False
-        self._unhold_stream(stream)
-        self._finish(call, _outcome(msg), (stream.kind, event_id))
-        stream.ended = True
-        call.open_streams -= 1
+    def _unhold_holder(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> None:
+        for call in calls:
+            if call.held_on is holder:
+                call.held_on = None
+        held = self._held.get(session_id)
+        if held is not None and holder in held:
+            del held[holder]
+            if not held:
+                del self._held[session_id]
+
+    def settle(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> bool:
+        """End a POST ``holder`` held and never opened as a stream, whose side has seen it carry nothing
+        but its calls' results (each ended as it passed, ``answered``) after frames that end no call: the
+        healthy path, which leaves nothing, spared the stream, the parse and the frame records. False, and
+        nothing changed, unless every call is done and still held by ``holder``."""
+        for call in calls:
+            if not call.done or call.held_on is not holder:
+                return False
+        self._unhold_holder(holder, calls, session_id)
+        for call in calls:
+            call.open_streams -= 1
         return True
 
     def _unhold(self, call: Call) -> None:

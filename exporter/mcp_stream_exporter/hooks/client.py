@@ -135,15 +135,20 @@ class ClientInstrumentation:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
-        if (content in (CONTENT_SSE, CONTENT_JSON) and status < 400 and len(calls) == 1 and not cursor
-                and request.method == "POST" and calls[0].span is None):  # most likely the call's result and no more
+        single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
+        if status < 400 and request.method == "POST" and (
+                (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
                                        status, content)
             sse = content == CONTENT_SSE
             tap = _TapStream(response.stream, self.tracker, None, sse=sse, status=status, calls=calls, opener=opener)
-            if sse:
-                tap.held = []  # read as its frames pass, kept in case it deviates (``Tracker.hold``)
+            tap.session_id = session_id
+            if sse:  # its frames read as they pass, and kept until it ends
+                tap.held = []
+            self.tracker.hold(tap, calls, session_id, resumable=False)  # a stream opened only if it deviates
+            if not single:
+                tap.held_stream()  # not the healthy path's shape: a stream from its start
             response.stream = tap
             return response
         stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
@@ -154,11 +159,7 @@ class ClientInstrumentation:
                                     response.status_code)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        tap = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE, status=status)
-        if content == CONTENT_SSE and stream.kind == sc.STREAM_KIND_POST:
-            tap.held = []  # its frames are read as they pass, and kept until it ends (``Tracker.hold``)
-            self.tracker.hold(stream, tap, resumable=False)
-        response.stream = tap
+        response.stream = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE, status=status)
         return response
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
@@ -166,24 +167,24 @@ class ClientInstrumentation:
 
     def _open(self, request: httpx2.Request, session_id: str | None, protocol_version: str | None,
               calls: list[Call], auth: AuthView, cursor: str | None, start: int,
-              status: int | None, content: str) -> Stream | None:
+              status: int | None, content: str, holder: _TapStream | None = None) -> Stream | None:
         method = request.method
         return self.tracker.open_stream(stream_kind(method, cursor), session_id, calls,
-                                        (method, content, protocol_version, cursor), auth, status, start_time=start)
+                                        (method, content, protocol_version, cursor), auth, status, start_time=start,
+                                        holder=holder)
 
 
 class _TapStream(httpx2.AsyncByteStream):
     """Passes every chunk through unchanged, parsing a copy; notes how the stream ended.
 
-    A POST's SSE stream is held (``Tracker.hold``): each chunk is parsed as it passes and a terminal
-    event in it delivered at once (``Tracker.deliver``: the call ends while the SDK's span is open), and
-    its frames are kept, with the time each was seen, for the tracker to read when the stream ends.
-
-    A POST's answer to its one call is deferred (no ``stream``, an ``opener``): no stream is opened while
-    it shows the healthy path, a JSON body read once at its end, SSE frames with no data before the call's
-    result (which ends the call as it passes, ``Tracker.answered``). Anything else opens the stream, held
-    with the frames kept so far, or the JSON body read on it: it is then followed exactly as if it had
-    been from the start.
+    A POST's answer to its calls is held (``Tracker.hold``): each SSE chunk is parsed as it passes and a
+    terminal event in it delivered at once (``Tracker.deliver``: the call ends while the SDK's span is
+    open), and its frames are kept, with the time each was seen, for the tracker to read when it ends.
+    An answer to one call opens no stream (an ``opener``, no ``stream``) while it shows the healthy path:
+    SSE frames with no data, then the call's result, which ends the call as it passes, or a JSON body
+    that is its result, read at its end (``Tracker.answered``); the tap then lets go of it (``Tracker.settle``).
+    Anything else opens the stream, with the frames kept so far, or with the JSON body read on it: it is
+    then followed exactly as if it had been from the start.
 
     An iterator object rather than an async generator: the SDK stops reading at the response and
     closes the response, and an abandoned async generator costs the event loop a finaliser task. For
@@ -197,10 +198,12 @@ class _TapStream(httpx2.AsyncByteStream):
     _json: bytes | bytearray = b""  # a JSON body: its one chunk as it came (the usual), or the chunks joined
     held: list[HeldFrame] | None = None
     _held_bytes = 0
-    _answered = False  # a deferred SSE answer carried its call's result: it ends the healthy path's way
+    _answered = False  # a deferred answer carried its call's result: it ends the healthy path's way
+    session_id: str | None = None  # a deferred answer's
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
-                 status: int, calls: Sequence[Call] = (), opener: Callable[[], Stream | None] | None = None) -> None:
+                 status: int, calls: Sequence[Call] = (),
+                 opener: Callable[[_TapStream], Stream | None] | None = None) -> None:
         self._inner = inner
         self._tracker = tracker
         self._stream = stream
@@ -236,9 +239,7 @@ class _TapStream(httpx2.AsyncByteStream):
             self._keep(self._parser.feed(chunk), time.time_ns())
             self._held_bytes += len(chunk)
             if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
-                stream = self._followed()
-                assert stream is not None
-                self._tracker.follow(stream)
+                self._tracker.follow(self)
         elif self._parser is not None:
             self._feed(chunk)
         elif not self._json:
@@ -297,13 +298,16 @@ class _TapStream(httpx2.AsyncByteStream):
         held, self.held = self.held, None
         return held or []
 
+    def held_stream(self) -> Stream:
+        """The held stream, opened now if it was deferred (``Holder``)."""
+        stream = self._followed()
+        assert stream is not None  # a POST carrying calls always has one
+        return stream
+
     def _followed(self) -> Stream | None:
-        """The stream, opened now if it was deferred (held, if its frames are): None once a deferred
-        answer was the call's result."""
+        """The stream, opened now if it was deferred: None once a deferred answer was the call's result."""
         if self._opener is not None:
-            self._stream, self._opener = self._opener(), None
-            if self.held is not None and self._stream is not None:
-                self._tracker.hold(self._stream, self, resumable=False)
+            self._stream, self._opener = self._opener(self), None
         return self._stream
 
     def _ended(self) -> None:
@@ -315,10 +319,12 @@ class _TapStream(httpx2.AsyncByteStream):
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
         messages = classify_frame(self._json.decode("utf-8", "replace")) if self._json else None
-        if self._opener is not None and (self._answered or (
-                messages is not None and self._tracker.answered(self._calls, messages))):
-            self._opener = None
-            return
+        if self._opener is not None:
+            if messages is not None and self._tracker.answered(self._calls, messages):
+                self._answered = True
+            if self._settled():
+                self._opener = None
+                return
         stream = self._followed()
         if stream is None:
             return
@@ -326,8 +332,12 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.frame(stream, None, messages)
         self._tracker.end_stream(stream, sc.END_CLEAN, self._status)
 
+    def _settled(self) -> bool:
+        """A deferred answer that carried its call's result and nothing else ends unopened (``Tracker.settle``)."""
+        return self._answered and self._tracker.settle(self, self._calls, self.session_id)
+
     def _end(self, reason: str) -> None:
-        if self._answered and self._opener is not None:  # its call's result came, and nothing else
+        if self._opener is not None and self._settled():
             self._opener = None
             return
         stream = self._followed()
