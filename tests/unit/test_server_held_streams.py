@@ -77,16 +77,14 @@ def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instr = ServerInstrumentation(tracer_provider=provider)
-    if not unparsed:
-        instr.observer._settled_unparsed = lambda ex: False  # type: ignore[method-assign]
     settled: list[bool] = []
-    settle = instr.tracker.settle
+    settle = instr.observer._settled_unparsed
 
-    def counted_settle(*args: Any) -> bool:
-        settled.append(settle(*args))
+    def counted_settle(ex: Any) -> bool:
+        settled.append(settle(ex) if unparsed else False)
         return settled[-1]
 
-    instr.tracker.settle = counted_settle  # type: ignore[method-assign]
+    instr.observer._settled_unparsed = counted_settle  # type: ignore[method-assign]
     app = instr.asgi(build(instr.event_store(IncidentEventStore(ToolPolicy()))))
     messages = [{"type": "http.request", "body": _CALL, "more_body": False}]
 

@@ -393,11 +393,11 @@ class WireObserver:
                 return False
             messages = classify_frame(frame.data) if frame.data else ()
             if i == last:
-                if (len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)
-                        and self.tracker.settle(ex, calls, ex.scope.session_id)):
-                    ex.deferred = None
-                    return True
-                return False
+                if not (len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)):
+                    return False
+                self.tracker.settle(ex, calls, ex.scope.session_id)
+                ex.deferred = None
+                return True
             for msg in messages:
                 if msg.is_terminal:
                     return False

@@ -765,18 +765,13 @@ class Tracker:
             if not held:
                 del self._held[session_id]
 
-    def settle(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> bool:
-        """End a POST ``holder`` held and never opened as a stream, whose side has seen it carry nothing
+    def settle(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> None:
+        """End a POST ``holder`` still holds, never opened as a stream, whose side has seen it carry nothing
         but its calls' results (each ended as it passed, ``answered``) after frames that end no call: the
-        healthy path, which leaves nothing, spared the stream, the parse and the frame records. False, and
-        nothing changed, unless every call is done and still held by ``holder``."""
-        for call in calls:
-            if not call.done or call.held_on is not holder:
-                return False
+        healthy path, which leaves nothing, spared the stream, the parse and the frame records."""
         self._unhold_holder(holder, calls, session_id)
         for call in calls:
             call.open_streams -= 1
-        return True
 
     def _unhold(self, call: Call) -> None:
         """A held stream carrying ``call`` is read before anything else judges the call."""

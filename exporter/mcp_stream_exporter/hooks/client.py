@@ -322,8 +322,8 @@ class _TapStream(httpx2.AsyncByteStream):
         if self._opener is not None:
             if messages is not None and self._tracker.answered(self._calls, messages):
                 self._answered = True
-            if self._settled():
-                self._opener = None
+            if self._answered:
+                self._settle()
                 return
         stream = self._followed()
         if stream is None:
@@ -332,13 +332,14 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.frame(stream, None, messages)
         self._tracker.end_stream(stream, sc.END_CLEAN, self._status)
 
-    def _settled(self) -> bool:
+    def _settle(self) -> None:
         """A deferred answer that carried its call's result and nothing else ends unopened (``Tracker.settle``)."""
-        return self._answered and self._tracker.settle(self, self._calls, self.session_id)
+        self._opener = None
+        self._tracker.settle(self, self._calls, self.session_id)
 
     def _end(self, reason: str) -> None:
-        if self._opener is not None and self._settled():
-            self._opener = None
+        if self._opener is not None and self._answered:
+            self._settle()
             return
         stream = self._followed()
         if stream is not None:
