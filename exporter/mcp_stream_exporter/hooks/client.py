@@ -143,10 +143,10 @@ class ClientInstrumentation:
                                        status, content)
             sse = content == CONTENT_SSE
             tap = _TapStream(response.stream, self.tracker, None, sse=sse, status=status, calls=calls, opener=opener)
-            tap.session_id = session_id
             if sse:  # its frames read as they pass, and kept until it ends
                 tap.held = []
-            self.tracker.hold(tap, calls, session_id, resumable=False)  # a stream opened only if it deviates
+            if sse or not calls[0].stateless:  # a stateless call's JSON answer: nothing else can need it first
+                tap.hold(session_id)
             if not single:
                 tap.held_stream()  # not the healthy path's shape: a stream from its start
             response.stream = tap
@@ -199,11 +199,12 @@ class _TapStream(httpx2.AsyncByteStream):
     held: list[HeldFrame] | None = None
     _held_bytes = 0
     _answered = False  # a deferred answer carried its call's result: it ends the healthy path's way
-    session_id: str | None = None  # a deferred answer's
+    _holding = False  # its calls count it as a stream carrying them (``Tracker.hold``)
+    _session_id: str | None = None  # of a held answer
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
                  status: int, calls: Sequence[Call] = (),
-                 opener: Callable[[_TapStream], Stream | None] | None = None) -> None:
+                 opener: Callable[[_TapStream | None], Stream | None] | None = None) -> None:
         self._inner = inner
         self._tracker = tracker
         self._stream = stream
@@ -298,6 +299,11 @@ class _TapStream(httpx2.AsyncByteStream):
         held, self.held = self.held, None
         return held or []
 
+    def hold(self, session_id: str | None) -> None:
+        """Held for its calls (``Tracker.hold``): what needs them first opens it and reads what it kept."""
+        self._holding, self._session_id = True, session_id
+        self._tracker.hold(self, self._calls, session_id, resumable=False)
+
     def held_stream(self) -> Stream:
         """The held stream, opened now if it was deferred (``Holder``)."""
         stream = self._followed()
@@ -307,7 +313,7 @@ class _TapStream(httpx2.AsyncByteStream):
     def _followed(self) -> Stream | None:
         """The stream, opened now if it was deferred: None once a deferred answer was the call's result."""
         if self._opener is not None:
-            self._stream, self._opener = self._opener(self), None
+            self._stream, self._opener = self._opener(self if self._holding else None), None
         return self._stream
 
     def _ended(self) -> None:
@@ -335,7 +341,8 @@ class _TapStream(httpx2.AsyncByteStream):
     def _settle(self) -> None:
         """A deferred answer that carried its call's result and nothing else ends unopened (``Tracker.settle``)."""
         self._opener = None
-        self._tracker.settle(self, self._calls, self.session_id)
+        if self._holding:
+            self._tracker.settle(self, self._calls, self._session_id)
 
     def _end(self, reason: str) -> None:
         if self._opener is not None and self._answered:
