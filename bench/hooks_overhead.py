@@ -4,16 +4,19 @@ Three configurations run side by side in one process, each with its own server a
 127.0.0.1: (A) no tracing, (S) the SDK's own OpenTelemetry spans on, no hooks, (H) the SDK's spans and
 our hooks. One tracer provider with a dropping exporter serves the process (a process has one global
 provider); A's spans are sampled out by a sampler that reads which configuration is calling, so A
-pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls cycle in
-small blocks through the configurations, forwards then backwards (A S H H S A ...), so that the
-machine slowing down hits all alike; each worker process reports the median round trip of each
-configuration; the results are the medians over fresh worker processes of the ratios H/S (the hooks
-on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing alone), with their spreads.
+pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls cycle one
+at a time through the configurations, forwards then backwards (A S H H S A ...), so that the machine
+slowing down hits all alike: a shared host's slow spells outlast a round trip, and in blocks of ten
+calls a spell could fall on one configuration's block (the same code then read 0.89 to 1.22 against
+itself over stretches of 100 calls, and 0.92 to 1.03 one call at a time). Each worker process reports
+the median round trip of each configuration; the results are the medians over fresh worker processes
+of the ratios H/S (the hooks on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing
+alone), with their spreads.
 The order in which the configurations are set up rotates between workers. An A-against-A control run
 measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
-worker reports the median process CPU time per call of each configuration's blocks (client and server
-share the process): on a machine shared with other work, what the hooks cost in CPU is steadier than
-what they cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
+worker reports the median process CPU time of each configuration's calls (client and server share the
+process): on a machine shared with other work, what the hooks cost in CPU is steadier than what they
+cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
 the server's or only the client's hooks in H (an operator may instrument one side). Bounded:
 WORKERS x 3 x CALLS calls per run.
 
@@ -52,9 +55,6 @@ import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
-
-_BLOCK = 10
-
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
 
@@ -174,12 +174,11 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
                 for _ in range(20):
                     await call(client, configuration)
             cycle = CONFIGURATIONS + CONFIGURATIONS[::-1]  # A S H H S A
-            for block in range(3 * calls // _BLOCK):
-                configuration = cycle[block % len(cycle)]
+            for i in range(3 * calls):
+                configuration = cycle[i % len(cycle)]
                 cpu_started = time.process_time()
-                for _ in range(_BLOCK):
-                    timings[configuration].append(await call(clients[configuration], configuration))
-                cpu[configuration].append((time.process_time() - cpu_started) / _BLOCK)
+                timings[configuration].append(await call(clients[configuration], configuration))
+                cpu[configuration].append(time.process_time() - cpu_started)
         return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
                 **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
 
