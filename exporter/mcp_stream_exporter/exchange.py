@@ -9,7 +9,7 @@ Both hooks and the guard read an exchange through this module, so they cannot di
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
 
 from opentelemetry.util.types import AttributeValue
@@ -33,8 +33,10 @@ AUTHORIZATION: Final = "authorization"
 PROTOCOL_VERSION: Final = "mcp-protocol-version"
 LAST_EVENT_ID: Final = "last-event-id"
 CONTENT_TYPE: Final = "content-type"
-REQUEST_HEADERS: Final = frozenset(n.encode() for n in (SESSION_ID, AUTHORIZATION, PROTOCOL_VERSION, LAST_EVENT_ID))
-RESPONSE_HEADERS: Final = frozenset(n.encode() for n in (SESSION_ID, CONTENT_TYPE))
+# the headers the hooks read: their names on the wire (lower-case bytes), to the names the hooks key them by
+REQUEST_HEADERS: Final[Mapping[bytes, str]] = {n.encode(): n for n in (SESSION_ID, AUTHORIZATION, PROTOCOL_VERSION,
+                                                                        LAST_EVENT_ID)}
+RESPONSE_HEADERS: Final[Mapping[bytes, str]] = {n.encode(): n for n in (SESSION_ID, CONTENT_TYPE)}
 
 CONTENT_SSE: Final = "sse"
 CONTENT_JSON: Final = "json"

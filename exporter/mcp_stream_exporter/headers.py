@@ -7,23 +7,24 @@ every header on each look-up).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
-def pick(raw: Iterable[tuple[bytes, bytes]], names: frozenset[bytes], *, lowered: bool = False) -> dict[str, str]:
-    """The values of the headers in ``names`` (lower-case), keyed by lower-case name; HTTP/1.1
-    headers are latin-1. A repeated header keeps its last value. ``lowered``: the names in ``raw``
-    are lower-case already, as ASGI requires of a server (and Starlette, so the MCP SDK, relies on)."""
+def pick(raw: Iterable[tuple[bytes, bytes]], names: Mapping[bytes, str], *, lowered: bool = False) -> dict[str, str]:
+    """The values of the headers in ``names`` (lower-case bytes, to the name each is keyed by: no name
+    decoded on every request); HTTP/1.1 headers are latin-1. A repeated header keeps its last value.
+    ``lowered``: the names in ``raw`` are lower-case already, as ASGI requires of a server (and
+    Starlette, so the MCP SDK, relies on)."""
     found: dict[str, str] = {}
     if lowered:
         for key, value in raw:
             if key in names:
-                found[key.decode("latin-1")] = value.decode("latin-1")
+                found[names[key]] = value.decode("latin-1")
         return found
     for key, value in raw:
         key = key.lower()
         if key in names:
-            found[key.decode("latin-1")] = value.decode("latin-1")
+            found[names[key]] = value.decode("latin-1")
     return found
 
 

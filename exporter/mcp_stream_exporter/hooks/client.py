@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import types
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import httpx2
@@ -365,14 +365,14 @@ class _TapStream(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
-def _picked(headers: httpx2.Headers, names: frozenset[bytes]) -> dict[str, str]:
+def _picked(headers: httpx2.Headers, names: Mapping[bytes, str]) -> dict[str, str]:
     """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
     (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
     name lowered and hashed again, on every request and response."""
     picked = {}
     for _, key, value in headers._list:  # a loop, not a comprehension: that would be one more call
         if key in names:
-            picked[key.decode("latin-1")] = value.decode("latin-1")
+            picked[names[key]] = value.decode("latin-1")
     return picked
 
 
