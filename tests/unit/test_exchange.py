@@ -12,9 +12,15 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter import wire
 from mcp_stream_exporter.auth import NO_REQUIREMENT, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import (
+    AUTHORIZATION,
     CONTENT_JSON,
     CONTENT_NONE,
     CONTENT_SSE,
+    CONTENT_TYPE,
+    LAST_EVENT_ID,
+    REQUEST_HEADERS,
+    RESPONSE_HEADERS,
+    SESSION_ID,
     UNREAD,
     can_ask,
     content_of,
@@ -22,6 +28,7 @@ from mcp_stream_exporter.exchange import (
     requirement_of,
     stream_attributes,
 )
+from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_call
 
 FETCH = "https://mcp.example.com/tools/fetch"
@@ -179,3 +186,13 @@ def test_a_body_in_the_sdks_form_or_one_edit_from_it_reads_as_its_full_parse(rid
     for body in (text, text[:at] + char + text[at + drop:]):
         fast = sdk_call(body)
         assert fast is None or [fast] == classify(body), body
+
+
+def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_case_a_repeat_keeping_its_last():
+    raw = [(b"Host", b"h"), (b"MCP-Session-Id", b"s1"), (b"Authorization", b"Bearer a"),
+           (b"authorization", b"Bearer b"), (b"last-event-id", b"\xe9")]
+    assert pick(raw, REQUEST_HEADERS) == {SESSION_ID: "s1", AUTHORIZATION: "Bearer b", LAST_EVENT_ID: "\xe9"}
+    lowered = [(k.lower(), v) for k, v in raw]  # as an ASGI server hands them over
+    assert pick(lowered, REQUEST_HEADERS, lowered=True) == pick(raw, REQUEST_HEADERS)
+    assert pick([(b"content-type", b"text/event-stream")], RESPONSE_HEADERS, lowered=True) == {
+        CONTENT_TYPE: "text/event-stream"}
