@@ -17,8 +17,9 @@ measures the method's own bias. Besides round trips (wall clock, the figures the
 worker reports the median process CPU time of each configuration's calls (client and server share the
 process): on a machine shared with other work, what the hooks cost in CPU is steadier than what they
 cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
-the server's or only the client's hooks in H (an operator may instrument one side). Bounded:
-WORKERS x 3 x CALLS calls per run.
+the server's or only the client's hooks in H (an operator may instrument one side). ``--in-process``
+times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
+time the hooks take against the instructions they run. Bounded: WORKERS x 3 x CALLS calls per run.
 
 ``--instructions`` counts instead of timing, for a figure neither a busy machine nor the event loop can
 move: each configuration (A, S, H) runs alone in a process under ``valgrind --tool=callgrind``
@@ -34,6 +35,7 @@ collector's passes fall at different calls from run to run and move a count by u
 (the figures to report keep it on, as a deployment does).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
+                                   [--in-process]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
 
@@ -60,7 +62,7 @@ CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tra
 
 
 def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
-            only: str | None = None, gc_off: bool = False) -> dict[str, float]:
+            only: str | None = None, gc_off: bool = False, in_process: bool = False) -> dict[str, float]:
     import contextvars
 
     import httpx2
@@ -167,7 +169,8 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
     async def run() -> dict[str, float]:
         async with contextlib.AsyncExitStack() as stack:
             order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # which is set up first rotates
-            clients = {configuration: await setup(stack, configuration) for configuration in order}
+            clients = {configuration: await setup(stack, configuration, in_process=in_process)
+                       for configuration in order}
             timings: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
             cpu: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
             for configuration, client in clients.items():  # warm-up
@@ -259,6 +262,8 @@ def main() -> None:
     parser.add_argument("--mode", default="legacy")
     parser.add_argument("--rotate", type=int, default=0)
     parser.add_argument("--control", action="store_true", help="A against A: the method's own bias")
+    parser.add_argument("--in-process", action="store_true",
+                        help="time the round trips through httpx2's ASGI transport, as --instructions counts them")
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
     parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
     parser.add_argument("--gc-off", action="store_true",
@@ -266,7 +271,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
-                                 only=args.only, gc_off=args.gc_off)))
+                                 only=args.only, gc_off=args.gc_off, in_process=args.in_process)))
         return
     if args.instructions:
         _count(args.modes.split(","), args.sides.split(","), args.calls, args.gc_off)
@@ -281,6 +286,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls),
                        "--rotate", str(worker)]
             command += ["--control"] if control else []
+            command += ["--in-process"] if args.in_process else []
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
             for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 medians[configuration].append(ms)
