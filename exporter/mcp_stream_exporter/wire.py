@@ -129,6 +129,24 @@ def classify_frame(data: str) -> list[WireMessage]:
     return classify(data)
 
 
+_FAST_RESULT = re.compile(rb'\{"jsonrpc":"2\.0","id":(?:"([^"\\]*)"|(-?[0-9]+)),"result":')
+_TOOL_ERROR_BYTES = _TOOL_ERROR.encode()
+
+
+def classify_body(body: bytes | bytearray) -> list[WireMessage]:
+    """``classify_frame`` of a JSON body, as its bytes (UTF-8, undecodable bytes replaced): a result in the
+    SDK's form is read off the bytes, so a megabyte result is searched once and never decoded; anything
+    else is decoded and read by ``classify_frame``. ``"`` and ``\\`` are never part of a multi-byte
+    sequence, so the id's bytes decode to what the decoded body's id would be."""
+    m = _FAST_RESULT.match(body)
+    if m is None:
+        return classify_frame(body.decode("utf-8", "replace"))
+    string_id, int_id = m.group(1, 2)
+    request_id = int_id.decode() if string_id is None else string_id.decode("utf-8", "replace")
+    return [_wire_message((sc.FRAME_RESPONSE, request_id, None, None, body.find(_TOOL_ERROR_BYTES) >= 0,
+                           None, None, None, None, None))]
+
+
 # json's C scanner: what ``json.loads`` runs, without the Python around it (typeshed does not declare it)
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 

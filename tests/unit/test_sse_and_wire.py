@@ -126,6 +126,19 @@ def test_the_fast_frame_classifier_agrees_with_the_full_parse(message):
     assert classify_frame(data) == classify(data)
 
 
+@given(_messages, st.booleans(), st.binary(max_size=6), st.floats(0, 1))
+def test_a_json_body_reads_off_its_bytes_as_its_decoded_text_reads(message, ascii_only, noise, where):
+    import json
+
+    from mcp_stream_exporter.wire import classify_body, classify_frame
+
+    body = json.dumps(message, separators=(",", ":"), ensure_ascii=ascii_only).encode()
+    at = round(where * len(body))
+    for payload in (body, body[:at] + noise + body[at:]):  # bytes that do not decode, anywhere (in an id too)
+        assert classify_body(payload) == classify_frame(payload.decode("utf-8", "replace"))
+        assert classify_body(bytearray(payload)) == classify_body(payload)
+
+
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=5),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3))

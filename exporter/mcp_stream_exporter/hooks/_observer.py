@@ -50,6 +50,7 @@ from mcp_stream_exporter.wire import (
     REFUSED_ERROR_CODE,
     TOOLS_CALL,
     WireMessage,
+    classify_body,
     classify_frame,
     request_message,
 )
@@ -332,7 +333,7 @@ class WireObserver:
             if more:
                 return
             body = json_body
-        messages = classify_frame(body.decode("utf-8", "replace")) if body else []
+        messages = classify_body(body) if body else []
         if self.tracker.answered(ex.calls, messages):
             ex.deferred = None
             return
@@ -373,7 +374,7 @@ class WireObserver:
         if ex.parser is not None:  # a frame its last CR ended is dispatched, as the SDK's client reads it
             self._follow(ex, stream, ex.parser.close())
         if ex.json_body:
-            self._frame(ex, stream, None, classify_frame(ex.json_body.decode("utf-8", "replace")))
+            self._frame(ex, stream, None, classify_body(ex.json_body))
         self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
 
     def _settled_unparsed(self, ex: _Exchange) -> bool:

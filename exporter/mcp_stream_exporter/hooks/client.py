@@ -54,7 +54,7 @@ from mcp_stream_exporter.hooks._tracking import (
     audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_frame
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame
 
 _FINGERPRINT_CHARS = 16
 
@@ -324,7 +324,7 @@ class _TapStream(httpx2.AsyncByteStream):
                 self._keep(last, time.time_ns())
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
-        messages = classify_frame(self._json.decode("utf-8", "replace")) if self._json else None
+        messages = classify_body(self._json) if self._json else None
         if self._opener is not None:
             if messages is not None and self._tracker.answered(self._calls, messages):
                 self._answered = True
