@@ -61,8 +61,8 @@ from typing import Any
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
 
 
-def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
-            only: str | None = None, gc_off: bool = False, in_process: bool = False) -> dict[str, float]:
+def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
+            gc_off: bool = False, in_process: bool = False, payload: int = 1) -> dict[str, float]:
     import contextvars
 
     import httpx2
@@ -113,7 +113,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
     logging.disable(logging.INFO)
     issuer = TokenIssuer()
     token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": "q"}))
+    request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": _payload(payload)}))
     options = {"mode": "legacy"} if mode == "legacy" else {}
 
     async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
@@ -186,6 +186,13 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str,
                 **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
 
     return asyncio.run(counted(only) if only is not None else run())
+
+
+def _payload(chars: int) -> str:
+    """The search's query, echoed in its result (twice: its text and its structured content): ``chars``
+    characters, non-ASCII past the first, so that reading them takes no ASCII fast path where they travel as
+    UTF-8 (the request, a legacy SSE frame); a default-era JSON answer carries them escaped (``\\u00e9``)."""
+    return "q" + "é" * (chars - 1)
 
 
 def _whole_body(app: Any) -> Any:
@@ -268,10 +275,13 @@ def main() -> None:
     parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
     parser.add_argument("--gc-off", action="store_true",
                         help="(--instructions) the garbage collector off while counting: to compare two versions")
+    parser.add_argument("--payload", type=int, default=1,
+                        help="characters of the tool's argument, echoed in its result (1: the healthy small call)")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
-                                 only=args.only, gc_off=args.gc_off, in_process=args.in_process)))
+                                 only=args.only, gc_off=args.gc_off, in_process=args.in_process,
+                                 payload=args.payload)))
         return
     if args.instructions:
         _count(args.modes.split(","), args.sides.split(","), args.calls, args.gc_off)
@@ -287,6 +297,7 @@ def main() -> None:
                        "--rotate", str(worker)]
             command += ["--control"] if control else []
             command += ["--in-process"] if args.in_process else []
+            command += ["--payload", str(args.payload)]
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
             for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 medians[configuration].append(ms)

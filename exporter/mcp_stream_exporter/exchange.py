@@ -137,7 +137,9 @@ def calls_only(body: bytes) -> bool:
     """Whether ``body``, one ``can_ask`` let through, can hold nothing the hooks read but ``tools/call``
     requests (no cancel, no initialize, nothing escaped): its calls are the ones the SDK's server
     middleware hands over, already parsed, and it needs reading only for calls the middleware never sees."""
-    return body.find(_CANCEL) < 0 and body.find(_INITIALIZE) < 0 and body.find(b"\\") < 0  # ``can_ask``: not ``in``
+    # ``can_ask``: ``find``, not ``in``; the backslash first: a byte's search is the fastest, and a body of
+    # text arguments often has one (an escaped newline or quote), which spares the other two searches
+    return body.find(b"\\") < 0 and body.find(_CANCEL) < 0 and body.find(_INITIALIZE) < 0
 
 
 def most_calls(body: bytes) -> int:
