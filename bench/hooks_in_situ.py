@@ -1,0 +1,96 @@
+"""What the hooks' reading functions cost where they run, against the same call in a hot loop.
+
+The timed bench (``hooks_overhead.py``) finds the hooks' share of a round trip's time two to three times
+their share of its instructions. This measures why, function by function: in a worker of that bench
+(the three configurations side by side over loopback TCP), each pure function the hooks read the wire
+with is timed where the hooks call it, then called again at once with the same arguments, and a call of
+an empty function is timed at the same place; after the run, the same call is timed in a hot loop.
+Reported: medians in nanoseconds (the timer's own cost, the empty call's, included in all but the hot
+loop). A function whose first call costs several times its repeat at once runs cold: its code and data
+were out of the caches the round trip's other work (the SDK's, the HTTP stack's) filled, and cutting its
+instructions buys little; running less distinct code does.
+
+    python bench/hooks_in_situ.py [--calls 1000] [--mode default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hooks_overhead  # the bench beside this one
+
+from mcp_stream_exporter.hooks import _observer, client
+
+# (module the hooks call it through, name): pure functions, so calling one twice changes nothing
+_MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "classify_body"),
+             (client, "_picked"), (client, "can_ask"), (client, "read_body"), (client, "content_of"),
+             (client, "classify_body"))
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _Timed:
+    """Stands in for one function at its call site: times it, its repeat and an empty call, each time."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.first: list[int] = []
+        self.again: list[int] = []
+        self.empty: list[int] = []
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        clock, function = time.perf_counter_ns, self.function
+        t0 = clock()
+        _nothing(*args, **kwargs)
+        t1 = clock()
+        result = function(*args, **kwargs)
+        t2 = clock()
+        function(*args, **kwargs)
+        t3 = clock()
+        self.empty.append(t1 - t0)
+        self.first.append(t2 - t1)
+        self.again.append(t3 - t2)
+        self.args, self.kwargs = args, kwargs
+        return result
+
+    def hot(self) -> float:
+        function, args, kwargs = self.function, self.args, self.kwargs
+        return min(timeit.repeat(lambda: function(*args, **kwargs), number=2000, repeat=5)) / 2000 * 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--mode", default="default")
+    args = parser.parse_args()
+    timed: dict[str, _Timed] = {}
+    for module, name in _MEASURED:
+        timed[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = stand_in = _Timed(getattr(module, name))
+        setattr(module, name, stand_in)
+    hooks_overhead._worker(args.mode, args.calls, rotate=0, control=False, side="both")
+    print(f"{args.mode} era, {args.calls} calls a configuration; medians in ns")
+    print(f"{'function (where called)':28} {'calls':>6} {'in situ':>8} {'again':>7} {'empty':>6} {'hot':>6} "
+          f"{'in situ/hot':>11}")
+    for name, t in timed.items():
+        if not t.first:
+            continue
+        first, again, empty, hot = (statistics.median(t.first), statistics.median(t.again),
+                                    statistics.median(t.empty), t.hot())
+        print(f"{name:28} {len(t.first):6d} {first:8.0f} {again:7.0f} {empty:6.0f} {hot:6.0f} {first / hot:11.1f}")
+
+
+if __name__ == "__main__":
+    main()
