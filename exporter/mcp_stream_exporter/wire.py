@@ -138,13 +138,21 @@ def classify_body(body: bytes | bytearray) -> list[WireMessage]:
     SDK's form is read off the bytes, so a megabyte result is searched once and never decoded; anything
     else is decoded and read by ``classify_frame``. ``"`` and ``\\`` are never part of a multi-byte
     sequence, so the id's bytes decode to what the decoded body's id would be."""
-    m = _FAST_RESULT.match(body)
-    if m is None:
+    request_id = result_id(body)
+    if request_id is None:
         return classify_frame(body.decode("utf-8", "replace"))
-    string_id, int_id = m.group(1, 2)
-    request_id = int_id.decode() if string_id is None else string_id.decode("utf-8", "replace")
     return [_wire_message((sc.FRAME_RESPONSE, request_id, None, None, body.find(_TOOL_ERROR_BYTES) >= 0,
                            None, None, None, None, None))]
+
+
+def result_id(body: bytes | bytearray) -> str | None:
+    """The id of the result a JSON body in the SDK's form is (as ``classify_body`` reads it), off its head
+    alone; None for anything else."""
+    m = _FAST_RESULT.match(body)
+    if m is None:
+        return None
+    string_id, int_id = m.group(1, 2)
+    return int_id.decode() if string_id is None else string_id.decode("utf-8", "replace")
 
 
 # json's C scanner: what ``json.loads`` runs, without the Python around it (typeshed does not declare it)

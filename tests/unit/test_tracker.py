@@ -19,7 +19,7 @@ from mcp_stream_exporter.hooks._observer import _Exchange
 from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.scope import RequestScope
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import classify
+from mcp_stream_exporter.wire import classify, classify_body, result_id
 
 
 def _tracker(**kw):
@@ -343,6 +343,32 @@ def test_a_json_answer_to_a_call_that_already_deviated_is_followed_on_its_stream
     assert not tracker.answered([call, tracker.start_call(None, _request(2), None, ABSENT, stateless=True)],
                                 _response(1))
     assert not call.done
+
+
+_TOOL_ERROR_BODY = b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"isError":true}}'
+
+
+def test_a_json_answer_known_by_its_head_ends_a_healthy_call_and_a_deviated_one_still_records_its_tool_error():
+    """``answered_by`` never needs a result's ``isError`` (a search of the whole body): it ends only a call
+    whose end records no outcome, and declines the rest, whose stream is then read in full and records the
+    outcome the body says on the call's span."""
+    tracker, exporter = _tracker()
+    healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    assert result_id(_TOOL_ERROR_BODY) == "1" and tracker.answered_by([healthy], "1")
+    assert healthy.done and exporter.get_finished_spans() == ()
+
+    deviated = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    tracker.span_of(deviated)  # e.g. an audience gap at call time
+    other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True)
+    assert not tracker.answered_by([deviated], "1") and not tracker.answered_by([other], "1")
+    assert not tracker.answered_by([deviated, other], "1") and not (deviated.done or other.done)
+    messages = classify_body(_TOOL_ERROR_BODY)  # what the hooks then read, on the stream they open
+    assert not tracker.answered([deviated], messages)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [deviated], {}, ABSENT, 200)
+    tracker.frame(stream, None, messages)
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (call_span,) = _by(exporter, sc.SPAN_CALL)
+    assert call_span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_TOOL_ERROR
 
 
 def _sse(event_id, data="", event=None):

@@ -53,6 +53,7 @@ from mcp_stream_exporter.wire import (
     classify_body,
     classify_frame,
     request_message,
+    result_id,
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
@@ -321,8 +322,8 @@ class WireObserver:
 
     def _on_deferred_body(self, ex: _Exchange, message: Message) -> None:
         """A stateless call's JSON answer, gathered, then read once: the call's result ends it and no
-        stream is followed (``Tracker.answered``); anything else opens the stream and reads the body on
-        it, exactly as if it had been followed from the start."""
+        stream is followed (``Tracker.answered_by`` off its head, else ``Tracker.answered``); anything else
+        opens the stream and reads the body on it, exactly as if it had been followed from the start."""
         json_body = ex.json_body
         assert json_body is not None
         body: bytes | bytearray = message.get("body", b"")
@@ -333,6 +334,10 @@ class WireObserver:
             if more:
                 return
             body = json_body
+        request_id = result_id(body) if body else None
+        if request_id is not None and self.tracker.answered_by(ex.calls, request_id):
+            ex.deferred = None
+            return
         messages = classify_body(body) if body else []
         if self.tracker.answered(ex.calls, messages):
             ex.deferred = None

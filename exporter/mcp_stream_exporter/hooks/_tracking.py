@@ -639,6 +639,9 @@ class Tracker:
         where its terminal event came, when it came."""
         if call.done:
             return
+        if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
+            self._end_healthy(call, terminal)
+            return
         call.done = True
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
@@ -649,15 +652,20 @@ class Tracker:
                 self._broken.popitem(last=False)
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
-        if call.span is None and outcome in _HEALTHY_OUTCOMES and call.streams <= 1:
-            if call.sdk_span is not None and terminal is not None:  # where its terminal event came
-                _annotate(call.sdk_span, terminal)
-            return
         self.span_of(call)
         attrs = _terminal_attributes(terminal) if terminal is not None else {}
         attrs[sc.CALL_OUTCOME] = outcome
         attrs[sc.CALL_STREAMS] = call.streams
         call.close(attrs)
+
+    def _end_healthy(self, call: Call, terminal: Terminal | None) -> None:
+        """End a call that has no span and was carried by one stream, which its terminal event ended: no
+        span, no outcome recorded (the SDK's own span has it); where the event came goes on the SDK's span."""
+        call.done = True
+        if self._calls.get(call.key) is call:
+            del self._calls[call.key]
+        if call.sdk_span is not None and terminal is not None:
+            _annotate(call.sdk_span, terminal)
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing
@@ -896,6 +904,19 @@ class Tracker:
         if msg.kind != sc.FRAME_RESPONSE or msg.id != call.key[1] or call.done or call.span is not None:
             return False
         self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, event_id))
+        return True
+
+    def answered_by(self, calls: Sequence[Call], request_id: str) -> bool:
+        """``answered`` for a POST's JSON body known, by its head alone, to be the result of ``request_id``
+        (``wire.result_id``): a call that ends on the healthy path records no outcome, so the rest of the
+        body (whether it is a tool error: a search of all of it) is not needed. False where it would be
+        (the call has a span, or another stream carried it): the caller reads the body in full."""
+        if len(calls) != 1:
+            return False
+        call = calls[0]
+        if request_id != call.key[1] or call.done or call.span is not None or call.streams > 1:
+            return False
+        self._end_healthy(call, (sc.STREAM_KIND_POST, None))
         return True
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:

@@ -54,7 +54,7 @@ from mcp_stream_exporter.hooks._tracking import (
     audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 
 _FINGERPRINT_CHARS = 16
 
@@ -324,13 +324,20 @@ class _TapStream(httpx2.AsyncByteStream):
                 self._keep(last, time.time_ns())
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
-        messages = classify_body(self._json) if self._json else None
+        body, messages = self._json, None
         if self._opener is not None:
-            if messages is not None and self._tracker.answered(self._calls, messages):
-                self._answered = True
+            if body and not self._answered:  # its call's result? By its head alone where that ends the call
+                request_id = result_id(body)
+                if request_id is not None and self._tracker.answered_by(self._calls, request_id):
+                    self._answered = True
+                else:
+                    messages = classify_body(body)
+                    self._answered = self._tracker.answered(self._calls, messages)
             if self._answered:
                 self._settle()
                 return
+        if body and messages is None:
+            messages = classify_body(body)
         stream = self._followed()
         if stream is None:
             return
