@@ -254,7 +254,7 @@ class WireObserver:
             return
         if not can_ask(body):  # no tools/call, cancel or initialize in it: nothing to parse for
             return
-        if calls_only(body) and era_of(ex.protocol_version) == sc.ERA_STATELESS:
+        if era_of(ex.protocol_version) == sc.ERA_STATELESS and calls_only(body):  # its searches: only in this era
             # The SDK parses it and hands each call to its middleware before this response starts
             # (``dispatched``); read only if the response starts, or the exchange ends, without them all.
             # A resumable session's response can start first, and its store wants the call before
