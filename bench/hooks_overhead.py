@@ -19,7 +19,9 @@ process): on a machine shared with other work, what the hooks cost in CPU is ste
 cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
 the server's or only the client's hooks in H (an operator may instrument one side). ``--in-process``
 times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
-time the hooks take against the instructions they run. Bounded: WORKERS x 3 x CALLS calls per run.
+time the hooks take against the instructions they run. ``--payload`` makes the call large (its argument
+that many characters, echoed in its result): what the hooks' passes over a body cost. Bounded: WORKERS x 3
+x CALLS calls per run.
 
 ``--instructions`` counts instead of timing, for a figure neither a busy machine nor the event loop can
 move: each configuration (A, S, H) runs alone in a process under ``valgrind --tool=callgrind``
@@ -35,7 +37,7 @@ collector's passes fall at different calls from run to run and move a count by u
 (the figures to report keep it on, as a deployment does).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
-                                   [--in-process]
+                                   [--in-process] [--payload CHARS]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
 
