@@ -8,7 +8,8 @@ an empty function is timed at the same place; after the run, the same call is ti
 Reported: medians in nanoseconds (the timer's own cost, the empty call's, included in all but the hot
 loop). A function whose first call costs several times its repeat at once runs cold: its code and data
 were out of the caches the round trip's other work (the SDK's, the HTTP stack's) filled, and cutting its
-instructions buys little; running less distinct code does.
+instructions buys little; what would is running less distinct code. ``classify_body`` is listed for
+answers off the healthy path (a run of healthy calls never calls it).
 
     python bench/hooks_in_situ.py [--calls 1000] [--mode default]
 """
