@@ -29,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hooks_overhead  # the bench beside this one
 
-from mcp_stream_exporter.hooks import _observer, client
+from mcp_stream_exporter.hooks import _observer, _tracking, client
 
 # (module the hooks call it through, name): pure functions, so calling one twice changes nothing
-_MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "result_id"),
-             (_observer, "classify_body"), (client, "_picked"), (client, "can_ask"), (client, "read_body"),
-             (client, "content_of"), (client, "result_id"), (client, "classify_body"))
+_MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "classify_body"),
+             (client, "_picked"), (client, "can_ask"), (client, "read_body"), (client, "content_of"),
+             (client, "classify_body"), (_tracking, "result_id"))
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

@@ -19,7 +19,7 @@ from mcp_stream_exporter.hooks._observer import _Exchange
 from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.scope import RequestScope
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import classify, classify_body, result_id
+from mcp_stream_exporter.wire import classify, classify_body
 
 
 def _tracker(**kw):
@@ -354,14 +354,14 @@ def test_a_json_answer_known_by_its_head_ends_a_healthy_call_and_a_deviated_one_
     outcome the body says on the call's span."""
     tracker, exporter = _tracker()
     healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
-    assert result_id(_TOOL_ERROR_BODY) == "1" and tracker.answered_by([healthy], "1")
+    assert tracker.answered_by([healthy], _TOOL_ERROR_BODY)
     assert healthy.done and exporter.get_finished_spans() == ()
 
     deviated = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
     tracker.span_of(deviated)  # e.g. an audience gap at call time
     other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True)
-    assert not tracker.answered_by([deviated], "1") and not tracker.answered_by([other], "1")
-    assert not tracker.answered_by([deviated, other], "1") and not (deviated.done or other.done)
+    assert not tracker.answered_by([deviated], _TOOL_ERROR_BODY) and not tracker.answered_by([other], _TOOL_ERROR_BODY)
+    assert not tracker.answered_by([deviated, other], _TOOL_ERROR_BODY) and not (deviated.done or other.done)
     messages = classify_body(_TOOL_ERROR_BODY)  # what the hooks then read, on the stream they open
     assert not tracker.answered([deviated], messages)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [deviated], {}, ABSENT, 200)

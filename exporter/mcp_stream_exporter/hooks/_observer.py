@@ -53,7 +53,6 @@ from mcp_stream_exporter.wire import (
     classify_body,
     classify_frame,
     request_message,
-    result_id,
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
@@ -334,8 +333,7 @@ class WireObserver:
             if more:
                 return
             body = json_body
-        request_id = result_id(body) if body else None
-        if request_id is not None and self.tracker.answered_by(ex.calls, request_id):
+        if body and self.tracker.answered_by(ex.calls, body):
             ex.deferred = None
             return
         messages = classify_body(body) if body else []

@@ -48,7 +48,7 @@ from mcp_stream_exporter.auth import NO_REQUIREMENT, NOTHING_MISSING, AuthView, 
 from mcp_stream_exporter.exchange import stream_attributes
 from mcp_stream_exporter.redaction import redact_cut
 from mcp_stream_exporter.sse import SSEFrame
-from mcp_stream_exporter.wire import WireMessage
+from mcp_stream_exporter.wire import WireMessage, result_id
 
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
@@ -906,15 +906,15 @@ class Tracker:
         self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, event_id))
         return True
 
-    def answered_by(self, calls: Sequence[Call], request_id: str) -> bool:
-        """``answered`` for a POST's JSON body known, by its head alone, to be the result of ``request_id``
-        (``wire.result_id``): a call that ends on the healthy path records no outcome, so the rest of the
-        body (whether it is a tool error: a search of all of it) is not needed. False where it would be
-        (the call has a span, or another stream carried it): the caller reads the body in full."""
+    def answered_by(self, calls: Sequence[Call], body: bytes | bytearray) -> bool:
+        """``answered`` for a POST's JSON body read by its head alone (``wire.result_id``): a call that ends
+        on the healthy path records no outcome, so the rest of the body (whether it is a tool error: a
+        search of all of it) is not needed. False where it would be (the call has a span, or another stream
+        carried it) or the head is no result of it: the caller reads the body in full."""
         if len(calls) != 1:
             return False
         call = calls[0]
-        if request_id != call.key[1] or call.done or call.span is not None or call.streams > 1:
+        if call.done or call.span is not None or call.streams > 1 or result_id(body) != call.key[1]:
             return False
         self._end_healthy(call, (sc.STREAM_KIND_POST, None))
         return True

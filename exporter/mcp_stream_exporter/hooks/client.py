@@ -54,7 +54,7 @@ from mcp_stream_exporter.hooks._tracking import (
     audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame
 
 _FINGERPRINT_CHARS = 16
 
@@ -327,8 +327,7 @@ class _TapStream(httpx2.AsyncByteStream):
         body, messages = self._json, None
         if self._opener is not None:
             if body and not self._answered:  # its call's result? By its head alone where that ends the call
-                request_id = result_id(body)
-                if request_id is not None and self._tracker.answered_by(self._calls, request_id):
+                if self._tracker.answered_by(self._calls, body):
                     self._answered = True
                 else:
                     messages = classify_body(body)
