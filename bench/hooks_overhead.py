@@ -19,10 +19,7 @@ process): on a machine shared with other work, what the hooks cost in CPU is ste
 cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
 the server's or only the client's hooks in H (an operator may instrument one side). ``--in-process``
 times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
-time the hooks take against the instructions they run. ``--apart`` runs each configuration's server in
-a process of its own (the client of each in the worker, as before), as a deployment runs them: in one
-process, a client's and a server's code (with their hooks) share one core's caches, which deployed they
-do not; the CPU ratio is then the client process's alone. ``--payload`` makes the call large (its argument
+time the hooks take against the instructions they run. ``--payload`` makes the call large (its argument
 that many characters, echoed in its result): what the hooks' passes over a body cost. Bounded: WORKERS x 3
 x CALLS calls per run.
 
@@ -40,7 +37,7 @@ collector's passes fall at different calls from run to run and move a count by u
 (the figures to report keep it on, as a deployment does).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
-                                   [--in-process | --apart] [--payload CHARS]
+                                   [--in-process] [--payload CHARS]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
 
@@ -60,15 +57,14 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
 
 
 def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
-            gc_off: bool = False, in_process: bool = False, payload: int = 1, apart: bool = False,
-            serving: str | None = None) -> dict[str, float]:
+            gc_off: bool = False, in_process: bool = False, payload: int = 1) -> dict[str, float]:
     import contextvars
 
     import httpx2
@@ -122,44 +118,30 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
     request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": _payload(payload)}))
     options = {"mode": "legacy"} if mode == "legacy" else {}
 
-    def server_app(configuration: str) -> tuple[Any, Any]:
-        """The MCP server of one configuration and the ASGI app to serve."""
+    async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
+        """A server and a client of one configuration: over loopback TCP, or ``in_process`` through
+        httpx2's ASGI transport (``--instructions``)."""
+        hooked = configuration == "H" and not control
         policy = incident_policy()
         store = IncidentEventStore(policy)
         server = build_incident_server(issuer, store=store, step_delay=0)
-        if configuration == "H" and not control and side in ("both", "server"):
-            return server, instrument_server(server, policy=policy, event_store=store)
-        return server, server.streamable_http_app(event_store=store)
-
-    async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
-        """A server and a client of one configuration: over loopback TCP (the server in a process of its
-        own with ``apart``), or ``in_process`` through httpx2's ASGI transport (``--instructions``)."""
-        timeout = httpx2.Timeout(30.0, read=300.0)
-        if apart:
-            port, bearer = await stack.enter_async_context(_server_apart(mode, configuration, side, control, payload))
-            http = httpx2.AsyncClient(auth=BearerAuth(bearer), timeout=timeout)
-            url = f"http://127.0.0.1:{port}/mcp"
+        if hooked and side in ("both", "server"):
+            app = instrument_server(server, policy=policy, event_store=store)
         else:
-            server, app = server_app(configuration)
-            if in_process:
-                await stack.enter_async_context(server.session_manager.run())  # what the app's lifespan would run
-                http = httpx2.AsyncClient(transport=httpx2.ASGITransport(_whole_body(app)), auth=BearerAuth(token),
-                                          timeout=timeout)
-                url = "http://127.0.0.1:8000/mcp"
-            else:
-                http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
-                url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
-        if configuration == "H" and not control and side in ("both", "client"):
+            app = server.streamable_http_app(event_store=store)
+        timeout = httpx2.Timeout(30.0, read=300.0)
+        if in_process:
+            await stack.enter_async_context(server.session_manager.run())  # what the app's lifespan would run
+            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(_whole_body(app)), auth=BearerAuth(token),
+                                      timeout=timeout)
+            url = "http://127.0.0.1:8000/mcp"
+        else:
+            http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
+            url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
+        if hooked and side in ("both", "client"):
             http = instrument_client(http, policy=incident_policy())  # its own, as in its own process
         await stack.enter_async_context(http)
         return await stack.enter_async_context(Client(streamable_http_client(url, http_client=http), **options))
-
-    async def serve_apart(configuration: str) -> dict[str, float]:
-        """``--serve``: one configuration's server, its port and a token for it on stdout, until stdin ends."""
-        async with serve(server_app(configuration)[1]) as port:
-            print(json.dumps({"port": port, "token": token}), flush=True)
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-        return {}
 
     async def call(client: Client, configuration: str) -> float:
         token = untraced.set(configuration == "A" or (control and configuration != "S"))
@@ -205,27 +187,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
         return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
                 **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
 
-    if serving is not None:
-        return asyncio.run(serve_apart(serving))
     return asyncio.run(counted(only) if only is not None else run())
-
-
-@contextlib.asynccontextmanager
-async def _server_apart(mode: str, configuration: str, side: str, control: bool,
-                        payload: int) -> AsyncIterator[tuple[int, str]]:
-    """A server of one configuration in a process of its own (``--apart``): its port and a token it takes."""
-    command = [sys.executable, __file__, "--worker", "--serve", configuration, "--mode", mode, "--side", side,
-               "--payload", str(payload), *(["--control"] if control else [])]
-    process = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE,
-                                                   stdout=asyncio.subprocess.PIPE)
-    assert process.stdin is not None
-    assert process.stdout is not None
-    try:
-        ready = json.loads(await asyncio.wait_for(process.stdout.readline(), 120))
-        yield ready["port"], ready["token"]
-    finally:
-        process.stdin.close()
-        await asyncio.wait_for(process.wait(), 60)
 
 
 def _payload(chars: int) -> str:
@@ -315,16 +277,13 @@ def main() -> None:
     parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
     parser.add_argument("--gc-off", action="store_true",
                         help="(--instructions) the garbage collector off while counting: to compare two versions")
-    parser.add_argument("--apart", action="store_true",
-                        help="each configuration's server in a process of its own, as deployed")
-    parser.add_argument("--serve", choices=CONFIGURATIONS, help="(worker) one configuration's server, for --apart")
     parser.add_argument("--payload", type=int, default=1,
                         help="characters of the tool's argument, echoed in its result (1: the healthy small call)")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
                                  only=args.only, gc_off=args.gc_off, in_process=args.in_process,
-                                 payload=args.payload, apart=args.apart, serving=args.serve)))
+                                 payload=args.payload)))
         return
     if args.instructions:
         _count(args.modes.split(","), args.sides.split(","), args.calls, args.gc_off)
@@ -340,7 +299,6 @@ def main() -> None:
                        "--rotate", str(worker)]
             command += ["--control"] if control else []
             command += ["--in-process"] if args.in_process else []
-            command += ["--apart"] if args.apart else []
             command += ["--payload", str(args.payload)]
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
             for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
