@@ -4,11 +4,14 @@ Three configurations run side by side in one process, each with its own server a
 127.0.0.1: (A) no tracing, (S) the SDK's own OpenTelemetry spans on, no hooks, (H) the SDK's spans and
 our hooks. One tracer provider with a dropping exporter serves the process (a process has one global
 provider); A's spans are sampled out by a sampler that reads which configuration is calling, so A
-pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls cycle one
-at a time through the configurations, forwards then backwards (A S H H S A ...), so that the machine
-slowing down hits all alike: a shared host's slow spells outlast a round trip, and in blocks of ten
-calls a spell could fall on one configuration's block (the same code then read 0.89 to 1.22 against
-itself over stretches of 100 calls, and 0.92 to 1.03 one call at a time). Each worker process reports
+pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls go one
+at a time round an order in which every configuration follows every one, itself included, equally
+often: a call's cost depends on what ran just before it (whose code and data the caches hold), and the
+earlier cycle A S H H S A, which never let S follow itself and let H follow itself half the time, read
+0.01 to 0.03 apart from a plain A S H. One at a time, so that the machine slowing down hits all alike: a
+shared host's slow spells outlast a round trip, and in blocks of ten calls a spell could fall on one
+configuration's block (the same code then read 0.89 to 1.22 against itself over stretches of 100 calls,
+and 0.92 to 1.03 one call at a time). Each worker process reports
 the median round trip of each configuration; the results are the medians over fresh worker processes
 of the ratios H/S (the hooks on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing
 alone), with their spreads.
@@ -21,7 +24,7 @@ the server's or only the client's hooks in H (an operator may instrument one sid
 times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
 time the hooks take against the instructions they run. ``--payload`` makes the call large (its argument
 that many characters, echoed in its result): what the hooks' passes over a body cost. Bounded: WORKERS x 3
-x CALLS calls per run.
+x CALLS calls per run (rounded up to whole rounds of the order).
 
 ``--instructions`` counts instead of timing, for a figure neither a busy machine nor the event loop can
 move: each configuration (A, S, H) runs alone in a process under ``valgrind --tool=callgrind``
@@ -61,6 +64,10 @@ from collections.abc import Sequence
 from typing import Any
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
+# Going round, every configuration comes after every one, itself included, once (a de Bruijn sequence:
+# AA AS SS SH HH HA AH HS SA): what ran just before a call, whose code and data the caches then hold, falls
+# alike on all three. (A S H H S A let S follow itself never and H half the time.)
+_ORDER = ("A", "A", "S", "S", "H", "H", "A", "H", "S")
 
 
 def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
@@ -178,9 +185,9 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
             for configuration, client in clients.items():  # warm-up
                 for _ in range(20):
                     await call(client, configuration)
-            cycle = CONFIGURATIONS + CONFIGURATIONS[::-1]  # A S H H S A
-            for i in range(3 * calls):
-                configuration = cycle[i % len(cycle)]
+            rounds = -(-3 * calls // len(_ORDER))  # whole rounds, so that every pair comes equally often
+            for i in range(rotate, rotate + rounds * len(_ORDER)):  # where in the order a worker starts rotates too
+                configuration = _ORDER[i % len(_ORDER)]
                 cpu_started = time.process_time()
                 timings[configuration].append(await call(clients[configuration], configuration))
                 cpu[configuration].append(time.process_time() - cpu_started)
