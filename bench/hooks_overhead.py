@@ -5,16 +5,16 @@ Three configurations run side by side in one process, each with its own server a
 our hooks. One tracer provider with a dropping exporter serves the process (a process has one global
 provider); A's spans are sampled out by a sampler that reads which configuration is calling, so A
 pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls go one
-at a time round an order in which every configuration follows every one, itself included, equally
-often: a call's cost depends on what ran just before it (whose code and data the caches hold), and the
-earlier cycle A S H H S A, which never let S follow itself and let H follow itself half the time, read
-0.01 to 0.03 apart from a plain A S H. One at a time, so that the machine slowing down hits all alike: a
-shared host's slow spells outlast a round trip, and in blocks of ten calls a spell could fall on one
-configuration's block (the same code then read 0.89 to 1.22 against itself over stretches of 100 calls,
-and 0.92 to 1.03 one call at a time). Each worker process reports
-the median round trip of each configuration; the results are the medians over fresh worker processes
-of the ratios H/S (the hooks on top of the SDK's tracing), H/A (everything) and S/A (the SDK's tracing
-alone), with their spreads.
+at a time round an order in which every configuration comes after every pair of calls, itself included,
+once, and after its own last call as long ago as each other one does: a call's cost depends on what
+ran before it (whose code and data the caches hold), and the earlier cycle A S H H S A, which never
+let S follow itself and let H follow itself half the time, read 0.01 to 0.03 apart from a plain A S H.
+One at a time, so that the machine slowing down hits all alike: a shared host's slow spells outlast a
+round trip, and in blocks of ten calls a spell could fall on one configuration's block (the same code
+then read 0.89 to 1.22 against itself over stretches of 100 calls, and 0.92 to 1.03 one call at a
+time). Each worker process reports the median round trip of each configuration; the results are the
+medians over fresh worker processes of the ratios H/S (the hooks on top of the SDK's tracing), H/A
+(everything) and S/A (the SDK's tracing alone), with their spreads.
 The order in which the configurations are set up rotates between workers. An A-against-A control run
 measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
 worker reports the median process CPU time of each configuration's calls (client and server share the
@@ -64,10 +64,12 @@ from collections.abc import Sequence
 from typing import Any
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
-# Going round, every configuration comes after every one, itself included, once (a de Bruijn sequence:
-# AA AS SS SH HH HA AH HS SA): what ran just before a call, whose code and data the caches then hold, falls
-# alike on all three. (A S H H S A let S follow itself never and H half the time.)
-_ORDER = ("A", "A", "S", "S", "H", "H", "A", "H", "S")
+# Going round, every configuration comes after every pair of calls, itself included, once (a de Bruijn
+# sequence of order 3), and the gaps since its own last call are the same for all three (1 1 1 2 2 3 5 6 6
+# calls): what ran before a call, whose code and data the caches then hold, falls alike on all three.
+# (A S H H S A let S follow itself never and H half the time; A A S S H H A H S balanced the call just
+# before but left H's gaps 1 2 6 against the others' 1 3 5.)
+_ORDER = tuple("AAASAHSASSSHAHHHSSAAHASHSHH")
 
 
 def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
@@ -185,7 +187,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
             for configuration, client in clients.items():  # warm-up
                 for _ in range(20):
                     await call(client, configuration)
-            rounds = -(-3 * calls // len(_ORDER))  # whole rounds, so that every pair comes equally often
+            rounds = -(-3 * calls // len(_ORDER))  # whole rounds, so that every triple comes equally often
             for i in range(rotate, rotate + rounds * len(_ORDER)):  # where in the order a worker starts rotates too
                 configuration = _ORDER[i % len(_ORDER)]
                 cpu_started = time.process_time()
