@@ -5,8 +5,8 @@ Three configurations run side by side in one process, each with its own server a
 our hooks. One tracer provider with a dropping exporter serves the process (a process has one global
 provider); A's spans are sampled out by a sampler that reads which configuration is calling, so A
 pays the SDK's call into a sampler that says no (a few microseconds) and nothing else. Calls go one
-at a time round an order in which every configuration comes after every pair of calls, itself included,
-once, and after its own last call as long ago as each other one does: a call's cost depends on what
+at a time round an order in which every configuration comes once after each pair of configurations
+(itself among them), and after its own last call as long ago as each other one does: a call's cost depends on what
 ran before it (whose code and data the caches hold), and the earlier cycle A S H H S A, which never
 let S follow itself and let H follow itself half the time, read 0.01 to 0.03 apart from a plain A S H.
 One at a time, so that the machine slowing down hits all alike: a shared host's slow spells outlast a
@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from typing import Any
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
-# Going round, every configuration comes after every pair of calls, itself included, once (a de Bruijn
+# Going round, every configuration comes once after each pair of configurations, itself among them (a de Bruijn
 # sequence of order 3), and the gaps since its own last call are the same for all three (1 1 1 2 2 3 5 6 6
 # calls): what ran before a call, whose code and data the caches then hold, falls alike on all three.
 # (A S H H S A let S follow itself never and H half the time; A A S S H H A H S balanced the call just
