@@ -19,7 +19,9 @@ The order in which the configurations are set up rotates between workers. An A-a
 measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
 worker reports the median process CPU time of each configuration's calls (client and server share the
 process): on a machine shared with other work, what the hooks cost in CPU is steadier than what they
-cost in wall time, which other processes' scheduling moves. ``--sides`` adds runs with only
+cost in wall time, which other processes' scheduling moves. It reports their mean as well (``cpu mean``):
+a median leaves out whatever falls on a few calls only (the collector's passes, work done in batches),
+which a mean counts where it falls, as an operator's CPU bill does. ``--sides`` adds runs with only
 the server's or only the client's hooks in H (an operator may instrument one side). ``--in-process``
 times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
 time the hooks take against the instructions they run. ``--payload`` makes the call large (its argument
@@ -194,7 +196,8 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
                 timings[configuration].append(await call(clients[configuration], configuration))
                 cpu[configuration].append(time.process_time() - cpu_started)
         return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
-                **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()}}
+                **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()},
+                **{f"{configuration}_cpu_mean": statistics.fmean(times) * 1000 for configuration, times in cpu.items()}}
 
     return asyncio.run(counted(only) if only is not None else run())
 
@@ -302,7 +305,8 @@ def main() -> None:
     runs = [(mode, side, False) for side in sides for mode in modes] + [(modes[0], "both", True)]
     for mode, side, control in runs:
         name = f"{mode} A/A control" if control else (mode if side == "both" else f"{mode} {side} only")
-        medians: dict[str, list[float]] = {c: [] for c in (*CONFIGURATIONS, *(f"{c}_cpu" for c in CONFIGURATIONS))}
+        medians: dict[str, list[float]] = {f"{c}{figure}": [] for c in CONFIGURATIONS
+                                           for figure in ("", "_cpu", "_cpu_mean")}
         for worker in range(args.workers):
             command = [sys.executable, __file__, "--worker", "--mode", mode, "--side", side, "--calls", str(args.calls),
                        "--rotate", str(worker)]
@@ -314,13 +318,17 @@ def main() -> None:
                 medians[configuration].append(ms)
         a, s, h = (medians[c] for c in CONFIGURATIONS)
         a_cpu, s_cpu, h_cpu = (medians[f"{c}_cpu"] for c in CONFIGURATIONS)
+        a_mean, s_mean, h_mean = (medians[f"{c}_cpu_mean"] for c in CONFIGURATIONS)
         report[name] = {
             "workers": args.workers, "calls_per_configuration": args.calls,
             **{f"{c}_median_ms": round(statistics.median(medians[c]), 3) for c in CONFIGURATIONS},
             **{f"{c}_cpu_median_ms": round(statistics.median(medians[f"{c}_cpu"]), 3) for c in CONFIGURATIONS},
-            **({"A/A": _ratios(h, a), "A/A cpu": _ratios(h_cpu, a_cpu)} if control else
+            **{f"{c}_cpu_mean_ms": round(statistics.median(medians[f"{c}_cpu_mean"]), 3) for c in CONFIGURATIONS},
+            **({"A/A": _ratios(h, a), "A/A cpu": _ratios(h_cpu, a_cpu), "A/A cpu mean": _ratios(h_mean, a_mean)}
+               if control else
                {"H/S": _ratios(h, s), "H/A": _ratios(h, a), "S/A": _ratios(s, a),
-                "H/S cpu": _ratios(h_cpu, s_cpu), "H/A cpu": _ratios(h_cpu, a_cpu), "S/A cpu": _ratios(s_cpu, a_cpu)}),
+                "H/S cpu": _ratios(h_cpu, s_cpu), "H/A cpu": _ratios(h_cpu, a_cpu), "S/A cpu": _ratios(s_cpu, a_cpu),
+                "H/S cpu mean": _ratios(h_mean, s_mean), "S/A cpu mean": _ratios(s_mean, a_mean)}),
         }
         r = report[name]
         print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']})"

@@ -30,3 +30,38 @@ def test_negative_bounds_are_refused_rather_than_silently_keeping_nothing():
         _recorder(max_events_per_stream=-1)
     with pytest.raises(ValueError, match="must not be negative"):
         _recorder(max_streams=-1)
+
+
+def _progress() -> JSONRPCNotification:
+    return JSONRPCNotification(jsonrpc="2.0", method="notifications/progress")
+
+
+def test_a_replay_sees_every_event_stored_before_it_whether_or_not_a_batch_indexed_it_yet():
+    recorder = _recorder()
+    for n in range(3):  # fewer than a batch: still in the journal
+        recorder.on_stored("s", "7", f"e{n}", _progress())
+    assert recorder.stream_of("s", "e1") == "7"
+    assert recorder.buffered_after("s", "7", "e0") == ["e1", "e2"]
+    recorder.on_stored("s", "7", "e3", _progress())  # after a read: the next read sees it too
+    assert recorder.buffered_after("s", "7", "e1") == ["e2", "e3"]
+
+
+@pytest.mark.parametrize("count", [63, 64, 65, 200])
+def test_events_indexed_in_batches_keep_store_order_across_streams_and_the_bounds(count):
+    recorder = _recorder(max_events_per_stream=50, max_streams=30)
+    for n in range(count):  # two streams, interleaved, across as many batches as it takes
+        recorder.on_stored(None, "a" if n % 2 else "b", str(n), _progress())
+    kept_a = [str(n) for n in range(count) if n % 2][-50:]
+    assert recorder.buffered_after(None, "a", "unknown-cursor") == kept_a
+    cursor = str((count - 10) // 2 * 2)  # an event of "b": "a"'s after it in store order
+    assert recorder.stream_of(None, cursor) == "b"
+    assert recorder.buffered_after(None, "a", cursor) == [e for e in kept_a if int(e) > int(cursor)]
+    assert recorder.stream_of("s", cursor) is None  # another session's event of the same id: none of it
+
+
+def test_streams_past_the_bound_go_oldest_first_when_indexed_in_a_batch():
+    recorder = _recorder(max_streams=2)
+    for stream in ("1", "2", "3"):
+        recorder.on_stored("s", stream, f"e{stream}", _progress())
+    assert recorder.buffered_after("s", "1", "unknown-cursor") == []
+    assert recorder.buffered_after("s", "3", "unknown-cursor") == ["e3"]
