@@ -11,7 +11,12 @@ were out of the caches the round trip's other work (the SDK's, the HTTP stack's)
 instructions buys little; what would is running less distinct code. ``classify_body`` is listed for
 answers off the healthy path (a run of healthy calls never calls it).
 
-    python bench/hooks_in_situ.py [--calls 1000] [--mode default]
+``--methods`` times instead the hooks' own steps where they run, each whole (what it calls included; none
+of them calls another): per round trip, how often each runs, its median and mean, and its mean times
+how often, i.e. what it adds to a round trip, batched work included. Each timing adds its own cost, about
+0.7 us in situ.
+
+    python bench/hooks_in_situ.py [--calls 1000] [--mode default] [--methods]
 """
 
 from __future__ import annotations
@@ -29,12 +34,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hooks_overhead  # the bench beside this one
 
-from mcp_stream_exporter.hooks import _observer, _tracking, client
+from mcp_stream_exporter.hooks import _observer, _recorder, _tracking, client
 
 # (module the hooks call it through, name): pure functions, so calling one twice changes nothing
 _MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "classify_body"),
              (client, "_picked"), (client, "can_ask"), (client, "read_body"), (client, "content_of"),
              (client, "classify_body"), (_tracking, "result_id"))
+# The hooks' steps on the healthy path, none called from another: a round trip's share of each adds up.
+_STEPS = ((_observer.WireObserver, "_on_body"), (_observer.WireObserver, "dispatched"),
+          (_observer.WireObserver, "_on_response_start"), (_observer.WireObserver, "_on_response_body"),
+          (_observer._Exchange, "release"), (_recorder.StoreRecorder, "on_stored"),
+          (client.ClientInstrumentation, "_request_calls"), (client, "_picked"), (client, "content_of"),
+          (client._TapStream, "_keep"), (client._TapStream, "_ended"), (client._TapStream, "hold"),
+          (client._TapStream, "aclose"))
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -72,11 +84,46 @@ class _Timed:
         return min(timeit.repeat(lambda: function(*args, **kwargs), number=2000, repeat=5)) / 2000 * 1e9
 
 
+def _steps(mode: str, calls: int) -> None:
+    """Each step of ``_STEPS`` timed where it runs, in a worker of the timed bench."""
+    clock = time.perf_counter_ns
+    taken: dict[str, list[int]] = {}
+
+    def timed(function: Callable[..., Any], times: list[int]) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                times.append(clock() - started)
+        return step
+
+    for owner, name in _STEPS:
+        times = taken[f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"] = []
+        setattr(owner, name, timed(getattr(owner, name), times))
+    hooks_overhead._worker(mode, calls, rotate=0, control=False, side="both")
+    round_trips = len(taken["WireObserver.dispatched"]) or len(taken["ClientInstrumentation._request_calls"])
+    print(f"{mode} era, {round_trips} hooked round trips (warm-up included); ns")
+    print(f"{'step':38} {'a round trip':>12} {'median':>7} {'mean':>7} {'adds':>7}")
+    total = 0.0
+    for name, times in taken.items():
+        if times:
+            adds = sum(times) / round_trips
+            total += adds
+            print(f"{name:38} {len(times) / round_trips:12.1f} {statistics.median(times):7.0f} "
+                  f"{statistics.fmean(times):7.0f} {adds:7.0f}")
+    print(f"{'all steps':38} {'':12} {'':7} {'':7} {total:7.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--mode", default="default")
+    parser.add_argument("--methods", action="store_true", help="time the hooks' steps where they run")
     args = parser.parse_args()
+    if args.methods:
+        _steps(args.mode, args.calls)
+        return
     timed: dict[str, _Timed] = {}
     for module, name in _MEASURED:
         timed[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = stand_in = _Timed(getattr(module, name))
