@@ -101,23 +101,25 @@ class StoreRecorder:
         max_events, max_streams, max_indexed = 2 * self._max_events_per_stream, self._max_streams, self._max_indexed
         order = self._store_order
         items = iter(journal)
-        for session, stream_id, event_id, kind in zip(items, items, items, items, strict=True):
-            key = _key(session, stream_id)
-            events = stored.get(key)
-            if events is None:  # a list, not a deque: a stream stores a few events, and a deque allocates 64
-                events = stored[key] = []
-                if len(stored) > max_streams:  # one added: one out
-                    stored.popitem(last=False)
-            events += (event_id, kind)
-            if len(events) > max_events:
-                del events[:2]
-            order += 1
-            event_key = _key(session, event_id)
-            stream_of_event[event_key] = stream_id
-            order_of_event[event_key] = order
-            if len(stream_of_event) > max_indexed:
-                del order_of_event[stream_of_event.popitem(last=False)[0]]
-        self._store_order = order
+        try:
+            for session, stream_id, event_id, kind in zip(items, items, items, items, strict=True):
+                key = _key(session, stream_id)
+                events = stored.get(key)
+                if events is None:  # a list, not a deque: a stream stores a few events, and a deque allocates 64
+                    events = stored[key] = []
+                    if len(stored) > max_streams:  # one added: one out
+                        stored.popitem(last=False)
+                events += (event_id, kind)
+                if len(events) > max_events:
+                    del events[:2]
+                order += 1
+                event_key = _key(session, event_id)
+                stream_of_event[event_key] = stream_id
+                order_of_event[event_key] = order
+                if len(stream_of_event) > max_indexed:
+                    del order_of_event[stream_of_event.popitem(last=False)[0]]
+        finally:  # what was indexed keeps its order, whatever stopped the rest
+            self._store_order = order
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         self._catch_up()
