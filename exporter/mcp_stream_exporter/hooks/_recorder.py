@@ -128,6 +128,7 @@ class StoreRecorder:
     def skipped(self, session_id: str | None, buffered: Sequence[str], sent: Sequence[str]) -> int:
         """Buffered events not sent that were stored before the last event sent: a client that takes
         that event's id as its cursor has moved past them."""
+        self._catch_up()
         last = max((self._order(session_id, e) for e in sent), default=0)
         delivered = set(sent)
         return sum(1 for e in buffered if e not in delivered and self._order(session_id, e) < last)
@@ -147,7 +148,7 @@ class StoreRecorder:
         return [event_id for event_id, kind in after if kind != sc.FRAME_PRIMING]
 
     def _order(self, session_id: str | None, event_id: str) -> int:
-        self._catch_up()
+        """An event's place in store order (0: unknown); its callers bring the indexes up to date first."""
         return self._order_of_event.get(_key(session_id, event_id), 0)
 
     def resumed_stream(self, session_id: str | None, cursor: str) -> tuple[str | None, Call | None]:
