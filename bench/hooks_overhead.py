@@ -14,7 +14,10 @@ round trip, and in blocks of ten calls a spell could fall on one configuration's
 then read 0.89 to 1.22 against itself over stretches of 100 calls, and 0.92 to 1.03 one call at a
 time). Each worker process reports the median round trip of each configuration; the results are the
 medians over fresh worker processes of the ratios H/S (the hooks on top of the SDK's tracing), H/A
-(everything) and S/A (the SDK's tracing alone), with their spreads.
+(everything) and S/A (the SDK's tracing alone), with their spreads and the interval that holds the median
+with 95 % confidence (``median_interval``: the workers' ratios vary by more than any change left to measure,
+and two runs' medians of the same code differ by as much). Each H/S is held against its target (``TARGETS``):
+met when that whole interval is at or under it, missed when it is all over it, undecided otherwise.
 The order in which the configurations are set up rotates between workers. An A-against-A control run
 measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
 worker reports the median process CPU time of each configuration's calls (client and server share the
@@ -54,6 +57,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -266,10 +270,41 @@ def _count(modes: list[str], sides: list[str], calls: int, gc_off: bool) -> None
 
 
 def _ratios(num: list[float], den: list[float]) -> dict[str, float]:
-    """Per worker, the ratio of two configurations' median round trips: median and spread over workers."""
+    """Per worker, the ratio of two configurations' median round trips: median, spread and the median's
+    interval over workers."""
     ratios = [n / d for n, d in zip(num, den, strict=True)]
+    low, high = median_interval(ratios)
     return {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
-            "max": round(max(ratios), 3)}
+            "max": round(max(ratios), 3), "low": round(low, 3), "high": round(high, 3)}
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Where the median of what the workers sample lies, with at least ``confidence``: the ``k``-th smallest
+    and ``k``-th largest value, ``k`` the largest for which a fair coin tossed once a worker comes up heads
+    fewer than ``k`` times with a chance of at most (1 - ``confidence``) / 2. It assumes nothing about
+    how the ratios spread, only that the workers are drawn alike and independently; what moves every
+    worker of a run alike (the host's state that day) it cannot see, which runs repeated can."""
+    ordered, n = sorted(values), len(values)
+    below, k = 0.0, 0
+    while below + math.comb(n, k) / 2 ** n <= (1 - confidence) / 2:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        raise ValueError(f"{n} workers are too few for a {confidence:.0%} interval of their median")
+    return ordered[k - 1], ordered[n - k]
+
+
+# The targets of the hooks' cost on top of the SDK's own tracing (H/S), by mode and which side is hooked.
+TARGETS = {("legacy", "both"): 1.06, ("default", "both"): 1.05}
+SIDE_ALONE_TARGET = 1.03
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """``met`` when the median's whole interval is at or under the target, ``missed`` when it is all over
+    it, otherwise ``undecided``: this run cannot tell the two apart."""
+    if high <= target:
+        return "met"
+    return "missed" if low > target else "undecided"
 
 
 def main() -> None:
@@ -331,8 +366,14 @@ def main() -> None:
                 "H/S cpu mean": _ratios(h_mean, s_mean), "S/A cpu mean": _ratios(s_mean, a_mean)}),
         }
         r = report[name]
-        print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']})"
-                                       for k, v in r.items() if "/" in k)
+        if not control:
+            target = TARGETS.get((mode, side), SIDE_ALONE_TARGET)
+            hs = r["H/S"]
+            r["H/S target"] = {"target": target, "verdict": verdict(hs["low"], hs["high"], target)}
+        print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']}, "
+                                       f"95% interval {v['low']}..{v['high']})"
+                                       for k, v in r.items() if "/" in k and "target" not in k)
+              + (f"; H/S <= {r['H/S target']['target']}: {r['H/S target']['verdict']}" if not control else "")
               + f" over {args.workers} workers; medians A {r['A_median_ms']} ms, S {r['S_median_ms']} ms, "
               f"H {r['H_median_ms']} ms; CPU a call A {r['A_cpu_median_ms']} ms, S {r['S_cpu_median_ms']} ms, "
               f"H {r['H_cpu_median_ms']} ms", flush=True)
