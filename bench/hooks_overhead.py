@@ -288,10 +288,10 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
     how the ratios spread, only that the workers are drawn alike and independently; what moves every
     worker of a run alike (the host's state that day) it cannot see, which runs repeated can."""
     ordered, n = sorted(values), len(values)
-    below, k = 0.0, 0
-    while below + math.comb(n, k) / 2 ** n <= (1 - confidence) / 2:
-        below += math.comb(n, k) / 2 ** n
+    below, k = math.comb(n, 0) / 2 ** n, 0  # the chance of fewer than k + 1 heads
+    while below <= (1 - confidence) / 2:
         k += 1
+        below += math.comb(n, k) / 2 ** n
     if k == 0:
         raise ValueError(f"{n} workers are too few for a {confidence:.0%} interval of their median")
     return ordered[k - 1], ordered[n - k]
@@ -300,7 +300,6 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
 # The targets of the hooks' cost on top of the SDK's own tracing (H/S), by mode and which side is hooked.
 TARGETS = {("legacy", "both"): 1.06, ("default", "both"): 1.05}
 SIDE_ALONE_TARGET = 1.03
-_MIN_WORKERS = 6  # the fewest whose median has a 95 % interval (``median_interval``)
 
 
 def verdict(low: float, high: float, target: float) -> str:
@@ -331,8 +330,11 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=1,
                         help="characters of the tool's argument, echoed in its result (1: the healthy small call)")
     args = parser.parse_args()
-    if not args.worker and not args.instructions and args.workers < _MIN_WORKERS:
-        parser.error(f"--workers: at least {_MIN_WORKERS}, for a 95 % interval of their median")
+    if not args.worker and not args.instructions:
+        try:  # refused before any run, not after them all
+            median_interval([1.0] * args.workers)
+        except ValueError as too_few:
+            parser.error(f"--workers: {too_few}")
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
                                  only=args.only, gc_off=args.gc_off, in_process=args.in_process,

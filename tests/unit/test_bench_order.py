@@ -1,5 +1,7 @@
-"""The timed hooks bench's call order favours no configuration: what ran before a call, and how long ago
-its own configuration last ran, fall alike on all three (``bench/hooks_overhead.py``)."""
+"""The timed hooks bench (``bench/hooks_overhead.py``) favours no configuration and claims no more than it
+measured: what ran before a call, and how long ago its own configuration last ran, fall alike on all
+three; a median over workers comes with an interval that holds it as often as it says, and a target is
+decided only when that interval falls on one side of it."""
 
 from __future__ import annotations
 
