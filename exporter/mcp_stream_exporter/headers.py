@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 
-def pick(raw: Iterable[tuple[bytes, bytes]], names: Mapping[bytes, str], *, lowered: bool = False) -> dict[str, str]:
+def pick(raw: Iterable[tuple[bytes, bytes]], names: Mapping[bytes, str], lowered: bool = False) -> dict[str, str]:
     """The values of the headers in ``names`` (lower-case bytes, to the name each is keyed by: no name
     decoded on every request); HTTP/1.1 headers are latin-1. A repeated header keeps its last value.
     ``lowered``: the names in ``raw`` are lower-case already, as ASGI requires of a server (and

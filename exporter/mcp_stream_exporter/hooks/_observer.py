@@ -167,7 +167,7 @@ class WireObserver:
             if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
-            headers = pick(scope.get("headers", ()), REQUEST_HEADERS, lowered=True)
+            headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
             rs = request_scope.RequestScope(headers.get(SESSION_ID),
                                             self.tokens.from_authorization(headers.get(AUTHORIZATION)))
             ex = _Exchange(tracker, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
@@ -282,8 +282,7 @@ class WireObserver:
         call time is known here, before any handler runs."""
         stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
         auth = ex.scope.auth
-        call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless=stateless,
-                                       start_time=ex.start_ns)
+        call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless, ex.start_ns)
         requirement, missing = self.policy.gap(msg.tool, auth)
         if requirement is None:
             call.require(None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL)
@@ -299,7 +298,7 @@ class WireObserver:
         if ex.unread is not None:  # calls the SDK's middleware did not see (refused before it, or no session)
             self._read_unread(ex)
         ex.status = status = int(message.get("status", 0))
-        headers = pick(message.get("headers", ()), RESPONSE_HEADERS, lowered=True)
+        headers = pick(message.get("headers", ()), RESPONSE_HEADERS, True)  # lowered
         if ex.scope.session_id is None and SESSION_ID in headers:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
         content = content_of(headers.get(CONTENT_TYPE, ""))
@@ -307,7 +306,7 @@ class WireObserver:
             if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
                 # held: read at its end, or when something needs it, and opened as a stream only then
                 ex.held, ex.deferred = [], content
-                self.tracker.hold(ex, ex.calls, ex.scope.session_id, resumable=True)
+                self.tracker.hold(ex, ex.calls, ex.scope.session_id, True)  # resumable
                 return
             ex.parser = SSEParser()
         elif content == CONTENT_JSON:

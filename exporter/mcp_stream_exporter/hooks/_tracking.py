@@ -270,9 +270,14 @@ class Call(_Deferred):
                  "stateless", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
-                 protocol_version: str | None, stateless: bool, *, start_time: int | None = None,
-                 traceparent: str | None = None, identify: Identify | None = None, arguments: Any = None) -> None:
-        _Deferred.__init__(self, SpanKind.INTERNAL, start_time, traceparent)  # not ``super()``: no proxy a call
+                 protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
+                 identify: Identify | None, arguments: Any) -> None:
+        # _Deferred's fields set here, not by its ``__init__``: one call fewer, with every call a side sees
+        self.span_kind = SpanKind.INTERNAL
+        self.start_time = start_time
+        self.traceparent = traceparent
+        self.parent = self._events = self._links = self.span = None
+        self.closed = False
         self.key = key
         self.tool = tool
         self.method = method
@@ -592,18 +597,19 @@ class Tracker:
     # --- calls ---
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
-                   auth: AuthView, *, stateless: bool, start_time: int | None = None,
+                   auth: AuthView, stateless: bool, start_time: int | None = None,
                    identify: Identify | None = None) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's.
 
         A stateless call with the fingerprint of one whose stream broke is its re-issue: a deviation,
         so it gets a span however it ends, and the detector sees the loss answered (not_reissued).
         ``identify`` computes the fingerprint of its tool and arguments: only when a call has broken, or this
-        one gets a span."""
+        one gets a span. The hooks pass every argument by position: a keyword takes CPython 3.11's
+        unspecialised call path, on every call a side sees."""
         assert msg.id is not None
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
-                    start_time=start_time, traceparent=msg.traceparent, identify=identify,
-                    arguments=None if identify is None else msg.arguments)
+                    start_time or time.time_ns(), msg.traceparent, identify,
+                    None if identify is None else msg.arguments)
         fingerprint = call.fingerprint if self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]
@@ -723,7 +729,7 @@ class Tracker:
 
     # --- held streams ---
 
-    def hold(self, holder: Holder, calls: Sequence[Call], session_id: str | None, *, resumable: bool) -> None:
+    def hold(self, holder: Holder, calls: Sequence[Call], session_id: str | None, resumable: bool) -> None:
         """``holder`` keeps what a POST of session ``session_id`` carrying ``calls`` sends, unread, until it
         ends or something needs it read (``follow``): the calls count it as a stream carrying them from
         now on. Its stream is opened with ``holder`` (``open_stream``) only when it is needed, and never

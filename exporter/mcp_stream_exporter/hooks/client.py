@@ -100,8 +100,8 @@ class ClientInstrumentation:
     def _start_call(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
                     start: int, stateless: bool) -> Call:
         # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
-        call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless=stateless,
-                                       start_time=start, identify=self._identify if stateless else None)
+        call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless, start,
+                                       self._identify if stateless else None)
         if self._sdk_spans is not None:
             call.sdk_span = self._sdk_spans.get(msg.traceparent)
         if self.policy is None:
@@ -142,7 +142,7 @@ class ClientInstrumentation:
             opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
                                        status, content)
             sse = content == CONTENT_SSE
-            tap = _TapStream(response.stream, self.tracker, None, sse=sse, status=status, calls=calls, opener=opener)
+            tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
             if sse:  # its frames read as they pass, and kept until it ends
                 tap.held = []
             if sse or not calls[0].stateless:  # a stateless call's JSON answer: nothing else can need it first
@@ -159,7 +159,7 @@ class ClientInstrumentation:
                                     response.status_code)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        response.stream = _TapStream(response.stream, self.tracker, stream, sse=content == CONTENT_SSE, status=status)
+        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status)
         return response
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
@@ -202,7 +202,7 @@ class _TapStream(httpx2.AsyncByteStream):
     _holding = False  # its calls count it as a stream carrying them (``Tracker.hold``)
     _session_id: str | None = None  # of a held answer
 
-    def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, *, sse: bool,
+    def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, sse: bool,
                  status: int, calls: Sequence[Call] = (),
                  opener: Callable[[_TapStream | None], Stream | None] | None = None) -> None:
         self._inner = inner
@@ -302,7 +302,7 @@ class _TapStream(httpx2.AsyncByteStream):
     def hold(self, session_id: str | None) -> None:
         """Held for its calls (``Tracker.hold``): what needs them first opens it and reads what it kept."""
         self._holding, self._session_id = True, session_id
-        self._tracker.hold(self, self._calls, session_id, resumable=False)
+        self._tracker.hold(self, self._calls, session_id, False)  # not resumable
 
     def held_stream(self) -> Stream:
         """The held stream, opened now if it was deferred (``Holder``)."""
