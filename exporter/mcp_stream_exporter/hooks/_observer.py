@@ -11,10 +11,12 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+from opentelemetry.context import Context
+
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
-from mcp_stream_exporter.auth import NOTHING_MISSING, TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import NOTHING_MISSING, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
     CONTENT_JSON,
@@ -53,20 +55,23 @@ from mcp_stream_exporter.wire import (
     classify_body,
     classify_frame,
     request_message,
+    result_id,
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
+# What the policy says of a call (``WireObserver._judge``): its requirement, what the token lacks of it, the decision
+Judged = tuple[Requirement | None, tuple[frozenset[str], frozenset[str]], str]
 
 
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
     __slots__ = ("body", "calls", "complete", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body",
-                 "method", "oversized", "parser", "protocol_version", "scope", "start_ns", "status", "stream",
-                 "tracker", "unread")
+                 "method", "oversized", "parser", "pending", "protocol_version", "scope", "start_ns", "status",
+                 "stream", "tracker", "unread")
 
     def __init__(self, tracker: Tracker, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
@@ -79,6 +84,9 @@ class _Exchange:
         self.body: bytearray | None = None  # a body that comes in several messages, gathered
         self.unread: bytes | None = None  # a body of calls only, left for the SDK's middleware (``dispatched``)
         self.calls: list[Call] = []
+        # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
+        # something other than its result comes (``start_pending``): the healthy path never starts it
+        self.pending: tuple[WireMessage, Judged, Context] | None = None
         self.stream: Stream | None = None
         # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
         # JSON answer, a POST's SSE stream (held)
@@ -100,10 +108,29 @@ class _Exchange:
             if not call.done:
                 call.exchange_over()
         self.calls.clear()
+        self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None
+
+    def start(self, msg: WireMessage, judged: Judged) -> Call:
+        """A call of this exchange, started with what the policy says of it."""
+        scope = self.scope
+        call = self.tracker.start_call(scope.session_id, msg, self.protocol_version, scope.auth,
+                                       era_of(self.protocol_version) == sc.ERA_STATELESS, self.start_ns)
+        requirement, missing, decision = judged
+        call.require(requirement, missing, decision)
+        self.calls.append(call)
+        return call
+
+    def start_pending(self) -> None:
+        """Start the call left pending (``pending``) exactly as it would have been when it was handed over."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            msg, judged, context = pending
+            self.start(msg, judged).in_sdk_request(context)
 
     def open(self, content: str) -> Stream | None:
         """Its stream, opened now, with the calls a resume continues (``Tracker.open_stream``)."""
+        self.start_pending()
         cursor, calls, scope = self.cursor, self.calls, self.scope
         if cursor:
             calls = calls + list(self.tracker.calls_of_cursor(scope.session_id, cursor))
@@ -210,28 +237,37 @@ class WireObserver:
 
         return observed
 
-    def dispatched(self, request: Any, request_id: str | int, params: Any) -> Call | None:
-        """The ``tools/call`` the SDK's server middleware is about to run, as a call of the exchange the
-        observer left in its request's ASGI scope (the SDK's ``ctx.request``): the one already read from
-        the body, or one started here from the SDK's own parse of a body left unread."""
+    def dispatched(self, request: Any, request_id: str | int, params: Any, context: Context) -> None:
+        """The ``tools/call`` the SDK's server middleware is about to run, in ``context`` (where the SDK's
+        own span for it is current), as a call of the exchange the observer left in its request's ASGI
+        scope (the SDK's ``ctx.request``): the one already read from the body, or one taken here from the
+        SDK's own parse of a body left unread. A body's one call that the policy has nothing against is
+        left pending (``_Exchange.pending``): started only if its exchange shows anything but its result."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
         if not isinstance(ex, _Exchange):
-            return None
+            return
         key = str(request_id)
         for call in ex.calls:
             if call.key[1] == key:
-                return call
+                call.in_sdk_request(context)
+                return
         body = ex.unread
         if body is None:  # read already: a call it did not hold is none of this exchange's
-            return None
+            return
         msg = request_message(request_id, TOOLS_CALL, params)
         if msg.id is None:
-            return None
-        call = self._start_call(ex, msg)
-        ex.calls.append(call)
-        if len(ex.calls) >= most_calls(body):  # every call the body can hold is started: nothing left to read
+            return
+        judged, deviates = self._judge(ex, msg)
+        calls = len(ex.calls) + 1
+        if calls >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.unread = None
-        return call
+            if calls == 1 and not deviates:
+                ex.pending = (msg, judged, context)
+                return
+        call = ex.start(msg, judged)
+        if deviates:
+            self.tracker.span_of(call)
+        call.in_sdk_request(context)
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
         body: bytes = message.get("body", b"")
@@ -273,26 +309,31 @@ class WireObserver:
             ex.protocol_version = asked.protocol_version
         if asked.calls:
             started = {call.key[1] for call in ex.calls} if ex.calls else ()  # by the SDK's middleware
-            ex.calls += [self._start_call(ex, msg) for msg in asked.calls if msg.id not in started]
+            for msg in asked.calls:
+                if msg.id not in started:
+                    self._start_call(ex, msg)
         for request_id in asked.cancelled:
             self.tracker.cancel((ex.scope.session_id, request_id))
 
     def _start_call(self, ex: _Exchange, msg: WireMessage) -> Call:
-        """A call and what the policy says of it: the token is the request's, so the audience gap at
-        call time is known here, before any handler runs."""
-        stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+        """A call read from the body, started with what the policy says of it."""
+        judged, deviates = self._judge(ex, msg)
+        call = ex.start(msg, judged)
+        if deviates:
+            self.tracker.span_of(call)
+        return call
+
+    def _judge(self, ex: _Exchange, msg: WireMessage) -> tuple[Judged, bool]:
+        """What the policy says of a call, and whether that deviates already: the token is the request's,
+        so the audience gap at call time is known here, before any handler runs, and is worth a span,
+        refused or not. A resumable session remembers what the call requires, for its resumes."""
         auth = ex.scope.auth
-        call = self.tracker.start_call(ex.scope.session_id, msg, ex.protocol_version, auth, stateless, ex.start_ns)
         requirement, missing = self.policy.gap(msg.tool, auth)
         if requirement is None:
-            call.require(None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL)
-            return call
-        if not stateless:
-            self.requirements.remember(call.key, requirement)
-        call.require(requirement, missing, DECISION_ALLOWED)
-        if (missing[0] or missing[1]) and audience_known(auth):
-            self.tracker.span_of(call)  # an audience gap at call time is worth a span, refused or not
-        return call
+            return (None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL), False
+        if era_of(ex.protocol_version) != sc.ERA_STATELESS and msg.id is not None:
+            self.requirements.remember((ex.scope.session_id, msg.id), requirement)
+        return (requirement, missing, DECISION_ALLOWED), bool(missing[0] or missing[1]) and audience_known(auth)
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
         if ex.unread is not None:  # calls the SDK's middleware did not see (refused before it, or no session)
@@ -302,6 +343,11 @@ class WireObserver:
         if ex.scope.session_id is None and SESSION_ID in headers:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
         content = content_of(headers.get(CONTENT_TYPE, ""))
+        if ex.pending is not None:
+            if content == CONTENT_JSON and status < 400 and not ex.cursor:  # most likely its result
+                ex.json_body, ex.deferred = bytearray(), content
+                return
+            ex.start_pending()
         if content == CONTENT_SSE:
             if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
                 # held: read at its end, or when something needs it, and opened as a stream only then
@@ -332,6 +378,12 @@ class WireObserver:
             if more:
                 return
             body = json_body
+        pending = ex.pending
+        if pending is not None:
+            if body and result_id(body) == pending[0].id:  # its result: the healthy path, the call never started
+                ex.pending = ex.deferred = None
+                return
+            ex.start_pending()
         if body and self.tracker.answered_by(ex.calls, body):
             ex.deferred = None
             return

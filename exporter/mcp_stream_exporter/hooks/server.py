@@ -67,10 +67,8 @@ class ServerInstrumentation:
         Not a coroutine: it does its part before the handler runs and returns the rest of the chain's
         awaitable, which the SDK awaits (pinned by tests/integration/test_sdk_contract.py), so every
         message the server receives is spared a coroutine of ours around its handler."""
-        if ctx.method == TOOLS_CALL and ctx.request_id is not None:
-            call = self.observer.dispatched(ctx.request, ctx.request_id, ctx.params)
-            if call is not None:
-                call.in_sdk_request(get_current())  # the SDK's own tools/call span is current
+        if ctx.method == TOOLS_CALL and ctx.request_id is not None:  # the SDK's own tools/call span is current
+            self.observer.dispatched(ctx.request, ctx.request_id, ctx.params, get_current())
         return call_next(ctx)
 
 
