@@ -296,3 +296,21 @@ async def test_a_stateless_json_answer_cut_before_its_end_is_a_dropped_stream_th
     assert _attr(post, sc.STREAM_CONTENT) == "json"
     assert _attr(post, sc.PENDING_REQUEST_IDS) == (_attr(call, sc.JSONRPC_REQUEST_ID),)
     assert [lk.context.span_id for lk in call.links] == [post.context.span_id]
+
+
+@pytest.mark.parametrize("mode", ["legacy", None])
+async def test_a_call_answered_with_a_tool_error_and_the_next_one_are_the_healthy_path_in_either_era(mode):
+    """A call of a tool the server does not have is answered with a tool error: its result, so the healthy
+    path (in 2026-07-28 the call is never started as a call of ours on either side), and the SDK's span
+    says where it came; so is the next call of the same client."""
+    async with incident(mode) as s:
+        unknown = await s.call("no_such_tool", {})
+        await s.call("search", {"query": "q"})
+    assert unknown.is_error
+    found = spans()
+    assert ours(found, sc.SPAN_CALL) == []
+    assert {_attr(sp, sc.STREAM_KIND) for sp in ours(found, sc.SPAN_STREAM)} <= {sc.STREAM_KIND_GET,
+                                                                               sc.STREAM_KIND_DELETE}
+    for name in ("MCP send tools/call no_such_tool", "MCP send tools/call search"):
+        (sdk_client,) = [sp for sp in found if sp.name == name]
+        assert _attr(sdk_client, sc.TERMINAL_STREAM_KIND) == sc.STREAM_KIND_POST

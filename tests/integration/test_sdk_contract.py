@@ -127,7 +127,7 @@ def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index
 
 
 def test_otel_sdk_spans_keep_attributes_end_time_and_lock_where_the_terminal_annotation_writes():
-    """hooks._tracking._annotate writes a healthy call's terminal into the SDK span's ``_attributes``
+    """hooks._tracking.annotate writes a healthy call's terminal into the SDK span's ``_attributes``
     (a ``BoundedAttributes``: ``_dict``, ``maxlen``, ``max_value_len``) under ``_lock``, while ``_end_time``
     is None, as ``set_attribute`` does; ``end`` sets ``_end_time`` under that lock."""
     from opentelemetry.attributes import BoundedAttributes

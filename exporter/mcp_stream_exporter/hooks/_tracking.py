@@ -405,7 +405,7 @@ class Requirements:
         return self._of.get(key)
 
 
-def _annotate(sdk: SdkSpan, terminal: Terminal) -> None:
+def annotate(sdk: SdkSpan, terminal: Terminal) -> None:
     """Where a healthy call's terminal event came, on the SDK's own span while it is open.
 
     Two strings, written into its attributes under the span's lock, as ``set_attribute`` does them
@@ -598,19 +598,20 @@ class Tracker:
 
     def start_call(self, session_id: str | None, msg: WireMessage, protocol_version: str | None,
                    auth: AuthView, stateless: bool, start_time: int | None = None,
-                   identify: Identify | None = None) -> Call:
+                   identify: Identify | None = None, reissue: bool = True) -> Call:
         """A ``tools/call`` request was seen; its span, if it gets one, is a child of the SDK's.
 
         A stateless call with the fingerprint of one whose stream broke is its re-issue: a deviation,
         so it gets a span however it ends, and the detector sees the loss answered (not_reissued).
         ``identify`` computes the fingerprint of its tool and arguments: only when a call has broken, or this
-        one gets a span. The hooks pass every argument by position: a keyword takes CPython 3.11's
-        unspecialised call path, on every call a side sees."""
+        one gets a span. ``reissue``: whether it may be a re-issue (False for a call started after its
+        request went out, when none had broken: ``reissues_possible``). The hooks pass every argument by
+        position: a keyword takes CPython 3.11's unspecialised call path, on every call a side sees."""
         assert msg.id is not None
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
                     start_time or time.time_ns(), msg.traceparent, identify,
                     None if identify is None else msg.arguments)
-        fingerprint = call.fingerprint if self._broken else None
+        fingerprint = call.fingerprint if reissue and self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]
             self.span_of(call)
@@ -622,6 +623,10 @@ class Tracker:
             while len(self._calls) > self._max_calls:
                 self._evict(self._calls.popitem(last=False)[1])
         return call
+
+    def reissues_possible(self) -> bool:
+        """Whether a call starting now may be the re-issue of one whose stream broke (``start_call``)."""
+        return bool(self._broken)
 
     def _evict(self, call: Call) -> None:
         self._unhold(call)  # its result may be held: then it ends with it, as it would have
@@ -671,7 +676,7 @@ class Tracker:
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
         if call.sdk_span is not None and terminal is not None:
-            _annotate(call.sdk_span, terminal)
+            annotate(call.sdk_span, terminal)
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing

@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import types
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import httpx2
@@ -51,12 +51,14 @@ from mcp_stream_exporter.hooks._tracking import (
     SdkSpans,
     Stream,
     Tracker,
+    annotate,
     audience_known,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 
 _FINGERPRINT_CHARS = 16
+_POST_TERMINAL = (sc.STREAM_KIND_POST, None)  # where a call answered by a JSON body had its terminal event
 
 
 class ClientInstrumentation:
@@ -78,7 +80,10 @@ class ClientInstrumentation:
         self._identify: Identify = self._fingerprint  # bound once, not per call
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
-                       protocol_version: str | None, view: AuthView, start: int) -> list[Call]:
+                       protocol_version: str | None, view: AuthView, start: int) -> list[Call] | WireMessage:
+        """The calls a request carries, started; or, for a stateless request of one call that nothing deviates
+        in yet, the call's request, left pending: started only if its answer is anything but its result
+        (``_answer``), so the healthy path never starts it."""
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -89,19 +94,24 @@ class ClientInstrumentation:
         if asked.protocol_version is not None:
             self._protocol_version = asked.protocol_version
         calls: list[Call] = []
+        pending = None
         if asked.calls:
             stateless = era_of(protocol_version) == sc.ERA_STATELESS
-            for msg in asked.calls:  # a loop, not a comprehension: that would be one more call
-                calls.append(self._start_call(msg, session_id, protocol_version, view, start, stateless))
+            if (stateless and len(asked.calls) == 1 and not self.tracker.reissues_possible()
+                    and not self._deviates(asked.calls[0], view)):
+                pending = asked.calls[0]
+            else:
+                for msg in asked.calls:  # a loop, not a comprehension: that would be one more call
+                    calls.append(self._start_call(msg, session_id, protocol_version, view, start, stateless))
         for request_id in asked.cancelled:
             self.tracker.cancel((session_id, request_id))
-        return calls
+        return calls if pending is None else pending
 
     def _start_call(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
-                    start: int, stateless: bool) -> Call:
+                    start: int, stateless: bool, reissue: bool = True) -> Call:
         # a fingerprint matches a re-issue to the call it repeats: only the stateless era re-issues
         call = self.tracker.start_call(session_id, msg, protocol_version, view, stateless, start,
-                                       self._identify if stateless else None)
+                                       self._identify if stateless else None, reissue)
         if self._sdk_spans is not None:
             call.sdk_span = self._sdk_spans.get(msg.traceparent)
         if self.policy is None:
@@ -113,19 +123,50 @@ class ClientInstrumentation:
                 self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
         return call
 
+    def _deviates(self, msg: WireMessage, view: AuthView) -> bool:
+        """Whether the call's token lacks what its tool requires (``_start_call`` gives it a span at once)."""
+        if self.policy is None:
+            return False
+        missing = self.policy.gap(msg.tool, view)[1]
+        return bool(missing[0] or missing[1]) and audience_known(view)
+
+    def _answer(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
+                start: int, body: bytes | bytearray | None) -> Call | None:
+        """A pending call's JSON answer, read by its head (``wire.result_id``): its result ends it on the healthy
+        path, never started (where it came goes on the SDK's span, as ``Tracker.answered_by`` does); anything
+        else, or no answer (``body`` None), starts it as it would have been when its request went out (so
+        not as the re-issue of a call that broke since: none had when it went out)."""
+        if body is not None and result_id(body) == msg.id:
+            if self._sdk_spans is not None:
+                sdk = self._sdk_spans.get(msg.traceparent)
+                if sdk is not None:
+                    annotate(sdk, _POST_TERMINAL)
+            return None
+        return self._start_call(msg, session_id, protocol_version, view, start, True, False)
+
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
         headers = _picked(request.headers, REQUEST_HEADERS)
         session_id = headers.get(SESSION_ID)
         protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
         view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
-        calls = self._request_calls(request, session_id, protocol_version, view, start)
+        requested = self._request_calls(request, session_id, protocol_version, view, start)
+        pending: WireMessage | None = None
+        if isinstance(requested, list):
+            calls = requested
+        else:
+            calls, pending = [], requested
         cursor = headers.get(LAST_EVENT_ID)
         if cursor:
+            if pending is not None:
+                calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
+                pending = None
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
         try:
             response = await inner.handle_async_request(request)
         except BaseException:
+            if pending is not None:
+                calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
@@ -135,6 +176,16 @@ class ClientInstrumentation:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
+        if pending is not None:
+            if status < 400 and request.method == "POST" and content == CONTENT_JSON:  # most likely its result
+                assert isinstance(response.stream, httpx2.AsyncByteStream)
+                opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
+                                           start, status, content)
+                tap = _TapStream(response.stream, self.tracker, None, False, status, calls, opener)
+                tap.pending = functools.partial(self._answer, pending, session_id, protocol_version, view, start)
+                response.stream = tap
+                return response
+            calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
         single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
         if status < 400 and request.method == "POST" and (
                 (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
@@ -201,14 +252,16 @@ class _TapStream(httpx2.AsyncByteStream):
     _answered = False  # a deferred answer carried its call's result: it ends the healthy path's way
     _holding = False  # its calls count it as a stream carrying them (``Tracker.hold``)
     _session_id: str | None = None  # of a held answer
+    # a pending call's answer (``ClientInstrumentation._answer``): read when it ends, or it starts the call
+    pending: Callable[[bytes | bytearray | None], Call | None] | None = None
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, sse: bool,
-                 status: int, calls: Sequence[Call] = (),
+                 status: int, calls: list[Call] | None = None,
                  opener: Callable[[_TapStream | None], Stream | None] | None = None) -> None:
         self._inner = inner
         self._tracker = tracker
         self._stream = stream
-        self._calls = calls
+        self._calls = calls if calls is not None else []
         self._opener = opener
         if sse:
             self._parser = SSEParser()
@@ -312,6 +365,12 @@ class _TapStream(httpx2.AsyncByteStream):
 
     def _followed(self) -> Stream | None:
         """The stream, opened now if it was deferred: None once a deferred answer was the call's result."""
+        pending = self.pending
+        if pending is not None:  # no answer, or one cut short: the call starts, and its stream opens
+            self.pending = None
+            call = pending(None)
+            assert call is not None
+            self._calls.append(call)
         if self._opener is not None:
             self._stream, self._opener = self._opener(self if self._holding else None), None
         return self._stream
@@ -325,6 +384,14 @@ class _TapStream(httpx2.AsyncByteStream):
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
         body, messages = self._json, None
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            call = pending(body)
+            if call is None:  # its result: the healthy path, the call never started
+                self._opener = None
+                return
+            self._calls.append(call)
         if self._opener is not None:
             if body and not self._answered:  # its call's result? By its head alone where that ends the call
                 if self._tracker.answered_by(self._calls, body):

@@ -1,0 +1,222 @@
+"""A stateless call (2026-07-28) of one POST, which nothing deviates in when it goes out, is left pending on
+both sides: started as a call of ours only if its JSON answer is anything but its result, or never comes.
+Whatever the answer, what the hooks emit is what starting it when its request went out emits: no span on
+the healthy path (its result, or a JSON-RPC error for it), and otherwise the call, started then, with its
+POST. Driven through the client's tap over ``httpx2.MockTransport``, and through the server's ASGI observer
+and middleware around an app that answers as the SDK does (the middleware handed the call first)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx2
+import jwt
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import Requirement, ToolPolicy, canonical_resource
+from mcp_stream_exporter.hooks import ClientInstrumentation, ServerInstrumentation
+from mcp_stream_exporter.hooks.client import ClientTap
+
+_STATELESS = "2026-07-28"
+_CALL = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"fetch","arguments":{"url":"u"}}}'
+_RESULT = b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"isError":false}}'
+_TOOL_ERROR = b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"isError":true}}'
+_ERROR = b'{"jsonrpc":"2.0","id":1,"error":{"code":-32602,"message":"bad arguments"}}'
+_ERROR_OF_NONE = b'{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"parse error"}}'
+_SPACED_RESULT = b'{"jsonrpc": "2.0", "id": 1, "result": {}}'  # its result, not in the SDK's form
+_HEALTHY = [_RESULT, _TOOL_ERROR, _ERROR, _SPACED_RESULT]
+_HEALTHY_IDS = ["result", "tool-error", "jsonrpc-error", "result-not-in-sdk-form"]
+_SDK_SPAN = SpanContext(0x1F, 0x2F, is_remote=False, trace_flags=TraceFlags(1))
+
+
+def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def _ours(exporter: InMemorySpanExporter, kind: str) -> list[Any]:
+    return [s for s in exporter.get_finished_spans() if (s.attributes or {}).get(sc.SPAN) == kind]
+
+
+# --- client ---
+
+
+async def _client_exchange(answer: httpx2.Response | Exception, *, close_unread: bool = False
+                           ) -> InMemorySpanExporter:
+    provider, exporter = _provider()
+    instrumentation = ClientInstrumentation(tracer_provider=provider)
+
+    def respond(request: httpx2.Request) -> httpx2.Response:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(respond), instrumentation))
+    headers = {"mcp-protocol-version": _STATELESS, "content-type": "application/json"}
+    async with http:
+        try:
+            async with http.stream("POST", "http://mcp.test/mcp", content=_CALL, headers=headers) as response:
+                if not close_unread:
+                    await response.aread()
+        except httpx2.ConnectError:
+            pass
+    return exporter
+
+
+class _Body(httpx2.AsyncByteStream):
+    """A response body read as it comes (a body given as ``content`` is read before the tap sees it)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self._body
+
+
+def _answer(status: int, body: bytes, content: str = "application/json") -> httpx2.Response:
+    return httpx2.Response(status, headers={"content-type": content}, stream=_Body(body))
+
+
+def _json(status: int, body: bytes) -> httpx2.Response:
+    return _answer(status, body)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body", _HEALTHY, ids=_HEALTHY_IDS)
+async def test_a_clients_pending_call_answered_with_its_result_or_an_error_for_it_leaves_no_span(body):
+    exporter = await _client_exchange(_json(200, body))
+    assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.anyio
+async def test_a_clients_pending_call_answered_with_something_else_is_started_and_owed_by_its_post():
+    exporter = await _client_exchange(_json(200, _ERROR_OF_NONE))
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    (post,) = _ours(exporter, sc.SPAN_STREAM)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert call.attributes[sc.ERA] == sc.ERA_STATELESS
+    assert call.attributes[sc.GEN_AI_TOOL_NAME] == "fetch"
+    assert call.start_time <= post.start_time  # started as of its request, not of its answer
+    assert post.attributes[sc.END_REASON] == sc.END_CLEAN
+    assert post.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("answer", "reason"), [
+    (httpx2.ConnectError("refused"), sc.END_DROPPED),
+    (_json(503, b'{"error":"unavailable"}'), sc.END_HTTP_ERROR),
+    (_answer(200, b": ping\r\n\r\n", "text/event-stream"), sc.END_CLEAN),
+], ids=["no-response", "http-error", "sse-without-its-result"])
+async def test_a_clients_pending_call_whose_answer_is_no_json_result_is_started_with_its_post(answer, reason):
+    exporter = await _client_exchange(answer)
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    (post,) = _ours(exporter, sc.SPAN_STREAM)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert post.attributes[sc.END_REASON] == reason
+    assert post.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+
+
+@pytest.mark.anyio
+async def test_a_clients_pending_call_whose_answer_is_closed_unread_is_cancelled():
+    exporter = await _client_exchange(_json(200, _RESULT), close_unread=True)
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED  # the era's cancel: the client closed it
+
+
+@pytest.mark.anyio
+async def test_a_call_whose_token_lacks_what_its_tool_requires_is_never_left_pending():
+    provider, exporter = _provider()
+    fetch = canonical_resource("https://fetch.example")
+    policy = ToolPolicy({"fetch": Requirement(frozenset({fetch}))})
+    instrumentation = ClientInstrumentation(policy=policy, tracer_provider=provider)
+    http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(lambda r: _json(200, _RESULT)),
+                                                  instrumentation))
+    token = jwt.encode({"aud": "https://other.example"}, "a key of at least thirty-two bytes", algorithm="HS256")
+    headers = {"mcp-protocol-version": _STATELESS, "authorization": f"Bearer {token}"}
+    async with http:
+        await http.post("http://mcp.test/mcp", content=_CALL, headers=headers)
+    (call,) = _ours(exporter, sc.SPAN_CALL)  # a deviation at once: its span, though its result came
+    assert call.attributes[sc.AUTH_MISSING_RESOURCES] == (fetch,)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT
+
+
+# --- server ---
+
+
+def _server_exchange(answer: bytes | None, *, status: int = 200, disconnect: bool = False) -> InMemorySpanExporter:
+    """One stateless POST of one call: the SDK's middleware is handed the call, then the app answers with
+    ``answer`` as a JSON body (None: no response at all), or the client goes away after its headers."""
+    provider, exporter = _provider()
+    instr = ServerInstrumentation(tracer_provider=provider)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = json.loads((await receive())["body"])
+        ctx = SimpleNamespace(method="tools/call", request_id=request["id"], params=request["params"],
+                              request=SimpleNamespace(scope=scope))
+        token = trace.context_api.attach(trace.set_span_in_context(NonRecordingSpan(_SDK_SPAN)))
+        try:
+            instr.middleware(ctx, lambda ctx: None)  # type: ignore[arg-type]
+        finally:
+            trace.context_api.detach(token)
+        if answer is None:
+            return
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        if disconnect:  # gone before the body: the SDK's send fails, and the body never goes
+            await receive()
+            return
+        await send({"type": "http.response.body", "body": answer, "more_body": False})
+
+    messages = [{"type": "http.request", "body": _CALL, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    scope = {"type": "http", "path": "/mcp", "method": "POST",
+             "headers": [(b"mcp-protocol-version", _STATELESS.encode())]}
+    asyncio.run(instr.asgi(app)(scope, receive, send))
+    return exporter
+
+
+@pytest.mark.parametrize("body", _HEALTHY, ids=_HEALTHY_IDS)
+def test_a_servers_pending_call_answered_with_its_result_or_an_error_for_it_leaves_no_span(body):
+    assert _server_exchange(body).get_finished_spans() == ()
+
+
+def test_a_servers_call_answered_with_nothing_at_all_leaves_no_span():
+    assert _server_exchange(None).get_finished_spans() == ()  # no stream to judge it: as when it was started
+
+
+@pytest.mark.parametrize(("answer", "status", "disconnect", "reason"), [
+    (_ERROR_OF_NONE, 200, False, sc.END_CLEAN),
+    (_ERROR_OF_NONE, 500, False, sc.END_HTTP_ERROR),
+    (_RESULT, 200, True, sc.END_DROPPED),
+], ids=["another-answer", "http-error", "client-gone"])
+def test_a_servers_pending_call_otherwise_answered_is_started_as_when_it_was_handed_over(answer, status,
+                                                                                      disconnect, reason):
+    exporter = _server_exchange(answer, status=status, disconnect=disconnect)
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    (post,) = _ours(exporter, sc.SPAN_STREAM)
+    assert call.attributes[sc.ERA] == sc.ERA_STATELESS
+    assert call.attributes[sc.POLICY_DECISION] == "unknown_tool"  # what the policy said when it came
+    assert [(lk.context.span_id, lk.attributes[sc.LINK_TYPE]) for lk in call.links if
+            lk.attributes[sc.LINK_TYPE] == sc.LINK_SDK_REQUEST] == [(_SDK_SPAN.span_id, sc.LINK_SDK_REQUEST)]
+    assert call.start_time <= post.start_time
+    assert post.attributes[sc.END_REASON] == reason
+    assert post.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
