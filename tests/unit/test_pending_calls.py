@@ -7,7 +7,6 @@ and middleware around an app that answers as the SDK does (the middleware handed
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from typing import Any
 import httpx2
 import jwt
 import pytest
+from asgi_post import post
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -152,10 +152,25 @@ async def test_a_call_whose_token_lacks_what_its_tool_requires_is_never_left_pen
     assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT
 
 
+@pytest.mark.anyio
+async def test_a_clients_pending_call_keeps_the_session_its_request_had_when_the_answer_names_another():
+    """A server may answer a request without a session with one (as a resumable server answers a call
+    without ``initialize``): the call is its request's, started late or not."""
+    answer = httpx2.Response(400, headers={"content-type": "application/json", "mcp-session-id": "s9"},
+                             stream=_Body(_ERROR_OF_NONE))
+    exporter = await _client_exchange(answer)
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    (post,) = _ours(exporter, sc.SPAN_STREAM)
+    assert sc.MCP_SESSION_ID not in call.attributes
+    assert post.attributes[sc.MCP_SESSION_ID] == "s9"
+    assert post.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+
+
 # --- server ---
 
 
-def _server_exchange(answer: bytes | None, *, status: int = 200, disconnect: bool = False) -> InMemorySpanExporter:
+def _server_exchange(answer: bytes | None, *, status: int = 200, disconnect: bool = False,
+                     session: bytes | None = None) -> InMemorySpanExporter:
     """One stateless POST of one call: the SDK's middleware is handed the call, then the app answers with
     ``answer`` as a JSON body (None: no response at all), or the client goes away after its headers."""
     provider, exporter = _provider()
@@ -172,24 +187,14 @@ def _server_exchange(answer: bytes | None, *, status: int = 200, disconnect: boo
             trace.context_api.detach(token)
         if answer is None:
             return
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+        headers = [(b"content-type", b"application/json")] + ([(b"mcp-session-id", session)] if session else [])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         if disconnect:  # gone before the body: the SDK's send fails, and the body never goes
             await receive()
             return
         await send({"type": "http.response.body", "body": answer, "more_body": False})
 
-    messages = [{"type": "http.request", "body": _CALL, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        return None
-
-    scope = {"type": "http", "path": "/mcp", "method": "POST",
-             "headers": [(b"mcp-protocol-version", _STATELESS.encode())]}
-    asyncio.run(instr.asgi(app)(scope, receive, send))
+    post(instr.asgi(app), _CALL, [(b"mcp-protocol-version", _STATELESS.encode())])
     return exporter
 
 
@@ -219,4 +224,11 @@ def test_a_servers_pending_call_otherwise_answered_is_started_as_when_it_was_han
     assert call.start_time <= post.start_time
     assert post.attributes[sc.END_REASON] == reason
     assert post.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+
+
+def test_a_servers_pending_call_keeps_the_session_its_request_had_when_the_answer_names_one():
+    exporter = _server_exchange(_ERROR_OF_NONE, session=b"s9")  # a layer of the app gave the answer a session
+    (call,) = _ours(exporter, sc.SPAN_CALL)
+    assert sc.MCP_SESSION_ID not in call.attributes
     assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL

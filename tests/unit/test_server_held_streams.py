@@ -6,11 +6,11 @@ chunk, in store order)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import pytest
+from asgi_post import post
 from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -86,17 +86,7 @@ def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
 
     instr.observer._settled_unparsed = counted_settle  # type: ignore[method-assign]
     app = instr.asgi(build(instr.event_store(IncidentEventStore(ToolPolicy()))))
-    messages = [{"type": "http.request", "body": _CALL, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        return None
-
-    scope = {"type": "http", "path": "/mcp", "method": "POST",
-             "headers": [(b"mcp-session-id", b"s1"), (b"mcp-protocol-version", b"2025-11-25")]}
-    asyncio.run(app(scope, receive, send))
+    post(app, _CALL, [(b"mcp-session-id", b"s1"), (b"mcp-protocol-version", b"2025-11-25")])
     spans = [(s.name, dict(s.attributes or {}), [(e.name, dict(e.attributes or {})) for e in s.events])
              for s in exporter.get_finished_spans()]
     return spans, settled

@@ -86,7 +86,7 @@ class _Exchange:
         self.calls: list[Call] = []
         # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
         # something other than its result comes (``start_pending``): the healthy path never starts it
-        self.pending: tuple[WireMessage, Judged, Context] | None = None
+        self.pending: tuple[WireMessage, Judged, Context, str | None] | None = None  # ... and its session
         self.stream: Stream | None = None
         # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
         # JSON answer, a POST's SSE stream (held)
@@ -111,10 +111,9 @@ class _Exchange:
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None
 
-    def start(self, msg: WireMessage, judged: Judged) -> Call:
+    def start(self, msg: WireMessage, judged: Judged, session_id: str | None) -> Call:
         """A call of this exchange, started with what the policy says of it."""
-        scope = self.scope
-        call = self.tracker.start_call(scope.session_id, msg, self.protocol_version, scope.auth,
+        call = self.tracker.start_call(session_id, msg, self.protocol_version, self.scope.auth,
                                        era_of(self.protocol_version) == sc.ERA_STATELESS, self.start_ns)
         requirement, missing, decision = judged
         call.require(requirement, missing, decision)
@@ -122,11 +121,12 @@ class _Exchange:
         return call
 
     def start_pending(self) -> None:
-        """Start the call left pending (``pending``) exactly as it would have been when it was handed over."""
+        """Start the call left pending (``pending``) exactly as it would have been when it was handed over
+        (in the session its request had, whatever session the answer names)."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            msg, judged, context = pending
-            self.start(msg, judged).in_sdk_request(context)
+            msg, judged, context, session_id = pending
+            self.start(msg, judged, session_id).in_sdk_request(context)
 
     def open(self, content: str) -> Stream | None:
         """Its stream, opened now, with the calls a resume continues (``Tracker.open_stream``)."""
@@ -262,9 +262,9 @@ class WireObserver:
         if calls >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.unread = None
             if calls == 1 and not deviates:
-                ex.pending = (msg, judged, context)
+                ex.pending = (msg, judged, context, ex.scope.session_id)
                 return
-        call = ex.start(msg, judged)
+        call = ex.start(msg, judged, ex.scope.session_id)
         if deviates:
             self.tracker.span_of(call)
         call.in_sdk_request(context)
@@ -318,7 +318,7 @@ class WireObserver:
     def _start_call(self, ex: _Exchange, msg: WireMessage) -> Call:
         """A call read from the body, started with what the policy says of it."""
         judged, deviates = self._judge(ex, msg)
-        call = ex.start(msg, judged)
+        call = ex.start(msg, judged, ex.scope.session_id)
         if deviates:
             self.tracker.span_of(call)
         return call

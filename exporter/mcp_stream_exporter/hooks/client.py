@@ -172,6 +172,7 @@ class ClientInstrumentation:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
             raise
         response_headers = _picked(response.headers, RESPONSE_HEADERS)
+        asked_in = session_id  # a pending call is its request's, whatever session the answer names
         if session_id is None:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
@@ -182,10 +183,10 @@ class ClientInstrumentation:
                 opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
                                            start, status, content)
                 tap = _TapStream(response.stream, self.tracker, None, False, status, calls, opener)
-                tap.pending = functools.partial(self._answer, pending, session_id, protocol_version, view, start)
+                tap.pending = functools.partial(self._answer, pending, asked_in, protocol_version, view, start)
                 response.stream = tap
                 return response
-            calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
+            calls.append(self._start_call(pending, asked_in, protocol_version, view, start, True, False))
         single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
         if status < 400 and request.method == "POST" and (
                 (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
