@@ -86,7 +86,7 @@ class _Exchange:
         self.calls: list[Call] = []
         # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
         # something other than its result comes (``start_pending``): the healthy path never starts it
-        self.pending: tuple[WireMessage, Judged, Context, str | None] | None = None  # ... and its session
+        self.pending: tuple[WireMessage, Judged, Context, str | None] | None = None  # with its request's session
         self.stream: Stream | None = None
         # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
         # JSON answer, a POST's SSE stream (held)
@@ -258,10 +258,10 @@ class WireObserver:
         if msg.id is None:
             return
         judged, deviates = self._judge(ex, msg)
-        calls = len(ex.calls) + 1
-        if calls >= most_calls(body):  # every call the body can hold is taken: nothing left to read
+        taken = len(ex.calls) + 1
+        if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.unread = None
-            if calls == 1 and not deviates:
+            if taken == 1 and not deviates:
                 ex.pending = (msg, judged, context, ex.scope.session_id)
                 return
         call = ex.start(msg, judged, ex.scope.session_id)
