@@ -111,10 +111,10 @@ class _Exchange:
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None
 
-    def start(self, msg: WireMessage, judged: Judged, session_id: str | None) -> Call:
+    def start(self, msg: WireMessage, judged: Judged, session_id: str | None, stateless: bool) -> Call:
         """A call of this exchange, started with what the policy says of it."""
-        call = self.tracker.start_call(session_id, msg, self.protocol_version, self.scope.auth,
-                                       era_of(self.protocol_version) == sc.ERA_STATELESS, self.start_ns)
+        call = self.tracker.start_call(session_id, msg, self.protocol_version, self.scope.auth, stateless,
+                                       self.start_ns)
         requirement, missing, decision = judged
         call.require(requirement, missing, decision)
         self.calls.append(call)
@@ -126,7 +126,7 @@ class _Exchange:
         pending, self.pending = self.pending, None
         if pending is not None:
             msg, judged, context, session_id = pending
-            self.start(msg, judged, session_id).in_sdk_request(context)
+            self.start(msg, judged, session_id, True).in_sdk_request(context)  # only a stateless call is left
 
     def open(self, content: str) -> Stream | None:
         """Its stream, opened now, with the calls a resume continues (``Tracker.open_stream``)."""
@@ -257,17 +257,14 @@ class WireObserver:
         msg = request_message(request_id, TOOLS_CALL, params)
         if msg.id is None:
             return
-        judged, deviates = self._judge(ex, msg)
+        judged, deviates = self._judge(ex, msg, True)  # a body left unread is a stateless exchange's
         taken = len(ex.calls) + 1
         if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.unread = None
             if taken == 1 and not deviates:
                 ex.pending = (msg, judged, context, ex.scope.session_id)
                 return
-        call = ex.start(msg, judged, ex.scope.session_id)
-        if deviates:
-            self.tracker.span_of(call)
-        call.in_sdk_request(context)
+        self._start_call(ex, msg, judged, deviates, True).in_sdk_request(context)
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
         body: bytes = message.get("body", b"")
@@ -309,21 +306,22 @@ class WireObserver:
             ex.protocol_version = asked.protocol_version
         if asked.calls:
             started = {call.key[1] for call in ex.calls} if ex.calls else ()  # by the SDK's middleware
+            stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
             for msg in asked.calls:
                 if msg.id not in started:
-                    self._start_call(ex, msg)
+                    judged, deviates = self._judge(ex, msg, stateless)
+                    self._start_call(ex, msg, judged, deviates, stateless)
         for request_id in asked.cancelled:
             self.tracker.cancel((ex.scope.session_id, request_id))
 
-    def _start_call(self, ex: _Exchange, msg: WireMessage) -> Call:
-        """A call read from the body, started with what the policy says of it."""
-        judged, deviates = self._judge(ex, msg)
-        call = ex.start(msg, judged, ex.scope.session_id)
+    def _start_call(self, ex: _Exchange, msg: WireMessage, judged: Judged, deviates: bool, stateless: bool) -> Call:
+        """A call started now with what the policy says of it (``_judge``): a span at once if that deviates."""
+        call = ex.start(msg, judged, ex.scope.session_id, stateless)
         if deviates:
             self.tracker.span_of(call)
         return call
 
-    def _judge(self, ex: _Exchange, msg: WireMessage) -> tuple[Judged, bool]:
+    def _judge(self, ex: _Exchange, msg: WireMessage, stateless: bool) -> tuple[Judged, bool]:
         """What the policy says of a call, and whether that deviates already: the token is the request's,
         so the audience gap at call time is known here, before any handler runs, and is worth a span,
         refused or not. A resumable session remembers what the call requires, for its resumes."""
@@ -331,7 +329,7 @@ class WireObserver:
         requirement, missing = self.policy.gap(msg.tool, auth)
         if requirement is None:
             return (None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL), False
-        if era_of(ex.protocol_version) != sc.ERA_STATELESS and msg.id is not None:
+        if not stateless and msg.id is not None:
             self.requirements.remember((ex.scope.session_id, msg.id), requirement)
         return (requirement, missing, DECISION_ALLOWED), bool(missing[0] or missing[1]) and audience_known(auth)
 

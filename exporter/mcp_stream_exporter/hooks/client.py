@@ -134,14 +134,19 @@ class ClientInstrumentation:
                 start: int, body: bytes | bytearray | None) -> Call | None:
         """A pending call's JSON answer, read by its head (``wire.result_id``): its result ends it on the healthy
         path, never started (where it came goes on the SDK's span, as ``Tracker.answered_by`` does); anything
-        else, or no answer (``body`` None), starts it as it would have been when its request went out (so
-        not as the re-issue of a call that broke since: none had when it went out)."""
+        else, or no answer (``body`` None), starts it as it would have been when its request went out."""
         if body is not None and result_id(body) == msg.id:
             if self._sdk_spans is not None:
                 sdk = self._sdk_spans.get(msg.traceparent)
                 if sdk is not None:
                     annotate(sdk, _POST_TERMINAL)
             return None
+        return self._start_late(msg, session_id, protocol_version, view, start)
+
+    def _start_late(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
+                    start: int) -> Call:
+        """A pending call, started as of its request: not as the re-issue of a call that broke since (none
+        had when it went out, or it would not have been left pending)."""
         return self._start_call(msg, session_id, protocol_version, view, start, True, False)
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
@@ -159,14 +164,14 @@ class ClientInstrumentation:
         cursor = headers.get(LAST_EVENT_ID)
         if cursor:
             if pending is not None:
-                calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
+                calls.append(self._start_late(pending, session_id, protocol_version, view, start))
                 pending = None
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
         try:
             response = await inner.handle_async_request(request)
         except BaseException:
             if pending is not None:
-                calls.append(self._start_call(pending, session_id, protocol_version, view, start, True, False))
+                calls.append(self._start_late(pending, session_id, protocol_version, view, start))
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
             if stream is not None:
                 self.tracker.end_stream(stream, sc.END_DROPPED)
@@ -186,7 +191,7 @@ class ClientInstrumentation:
                 tap.pending = functools.partial(self._answer, pending, asked_in, protocol_version, view, start)
                 response.stream = tap
                 return response
-            calls.append(self._start_call(pending, asked_in, protocol_version, view, start, True, False))
+            calls.append(self._start_late(pending, asked_in, protocol_version, view, start))
         single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
         if status < 400 and request.method == "POST" and (
                 (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
