@@ -70,6 +70,25 @@ def whole_frame(chunk: bytes) -> SSEFrame | None:
     return found[0] if found is not None and found[1] == len(chunk) else None
 
 
+# A frame in the SDK's form of the default event type, up to its data: what ``message_frame`` reads
+_SDK_MESSAGE_HEAD = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: message\r\n)?data: ")
+
+
+def message_frame(chunk: bytes) -> tuple[str | None, int] | None:
+    """The event id of ``chunk``, and where its data starts, when it is exactly one frame in the SDK's form of
+    the default event type with no ``retry``: what ``whole_frame`` reads as such, known without decoding its
+    data (a result can be megabytes). None for anything else."""
+    head = _SDK_MESSAGE_HEAD.match(chunk)
+    if head is None:
+        return None
+    start, end = head.end(), len(chunk) - 4
+    if (end < start or not chunk.endswith(b"\r\n\r\n") or chunk.find(b"\r", start, end) >= 0
+            or chunk.find(b"\n", start, end) >= 0):
+        return None
+    event_id = head.group(1)
+    return None if event_id is None else event_id.decode("utf-8", "replace"), start
+
+
 # A frame in the SDK's form with no data and the default event type: what a resumable stream opens with
 # (its priming event), the usual frame before a call's result
 _SDK_EMPTY = re.compile(rb"(?:id: [^\r\n\0]*\r\n)?(?:event: message\r\n)?data: \r\n(?:retry: \d{1,18}\r\n)?\r\n")

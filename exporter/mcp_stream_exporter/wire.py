@@ -145,10 +145,10 @@ def classify_body(body: bytes | bytearray) -> list[WireMessage]:
                            None, None, None, None, None))]
 
 
-def result_id(body: bytes | bytearray) -> str | None:
+def result_id(body: bytes | bytearray, at: int = 0) -> str | None:
     """The id of the result a JSON body in the SDK's form is (as ``classify_body`` reads it), off its head
-    alone; None for anything else."""
-    m = _FAST_RESULT.match(body)
+    alone; None for anything else. ``at``: where the body starts (an SSE frame's data, ``sse.message_frame``)."""
+    m = _FAST_RESULT.match(body, at)
     if m is None:
         return None
     string_id, int_id = m.group(1, 2)

@@ -1,12 +1,14 @@
 """The server ends a held POST stream whose chunks are each one whole frame in the SDK's form, ending with
 its call's result, from one read of each chunk, without the SSE parser; whatever else a stream carried,
-what it emits is what reading it in full emits. Driven through the server instrumentation's ASGI observer
-and EventStore wrapper, around an app that stores and sends each event as the MCP SDK does (one frame a
-chunk, in store order)."""
+what it emits is what reading it in full emits. Driven through the server instrumentation's ASGI observer,
+EventStore wrapper and middleware, around an app that stores and sends each event as the MCP SDK does (one
+frame a chunk, in store order), and hands the call to its middleware after its response started, as a
+resumable session mostly does; or never, as an app the middleware is not installed in."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,13 +46,17 @@ def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"
     priming event and the result in one chunk; ``sent``: what goes out in the result's place (``None``
     with ``wire_id=""``: nothing)."""
 
-    def app(store: Any) -> Any:
+    def app(store: Any, instr: ServerInstrumentation | None) -> Any:
         async def asgi(scope: Any, receive: Any, send: Any) -> None:
             request = json.loads((await receive())["body"])
             stream_id = str(request["id"])
             priming = _frame(await store.store_event(stream_id, None), None)
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
+            if instr is not None:  # the SDK's middleware, handed the call before its handler runs
+                ctx = SimpleNamespace(method="tools/call", request_id=request["id"], params=request["params"],
+                                      request=SimpleNamespace(scope=scope))
+                instr.middleware(ctx, lambda ctx: None)  # type: ignore[arg-type]
             if not coalesce:
                 await send({"type": "http.response.body", "body": priming, "more_body": True})
             if isinstance(extra, bytes) and extra:
@@ -70,9 +76,10 @@ def _sdk_like_post(result: JSONRPCMessage, *, extra: bytes | JSONRPCMessage = b"
     return app
 
 
-def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
+def _run(build: Any, *, unparsed: bool, handed_over: bool = True) -> tuple[list[Any], list[bool]]:
     """The spans one POST leaves, and whether its end was settled unparsed (``unparsed=False``: every
-    held stream is read in full, as before there was another way)."""
+    held stream is read in full, as before there was another way). ``handed_over``: the SDK's middleware
+    is handed the call (else the observer reads it from the body when something needs it)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -85,7 +92,7 @@ def _run(build: Any, *, unparsed: bool) -> tuple[list[Any], list[bool]]:
         return settled[-1]
 
     instr.observer._settled_unparsed = counted_settle  # type: ignore[method-assign]
-    app = instr.asgi(build(instr.event_store(IncidentEventStore(ToolPolicy()))))
+    app = instr.asgi(build(instr.event_store(IncidentEventStore(ToolPolicy())), instr if handed_over else None))
     post(app, _CALL, [(b"mcp-session-id", b"s1"), (b"mcp-protocol-version", b"2025-11-25")])
     spans = [(s.name, dict(s.attributes or {}), [(e.name, dict(e.attributes or {})) for e in s.events])
              for s in exporter.get_finished_spans()]
@@ -120,3 +127,14 @@ def test_a_stream_that_carried_anything_else_is_read_and_emits_what_reading_it_i
     read_spans, _ = _run(build, unparsed=False)
     assert spans == read_spans
     assert bool(spans) == deviates
+
+
+@pytest.mark.parametrize("build", [
+    _sdk_like_post(_RESULT), _sdk_like_post(_RESULT, extra=_PROGRESS),
+    _sdk_like_post(_RESULT, extra=render(SSEFrame("upstream failed", "error", "e-x"))),
+    _sdk_like_post(_RESULT, extra=_OTHER_RESULT), _sdk_like_post(_RESULT, wire_id=""), _sdk_like_post(_REFUSED),
+], ids=["result", "progress", "error-frame", "foreign-result-stored", "result-never-sent", "refusal"])
+def test_a_call_the_sdk_never_hands_over_is_read_from_its_body_and_emits_what_one_handed_over_emits(build):
+    handed, _ = _run(build, unparsed=True)
+    assert _run(build, unparsed=True, handed_over=False)[0] == handed
+    assert _run(build, unparsed=False, handed_over=False)[0] == handed

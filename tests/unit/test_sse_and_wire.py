@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, render, whole_frame
-from mcp_stream_exporter.wire import classify
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, message_frame, render, whole_frame
+from mcp_stream_exporter.wire import classify, classify_frame, result_id
 
 WIRE = (b"id: ev-3\r\ndata: \r\nretry: 750\r\n\r\n"
         b": ping - 2026-11-30\r\n\r\n"
@@ -217,6 +219,7 @@ def test_a_chunk_read_as_one_whole_sdk_frame_is_what_the_parser_reads_from_it(fi
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
     assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
+    _assert_message_frame_reads_as_whole_frame(chunk, frame)
     wire = render(SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', "message", "e-9")) + b""
     assert whole_frame(wire) == _parse([wire])[0][0]
     assert whole_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") == SSEFrame("", None, "3", 750)  # SDK priming
@@ -230,11 +233,38 @@ def test_a_chunk_in_the_sdks_form_is_read_as_one_whole_frame_exactly_as_the_pars
                      (("id", id_), ("event", event), ("data", data), ("retry", retry)) if value is not None) + b"\r\n"
     frame = whole_frame(chunk)
     assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
+    _assert_message_frame_reads_as_whole_frame(chunk, frame)
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
     elif not any(c in v for v in (id_ or "", event or "", data, retry or "") for c in "\r\n\0") and (
             retry is None or (retry.isascii() and retry.isdigit())):
         raise AssertionError(f"an SDK-form chunk not read whole: {chunk!r}")
+
+
+def _assert_message_frame_reads_as_whole_frame(chunk: bytes, frame: SSEFrame | None) -> None:
+    """``message_frame`` reads a chunk exactly when ``whole_frame`` reads it as a frame of the default event
+    type with no retry, with its id, and its data where it says (a result read off it is the data's)."""
+    head = message_frame(chunk)
+    assert (head is not None) == (frame is not None and frame.event in (None, "message") and frame.retry is None)
+    if head is not None and frame is not None:
+        assert head[0] == frame.id and chunk[head[1]:-4].decode("utf-8", "replace") == frame.data
+        request_id = result_id(chunk, head[1])
+        if request_id is not None:
+            assert [(m.kind, m.id) for m in classify_frame(frame.data)] == [(sc.FRAME_RESPONSE, request_id)]
+
+
+@given(st.one_of(st.none(), st.text(max_size=6).filter(lambda t: not any(c in t for c in "\r\n\0"))),
+       st.sampled_from([None, "message"]), st.one_of(st.integers(-5, 10**20), st.text(max_size=6)),
+       st.sampled_from([{}, {"content": [], "isError": True}, "x\ny"]))
+def test_a_result_frame_is_known_by_its_head_as_its_full_read_knows_it(event_id, event, request_id, result):
+    data = json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}, separators=(",", ":"),
+                      ensure_ascii=False)
+    chunk = render(SSEFrame(data, event, event_id))
+    head = message_frame(chunk)
+    assert head is not None and head[0] == event_id
+    _assert_message_frame_reads_as_whole_frame(chunk, whole_frame(chunk))
+    plain = isinstance(request_id, int) or not any(c in '"\\' or c < " " for c in request_id)  # json escapes
+    assert result_id(chunk, head[1]) == (str(request_id) if plain else None)  # else read in full
 
 
 def test_a_retry_too_long_for_an_int_is_ignored_as_httpx2_ignores_it_never_raised():

@@ -11,15 +11,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.auth import ABSENT, TokenReader, ToolPolicy
 from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.exchange import CONTENT_SSE
-from mcp_stream_exporter.hooks._observer import _Exchange
-from mcp_stream_exporter.hooks._tracking import Tracker
+from mcp_stream_exporter.hooks._observer import WireObserver, _Exchange
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.scope import RequestScope
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import classify, classify_body
+from mcp_stream_exporter.wire import classify, classify_body, result_id
 
 
 def _tracker(**kw):
@@ -354,14 +354,15 @@ def test_a_json_answer_known_by_its_head_ends_a_healthy_call_and_a_deviated_one_
     outcome the body says on the call's span."""
     tracker, exporter = _tracker()
     healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
-    assert tracker.answered_by([healthy], _TOOL_ERROR_BODY)
+    assert tracker.answered_by([healthy], result_id(_TOOL_ERROR_BODY))
     assert healthy.done and exporter.get_finished_spans() == ()
 
     deviated = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
     tracker.span_of(deviated)  # e.g. an audience gap at call time
     other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True)
-    assert not tracker.answered_by([deviated], _TOOL_ERROR_BODY) and not tracker.answered_by([other], _TOOL_ERROR_BODY)
-    assert not tracker.answered_by([deviated, other], _TOOL_ERROR_BODY) and not (deviated.done or other.done)
+    head = result_id(_TOOL_ERROR_BODY)
+    assert not tracker.answered_by([deviated], head) and not tracker.answered_by([other], head)
+    assert not tracker.answered_by([deviated, other], head) and not (deviated.done or other.done)
     messages = classify_body(_TOOL_ERROR_BODY)  # what the hooks then read, on the stream they open
     assert not tracker.answered([deviated], messages)
     stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [deviated], {}, ABSENT, 200)
@@ -379,10 +380,16 @@ _PROGRESS = '{"jsonrpc":"2.0","method":"notifications/progress","params":{"progr
 _RESULT = '{"jsonrpc":"2.0","id":1,"result":{}}'
 
 
+def _exchange(tracker):
+    """A POST of session ``s`` as the server's observer sees it."""
+    observer = WireObserver(tracker, Requirements(100), ToolPolicy(), TokenReader(), "/mcp")
+    return _Exchange(observer, "POST", 0, None, RequestScope("s"), "2025-11-25")
+
+
 def _held_exchange(tracker, call, chunks):
     """A POST's SSE stream as the server's observer holds it, not opened as a stream: its chunks, each
     with when it was sent."""
-    ex = _Exchange(tracker, "POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex = _exchange(tracker)
     ex.held, ex.deferred, ex.status = list(chunks), CONTENT_SSE, 200
     ex.calls.append(call)
     tracker.hold(ex, ex.calls, "s", resumable=True)
@@ -539,7 +546,7 @@ def test_an_exchange_that_ends_links_its_pending_calls_to_the_sdks_span_and_keep
     answered.in_sdk_request(_Unreadable())
     stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [answered], {}, ABSENT, 200)
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', id="e1"), _response(2))
-    ex = _Exchange(tracker, "POST", 0, None, RequestScope("s"), "2025-11-25")
+    ex = _exchange(tracker)
     ex.calls += [pending, answered]
     ex.release()
     assert pending._sdk_request is None

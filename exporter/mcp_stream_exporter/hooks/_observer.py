@@ -46,7 +46,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     audience_known,
 )
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, whole_frame
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, message_frame, whole_frame
 from mcp_stream_exporter.wire import (
     MAX_PARSED_BODY,
     REFUSED_ERROR_CODE,
@@ -70,19 +70,21 @@ class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
     __slots__ = ("body", "calls", "complete", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body",
-                 "method", "oversized", "parser", "pending", "protocol_version", "scope", "start_ns", "status",
-                 "stream", "tracker", "unread")
+                 "method", "observer", "oversized", "parser", "pending", "protocol_version", "scope", "start_ns",
+                 "status", "stream", "tracker", "unread")
 
-    def __init__(self, tracker: Tracker, method: str, start_ns: int, cursor: str | None,
+    def __init__(self, observer: WireObserver, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
-        self.tracker = tracker
+        self.observer = observer  # reads a body left unread (``unread``) when its calls are needed first
+        self.tracker = observer.tracker
         self.method = method
         self.start_ns = start_ns
         self.cursor = cursor  # Last-Event-ID
         self.scope = scope
         self.protocol_version = protocol_version
         self.body: bytearray | None = None  # a body that comes in several messages, gathered
-        self.unread: bytes | None = None  # a body of calls only, left for the SDK's middleware (``dispatched``)
+        # a body of calls only, left for the SDK's middleware (``dispatched``): read if anything needs its calls first
+        self.unread: bytes | None = None
         self.calls: list[Call] = []
         # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
         # something other than its result comes (``start_pending``): the healthy path never starts it
@@ -112,12 +114,15 @@ class _Exchange:
         self.stream = self.parser = self.held = self.json_body = self.unread = None
 
     def start(self, msg: WireMessage, judged: Judged, session_id: str | None, stateless: bool) -> Call:
-        """A call of this exchange, started with what the policy says of it."""
+        """A call of this exchange, started with what the policy says of it; held with the exchange's SSE
+        answer if that is held already (its response started before the SDK handed the call over)."""
         call = self.tracker.start_call(session_id, msg, self.protocol_version, self.scope.auth, stateless,
                                        self.start_ns)
         requirement, missing, decision = judged
         call.require(requirement, missing, decision)
         self.calls.append(call)
+        if self.held is not None:
+            self.tracker.hold(self, (call,), session_id, True)
         return call
 
     def start_pending(self) -> None:
@@ -129,7 +134,10 @@ class _Exchange:
             self.start(msg, judged, session_id, True).in_sdk_request(context)  # only a stateless call is left
 
     def open(self, content: str) -> Stream | None:
-        """Its stream, opened now, with the calls a resume continues (``Tracker.open_stream``)."""
+        """Its stream, opened now, with every call it carries and the calls a resume continues
+        (``Tracker.open_stream``)."""
+        if self.unread is not None:
+            self.observer.read_unread(self)
         self.start_pending()
         cursor, calls, scope = self.cursor, self.calls, self.scope
         if cursor:
@@ -197,7 +205,7 @@ class WireObserver:
             headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
             rs = request_scope.RequestScope(headers.get(SESSION_ID),
                                             self.tokens.from_authorization(headers.get(AUTHORIZATION)))
-            ex = _Exchange(tracker, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
+            ex = _Exchange(self, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
                            headers.get(PROTOCOL_VERSION))
             token = request_scope.bind(rs)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
@@ -228,8 +236,8 @@ class WireObserver:
             finally:
                 request_scope.unbind(token)
                 del scope[_EXCHANGE]
-                if ex.unread is not None:  # no response, and calls the SDK's middleware never saw
-                    self._read_unread(ex)
+                if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them
+                    self.read_unread(ex)
                 stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
                 if stream is not None:
                     tracker.end_stream(stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
@@ -241,8 +249,8 @@ class WireObserver:
         """The ``tools/call`` the SDK's server middleware is about to run, in ``context`` (where the SDK's
         own span for it is current), as a call of the exchange the observer left in its request's ASGI
         scope (the SDK's ``ctx.request``): the one already read from the body, or one taken here from the
-        SDK's own parse of a body left unread. A body's one call that the policy has nothing against is
-        left pending (``_Exchange.pending``): started only if its exchange shows anything but its result."""
+        SDK's own parse of a body left unread. A stateless body's one call that the policy has nothing against
+        is left pending (``_Exchange.pending``): started only if its exchange shows anything but its result."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
         if not isinstance(ex, _Exchange):
             return
@@ -257,14 +265,15 @@ class WireObserver:
         msg = request_message(request_id, TOOLS_CALL, params)
         if msg.id is None:
             return
-        judged, deviates = self._judge(ex, msg, True)  # a body left unread is a stateless exchange's
+        stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+        judged, deviates = self._judge(ex, msg, stateless)
         taken = len(ex.calls) + 1
         if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.unread = None
-            if taken == 1 and not deviates:
+            if taken == 1 and stateless and not deviates and ex.held is None:
                 ex.pending = (msg, judged, context, ex.scope.session_id)
                 return
-        self._start_call(ex, msg, judged, deviates, True).in_sdk_request(context)
+        self._start_call(ex, msg, judged, deviates, stateless).in_sdk_request(context)
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
         body: bytes = message.get("body", b"")
@@ -286,16 +295,18 @@ class WireObserver:
             return
         if not can_ask(body):  # no tools/call, cancel or initialize in it: nothing to parse for
             return
-        if era_of(ex.protocol_version) == sc.ERA_STATELESS and calls_only(body):  # its searches: only in this era
-            # The SDK parses it and hands each call to its middleware before this response starts
-            # (``dispatched``); read only if the response starts, or the exchange ends, without them all.
-            # A resumable session's response can start first, and its store wants the call before
-            # any event of it: read now.
+        if calls_only(body):
+            # The SDK parses it and hands each call to its middleware (``dispatched``), mostly before its
+            # response starts; a resumable session's SSE answer often starts first, and is then held
+            # (``_on_response_start``) until the SDK hands the call over. Read only when something needs its
+            # calls first: a response not held, the held stream opened, a look-up of one of its session's
+            # calls (``Tracker.call``), the exchange's end.
             ex.unread = body
             return
         self._read(ex, body)
 
-    def _read_unread(self, ex: _Exchange) -> None:
+    def read_unread(self, ex: _Exchange) -> None:
+        """Read the body left for the SDK's middleware (``_Exchange.unread``): its calls are needed first."""
         body, ex.unread = ex.unread, None
         if body is not None:
             self._read(ex, body)
@@ -334,21 +345,24 @@ class WireObserver:
         return (requirement, missing, DECISION_ALLOWED), bool(missing[0] or missing[1]) and audience_known(auth)
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
-        if ex.unread is not None:  # calls the SDK's middleware did not see (refused before it, or no session)
-            self._read_unread(ex)
-        ex.status = status = int(message.get("status", 0))
+        status = int(message.get("status", 0))
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, True)  # lowered
+        content = content_of(headers.get(CONTENT_TYPE, ""))
+        held = content == CONTENT_SSE and ex.method == "POST" and status < 400 and not ex.cursor
+        if ex.unread is not None and not held:  # calls the SDK's middleware did not see yet, or never will
+            self.read_unread(ex)
+        ex.status = status
         if ex.scope.session_id is None and SESSION_ID in headers:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
-        content = content_of(headers.get(CONTENT_TYPE, ""))
         if ex.pending is not None:
             if content == CONTENT_JSON and status < 400 and not ex.cursor:  # most likely its result
                 ex.json_body, ex.deferred = bytearray(), content
                 return
             ex.start_pending()
         if content == CONTENT_SSE:
-            if ex.method == "POST" and status < 400 and ex.calls and not ex.cursor:
-                # held: read at its end, or when something needs it, and opened as a stream only then
+            if held and (ex.calls or ex.unread is not None):
+                # held: read at its end, or when something needs it, and opened as a stream only then; with
+                # its calls, and those the SDK hands over later (``_Exchange.start``)
                 ex.held, ex.deferred = [], content
                 self.tracker.hold(ex, ex.calls, ex.scope.session_id, True)  # resumable
                 return
@@ -382,7 +396,7 @@ class WireObserver:
                 ex.pending = ex.deferred = None
                 return
             ex.start_pending()
-        if body and self.tracker.answered_by(ex.calls, body):
+        if body and self.tracker.answered_by(ex.calls, result_id(body)):
             ex.deferred = None
             return
         messages = classify_body(body) if body else []
@@ -434,6 +448,8 @@ class WireObserver:
         stream: every chunk one whole frame in the SDK's form (it sends one a chunk), none of another event
         type, no result but in the last, which is the call's own. Anything else (a ping, an error frame,
         frames split or joined, a refusal) is left to ``end_stream`` to read in full."""
+        if ex.unread is not None:  # calls the SDK's middleware never handed over (an app without it)
+            self.read_unread(ex)
         held, calls = ex.held, ex.calls
         if not held or ex.status >= 400 or len(calls) != 1:
             return False
@@ -441,6 +457,11 @@ class WireObserver:
         for i, (chunk, _) in enumerate(held):
             if i < last and empty_frame(chunk):  # a priming event: no message in it
                 continue
+            if (i == last and (head := message_frame(chunk)) is not None  # the call's result? By its head alone
+                    and self.tracker.answered_by(calls, result_id(chunk, head[1]), head[0])):
+                self.tracker.settle(ex, calls, ex.scope.session_id)
+                ex.deferred = None
+                return True
             frame = whole_frame(chunk)
             if frame is None or (frame.event is not None and frame.event != "message"):
                 return False

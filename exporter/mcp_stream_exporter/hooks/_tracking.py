@@ -48,7 +48,7 @@ from mcp_stream_exporter.auth import NO_REQUIREMENT, NOTHING_MISSING, AuthView, 
 from mcp_stream_exporter.exchange import stream_attributes
 from mcp_stream_exporter.redaction import redact_cut
 from mcp_stream_exporter.sse import SSEFrame
-from mcp_stream_exporter.wire import WireMessage, result_id
+from mcp_stream_exporter.wire import WireMessage
 
 CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
@@ -633,14 +633,20 @@ class Tracker:
         self._finish(call, sc.OUTCOME_EVICTED)
 
     def call(self, key: CallKey) -> Call | None:
-        return self._calls.get(key)
+        """The call of ``key``. One not found may be carried by a POST of its session still held, whose calls
+        are not all started yet (the server's side takes them from the SDK's own parse): those are read first."""
+        call = self._calls.get(key)
+        if call is None and key[0] in self._held:
+            self._follow_held(key[0])
+            call = self._calls.get(key)
+        return call
 
     def span_of(self, call: Call) -> Span:
         """The call's span, created now if it was still deferred: the call has become worth one."""
         return call.create(self._tracer)
 
     def cancel(self, key: CallKey) -> None:
-        call = self._calls.get(key)
+        call = self.call(key)
         if call is not None:
             self._unhold(call)
             self._finish(call, sc.OUTCOME_CANCELLED)
@@ -725,10 +731,8 @@ class Tracker:
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
-        held = self._held.get(session_id)
-        if held:  # the event may be on a stream of the session still held: read them first
-            for holder in list(held):
-                self.follow(holder)
+        if session_id in self._held:  # the event may be on a stream of the session still held: read them first
+            self._follow_held(session_id)
         ids = self._event_index.get((session_id, _indexed(event_id)), ())
         return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
 
@@ -754,6 +758,11 @@ class Tracker:
             self._held[session_id] = {holder: None}
         else:
             held[holder] = None
+
+    def _follow_held(self, session_id: str | None) -> None:
+        """Follow every stream of the session still held (``follow``)."""
+        for holder in list(self._held.get(session_id, ())):
+            self.follow(holder)
 
     def follow(self, holder: Holder) -> None:
         """Read what ``holder`` held as it would have been read had its stream been followed from its start;
@@ -895,7 +904,7 @@ class Tracker:
                 call = own
                 break
         else:
-            call = self._calls.get(key)
+            call = self.call(key)
             if call is not None:
                 self._unhold(call)  # another stream's call: what its own stream holds comes first
         if call is None or call.done:
@@ -917,17 +926,18 @@ class Tracker:
         self._finish(call, _outcome(msg), (sc.STREAM_KIND_POST, event_id))
         return True
 
-    def answered_by(self, calls: Sequence[Call], body: bytes | bytearray) -> bool:
-        """``answered`` for a POST's JSON body read by its head alone (``wire.result_id``): a call that ends
-        on the healthy path records no outcome, so the rest of the body (whether it is a tool error: a
-        search of all of it) is not needed. False where it would be (the call has a span, or another stream
-        carried it) or the head is no result of it: the caller reads the body in full."""
+    def answered_by(self, calls: Sequence[Call], request_id: str | None, event_id: str | None = None) -> bool:
+        """``answered`` for a POST's JSON body, or an SSE frame of it (event ``event_id``), read by its head
+        alone: ``request_id`` is the result's id there (``wire.result_id``), None if it is no result. A call
+        that ends on the healthy path records no outcome, so the rest of the body (whether it is a tool
+        error: a search of all of it) is not needed. False where it would be (the call has a span, or
+        another stream carried it) or the head is no result of it: the caller reads the body in full."""
         if len(calls) != 1:
             return False
         call = calls[0]
-        if call.done or call.span is not None or call.streams > 1 or result_id(body) != call.key[1]:
+        if call.done or call.span is not None or call.streams > 1 or request_id != call.key[1]:
             return False
-        self._end_healthy(call, (sc.STREAM_KIND_POST, None))
+        self._end_healthy(call, (sc.STREAM_KIND_POST, event_id))
         return True
 
     def end_stream(self, stream: Stream, reason: str, status: int | None = None) -> None:

@@ -400,7 +400,7 @@ class _TapStream(httpx2.AsyncByteStream):
             self._calls.append(call)
         if self._opener is not None:
             if body and not self._answered:  # its call's result? By its head alone where that ends the call
-                if self._tracker.answered_by(self._calls, body):
+                if self._tracker.answered_by(self._calls, result_id(body)):
                     self._answered = True
                 else:
                     messages = classify_body(body)
