@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from opentelemetry.context import Context
+from opentelemetry.context import Context, get_current
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
@@ -69,9 +69,9 @@ Judged = tuple[Requirement | None, tuple[frozenset[str], frozenset[str]], str]
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("body", "calls", "complete", "cursor", "deferred", "disconnected", "held", "held_bytes", "json_body",
-                 "method", "observer", "oversized", "parser", "pending", "protocol_version", "scope", "start_ns",
-                 "status", "stream", "tracker", "unread")
+    __slots__ = ("asked_in", "body", "calls", "complete", "context", "cursor", "deferred", "disconnected", "held",
+                 "held_bytes", "json_body", "method", "observer", "oversized", "parser", "pending", "protocol_version",
+                 "scope", "start_ns", "status", "stream", "tracker", "unread")
 
     def __init__(self, observer: WireObserver, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
@@ -81,14 +81,18 @@ class _Exchange:
         self.start_ns = start_ns
         self.cursor = cursor  # Last-Event-ID
         self.scope = scope
+        self.asked_in = scope.session_id  # the request's session: its calls', whatever session the answer names
         self.protocol_version = protocol_version
         self.body: bytearray | None = None  # a body that comes in several messages, gathered
         # a body of calls only, left for the SDK's middleware (``dispatched``): read if anything needs its calls first
         self.unread: bytes | None = None
+        # where a body left unread would have been read: a call started later makes a span at once in it, as it
+        # would have then (its parent, when the SDK's ``traceparent`` gives none)
+        self.context: Context | None = None
         self.calls: list[Call] = []
         # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
         # something other than its result comes (``start_pending``): the healthy path never starts it
-        self.pending: tuple[WireMessage, Judged, Context, str | None] | None = None  # with its request's session
+        self.pending: tuple[WireMessage, Judged, Context] | None = None
         self.stream: Stream | None = None
         # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
         # JSON answer, a POST's SSE stream (held)
@@ -122,23 +126,36 @@ class _Exchange:
         call.require(requirement, missing, decision)
         self.calls.append(call)
         if self.held is not None:
-            self.tracker.hold(self, (call,), session_id, True)
+            self.tracker.hold(self, (call,), self.scope.session_id, True)
         return call
 
     def start_pending(self) -> None:
-        """Start the call left pending (``pending``) exactly as it would have been when it was handed over
-        (in the session its request had, whatever session the answer names)."""
+        """Start the call left pending (``pending``) exactly as it would have been when it was handed over."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            msg, judged, context, session_id = pending
-            self.start(msg, judged, session_id, True).in_sdk_request(context)  # only a stateless call is left
+            msg, judged, context = pending
+            self.start(msg, judged, self.asked_in, True).in_sdk_request(context)  # only a stateless call is left
+
+    def read_unread(self) -> None:
+        """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""
+        self.observer.read_unread(self)
+
+    def take_unread(self) -> bytes | None:
+        """The body left unread, taken: to be read, or its call handed over; no look-up needs it any more."""
+        body, self.unread = self.unread, None
+        if body is not None:
+            self.tracker.read(self, self.asked_in)
+        return body
 
     def open(self, content: str) -> Stream | None:
         """Its stream, opened now, with every call it carries and the calls a resume continues
         (``Tracker.open_stream``)."""
         if self.unread is not None:
-            self.observer.read_unread(self)
+            self.read_unread()
         self.start_pending()
+        if self.held is not None and not self.calls:  # held for calls its body turned out not to carry: as if never
+            self.tracker.settle(self, (), self.scope.session_id)
+            self.held = None
         cursor, calls, scope = self.cursor, self.calls, self.scope
         if cursor:
             calls = calls + list(self.tracker.calls_of_cursor(scope.session_id, cursor))
@@ -149,11 +166,9 @@ class _Exchange:
                                                holder=self if self.held is not None else None)
         return self.stream
 
-    def held_stream(self) -> Stream:
-        """The held POST's stream, opened now if it was not yet (``Holder``)."""
-        stream = self.stream if self.deferred is None else self.open(self.deferred)
-        assert stream is not None  # a POST carrying calls always has one
-        return stream
+    def held_stream(self) -> Stream | None:
+        """The held POST's stream, opened now if it was not yet (``Holder``): None if it carried no call."""
+        return self.stream if self.deferred is None else self.open(self.deferred)
 
     def read_held(self) -> list[HeldFrame]:
         """The SSE chunks held so far, parsed now, each frame with the time its chunk was sent; the
@@ -269,9 +284,9 @@ class WireObserver:
         judged, deviates = self._judge(ex, msg, stateless)
         taken = len(ex.calls) + 1
         if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read
-            ex.unread = None
+            ex.take_unread()
             if taken == 1 and stateless and not deviates and ex.held is None:
-                ex.pending = (msg, judged, context, ex.scope.session_id)
+                ex.pending = (msg, judged, context)
                 return
         self._start_call(ex, msg, judged, deviates, stateless).in_sdk_request(context)
 
@@ -299,15 +314,21 @@ class WireObserver:
             # The SDK parses it and hands each call to its middleware (``dispatched``), mostly before its
             # response starts; a resumable session's SSE answer often starts first, and is then held
             # (``_on_response_start``) until the SDK hands the call over. Read only when something needs its
-            # calls first: a response not held, the held stream opened, a look-up of one of its session's
-            # calls (``Tracker.call``), the exchange's end.
-            ex.unread = body
-            return
+            # calls first: a response not held, the held stream opened, a look-up of a call of its session
+            # (``Tracker.call``), the exchange's end. A resumable session's batch (2025-03-26) is read now,
+            # its calls in their order, whatever order the SDK hands them over in.
+            stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+            if stateless or most_calls(body) == 1:
+                ex.unread = body
+                if not stateless:
+                    ex.context = get_current()
+                    self.tracker.unread(ex, ex.asked_in)
+                return
         self._read(ex, body)
 
     def read_unread(self, ex: _Exchange) -> None:
         """Read the body left for the SDK's middleware (``_Exchange.unread``): its calls are needed first."""
-        body, ex.unread = ex.unread, None
+        body = ex.take_unread()
         if body is not None:
             self._read(ex, body)
 
@@ -323,13 +344,13 @@ class WireObserver:
                     judged, deviates = self._judge(ex, msg, stateless)
                     self._start_call(ex, msg, judged, deviates, stateless)
         for request_id in asked.cancelled:
-            self.tracker.cancel((ex.scope.session_id, request_id))
+            self.tracker.cancel((ex.asked_in, request_id))
 
     def _start_call(self, ex: _Exchange, msg: WireMessage, judged: Judged, deviates: bool, stateless: bool) -> Call:
         """A call started now with what the policy says of it (``_judge``): a span at once if that deviates."""
-        call = ex.start(msg, judged, ex.scope.session_id, stateless)
+        call = ex.start(msg, judged, ex.asked_in, stateless)
         if deviates:
-            self.tracker.span_of(call)
+            self.tracker.span_of(call, ex.context)
         return call
 
     def _judge(self, ex: _Exchange, msg: WireMessage, stateless: bool) -> tuple[Judged, bool]:
@@ -341,7 +362,7 @@ class WireObserver:
         if requirement is None:
             return (None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL), False
         if not stateless and msg.id is not None:
-            self.requirements.remember((ex.scope.session_id, msg.id), requirement)
+            self.requirements.remember((ex.asked_in, msg.id), requirement)
         return (requirement, missing, DECISION_ALLOWED), bool(missing[0] or missing[1]) and audience_known(auth)
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
@@ -349,8 +370,11 @@ class WireObserver:
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, True)  # lowered
         content = content_of(headers.get(CONTENT_TYPE, ""))
         held = content == CONTENT_SSE and ex.method == "POST" and status < 400 and not ex.cursor
-        if ex.unread is not None and not held:  # calls the SDK's middleware did not see yet, or never will
-            self.read_unread(ex)
+        if ex.unread is not None:
+            if not held:  # calls the SDK's middleware did not see yet, or never will
+                self.read_unread(ex)
+            elif ex.context is None:  # they start when it does: in this context, as if read now
+                ex.context = get_current()
         ex.status = status
         if ex.scope.session_id is None and SESSION_ID in headers:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
@@ -419,8 +443,8 @@ class WireObserver:
                 ex.held_bytes += len(chunk)
                 if ex.held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
                     self.tracker.follow(ex)
-            if ex.complete and not self._settled_unparsed(ex):
-                self.tracker.end_stream(ex.held_stream(), sc.END_CLEAN, ex.status)
+            if ex.complete and not self._settled_unparsed(ex) and (stream := ex.held_stream()) is not None:
+                self.tracker.end_stream(stream, sc.END_CLEAN, ex.status)
             return
         stream = ex.stream
         if stream is None:

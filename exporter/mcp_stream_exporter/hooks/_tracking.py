@@ -170,8 +170,17 @@ class Holder(Protocol):
         """The frames held so far, read now; what comes after is followed frame by frame (``Tracker.frame``)."""
         ...
 
-    def held_stream(self) -> Stream:
-        """Its stream, opened now (``Tracker.open_stream`` with ``holder``) if it was not yet."""
+    def held_stream(self) -> Stream | None:
+        """Its stream, opened now (``Tracker.open_stream`` with ``holder``) if it was not yet; None for a
+        server's POST found to carry no call once its body was read (it then holds nothing)."""
+        ...
+
+
+class Unread(Protocol):
+    """(server) A request body left for the SDK's own parse (``Tracker.unread``)."""
+
+    def read_unread(self) -> None:
+        """Read it now: its calls start, as they would have had it been read as it came."""
         ...
 
 
@@ -245,12 +254,13 @@ class _Deferred:
             self.span.set_attributes(attributes)
             self.span.end()
 
-    def create(self, tracer: SpanStarter) -> Span:
+    def create(self, tracer: SpanStarter, context: Context | None = None) -> Span:
         if self.span is None:
             if self.parent is None and self.traceparent is not None:
                 self.parent = _sdk_parent(self.traceparent)
             name, attributes = self.describe()
-            self.span = tracer.start_span(name, context=self.parent, kind=self.span_kind, attributes=attributes,
+            self.span = tracer.start_span(name, context=self.parent if self.parent is not None else context,
+                                          kind=self.span_kind, attributes=attributes,
                                           links=[Link(c, a) for c, a in self._links or ()],
                                           start_time=self.start_time)
             for event, attrs, timestamp in self._events or ():
@@ -331,9 +341,9 @@ class Call(_Deferred):
             if sdk.is_valid:
                 self.link(sdk, _SDK_REQUEST_LINK)
 
-    def create(self, tracer: SpanStarter) -> Span:
+    def create(self, tracer: SpanStarter, context: Context | None = None) -> Span:
         self._link_sdk_request()
-        return _Deferred.create(self, tracer)
+        return _Deferred.create(self, tracer, context)
 
     def require(self, requirement: Requirement | None, missing: tuple[frozenset[str], frozenset[str]],
                 decision: str | None = None) -> None:
@@ -593,6 +603,7 @@ class Tracker:
         self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
+        self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
 
     # --- calls ---
 
@@ -633,17 +644,36 @@ class Tracker:
         self._finish(call, sc.OUTCOME_EVICTED)
 
     def call(self, key: CallKey) -> Call | None:
-        """The call of ``key``. One not found may be carried by a POST of its session still held, whose calls
-        are not all started yet (the server's side takes them from the SDK's own parse): those are read first."""
+        """The call of ``key``. One not found may be in a body of its session not read yet (``unread``):
+        those are read first, so a look-up finds what it would have had they been read as they came."""
         call = self._calls.get(key)
-        if call is None and key[0] in self._held:
-            self._follow_held(key[0])
+        if call is None and key[0] in self._unread:
+            for body in list(self._unread[key[0]]):
+                body.read_unread()
             call = self._calls.get(key)
         return call
 
-    def span_of(self, call: Call) -> Span:
-        """The call's span, created now if it was still deferred: the call has become worth one."""
-        return call.create(self._tracer)
+    def unread(self, body: Unread, session_id: str | None) -> None:
+        """(server) A resumable session's request body left for the SDK's own parse: its call starts when the
+        SDK hands it over, or when a look-up of a call of its session needs it first (``call``)."""
+        bodies = self._unread.get(session_id)
+        if bodies is None:
+            self._unread[session_id] = {body: None}
+        else:
+            bodies[body] = None
+
+    def read(self, body: Unread, session_id: str | None) -> None:
+        """(server) The body left unread (``unread``) is read, or its call handed over: no look-up needs it."""
+        bodies = self._unread.get(session_id)
+        if bodies is not None and body in bodies:
+            del bodies[body]
+            if not bodies:
+                del self._unread[session_id]
+
+    def span_of(self, call: Call, context: Context | None = None) -> Span:
+        """The call's span, created now if it was still deferred: the call has become worth one. ``context``:
+        where it is created, for a call the SDK's ``traceparent`` gives no parent (else the current one)."""
+        return call.create(self._tracer, context)
 
     def cancel(self, key: CallKey) -> None:
         call = self.call(key)
@@ -731,8 +761,10 @@ class Tracker:
 
     def calls_of_cursor(self, session_id: str | None, event_id: str) -> tuple[Call, ...]:
         """The calls whose stream carried event ``event_id``: what a resume from it continues."""
-        if session_id in self._held:  # the event may be on a stream of the session still held: read them first
-            self._follow_held(session_id)
+        held = self._held.get(session_id)
+        if held:  # the event may be on a stream of the session still held: read them first
+            for holder in list(held):
+                self.follow(holder)
         ids = self._event_index.get((session_id, _indexed(event_id)), ())
         return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
 
@@ -759,15 +791,12 @@ class Tracker:
         else:
             held[holder] = None
 
-    def _follow_held(self, session_id: str | None) -> None:
-        """Follow every stream of the session still held (``follow``)."""
-        for holder in list(self._held.get(session_id, ())):
-            self.follow(holder)
-
     def follow(self, holder: Holder) -> None:
         """Read what ``holder`` held as it would have been read had its stream been followed from its start;
         from now on it is followed frame by frame."""
         stream = holder.held_stream()
+        if stream is None:
+            return
         for frame, messages, seen in self._release(stream):
             self.frame(stream, frame, messages, seen)
 
