@@ -182,3 +182,12 @@ def test_a_call_that_deviates_when_handed_over_has_the_span_it_had_when_its_body
         await server.post(_call(7), _start, _hand_over(server), _stored(server), _end)
     calls = [(a, parent) for _, a, parent in _run(build, _POLICY).spans() if a[sc.SPAN] == sc.SPAN_CALL]
     assert [(a[sc.JSONRPC_REQUEST_ID], parent) for a, parent in calls] == [("7", None)]
+
+
+def test_a_call_not_yet_handed_over_when_the_tracker_shuts_down_is_evicted_as_any_pending_call():
+    async def build(server: _Server) -> None:
+        async def shut_down(scope: Any, send: Any) -> None:
+            server.instr.tracker.shutdown()
+        await server.post(_call(7), _start, shut_down)
+    (call,) = [a for _, a, _ in _run(build).spans() if a[sc.SPAN] == sc.SPAN_CALL]
+    assert call[sc.CALL_OUTCOME] == sc.OUTCOME_EVICTED

@@ -1024,7 +1024,11 @@ class Tracker:
             self._event_index.popitem(last=False)
 
     def shutdown(self) -> None:
-        """End every pending call span (as evicted) so nothing is left open at exit."""
+        """End every pending call span (as evicted) so nothing is left open at exit: those in bodies left
+        unread (``unread``) too."""
+        for bodies in list(self._unread.values()):
+            for body in list(bodies):
+                body.read_unread()
         for call in list(self._calls.values()):
             self._evict(call)
 
