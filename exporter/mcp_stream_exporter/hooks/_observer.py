@@ -477,29 +477,32 @@ class WireObserver:
         held, calls = ex.held, ex.calls
         if not held or ex.status >= 400 or len(calls) != 1:
             return False
-        last = len(held) - 1
-        for i, (chunk, _) in enumerate(held):
-            if i < last and empty_frame(chunk):  # a priming event: no message in it
+        for chunk, _ in held[:-1]:
+            if empty_frame(chunk):  # a priming event: no message in it
                 continue
-            if (i == last and (head := message_frame(chunk)) is not None  # the call's result? By its head alone
-                    and self.tracker.answered_by(calls, result_id(chunk, head[1]), head[0])):
-                self.tracker.settle(ex, calls, ex.scope.session_id)
-                ex.deferred = None
-                return True
             frame = whole_frame(chunk)
             if frame is None or (frame.event is not None and frame.event != "message"):
                 return False
-            messages = classify_frame(frame.data) if frame.data else ()
-            if i == last:
-                if not (len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)):
-                    return False
-                self.tracker.settle(ex, calls, ex.scope.session_id)
-                ex.deferred = None
-                return True
-            for msg in messages:
+            for msg in classify_frame(frame.data) if frame.data else ():
                 if msg.is_terminal:
                     return False
-        return False
+        if not self._answered_by(calls, held[-1][0]):
+            return False
+        self.tracker.settle(ex, calls, ex.scope.session_id)
+        ex.deferred = None
+        return True
+
+    def _answered_by(self, calls: list[Call], chunk: bytes) -> bool:
+        """Whether ``chunk`` is one whole frame in the SDK's form that is the one call's result and nothing
+        else, which then ends the call (``Tracker.answered``): known by its head alone where it can be."""
+        head = message_frame(chunk)
+        if head is not None and self.tracker.answered_by(calls, result_id(chunk, head[1]), head[0]):
+            return True
+        frame = whole_frame(chunk)
+        if frame is None or (frame.event is not None and frame.event != "message"):
+            return False
+        messages = classify_frame(frame.data) if frame.data else ()
+        return len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)
 
     def _follow(self, ex: _Exchange, stream: Stream, frames: list[SSEFrame]) -> None:
         for frame in frames:
