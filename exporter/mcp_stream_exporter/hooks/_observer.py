@@ -44,7 +44,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Requirements,
     Stream,
     Tracker,
-    audience_known,
+    lacks,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, message_frame, whole_frame
 from mcp_stream_exporter.wire import (
@@ -363,7 +363,7 @@ class WireObserver:
             return (None, NOTHING_MISSING, DECISION_UNKNOWN_TOOL), False
         if not stateless and msg.id is not None:
             self.requirements.remember((ex.asked_in, msg.id), requirement)
-        return (requirement, missing, DECISION_ALLOWED), bool(missing[0] or missing[1]) and audience_known(auth)
+        return (requirement, missing, DECISION_ALLOWED), lacks(auth, missing)
 
     def _on_response_start(self, ex: _Exchange, message: Message) -> None:
         status = int(message.get("status", 0))
@@ -480,8 +480,8 @@ class WireObserver:
         for chunk, _ in held[:-1]:
             if empty_frame(chunk):  # a priming event: no message in it
                 continue
-            frame = whole_frame(chunk)
-            if frame is None or (frame.event is not None and frame.event != "message"):
+            frame = _message(chunk)
+            if frame is None:
                 return False
             for msg in classify_frame(frame.data) if frame.data else ():
                 if msg.is_terminal:
@@ -498,8 +498,8 @@ class WireObserver:
         head = message_frame(chunk)
         if head is not None and self.tracker.answered_by(calls, result_id(chunk, head[1]), head[0]):
             return True
-        frame = whole_frame(chunk)
-        if frame is None or (frame.event is not None and frame.event != "message"):
+        frame = _message(chunk)
+        if frame is None:
             return False
         messages = classify_frame(frame.data) if frame.data else ()
         return len(messages) == 1 and self.tracker.answered(calls, messages, frame.id)
@@ -511,6 +511,12 @@ class WireObserver:
     def _frame(self, ex: _Exchange, stream: Stream, frame: SSEFrame | None, messages: Sequence[WireMessage]) -> None:
         _refusals(ex.calls, messages)
         self.tracker.frame(stream, frame, messages)
+
+
+def _message(chunk: bytes) -> SSEFrame | None:
+    """The frame ``chunk`` is when it is one whole frame in the SDK's form of the default event type."""
+    frame = whole_frame(chunk)
+    return frame if frame is not None and frame.event in (None, "message") else None
 
 
 def _refusals(calls: Sequence[Call], messages: Sequence[WireMessage]) -> None:

@@ -106,6 +106,12 @@ def audience_known(view: AuthView) -> bool:
     return view.verification not in _UNKNOWN_AUDIENCE
 
 
+def lacks(view: AuthView, missing: tuple[frozenset[str], frozenset[str]]) -> bool:
+    """Whether a call's token lacks what its tool requires (``missing``, of the policy's gap), known so: the
+    deviation a call is given a span for at once, on either side."""
+    return bool(missing[0] or missing[1]) and audience_known(view)
+
+
 def known_missing(view: AuthView, requirement: Requirement) -> tuple[frozenset[str], frozenset[str]]:
     """What ``view`` lacks of ``requirement``, when that can be known; nothing when its audience is unknown."""
     return view.missing(requirement) if audience_known(view) else NOTHING_MISSING

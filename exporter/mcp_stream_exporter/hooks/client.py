@@ -52,7 +52,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Stream,
     Tracker,
     annotate,
-    audience_known,
+    lacks,
 )
 from mcp_stream_exporter.sse import SSEFrame, SSEParser
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
@@ -119,7 +119,7 @@ class ClientInstrumentation:
         requirement, missing = self.policy.gap(msg.tool, view)
         if requirement is not None:
             call.require(requirement, missing)  # the call's span records it only where the audience is known
-            if (missing[0] or missing[1]) and audience_known(view):
+            if lacks(view, missing):
                 self.tracker.span_of(call)  # calling with a token that lacks what the tool requires: a deviation
         return call
 
@@ -127,8 +127,7 @@ class ClientInstrumentation:
         """Whether the call's token lacks what its tool requires (``_start_call`` gives it a span at once)."""
         if self.policy is None:
             return False
-        missing = self.policy.gap(msg.tool, view)[1]
-        return bool(missing[0] or missing[1]) and audience_known(view)
+        return lacks(view, self.policy.gap(msg.tool, view)[1])
 
     def _answer(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
                 start: int, body: bytes | bytearray | None) -> Call | None:
