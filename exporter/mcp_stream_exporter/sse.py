@@ -74,11 +74,11 @@ def whole_frame(chunk: bytes) -> SSEFrame | None:
 _SDK_MESSAGE_HEAD = re.compile(rb"(?:id: ([^\r\n\0]*)\r\n)?(?:event: message\r\n)?data: ")
 
 
-def message_frame(chunk: bytes) -> tuple[str | None, int] | None:
-    """The event id of ``chunk``, and where its data starts, when it is exactly one frame in the SDK's form of
-    the default event type with no ``retry``: what ``whole_frame`` reads as such, known without decoding its
-    data (a result can be megabytes). None for anything else."""
-    head = _SDK_MESSAGE_HEAD.match(chunk)
+def message_frame(chunk: bytes, at: int = 0) -> tuple[str | None, int] | None:
+    """The event id of ``chunk`` (from ``at`` on), and where its data starts, when it is exactly one frame in the
+    SDK's form of the default event type with no ``retry``: what ``whole_frame`` reads as such, known without
+    decoding its data (a result can be megabytes). None for anything else."""
+    head = _SDK_MESSAGE_HEAD.match(chunk, at)
     if head is None:
         return None
     start, end = head.end(), len(chunk) - 4
@@ -94,10 +94,14 @@ def message_frame(chunk: bytes) -> tuple[str | None, int] | None:
 _SDK_EMPTY = re.compile(rb"(?:id: [^\r\n\0]*\r\n)?(?:event: message\r\n)?data: \r\n(?:retry: \d{1,18}\r\n)?\r\n")
 
 
-def empty_frame(chunk: bytes) -> bool:
-    """Whether ``chunk`` is exactly one frame in the SDK's form with no data and no event type but
-    ``message`` (or none): what ``whole_frame`` reads as such, known without building it."""
-    return _SDK_EMPTY.fullmatch(chunk) is not None
+def empty_frames(chunk: bytes) -> int:
+    """Where the run of frames at the start of ``chunk`` ends that are each in the SDK's form with no data and no
+    event type but ``message`` (or none), known without building them: ``len(chunk)`` when it holds nothing
+    else (a priming event, the SDK's one frame a chunk; a client may read more in one)."""
+    at = 0
+    while (empty := _SDK_EMPTY.match(chunk, at)) is not None:
+        at = empty.end()
+    return at
 
 
 class SSEParser:

@@ -109,9 +109,22 @@ async def test_a_deferred_answer_cut_after_its_priming_event_owes_its_call_to_a_
     assert call.key == ("s1", "1") and not call.done
 
 
-async def test_a_frame_after_the_result_opens_the_stream_and_the_call_stays_answered_on_the_healthy_path():
-    _, _, spans = await _exchange([PRIMING, _result(1, "e1"), _result(7, "e2")])
+_AFTER_THE_RESULT = PRIMING + _result(1, "e1") + _result(7, "e2")
+
+
+@pytest.mark.parametrize("chunks", [
+    [PRIMING, _result(1, "e1"), _result(7, "e2")],
+    [PRIMING + PRIMING + _result(1, "e1"), _result(7, "e2")],
+    [_AFTER_THE_RESULT],
+    [PRIMING + _result(1, "e1")[:20], _result(1, "e1")[20:] + _result(7, "e2")],
+    [PRIMING, PRIMING.replace(b"e0", b"e00"), _result(1, "e1") + _result(7, "e2")[:9], _result(7, "e2")[9:]],
+], ids=["a-frame-a-chunk", "the-result-with-its-priming", "one-chunk", "split-in-the-result", "split-after-it"])
+async def test_a_frame_after_the_result_opens_the_stream_and_the_call_stays_answered_on_the_healthy_path(chunks):
+    _, _, spans = await _exchange(chunks)
     (stream,) = _ours(spans, sc.SPAN_STREAM)
+    primings = [sc.FRAME_PRIMING] * b"".join(chunks).count(b"data: \r\n")
+    # every frame from the stream's start, those held before it deviated too
+    assert [e.attributes.get(sc.FRAME_KIND) for e in stream.events] == [*primings, sc.FRAME_RESPONSE, sc.FRAME_RESPONSE]
     assert stream.attributes[sc.TERMINAL_REQUEST_IDS] == ("1", "7")  # another call's result on this stream
     assert sc.PENDING_REQUEST_IDS not in stream.attributes
     assert _ours(spans, sc.SPAN_CALL) == []  # its own result came first, on its only stream

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, message_frame, render, whole_frame
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_frame, render, whole_frame
 from mcp_stream_exporter.wire import classify, classify_frame, result_id
 
 WIRE = (b"id: ev-3\r\ndata: \r\nretry: 750\r\n\r\n"
@@ -218,12 +218,12 @@ def test_a_chunk_read_as_one_whole_sdk_frame_is_what_the_parser_reads_from_it(fi
     frame = whole_frame(chunk)
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
-    assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
+    assert _empty(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
     _assert_message_frame_reads_as_whole_frame(chunk, frame)
     wire = render(SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', "message", "e-9")) + b""
     assert whole_frame(wire) == _parse([wire])[0][0]
     assert whole_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") == SSEFrame("", None, "3", 750)  # SDK priming
-    assert empty_frame(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") and empty_frame(b"id: 3\r\ndata: \r\n\r\n")
+    assert _empty(b"id: 3\r\ndata: \r\nretry: 750\r\n\r\n") and _empty(b"id: 3\r\ndata: \r\n\r\n")
 
 
 @given(st.one_of(st.none(), _ANY_FIELD), st.one_of(st.none(), _ANY_FIELD), _ANY_FIELD,
@@ -232,13 +232,41 @@ def test_a_chunk_in_the_sdks_form_is_read_as_one_whole_frame_exactly_as_the_pars
     chunk = b"".join(f"{name}: {value}\r\n".encode() for name, value in
                      (("id", id_), ("event", event), ("data", data), ("retry", retry)) if value is not None) + b"\r\n"
     frame = whole_frame(chunk)
-    assert empty_frame(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
+    assert _empty(chunk) == (frame is not None and not frame.data and frame.event in (None, "message"))
     _assert_message_frame_reads_as_whole_frame(chunk, frame)
     if frame is not None:
         assert _parse([chunk])[0] == [frame]
     elif not any(c in v for v in (id_ or "", event or "", data, retry or "") for c in "\r\n\0") and (
             retry is None or (retry.isascii() and retry.isdigit())):
         raise AssertionError(f"an SDK-form chunk not read whole: {chunk!r}")
+
+
+def _empty(chunk: bytes) -> bool:
+    """Whether ``chunk`` is frames with no data and the default event type, and nothing else (``empty_frames``)."""
+    return bool(chunk) and empty_frames(chunk) == len(chunk)
+
+
+_SDK_FORM_FRAME = st.builds(
+    lambda id_, event, data, retry: b"".join(
+        f"{name}: {value}\r\n".encode() for name, value in (("id", id_), ("event", event), ("data", data),
+                                                            ("retry", retry)) if value is not None) + b"\r\n",
+    st.one_of(st.none(), st.sampled_from(["e1", "7", ""])), st.sampled_from([None, "message", "error", "ping"]),
+    st.sampled_from(["", '{"jsonrpc":"2.0","id":1,"result":{}}', "x\ry", "x\ny"]),
+    st.sampled_from([None, "750", "x"])).filter(lambda chunk: whole_frame(chunk) is not None)
+
+
+@given(st.lists(_SDK_FORM_FRAME, max_size=5))
+def test_a_chunk_of_several_whole_frames_is_known_empty_up_to_its_first_frame_the_parser_finds_a_message_or_type_in(
+        frames):
+    chunk = b"".join(frames)
+    parsed = _parse([chunk])[0]
+    assert len(parsed) == len(frames)  # each whole, so each read as it is
+    leading = next((i for i, f in enumerate(parsed) if f.data or f.event not in (None, "message")), len(parsed))
+    assert empty_frames(chunk) == sum(len(frame) for frame in frames[:leading])
+    at = empty_frames(chunk)
+    rest = chunk[at:]
+    head, head_at = message_frame(rest), message_frame(chunk, at)
+    assert head_at == (None if head is None else (head[0], head[1] + at))
 
 
 def _assert_message_frame_reads_as_whole_frame(chunk: bytes, frame: SSEFrame | None) -> None:

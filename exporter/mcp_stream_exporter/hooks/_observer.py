@@ -46,7 +46,7 @@ from mcp_stream_exporter.hooks._tracking import (
     Tracker,
     lacks,
 )
-from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frame, message_frame, whole_frame
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_frame, whole_frame
 from mcp_stream_exporter.wire import (
     MAX_PARSED_BODY,
     REFUSED_ERROR_CODE,
@@ -478,7 +478,7 @@ class WireObserver:
         if not held or ex.status >= 400 or len(calls) != 1:
             return False
         for chunk, _ in held[:-1]:
-            if empty_frame(chunk):  # a priming event: no message in it
+            if empty_frames(chunk) == len(chunk):  # a priming event: no message in it
                 continue
             frame = _message(chunk)
             if frame is None:

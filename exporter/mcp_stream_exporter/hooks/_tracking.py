@@ -17,8 +17,8 @@ event-id index, no counts, which only a span would have carried. Any other strea
 ``frame`` with the times its frames were seen, exactly as if it had been followed from its start. A held
 POST of one call is not even opened as a stream until something needs it: its side, seeing nothing but
 frames that end no call and then the call's result (the server: one whole frame in the SDK's form a
-chunk, read once; the client: as the frames pass), ends the call (``answered``) and lets go of it
-(``settle``), with no stream, no parser and no frame records.
+chunk, read once; the client: as the chunks pass, by their frames' heads), ends the call (``answered``)
+and lets go of it (``settle``), with no stream, no parser and no frame records.
 """
 
 from __future__ import annotations

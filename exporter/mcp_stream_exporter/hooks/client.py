@@ -54,7 +54,7 @@ from mcp_stream_exporter.hooks._tracking import (
     annotate,
     lacks,
 )
-from mcp_stream_exporter.sse import SSEFrame, SSEParser
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_frame
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 
 _FINGERPRINT_CHARS = 16
@@ -201,6 +201,8 @@ class ClientInstrumentation:
             tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
             if sse:  # its frames read as they pass, and kept until it ends
                 tap.held = []
+                if single:  # its chunks known by their heads while they show the healthy path
+                    tap.unparsed = []
             if sse or not calls[0].stateless:  # a stateless call's JSON answer: nothing else can need it first
                 tap.hold(session_id)
             if not single:
@@ -237,8 +239,9 @@ class _TapStream(httpx2.AsyncByteStream):
     terminal event in it delivered at once (``Tracker.deliver``: the call ends while the SDK's span is
     open), and its frames are kept, with the time each was seen, for the tracker to read when it ends.
     An answer to one call opens no stream (an ``opener``, no ``stream``) while it shows the healthy path:
-    SSE frames with no data, then the call's result, which ends the call as it passes, or a JSON body
-    that is its result, read at its end (``Tracker.answered``); the tap then lets go of it (``Tracker.settle``).
+    SSE frames with no data, then the call's result, which ends the call as it passes (each chunk known by
+    its frames' heads and kept unparsed while it shows that path), or a JSON body that is its result, read at
+    its end (``Tracker.answered``); the tap then lets go of it (``Tracker.settle``).
     Anything else opens the stream, with the frames kept so far, or with the JSON body read on it: it is
     then followed exactly as if it had been from the start.
 
@@ -257,6 +260,9 @@ class _TapStream(httpx2.AsyncByteStream):
     _answered = False  # a deferred answer carried its call's result: it ends the healthy path's way
     _holding = False  # its calls count it as a stream carrying them (``Tracker.hold``)
     _session_id: str | None = None  # of a held answer
+    # a deferred SSE answer's chunks, each a whole frame that keeps it on the healthy path, and when each was
+    # seen: parsed only if it leaves that path (``_healthy``)
+    unparsed: list[tuple[bytes, int]] | None = None
     # a pending call's answer (``ClientInstrumentation._answer``): read when it ends, or it starts the call
     pending: Callable[[bytes | bytearray | None], Call | None] | None = None
 
@@ -294,10 +300,16 @@ class _TapStream(httpx2.AsyncByteStream):
             raise
         held = self.held
         if held is not None:  # what ``_keep`` takes in, up to the bounds of a held stream, then followed
-            assert self._parser is not None
-            self._keep(self._parser.feed(chunk), time.time_ns())
+            unparsed = self.unparsed
+            if unparsed is not None and self._healthy(chunk):
+                unparsed.append((chunk, time.time_ns()))
+            else:
+                if unparsed is not None:
+                    self._parse_unparsed()
+                assert self._parser is not None
+                self._keep(self._parser.feed(chunk), time.time_ns())
             self._held_bytes += len(chunk)
-            if self._held_bytes > HOLD_BYTES or len(held) > HOLD_PIECES:
+            if self._held_bytes > HOLD_BYTES or len(held) + len(self.unparsed or ()) > HOLD_PIECES:
                 self._tracker.follow(self)
         elif self._parser is not None:
             self._feed(chunk)
@@ -352,8 +364,38 @@ class _TapStream(httpx2.AsyncByteStream):
             held.append((frame, messages, seen))
         return len(frames)
 
+    def _healthy(self, chunk: bytes) -> bool:
+        """Whether ``chunk``, whole frames in the SDK's form (it sends one a chunk), keeps a deferred answer on the
+        healthy path as ``_deferred`` reads it, known by their heads alone (no parse, no decoding): frames with
+        no data before the call's result, then perhaps that result, which ends the call now
+        (``Tracker.answered_by``). Anything else is for the parser: what was held unparsed is parsed first
+        (``_parse_unparsed``)."""
+        if self._answered:
+            return False
+        at = empty_frames(chunk)
+        if at == len(chunk):
+            return True
+        head = message_frame(chunk, at)
+        if head is None or not self._tracker.answered_by(self._calls, result_id(chunk, head[1]), head[0]):
+            return False
+        self._answered = True
+        return True
+
+    def _parse_unparsed(self) -> None:
+        """The chunks held unparsed (``_healthy``), parsed now into the frames ``_deferred`` would have kept."""
+        unparsed, self.unparsed = self.unparsed, None
+        held, parser = self.held, self._parser
+        assert unparsed is not None
+        assert held is not None
+        assert parser is not None
+        for chunk, seen in unparsed:
+            for frame in parser.feed(chunk):
+                held.append((frame, classify_frame(frame.data) if frame.data else (), seen))
+
     def read_held(self) -> list[HeldFrame]:
         """The frames held so far (``Holder``); the chunks that follow are followed frame by frame."""
+        if self.unparsed is not None:
+            self._parse_unparsed()
         held, self.held = self.held, None
         return held or []
 
