@@ -45,8 +45,8 @@ _STEPS = ((_observer.WireObserver, "_on_body"), (_observer.WireObserver, "dispat
           (_observer.WireObserver, "_on_response_start"), (_observer.WireObserver, "_on_response_body"),
           (_observer._Exchange, "release"), (_recorder.StoreRecorder, "on_stored"),
           (client.ClientInstrumentation, "_request_calls"), (client, "_picked"), (client, "content_of"),
-          (client._TapStream, "_keep"), (client._TapStream, "_ended"), (client._TapStream, "hold"),
-          (client._TapStream, "aclose"))
+          (client._TapStream, "_healthy"), (client._TapStream, "_keep"), (client._TapStream, "_ended"),
+          (client._TapStream, "hold"), (client._TapStream, "aclose"))
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
