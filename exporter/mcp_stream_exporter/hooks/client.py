@@ -260,7 +260,7 @@ class _TapStream(httpx2.AsyncByteStream):
     _answered = False  # a deferred answer carried its call's result: it ends the healthy path's way
     _holding = False  # its calls count it as a stream carrying them (``Tracker.hold``)
     _session_id: str | None = None  # of a held answer
-    # a deferred SSE answer's chunks, each a whole frame that keeps it on the healthy path, and when each was
+    # a deferred SSE answer's chunks, each of whole frames that keep it on the healthy path, and when each was
     # seen: parsed only if it leaves that path (``_healthy``)
     unparsed: list[tuple[bytes, int]] | None = None
     # a pending call's answer (``ClientInstrumentation._answer``): read when it ends, or it starts the call
