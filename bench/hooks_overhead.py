@@ -17,7 +17,9 @@ medians over fresh worker processes of the ratios H/S (the hooks on top of the S
 (everything) and S/A (the SDK's tracing alone), with their spreads and the interval that holds the median
 with 95 % confidence (``median_interval``: the workers' ratios vary by more than any change left to measure,
 and two runs' medians of the same code differ by as much). Each H/S is held against its target (``TARGETS``):
-met when that whole interval is at or under it, missed when it is all over it, undecided otherwise.
+met when that whole interval is at or under it, missed when it is all over it, undecided otherwise; and
+H/S - S/A, a worker's share the hooks add less the share the SDK's tracing adds, is held against 0 (the
+hooks never dearer than the SDK's own tracing). The JSON report keeps each worker's medians.
 The order in which the configurations are set up rotates between workers. An A-against-A control run
 measures the method's own bias. Besides round trips (wall clock, the figures the targets are for), each
 worker reports the median process CPU time of each configuration's calls (client and server share the
@@ -25,7 +27,11 @@ process): on a machine shared with other work, what the hooks cost in CPU is ste
 cost in wall time, which other processes' scheduling moves. It reports their mean as well (``cpu mean``):
 a median leaves out whatever falls on a few calls only (the collector's passes, work done in batches),
 which a mean counts where it falls, as an operator's CPU bill does. ``--sides`` adds runs with only
-the server's or only the client's hooks in H (an operator may instrument one side). ``--in-process``
+the server's or only the client's hooks in H (an operator may instrument one side). ``--apart`` runs each
+worker's three servers in a process of their own, the client on one CPU and the servers on another, as a
+deployment has them on two hosts: the round trip then overlaps the two sides' work where it can (the
+server's after its answer is sent, the client's before the answer comes), where in one process they take
+turns; the CPU figures are then both processes' (the servers' read through ``clock_getcpuclockid``). ``--in-process``
 times the round trips through httpx2's ASGI transport, as ``--instructions`` counts them, to set the
 time the hooks take against the instructions they run. ``--payload`` makes the call large (its argument
 that many characters, echoed in its result): what the hooks' passes over a body cost. Bounded: WORKERS x 3
@@ -45,7 +51,7 @@ collector's passes fall at different calls from run to run and move a count by u
 (the figures to report keep it on, as a deployment does).
 
     python bench/hooks_overhead.py [--workers 12] [--calls 300] [--modes legacy,default] [--sides both,server,client]
-                                   [--in-process] [--payload CHARS]
+                                   [--apart | --in-process] [--payload CHARS]
     python bench/hooks_overhead.py --instructions [--calls 100] [--modes legacy,default] [--sides both,server,client]
 """
 
@@ -54,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -66,7 +73,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tracing and the hooks
@@ -78,41 +85,19 @@ CONFIGURATIONS = ("A", "S", "H")  # no tracing; the SDK's tracing; the SDK's tra
 _ORDER = tuple("AAASAHSASSSHAHHHSSAAHASHSHH")
 
 
-def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
-            gc_off: bool = False, in_process: bool = False, payload: int = 1) -> dict[str, float]:
-    import contextvars
-
-    import httpx2
-    from mcp import Client
-    from mcp.client.streamable_http import streamable_http_client
-    from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+def _tracing(untraced: Any) -> None:
+    """One tracer provider for the process, its spans dropped; A's sampled out: its client's (``untraced``
+    set in the calling task) and its server's (an unsampled parent, in this process or across the wire)."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
     from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
-
-    from mcp_stream_exporter import instrument_client, instrument_server
-    from mcp_stream_exporter.lab import (
-        BASE_RESOURCE,
-        FETCH_RESOURCE,
-        SEARCH_RESOURCE,
-        BearerAuth,
-        IncidentEventStore,
-        TokenIssuer,
-        build_incident_server,
-        incident_policy,
-        serve,
-    )
-
-    untraced = contextvars.ContextVar("untraced", default=False)
 
     class Drop(SpanExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
     class Configured(Sampler):
-        """A's spans out: its client's (set in the calling task) and its server's (an unsampled parent)."""
-
         def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
                           attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
             parent = trace.get_current_span(parent_context).get_span_context()
@@ -128,32 +113,123 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
     trace.set_tracer_provider(provider)
     warnings.filterwarnings("ignore")
     logging.disable(logging.INFO)
+
+
+def _server(configuration: str, issuer: Any, *, control: bool, side: str) -> tuple[Any, Any]:
+    """One configuration's MCP server: (the server, its ASGI app), hooked in H when ``side`` hooks the server."""
+    from mcp_stream_exporter import instrument_server
+    from mcp_stream_exporter.lab import IncidentEventStore, build_incident_server, incident_policy
+
+    policy = incident_policy()
+    store = IncidentEventStore(policy)
+    server = build_incident_server(issuer, store=store, step_delay=0)
+    if configuration == "H" and not control and side in ("both", "server"):
+        return server, instrument_server(server, policy=policy, event_store=store)
+    return server, server.streamable_http_app(event_store=store)
+
+
+def _pin(cpu: int) -> None:
+    """Keeps this process on one CPU (``--apart``: client and server each on their own, as on two hosts)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[cpu]})
+
+
+def _cpu_clock(pid: int) -> Callable[[], float]:
+    """Another process's CPU time in seconds, read as this process reads its own (``clock_getcpuclockid``)."""
+    import ctypes
+
+    clock = ctypes.c_int()
+    error = ctypes.CDLL(None, use_errno=True).clock_getcpuclockid(pid, ctypes.byref(clock))
+    if error:
+        raise OSError(error, os.strerror(error))
+    return functools.partial(time.clock_gettime, clock.value)
+
+
+def _serve_apart(*, rotate: int, control: bool, side: str) -> None:
+    """(``--apart``) The three configurations' servers in this process, on their own CPU: prints their ports
+    and a token they accept as one JSON line, then serves until stdin closes."""
+    import contextvars
+
+    from mcp_stream_exporter.lab import BASE_RESOURCE, FETCH_RESOURCE, SEARCH_RESOURCE, TokenIssuer, serve
+
+    _pin(1)
+    _tracing(contextvars.ContextVar("untraced", default=False))
     issuer = TokenIssuer()
-    token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+
+    async def run() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # as the worker's set-up rotates
+            ports = {configuration: await stack.enter_async_context(
+                         serve(_server(configuration, issuer, control=control, side=side)[1]))
+                     for configuration in order}
+            token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+            print(json.dumps({"ports": ports, "token": token}), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(run())
+
+
+def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, only: str | None = None,
+            gc_off: bool = False, in_process: bool = False, payload: int = 1, apart: bool = False) -> dict[str, float]:
+    import contextvars
+
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+
+    from mcp_stream_exporter import instrument_client
+    from mcp_stream_exporter.lab import (
+        BASE_RESOURCE,
+        FETCH_RESOURCE,
+        SEARCH_RESOURCE,
+        BearerAuth,
+        TokenIssuer,
+        incident_policy,
+        serve,
+    )
+
+    untraced = contextvars.ContextVar("untraced", default=False)
+    _tracing(untraced)
     request = CallToolRequest(params=CallToolRequestParams(name="search", arguments={"query": _payload(payload)}))
     options = {"mode": "legacy"} if mode == "legacy" else {}
+    servers: subprocess.Popen[str] | None = None
+
+    def server_cpu() -> float:  # the servers' CPU time, when they run in a process of their own (``apart``)
+        return 0.0
+
+    if apart:
+        servers = subprocess.Popen([sys.executable, __file__, "--serve-apart", "--side", side,
+                                    "--rotate", str(rotate), *(["--control"] if control else [])],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert servers.stdout is not None
+        apart_servers = json.loads(servers.stdout.readline())
+        token = apart_servers["token"]
+        _pin(0)
+        server_cpu = _cpu_clock(servers.pid)
+    else:
+        issuer = TokenIssuer()
+        token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
 
     async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
-        """A server and a client of one configuration: over loopback TCP, or ``in_process`` through
-        httpx2's ASGI transport (``--instructions``)."""
-        hooked = configuration == "H" and not control
-        policy = incident_policy()
-        store = IncidentEventStore(policy)
-        server = build_incident_server(issuer, store=store, step_delay=0)
-        if hooked and side in ("both", "server"):
-            app = instrument_server(server, policy=policy, event_store=store)
-        else:
-            app = server.streamable_http_app(event_store=store)
+        """A client of one configuration and its server: over loopback TCP, in this process or (``apart``)
+        another; or ``in_process`` through httpx2's ASGI transport (``--instructions``)."""
         timeout = httpx2.Timeout(30.0, read=300.0)
-        if in_process:
-            await stack.enter_async_context(server.session_manager.run())  # what the app's lifespan would run
-            http = httpx2.AsyncClient(transport=httpx2.ASGITransport(_whole_body(app)), auth=BearerAuth(token),
-                                      timeout=timeout)
-            url = "http://127.0.0.1:8000/mcp"
-        else:
+        if apart:
             http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
-            url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
-        if hooked and side in ("both", "client"):
+            url = f"http://127.0.0.1:{apart_servers['ports'][configuration]}/mcp"
+        else:
+            server, app = _server(configuration, issuer, control=control, side=side)
+            if in_process:
+                await stack.enter_async_context(server.session_manager.run())  # what the app's lifespan would run
+                http = httpx2.AsyncClient(transport=httpx2.ASGITransport(_whole_body(app)), auth=BearerAuth(token),
+                                          timeout=timeout)
+                url = "http://127.0.0.1:8000/mcp"
+            else:
+                http = httpx2.AsyncClient(auth=BearerAuth(token), timeout=timeout)
+                url = f"http://127.0.0.1:{await stack.enter_async_context(serve(app))}/mcp"
+        if configuration == "H" and not control and side in ("both", "client"):
             http = instrument_client(http, policy=incident_policy())  # its own, as in its own process
         await stack.enter_async_context(http)
         return await stack.enter_async_context(Client(streamable_http_client(url, http_client=http), **options))
@@ -196,14 +272,18 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
             rounds = -(-3 * calls // len(_ORDER))  # whole rounds, so that every triple comes equally often
             for i in range(rotate, rotate + rounds * len(_ORDER)):  # where in the order a worker starts rotates too
                 configuration = _ORDER[i % len(_ORDER)]
-                cpu_started = time.process_time()
+                cpu_started = time.process_time() + server_cpu()
                 timings[configuration].append(await call(clients[configuration], configuration))
-                cpu[configuration].append(time.process_time() - cpu_started)
+                cpu[configuration].append(time.process_time() + server_cpu() - cpu_started)
         return {**{configuration: statistics.median(times) * 1000 for configuration, times in timings.items()},
                 **{f"{configuration}_cpu": statistics.median(times) * 1000 for configuration, times in cpu.items()},
                 **{f"{configuration}_cpu_mean": statistics.fmean(times) * 1000 for configuration, times in cpu.items()}}
 
-    return asyncio.run(counted(only) if only is not None else run())
+    try:
+        return asyncio.run(counted(only) if only is not None else run())
+    finally:
+        if servers is not None:
+            servers.communicate("", timeout=60)  # stdin closed: the servers stop
 
 
 def _payload(chars: int) -> str:
@@ -270,12 +350,22 @@ def _count(modes: list[str], sides: list[str], calls: int, gc_off: bool) -> None
 
 
 def _ratios(num: list[float], den: list[float], target: float | None = None) -> dict[str, Any]:
-    """Per worker, the ratio of two configurations' median round trips: median, spread and the median's
-    interval over workers; held against ``target``, if given, its verdict."""
-    ratios = [n / d for n, d in zip(num, den, strict=True)]
-    low, high = median_interval(ratios)
-    figures: dict[str, Any] = {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
-                               "max": round(max(ratios), 3), "low": round(low, 3), "high": round(high, 3)}
+    """Per worker, the ratio of two configurations' median round trips (``_over_workers``)."""
+    return _over_workers([n / d for n, d in zip(num, den, strict=True)], target)
+
+
+def _dearer(a: list[float], s: list[float], h: list[float]) -> dict[str, Any]:
+    """Per worker, what the hooks add to a round trip less what the SDK's tracing adds, each as a share of
+    what it adds to (H/S - S/A); held against 0: the hooks never dearer than the SDK's own tracing."""
+    return _over_workers([hi / si - si / ai for ai, si, hi in zip(a, s, h, strict=True)], 0.0)
+
+
+def _over_workers(values: list[float], target: float | None) -> dict[str, Any]:
+    """A figure each worker gives: median, spread and the median's interval over workers; held against
+    ``target``, if given, its verdict."""
+    low, high = median_interval(values)
+    figures: dict[str, Any] = {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+                               "max": round(max(values), 3), "low": round(low, 3), "high": round(high, 3)}
     if target is not None:
         figures.update(target=target, verdict=verdict(low, high, target))
     return figures
@@ -327,18 +417,26 @@ def main() -> None:
     parser.add_argument("--only", choices=CONFIGURATIONS, help="(worker) one configuration, counted")
     parser.add_argument("--gc-off", action="store_true",
                         help="(--instructions) the garbage collector off while counting: to compare two versions")
+    parser.add_argument("--apart", action="store_true",
+                        help="each worker's servers in a process of their own, client and server each on a CPU")
+    parser.add_argument("--serve-apart", action="store_true", help="(worker) the servers of an --apart worker")
     parser.add_argument("--payload", type=int, default=1,
                         help="characters of the tool's argument, echoed in its result (1: the healthy small call)")
     args = parser.parse_args()
-    if not args.worker and not args.instructions:
+    if args.apart and args.in_process:
+        parser.error("--apart and --in-process: the one needs sockets the other does without")
+    if not args.worker and not args.instructions and not args.serve_apart:
         try:  # refused before any run, not after them all
             median_interval([1.0] * args.workers)
         except ValueError as too_few:
             parser.error(f"--workers: {too_few}")
+    if args.serve_apart:
+        _serve_apart(rotate=args.rotate, control=args.control, side=args.side)
+        return
     if args.worker:
         print(json.dumps(_worker(args.mode, args.calls, rotate=args.rotate, control=args.control, side=args.side,
                                  only=args.only, gc_off=args.gc_off, in_process=args.in_process,
-                                 payload=args.payload)))
+                                 payload=args.payload, apart=args.apart)))
         return
     if args.instructions:
         _count(args.modes.split(","), args.sides.split(","), args.calls, args.gc_off)
@@ -355,6 +453,7 @@ def main() -> None:
                        "--rotate", str(worker)]
             command += ["--control"] if control else []
             command += ["--in-process"] if args.in_process else []
+            command += ["--apart"] if args.apart else []
             command += ["--payload", str(args.payload)]
             out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
             for configuration, ms in json.loads(out.stdout.strip().splitlines()[-1]).items():
@@ -364,13 +463,15 @@ def main() -> None:
         a_mean, s_mean, h_mean = (medians[f"{c}_cpu_mean"] for c in CONFIGURATIONS)
         report[name] = {
             "workers": args.workers, "calls_per_configuration": args.calls,
+            "layout": "apart" if args.apart else "in process" if args.in_process else "one process",
+            "per_worker_ms": {figure: [round(ms, 4) for ms in values] for figure, values in medians.items()},
             **{f"{c}_median_ms": round(statistics.median(medians[c]), 3) for c in CONFIGURATIONS},
             **{f"{c}_cpu_median_ms": round(statistics.median(medians[f"{c}_cpu"]), 3) for c in CONFIGURATIONS},
             **{f"{c}_cpu_mean_ms": round(statistics.median(medians[f"{c}_cpu_mean"]), 3) for c in CONFIGURATIONS},
             **({"A/A": _ratios(h, a), "A/A cpu": _ratios(h_cpu, a_cpu), "A/A cpu mean": _ratios(h_mean, a_mean)}
                if control else
                {"H/S": _ratios(h, s, TARGETS.get((mode, side), SIDE_ALONE_TARGET)), "H/A": _ratios(h, a),
-                "S/A": _ratios(s, a),
+                "S/A": _ratios(s, a), "H/S-S/A": _dearer(a, s, h),
                 "H/S cpu": _ratios(h_cpu, s_cpu), "H/A cpu": _ratios(h_cpu, a_cpu), "S/A cpu": _ratios(s_cpu, a_cpu),
                 "H/S cpu mean": _ratios(h_mean, s_mean), "S/A cpu mean": _ratios(s_mean, a_mean)}),
         }
@@ -378,7 +479,7 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']}, "
                                        f"95% interval {v['low']}..{v['high']})"
                                        for k, v in r.items() if "/" in k)
-              + (f"; H/S <= {r['H/S']['target']}: {r['H/S']['verdict']}" if not control else "")
+              + "".join(f"; {k} <= {v['target']}: {v['verdict']}" for k, v in r.items() if "verdict" in v)
               + f" over {args.workers} workers; medians A {r['A_median_ms']} ms, S {r['S_median_ms']} ms, "
               f"H {r['H_median_ms']} ms; CPU a call A {r['A_cpu_median_ms']} ms, S {r['S_cpu_median_ms']} ms, "
               f"H {r['H_cpu_median_ms']} ms", flush=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -72,3 +74,19 @@ def test_a_target_is_decided_only_when_the_whole_interval_falls_on_one_side() ->
     assert verdict(1.01, 1.03, 1.03) == "met"
     assert verdict(1.031, 1.05, 1.03) == "missed"
     assert verdict(1.02, 1.04, 1.03) == "undecided"
+
+
+def test_apart_cpu_figures_read_the_servers_process_not_the_workers() -> None:
+    """``--apart`` adds the servers' CPU time to the client's: the other process's clock, read from here."""
+    busy = ("import sys, time\n"
+            "n = 0\n"
+            "while time.process_time() < 0.2: n += 1\n"
+            "print(time.process_time(), flush=True)\n"
+            "sys.stdin.read()\n")
+    with subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stdout is not None and child.stdin is not None
+        own = float(child.stdout.readline())  # what the child had used when it said so; it then blocks reading
+        read = _bench()._cpu_clock(child.pid)()
+        child.stdin.close()
+    assert own <= read < own + 0.15  # the child's clock, which this process's own would not follow
