@@ -479,7 +479,8 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{k} {v['median']} (spread {v['min']}..{v['max']}, "
                                        f"95% interval {v['low']}..{v['high']})"
                                        for k, v in r.items() if "/" in k)
-              + "".join(f"; {k} <= {v['target']}: {v['verdict']}" for k, v in r.items() if "verdict" in v)
+              + "".join(f"; {k} <= {v['target']}: {v['verdict']}"
+                        for k, v in r.items() if isinstance(v, dict) and "verdict" in v)
               + f" over {args.workers} workers; medians A {r['A_median_ms']} ms, S {r['S_median_ms']} ms, "
               f"H {r['H_median_ms']} ms; CPU a call A {r['A_cpu_median_ms']} ms, S {r['S_cpu_median_ms']} ms, "
               f"H {r['H_cpu_median_ms']} ms", flush=True)
