@@ -128,6 +128,18 @@ def _server(configuration: str, issuer: Any, *, control: bool, side: str) -> tup
     return server, server.streamable_http_app(event_store=store)
 
 
+def _set_up_order(rotate: int) -> tuple[str, ...]:
+    """The order the configurations are set up in: which comes first rotates between workers."""
+    return CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]
+
+
+def _token(issuer: Any) -> str:
+    """A token for every tool of the incident's server: no call in the bench deviates."""
+    from mcp_stream_exporter.lab import BASE_RESOURCE, FETCH_RESOURCE, SEARCH_RESOURCE
+
+    return str(issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE]))
+
+
 def _pin(cpu: int) -> None:
     """Keeps this process on one CPU (``--apart``: client and server each on their own, as on two hosts)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -151,7 +163,7 @@ def _serve_apart(*, rotate: int, control: bool, side: str) -> None:
     and a token they accept as one JSON line, then serves until stdin closes."""
     import contextvars
 
-    from mcp_stream_exporter.lab import BASE_RESOURCE, FETCH_RESOURCE, SEARCH_RESOURCE, TokenIssuer, serve
+    from mcp_stream_exporter.lab import TokenIssuer, serve
 
     _pin(1)
     _tracing(contextvars.ContextVar("untraced", default=False))
@@ -159,11 +171,11 @@ def _serve_apart(*, rotate: int, control: bool, side: str) -> None:
 
     async def run() -> None:
         async with contextlib.AsyncExitStack() as stack:
-            order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # as the worker's set-up rotates
+            order = _set_up_order(rotate)
             ports = {configuration: await stack.enter_async_context(
                          serve(_server(configuration, issuer, control=control, side=side)[1]))
                      for configuration in order}
-            token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+            token = _token(issuer)
             print(json.dumps({"ports": ports, "token": token}), flush=True)
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -180,15 +192,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
     from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
 
     from mcp_stream_exporter import instrument_client
-    from mcp_stream_exporter.lab import (
-        BASE_RESOURCE,
-        FETCH_RESOURCE,
-        SEARCH_RESOURCE,
-        BearerAuth,
-        TokenIssuer,
-        incident_policy,
-        serve,
-    )
+    from mcp_stream_exporter.lab import BearerAuth, TokenIssuer, incident_policy, serve
 
     untraced = contextvars.ContextVar("untraced", default=False)
     _tracing(untraced)
@@ -210,7 +214,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
         server_cpu = _cpu_clock(servers.pid)
     else:
         issuer = TokenIssuer()
-        token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+        token = _token(issuer)
 
     async def setup(stack: contextlib.AsyncExitStack, configuration: str, *, in_process: bool = False) -> Client:
         """A client of one configuration and its server: over loopback TCP, in this process or (``apart``)
@@ -261,7 +265,7 @@ def _worker(mode: str, calls: int, *, rotate: int, control: bool, side: str, onl
 
     async def run() -> dict[str, float]:
         async with contextlib.AsyncExitStack() as stack:
-            order = CONFIGURATIONS[rotate % 3:] + CONFIGURATIONS[:rotate % 3]  # which is set up first rotates
+            order = _set_up_order(rotate)
             clients = {configuration: await setup(stack, configuration, in_process=in_process)
                        for configuration in order}
             timings: dict[str, list[float]] = {configuration: [] for configuration in CONFIGURATIONS}
