@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hooks_overhead  # the bench beside this one
 
-from mcp_stream_exporter.hooks import _observer, _recorder, _tracking, client
+from mcp_stream_exporter.hooks import _observer, _recorder, client
 
 # (module the hooks call it through, name): pure functions, so calling one twice changes nothing
 _MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "classify_body"),
              (client, "_picked"), (client, "can_ask"), (client, "read_body"), (client, "content_of"),
-             (client, "classify_body"), (_tracking, "result_id"))
+             (client, "classify_body"), (_observer, "result_id"), (client, "result_id"))
 # The hooks' steps on the healthy path, none called from another: a round trip's share of each adds up.
 _STEPS = ((_observer.WireObserver, "_on_body"), (_observer.WireObserver, "dispatched"),
           (_observer.WireObserver, "_on_response_start"), (_observer.WireObserver, "_on_response_body"),
