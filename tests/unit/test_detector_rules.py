@@ -352,3 +352,65 @@ def test_a_batch_counts_its_stream_ends_and_findings_as_span_by_span_does_by_the
               for f in batched.findings}
     assert len(raised) >= 3 and all(counted(batched)[key] == 1 for key in raised)
     assert counted(batched)[("mcp_stream_silent_losses_total", (("rule", "clean_end_pending"), ("tool", "fetch")))] == 1
+
+
+def test_a_stateless_clean_end_the_client_followed_with_its_reissue_is_no_loss():
+    """2026-07-28: the SDK tells its caller a stream that ended without the result; the re-issue answers it."""
+    cut = [stream(C, "post", "clean", pending=("3",), session=None, era=sc.ERA_STATELESS),
+           stream(SV, "post", "clean", pending=("3",), session=None, era=sc.ERA_STATELESS),
+           call(C, sc.OUTCOME_NO_TERMINAL, session=None, era=sc.ERA_STATELESS, fingerprint="f00d")]
+    reissued = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                    fingerprint="f00d")
+    assert rules(run([*cut, reissued], after_s=60)) == []
+    (lost,) = run(cut, after_s=60).findings  # not sent again: one loss
+    assert lost.rule in ("not_reissued", "clean_end_pending")
+
+
+def test_the_same_spans_delivered_twice_say_what_they_say_once():
+    """An exporter retries a batch the detector took: a resume that delivered once is no duplicate."""
+    recovered = [stream(C, "post", "dropped", pending=("3",), last="6"),
+                 stream(SV, "post", "dropped", pending=("3",), last="6"),
+                 stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9", at=2.0),
+                 stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="9", at=2.0),
+                 replay(sc.REPLAY_COMPLETE, sent=4, at=2.0)]
+    assert rules(run([span for span in recovered for _ in range(2)], after_s=60)) == []
+    assert rules(run(recovered + recovered, after_s=60)) == []
+    twice = [stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9"),
+             stream(C, "resume", "clean", cursor="9", terminal=("3",), last="9", at=2.0)]  # two spans: two deliveries
+    assert rules(run(twice, after_s=60)) == ["duplicate_terminal"]
+
+
+def test_a_resume_the_guard_refused_explicitly_is_no_silent_loss_when_the_caller_then_gives_up():
+    refused = [replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE, at=2.0),
+               stream(SV, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0),
+               stream(C, "resume", "closed", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)]
+    for spans in ([*_stored_with_no_stream(), *refused], [*refused, *_stored_with_no_stream()]):
+        assert rules(run(spans, after_s=60)) == []
+        assert rules(run([s for s in spans if s.attributes[sc.ROLE] == SV], after_s=60)) == []
+    retried_in_vain = [replay(sc.REPLAY_COMPLETE, cursor="6", sent=0, at=3.0),
+                       stream(C, "resume", "clean", pending=("3",), cursor="6", at=3.0)]
+    assert rules(run([*_stored_with_no_stream(), *refused, *retried_in_vain], after_s=60)) in (
+        ["clean_end_pending"], ["stored_not_delivered"])
+
+
+def test_a_stream_that_ended_before_the_clean_end_does_not_stop_its_clock_whatever_order_spans_come_in():
+    dropped = stream(C, "post", "dropped", pending=("3",), last="6", events=2)
+    empty_resume = stream(C, "resume", "clean", pending=("3",), cursor="6", at=2.0)
+    for spans in ([dropped, empty_resume], [empty_resume, dropped]):
+        assert rules(run(spans, after_s=60)) == ["clean_end_pending"]
+    moved_on = stream(C, "resume", "clean", pending=("3",), cursor="6", last="8", at=3.0)  # it moved after
+    for spans in ([dropped, empty_resume, moved_on], [moved_on, empty_resume, dropped]):
+        assert "clean_end_pending" not in rules(run(spans, after_s=4))
+
+
+def test_the_grace_period_runs_on_the_detectors_clock_whatever_the_producers_clock_says():
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    ahead = clock.now / S + 600  # the server's clock ten minutes ahead of the detector's
+    detector.consume([stream(SV, "resume", "clean", pending=("3",), cursor="6", at=ahead)])
+    clock.now += 4 * S
+    detector.tick()
+    assert rules(detector) == []
+    clock.now += 2 * S
+    detector.tick()
+    assert rules(detector) == ["clean_end_pending"]

@@ -144,6 +144,9 @@ class Detector:
                 if isinstance(event, OperationCounts):
                     self.metrics.operations.add(event)
                     continue
+                if not isinstance(event, Operation) and not self.ledger.first_sight(event.at.trace_id,
+                                                                                    event.at.span_id):
+                    continue  # delivered again (an exporter's retry): taken once
                 self.timelines.record(event, weight)
                 if isinstance(event, StreamEnd):
                     self.metrics.stream_end(event)

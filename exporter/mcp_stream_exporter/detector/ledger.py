@@ -49,7 +49,13 @@ class CallState:
     era: str = "resumable"
     required: tuple[str, ...] = ()
     owed_since: int | None = None  # a stream ended with the call pending
-    clean_since: int | None = None  # ... and that stream ended cleanly: the silent-loss clock
+    clean_since: int | None = None  # ... and that stream ended cleanly (its side's clock): the silent-loss clock
+    clean_role: str | None = None  # whose clock that is: only that side's later progress stops it
+    clean_seen_ns: int | None = None  # when the detector learned of it: the grace runs from here, on its own clock
+    client_progress_ns: int = 0  # the latest end of a stream that moved it without its result, by each side's clock
+    server_progress_ns: int = 0
+    refused_ns: int | None = None  # the latest resume of it refused explicitly (an error frame, the guard)
+    retried_ns: int | None = None  # the latest start of a resume of it that was not refused
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
     stored_since: int | None = None  # the server stored its terminal event with no stream open to carry it
     stored_event_id: str | None = None
@@ -73,6 +79,35 @@ class CallState:
             self.trace_id = trace_id
         if len(self.span_ids) < _MAX_SPAN_REFS and span_id not in self.span_ids:
             self.span_ids += (span_id,)
+
+    def progressed(self, role: str, end_ns: int) -> None:
+        """A stream ``role`` saw moved it without its result: a clean end that side saw before stops counting."""
+        if role == "client":
+            self.client_progress_ns = max(self.client_progress_ns, end_ns)
+        else:
+            self.server_progress_ns = max(self.server_progress_ns, end_ns)
+        if self.clean_role == role and self.clean_since is not None and end_ns > self.clean_since:
+            self.clean_since = self.clean_role = self.clean_seen_ns = None
+
+    def ended_clean(self, role: str, end_ns: int, now_ns: int) -> bool:
+        """A stream ``role`` saw ended cleanly with it pending: the silent-loss clock starts, unless it runs
+        already or that side saw it move after this end (spans come in any order); whether it runs."""
+        if self.clean_since is None:
+            if end_ns < (self.client_progress_ns if role == "client" else self.server_progress_ns):
+                return False  # it moved after this end (a tie: not after)
+            self.clean_since, self.clean_role, self.clean_seen_ns = end_ns, role, now_ns
+        return True
+
+    def refused(self, end_ns: int) -> None:
+        self.refused_ns = max(self.refused_ns or 0, end_ns)
+
+    def retried(self, start_ns: int) -> None:
+        self.retried_ns = max(self.retried_ns or 0, start_ns)
+
+    @property
+    def told(self) -> bool:
+        """Its last resume was refused explicitly: its caller was told why, so it is no silent loss."""
+        return self.refused_ns is not None and (self.retried_ns is None or self.retried_ns < self.refused_ns)
 
     def finding(self, rule: str) -> str | None:
         return self.findings.get(rule) if self.findings is not None else None
@@ -141,6 +176,7 @@ class Ledger:
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
         self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest model spans taken: trace, span id
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
         self._timer_bits: dict[str, int] = {}
@@ -268,7 +304,20 @@ class Ledger:
         session.own_bytes += charge
         self._bytes += charge
 
-    # --- look-ups that outlive a span: the SDK's request span, and tools (re-)issued ---
+    # --- look-ups that outlive a span: spans taken, the SDK's request span, and tools (re-)issued ---
+
+    def first_sight(self, trace_id: str, span_id: str) -> bool:
+        """Whether a model span is new: an exporter that retries a batch the detector took (its answer lost or
+        late) delivers the same spans again, which must not count twice. Only model spans come here (few on
+        healthy traffic), and a retry follows its batch closely: a bounded window does. A span without a
+        valid id (8 bytes) cannot be told from another: always new."""
+        if len(span_id) != 16:
+            return True
+        key = (trace_id, span_id)
+        if key in self._seen:
+            return False
+        self._index_bytes += _bounded_put(self._seen, key, None, self.limits.max_index)
+        return True
 
     def link_sdk_span(self, span_id: str, call: CallState) -> None:
         self._index_bytes += _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id),
@@ -347,15 +396,17 @@ class Ledger:
         return self._bytes + self._index_bytes
 
     def account(self) -> int:
-        """Re-charge the calls touched since the last call, then evict the least recently active
-        sessions (counted as ``memory``), then the oldest look-ups, until under the budget; returns how
-        many sessions were evicted."""
+        """Re-charge the calls touched since the last call, then shorten the retry window (``first_sight``),
+        evict the least recently active sessions (counted as ``memory``), then the oldest look-ups, until
+        under the budget; returns how many sessions were evicted."""
         for call in self._touched.values():
             if call.charged:  # still held
                 self._bytes -= call.charged * _UNIT
                 self._charge(call)
         self._touched.clear()
         evicted = 0
+        while self.bytes > self.limits.max_bytes and self._seen:  # a shorter retry window before any session
+            self._index_bytes -= _entry_bytes(*self._seen.popitem(last=False))
         while self.bytes > self.limits.max_bytes and self._sessions:
             self._drop(self._sessions.popitem(last=False)[1], "memory")
             evicted += 1
@@ -390,6 +441,7 @@ class Ledger:
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
+        self._seen.clear()  # not kept: a retry rarely outlives a restart
         self._index_bytes = sum(_entry_bytes(k, v) for k, v in self._sdk_spans.items()) + sum(
             _entry_bytes(k, v) for k, v in self._issued.items())
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]

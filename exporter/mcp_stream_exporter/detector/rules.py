@@ -148,7 +148,8 @@ class RuleEngine:
         progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
         if progressed:
             for call in calls.values():
-                call.clean_since = None  # it moved: the silent-loss clock starts again at its next clean end
+                if not call.terminal:  # it moved: the silent-loss clock starts again at its next clean end
+                    call.progressed(at.role, at.end_ns)
         for rid in e.pending_ids:
             self._owed(calls[rid], e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
@@ -196,6 +197,11 @@ class RuleEngine:
                 self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, lambda: {
                     **evidence(), "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
+        if call is not None:
+            if explicit:
+                call.refused(at.end_ns)
+            else:
+                call.retried(at.start_ns)
         if e.token.gap and not explicit:
             self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
                        lambda: {**evidence(), **_gap(e.token, e.required)})
@@ -249,9 +255,7 @@ class RuleEngine:
             return  # an HTTP error is loud; a stream the client closed was its own decision
         silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
         self.ledger.owed(call, e.at.end_ns, e.at.role)
-        if silent and not call.terminal:
-            if call.clean_since is None:
-                call.clean_since = e.at.end_ns
+        if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
             self._broken(call, e.at.end_ns, now_ns)
@@ -274,6 +278,11 @@ class RuleEngine:
         resumes = session.resumes
         assert resumes is not None
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
+        for rid in e.pending_ids or e.request_ids:
+            if explicit:
+                calls[rid].refused(at.end_ns)
+            else:
+                calls[rid].retried(at.start_ns)
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
@@ -311,9 +320,11 @@ class RuleEngine:
         self._record(finding, call)
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING):
+        if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
-        due = call.clean_since + self._clean_end_grace_ns
+        if call.era == sc.ERA_STATELESS and call.broken_since is not None:
+            return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
+        due = self._clean_end_due(call)
         if now_ns < due:
             self.ledger.schedule(due, _CLEAN_END, call)
             return
@@ -322,12 +333,19 @@ class RuleEngine:
             "clean_end_at": clean_since / 1e9, "grace_s": self.config.clean_end_grace_s,
             "required": list(call.required), "timed_out": call.timed_out})
 
+    def _clean_end_due(self, call: CallState) -> int:
+        """When a clean end's grace runs out: counted on the detector's clock from when it learned of the end,
+        so a producer's clock, ahead or behind, neither delays the page nor lets the session expire first."""
+        seen = call.clean_seen_ns if call.clean_seen_ns is not None else call.clean_since  # a snapshot's call
+        assert seen is not None
+        return seen + self._clean_end_grace_ns
+
     def _check_stored(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.stored_since is None:
+        if call.terminal or call.stored_since is None or call.told:
             return
         if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
-            due = call.clean_since + self._clean_end_grace_ns
+            due = self._clean_end_due(call)
             if now_ns < due:
                 self.ledger.schedule(due, _STORED, call)
                 return
