@@ -35,7 +35,8 @@ def canonical_resource(uri: str) -> str:
     Lower-cases scheme and host, drops a default port, the fragment, and one trailing slash of the
     path (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
     servers and clients disagree on that slash, e.g. modelcontextprotocol/python-sdk#1265). Only one slash goes:
-    ``rstrip('/')`` would make ``/tools//`` equal ``/tools``.
+    ``rstrip('/')`` would make ``/tools//`` equal ``/tools``. A URI with an invalid port (``:99999``,
+    ``:abc``) is no resource's canonical form: it is kept as written, equal only to itself.
     """
     parts = urlsplit(uri.strip())
     scheme = parts.scheme.lower()
@@ -47,7 +48,7 @@ def canonical_resource(uri: str) -> str:
     try:
         port = parts.port
     except ValueError:
-        port = None
+        return uri.strip()
     netloc = host if port is None or _DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
     if parts.username is not None:
         userinfo = parts.username + (f":{parts.password}" if parts.password is not None else "")
@@ -110,14 +111,17 @@ class TokenReader:
     """Turns a bearer token into an ``AuthView``; verifies signatures when a key or JWKS URL is set.
 
     Without a key the claims are read unverified and the view says ``unverified``: good enough to
-    observe an audience gap, never to grant access. ``subject_salt`` keys the subject hash so that a
-    hash cannot be reversed by hashing candidate user names; by default it comes from
-    ``MCP_STREAM_SUBJECT_SALT``, or is random per process (set it to correlate across processes).
+    observe an audience gap, never to grant access. ``issuers``: when set, a token verifies only if its
+    ``iss`` is one of them (set it wherever one key or JWKS signs for more than one issuer or tenant).
+    ``subject_salt`` keys the principal hash (``AuthView.subject_hash``) so that a hash cannot be
+    reversed by hashing candidate user names; by default it comes from ``MCP_STREAM_SUBJECT_SALT``, or
+    is random per process (set it to correlate across processes).
     """
 
     key: Any = None
     jwks_url: str | None = None
     algorithms: tuple[str, ...] = ("RS256", "ES256", "PS256", "EdDSA", "HS256")
+    issuers: tuple[str, ...] = ()
     subject_salt: bytes = _PROCESS_SALT
     cache_size: int = 1024
     clock: Callable[[], float] = time.time
@@ -185,27 +189,37 @@ class TokenReader:
         verification: Verification = "unverified"
         if self.verifies:
             verification = "verified" if self._verify(token) else "failed"
-        subject = claims.get("sub")
         exp = claims.get("exp")
         return AuthView(
             audience=canonical_resources(_as_set(claims.get("aud"), split=False)),
             scopes=_as_set(claims.get("scope"), split=True) | _as_set(claims.get("scp"), split=True),
-            subject_hash=self._hash_subject(subject) if isinstance(subject, str) else None,
+            subject_hash=self._hash_principal(claims),
             fingerprint=fingerprint,
             verification=verification,
             expires_at=float(exp) if isinstance(exp, int | float) else None,
         )
 
     def _verify(self, token: str) -> bool:
+        """Whether the token's signature, times and issuer hold. Fails closed: whatever goes wrong (pyjwt raises
+        TypeError, not PyJWTError, for a token whose header names an algorithm of another key type) is a
+        token that did not verify."""
         try:
             key = self._jwks.get_signing_key_from_jwt(token).key if self._jwks else self.key
-            jwt.decode(token, key, algorithms=list(self.algorithms), options={"verify_aud": False})
-        except (jwt.PyJWTError, ValueError):
+            claims = jwt.decode(token, key, algorithms=list(self.algorithms), options={"verify_aud": False})
+        except Exception:  # any failure to verify is a refusal, never an error page
             return False
-        return True
+        return not self.issuers or claims.get("iss") in self.issuers
 
-    def _hash_subject(self, subject: str) -> str:
-        return hmac.new(self.subject_salt, subject.encode(), hashlib.sha256).hexdigest()[:_FINGERPRINT_CHARS]
+    def _hash_principal(self, claims: Mapping[str, Any]) -> str | None:
+        """Who the token speaks for, hashed: its issuer, subject and client (``client_id``, else ``azp``), as
+        the SDK binds a session to them; None when it names neither subject nor client. A client-credentials
+        token has no subject, and a user's token from another client app is another principal."""
+        subject, client = claims.get("sub"), claims.get("client_id", claims.get("azp"))
+        if not isinstance(subject, str) and not isinstance(client, str):
+            return None
+        principal = json.dumps([str(claims.get("iss")), subject if isinstance(subject, str) else None,
+                                client if isinstance(client, str) else None])
+        return hmac.new(self.subject_salt, principal.encode(), hashlib.sha256).hexdigest()[:_FINGERPRINT_CHARS]
 
 
 @dataclass(frozen=True, slots=True)

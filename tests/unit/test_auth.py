@@ -33,6 +33,8 @@ from mcp_stream_exporter.lab import TokenIssuer
         ("https://mcp.example.com/x#frag", "https://mcp.example.com/x"),
         ("https://mcp.example.com/Tools", "https://mcp.example.com/Tools"),  # paths keep their case
         ("https://[::1]:443/mcp", "https://[::1]/mcp"),
+        ("https://mcp.example.com:99999/tools/fetch", "https://mcp.example.com:99999/tools/fetch"),  # no port
+        ("https://mcp.example.com:abc/tools/fetch", "https://mcp.example.com:abc/tools/fetch"),
     ],
 )
 def test_canonical_resource_normalises_case_default_ports_and_one_trailing_slash(raw, canonical):
@@ -104,6 +106,39 @@ def test_subject_hash_depends_on_the_salt():
     token = _unsigned({"sub": "alice"})
     assert TokenReader(subject_salt=b"one").read(token).subject_hash != \
         TokenReader(subject_salt=b"two").read(token).subject_hash
+
+
+def test_the_principal_is_the_issuer_subject_and_client_as_the_sdk_binds_a_session():
+    reader = TokenReader(subject_salt=b"s")
+
+    def principal(**claims: str) -> str | None:
+        return reader.read(_unsigned({"iss": "https://as.example", **claims})).subject_hash
+
+    alice = principal(sub="alice", client_id="app")
+    assert alice is not None and alice == principal(sub="alice", client_id="app", aud="https://other.example")
+    assert alice != principal(sub="alice", client_id="evil")  # a user's token from another client app
+    assert alice != reader.read(_unsigned({"iss": "https://evil.example", "sub": "alice",
+                                           "client_id": "app"})).subject_hash
+    assert principal(client_id="svc-a") not in (None, principal(client_id="svc-b"))  # client credentials: no sub
+    assert principal(azp="app", sub="alice") == alice
+    assert principal() is None  # names nobody
+
+
+def test_a_token_whose_header_names_another_key_type_fails_verification_instead_of_raising():
+    issuer = TokenIssuer()
+    reader = TokenReader(key=issuer.public_key)
+    for alg, key in (("HS256", "a-shared-secret-long-enough-for-hmac-256"), ("none", None)):
+        token = jwt.encode({"sub": "alice", "aud": ["https://a.example"]}, key, algorithm=alg)
+        assert reader.read(token).verification == "failed"
+
+
+def test_a_verifying_reader_with_issuers_takes_only_their_tokens():
+    key = "one-key-that-signs-for-two-tenants-0123456789"
+    reader = TokenReader(key=key, issuers=("https://as.example",))
+    for claims, verification in (({"iss": "https://as.example"}, "verified"),
+                                 ({"iss": "https://evil.example"}, "failed"), ({}, "failed")):
+        token = jwt.encode({**claims, "sub": "alice", "aud": ["https://a.example"]}, key, algorithm="HS256")
+        assert reader.read(token).verification == verification
 
 
 def test_signature_verified_with_a_key_and_failed_with_the_wrong_one():

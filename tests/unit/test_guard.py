@@ -257,11 +257,12 @@ def test_a_token_whose_audience_cannot_be_trusted_is_refused_every_event_that_re
     assert notice["missing_resources"] == [FETCH]
 
 
-def test_a_failed_token_still_gets_events_that_require_nothing():
+def test_a_token_that_failed_verification_gets_nothing_not_even_events_that_require_nothing():
+    """Its claims, the principal among them, are whatever its forger wrote: nothing of the session is its."""
     s = Session(GuardedEventStore(POLICY))
     ids = s.call(2, "unlisted-tool")
-    _, delivered, notices = s.resume(ids[0], AuthView(verification="failed"))
-    assert (delivered, notices) == (ids[1:], [])
+    _, delivered, (notice,) = s.resume(ids[0], AuthView(verification="failed"))
+    assert (delivered, notice["error"]) == ([], "token_unverified")
 
 
 def test_opaque_tokens_are_replayed_only_when_the_setting_allows_them():

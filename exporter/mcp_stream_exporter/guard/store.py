@@ -243,12 +243,12 @@ class GuardedEventStore(EventStore):
         """None when ``auth`` may see an event with this requirement and owner; else why not."""
         if requirement is None:
             return REQUIREMENT_UNKNOWN
-        if subject is not None and subject != auth.subject_hash:
+        if auth.verification == "failed" or (self.tokens.verifies and auth.verification == "unverified"):
+            return TOKEN_UNVERIFIED  # before the principal: an unverified token's claims name nobody
+        if subject != auth.subject_hash:  # both None only when neither token names a principal
             return PRINCIPAL_MISMATCH
         if requirement == NO_REQUIREMENT:
             return None
-        if auth.verification == "failed" or (self.tokens.verifies and auth.verification == "unverified"):
-            return TOKEN_UNVERIFIED
         if auth.verification == "opaque":
             return None if self.opaque == "allow" else AUDIENCE_UNKNOWN
         return None if auth.grants(requirement) else INSUFFICIENT_AUDIENCE
