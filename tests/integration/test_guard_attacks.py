@@ -141,18 +141,25 @@ async def test_a_narrow_token_reusing_a_pending_fetchs_request_id_never_gets_fet
     broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
     narrow = issuer.mint([SEARCH_RESOURCE])
     TOKENS_USED.extend((broad, narrow))
-    async with guarded_server(issuer, GuardedEventStore(policy)) as server, honest_client(server, broad) as (c, p):
+    store = GuardedEventStore(policy)
+    async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
         fetch = await fetch_in_flight(c, p)
         (session_id,) = server.session_ids()
+        used = [n for n in range(10) if await store.storage.requirement(session_id, str(n)) is not None]
+        answers = []
         async with httpx.AsyncClient(timeout=5) as http:
-            for request_id in range(0, 4):  # SDK request ids are small integers: reuse each
+            for request_id in used:  # the SDK's ids so far (small integers), the pending fetch's among them
                 call = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
                         "params": {"name": "search", "arguments": {"query": "x"}}}
-                await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(call))
+                answers.append(await http.post(server.url, headers=headers(session_id, narrow),
+                                               content=json.dumps(call)))
         bodies = await resume_everywhere(server.url, session_id, narrow)
-        fetch.cancel()
+        result = await asyncio.wait_for(fetch, 20)  # the honest caller still gets its own result
+    assert len(used) >= 2 and [a.status_code for a in answers] == [409] * len(used)  # initialize's, fetch's
+    assert not leaked([a.text for a in answers]), "a POST reusing fetch's id was handed fetch's stream"
     assert not leaked(bodies), "a narrow token read fetch's events"
     assert any('"error": "insufficient_audience"' in b for b in bodies)  # refused, explicitly
+    assert SECRET in str(result)
 
 
 async def test_other_sessions_filling_the_guards_tables_never_let_a_narrow_resume_through():
@@ -167,7 +174,8 @@ async def test_other_sessions_filling_the_guards_tables_never_let_a_narrow_resum
         async with honest_client(server, narrow) as (attacker, _):  # its own session
             (other,) = server.session_ids() - {victim}
             async with httpx.AsyncClient(timeout=30) as http:
-                for start in range(0, 120_000, 40_000):  # three batches of tools/call, 40,000 ids each
+                # three batches of tools/call, 40,000 ids each, none its own client's (a reused id is refused)
+                for start in range(1_000_000, 1_120_000, 40_000):
                     batch = [{"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": {"name": "search"}}
                              for n in range(start, start + 40_000)]
                     await http.post(server.url, headers=headers(other, narrow), content=json.dumps(batch))

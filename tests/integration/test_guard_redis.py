@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -232,3 +234,29 @@ async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_sti
             with pytest.raises(MCPError) as unknown:
                 await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
             assert Refusal.from_data(unknown.value.data).error == "unknown_cursor"
+
+
+async def test_a_reused_request_id_is_refused_on_any_replica_and_a_deleted_session_is_resumed_nowhere(redis_server):
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    async with (replica(issuer, redis_server.url, "ended") as a, replica(issuer, redis_server.url, "ended") as b,
+                proxy_to(a.port) as proxy):
+        async with client(issuer, proxy) as lab:
+            proxy.arm(b"search step 1")  # a cut, then the SDK resumes on the same replica: a span with its ids
+            await lab.call("search", {"query": "q", "steps": 3}, timeout=15)
+            (post,) = ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+            session_id, cursor = str(post.attributes[sc.MCP_SESSION_ID]), str(post.attributes[sc.EVENT_LAST_ID])
+            request_id = post.attributes[sc.STREAM_REQUEST_IDS][0]
+            headers = {"authorization": f"Bearer {lab.broad}", "mcp-session-id": session_id,
+                       "mcp-protocol-version": "2025-11-25", "accept": "application/json, text/event-stream"}
+            reuse = {"jsonrpc": "2.0", "id": int(request_id), "method": "tools/call",
+                     "params": {"name": "search", "arguments": {"query": "again"}}}
+            async with httpx.AsyncClient(timeout=10) as http:
+                refused = await http.post(f"http://127.0.0.1:{b.port}/mcp", headers=headers, content=json.dumps(reuse))
+                assert refused.status_code == 409  # on the replica that never saw the session: Redis knows the id
+                resumed = await http.get(f"http://127.0.0.1:{b.port}/mcp", headers={**headers, "last-event-id": cursor})
+                assert resumed.status_code == 200 and "search results" in resumed.text  # the session's own resume
+        assert ("DELETE", 200) in a.requests  # the client ended its session
+        async with httpx.AsyncClient(timeout=10) as http:
+            after = await http.get(f"http://127.0.0.1:{b.port}/mcp", headers={**headers, "last-event-id": cursor})
+    assert after.status_code == 404 and "search results" not in after.text  # dropped from Redis: the SDK's 404

@@ -376,3 +376,67 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
     cursor = s.store_event(huge, None)
     assert cursor.startswith("unstored-")
     assert s.resume(cursor, BROAD)[2][0]["error"] == "unknown_cursor"
+
+
+def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None = "s1",
+                  chunks: int = 1) -> tuple[int, bytes, bytes | None]:
+    """One POST through the guard's ASGI layer to an app that reads its whole body: (status, what the client
+    got, the body the app read; None when the app never ran)."""
+    size = -(-len(body) // chunks)
+    messages = [{"type": "http.request", "body": body[i * size:(i + 1) * size], "more_body": i < chunks - 1}
+                for i in range(chunks)]
+    sent: list[dict] = []
+    seen: list[bytes] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        read = b""
+        while True:
+            message = await receive()  # type: ignore[operator]
+            read += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        seen.append(read)
+        await send({"type": "http.response.start", "status": 202, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
+
+    headers = [(b"mcp-session-id", session.encode())] if session else []
+    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "POST", "headers": headers},
+                                receive, send))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), seen[0] if seen else None
+
+
+def _tools_call(request_id: int, tool: str = "search") -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                       "params": {"name": tool, "arguments": {}}}).encode()
+
+
+def test_a_post_reusing_a_request_id_of_its_session_never_reaches_the_server():
+    """MCP forbids it, and the SDK would hand that id's stream (a pending call's events) to whoever sent it."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    assert _guarded_post(store, _tools_call(5, "fetch"), chunks=3) == (202, b"", _tools_call(5, "fetch"))
+    status, answer, reached = _guarded_post(store, _tools_call(5, "search"))
+    assert (status, reached) == (409, None)
+    assert json.loads(answer)["error"]["code"] == -32600
+    assert run(store.storage.requirement("s1", "5")) == Requirement.of([FETCH])  # never widened by the reuse
+    assert _guarded_post(store, _tools_call(5), session="s2")[0] == 202  # ids are per session
+    assert _guarded_post(store, _tools_call(6))[0] == 202
+
+
+def test_a_session_post_too_large_to_read_its_ids_is_refused_and_observe_mode_lets_both_through():
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    padded = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                         "params": {"name": "search", "arguments": {"pad": "x" * (4 * 1024 * 1024)}}}).encode()
+    assert _guarded_post(store, padded, chunks=4)[:2][0] == 413
+    observing = GuardedEventStore(POLICY, mode="observe")
+    run(observing.open_session("s1"))
+    assert _guarded_post(observing, padded, chunks=4) == (202, b"", padded)
+    run(observing.record_call("s1", "8", "fetch"))
+    assert _guarded_post(observing, _tools_call(8))[0] == 202

@@ -37,13 +37,14 @@ _MESSAGE: Final = TypeAdapter(JSONRPCMessage)
 _STREAM_ID: Final = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: the only event ids we hand out
 _MAX_SESSION_ID: Final = 256
 _TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the socket timeout allows for it
-_OPERATIONS: Final = ("open", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
+_OPERATIONS: Final = ("open", "close", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
                       "owner_alive", "heartbeat")
 
 _REQUIRE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local current = redis.call('HGET', KEYS[2], ARGV[1])
 if not current and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -2 end
+if current and ARGV[6] == '0' then return 1 end
 local function union(a, b)
   local seen, out = {}, {}
   for _, list in ipairs({a, b}) do
@@ -61,6 +62,7 @@ if current then
 end
 redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({r = resources, s = scopes}))
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+if current then return 1 end
 return 0
 """
 
@@ -144,6 +146,12 @@ class RedisEventStorage:
             await self._beat()
             await self._redis.set(self._keys(session_id)[0], self._instance, px=self._ttl_ms, nx=True)
 
+    async def close(self, session_id: str) -> None:
+        if len(session_id) > _MAX_SESSION_ID:
+            return
+        async with self._op("close"):
+            await self._redis.delete(*self._keys(session_id))
+
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
         if session_id is None:  # no session at all (initialize's priming event): nothing to keep
@@ -173,16 +181,19 @@ class RedisEventStorage:
         async with self._op("after"):
             return _events(await self._redis.xrange(self._keys(session_id)[2], f"({event.event_id}", "+"))
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
+                      widen: bool = True) -> bool:
         if len(session_id) > _MAX_SESSION_ID:
             self._evicted(1)
-            return
+            return True
         async with self._op("require"):
-            done = await self._require(keys=self._keys(session_id),
-                                       args=[stream_id, json.dumps(sorted(requirement.resources)),
-                                             json.dumps(sorted(requirement.scopes)), self._max_calls, self._ttl_ms])
-        if int(done) != 0:
+            done = int(await self._require(keys=self._keys(session_id),
+                                           args=[stream_id, json.dumps(sorted(requirement.resources)),
+                                                 json.dumps(sorted(requirement.scopes)), self._max_calls,
+                                                 self._ttl_ms, "1" if widen else "0"]))
+        if done < 0:  # the session is not open, or holds its maximum of streams
             self._evicted(1)
+        return done != 1
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         async with self._op("requirement"):

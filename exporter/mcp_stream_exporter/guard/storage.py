@@ -40,6 +40,11 @@ class EventStorage(Protocol):
         """A session is born (its initialize response named it)."""
         ...
 
+    async def close(self, session_id: str) -> None:
+        """The session ended (its client deleted it): its events and requirements go with it, so that no
+        resume of it is answered from them, here or on another replica."""
+        ...
+
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
         """Keep an event with the requirement its stream has now, atomically; its event id, or None
@@ -52,10 +57,14 @@ class EventStorage(Protocol):
         """The session's events stored after ``event``, in order."""
         ...
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
+                      widen: bool = True) -> bool:
         """Record that ``stream_id``'s events require ``requirement``, on top of (never instead of)
         what was recorded for it before; dropped (and counted) when the session is not open or holds
-        its maximum of streams already, so the stream's events are never replayed."""
+        its maximum of streams already, so the stream's events are never replayed. False when the
+        stream had a requirement already (a request id used before in the session), atomically; with
+        ``widen=False`` that requirement is then left as it was (the request is refused, and must not
+        change what the stream's honest resumes need)."""
         ...
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None: ...
@@ -125,6 +134,9 @@ class InMemoryEventStorage:
             self._sessions[session_id] = _Session(touched=self._clock())
             self._expire(self._clock())
 
+    async def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
         session = self._touch(session_id)
@@ -152,13 +164,16 @@ class InMemoryEventStorage:
             return []
         return [e for seq, e in session.events.values() if seq > cursor[0]]
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
+                      widen: bool = True) -> bool:
         session = self._touch(session_id)
         before = session.requirements.get(stream_id) if session is not None else None
         if session is None or (before is None and len(session.requirements) >= self._max_calls):
             self.evictions += 1
-            return
-        session.requirements[stream_id] = requirement if before is None else before | requirement
+            return True
+        if before is None or widen:
+            session.requirements[stream_id] = requirement if before is None else before | requirement
+        return before is None
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         session = self._sessions.get(session_id)

@@ -80,6 +80,7 @@ NO_REQUEST_CONTEXT: Final = "no_request_context"
 AMBIGUOUS_REQUEST: Final = "ambiguous_request"
 STORE_UNAVAILABLE: Final = "store_unavailable"
 SESSION_OWNER_GONE: Final = "session_owner_gone"
+SESSION_ENDED: Final = "session_ended"
 
 _DETAILS: Final = {
     INSUFFICIENT_AUDIENCE: "the token's aud or scopes do not cover this event's call: re-authorise for "
@@ -97,6 +98,8 @@ _DETAILS: Final = {
     STORE_UNAVAILABLE: "the guard's event storage is unavailable: resume from cursor later, or re-issue",
     SESSION_OWNER_GONE: "the server process that ran this session is gone and the call did not finish: "
                         "re-issue it",
+    SESSION_ENDED: "the session was ended (deleted) or expired while the call was pending: start a new session "
+                   "and re-issue it",
 }
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
@@ -271,15 +274,15 @@ class GuardedEventStore(EventStore):
                          and len(cursors) == 1 and request.session_id is not None)
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
-            body = bytearray()
-
-            async def guarded_receive() -> Message:
-                message = await receive()
-                if message["type"] == "http.request" and scope.get("method") == "POST" and len(body) <= MAX_PARSED_BODY:
-                    body.extend(message.get("body", b""))
-                    if not message.get("more_body", False) and len(body) <= MAX_PARSED_BODY:
-                        await self._record(request, bytes(body))  # too large to read: unknown, never replayed
-                return message
+            app_receive = receive
+            if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
+                read, body = await _read_post(receive)
+                refusal = await self._record(request, body)
+                if refusal is not None and self.mode == "enforce":
+                    _current.reset(token)
+                    await _refuse_post(send, *refusal)
+                    return
+                app_receive = _replaying(read, receive)
 
             async def guarded_send(message: Message) -> None:
                 if held or (elsewhere and message["type"] == "http.response.start" and message["status"] == 404):
@@ -290,12 +293,15 @@ class GuardedEventStore(EventStore):
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
                         await self._born(request)
+                elif (message["type"] == "http.response.start" and scope.get("method") == "DELETE"
+                      and message["status"] < 300 and request.session_id is not None):
+                    await self._ended(request.session_id)  # the SDK ended the session its client deleted
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": _rewrite_refusal(message["body"])}
                 await send(message)
 
             try:
-                await app(scope, guarded_receive, guarded_send)
+                await app(scope, app_receive, guarded_send)
                 if held and not await self._replay_elsewhere(request, cursors[0], receive, send):
                     for message in held:
                         await send(message)
@@ -310,14 +316,27 @@ class GuardedEventStore(EventStore):
         auth = ABSENT if ambiguous or not authorizations else self.tokens.from_authorization(authorizations[0])
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    async def _record(self, request: _Request, body: bytes) -> None:
+    async def _record(self, request: _Request, body: bytes | None) -> tuple[int, str] | None:
+        """Record what each request of a POST's body requires; the refusal (status, message) when the POST
+        must not reach the SDK: a request id its session used before (the SDK would hand that id's stream,
+        a pending call's events included, to whoever sent it: MCP forbids reusing an id in a session), or, in
+        a session, a body too large to read its ids from (``body`` None)."""
+        if body is None:
+            return (413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request "
+                         "ids") if request.session_id is not None else None
         for msg in read_body(body).requests:
             assert msg.id is not None
             if len(msg.id) > _MAX_ID:
                 continue  # unknown, so its stream's events are refused, never replayed
             request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))  # tool: None but for tools/call
-        if request.session_id is not None:
-            await self._flush(request)
+        if request.session_id is None:
+            return None  # initialize: recorded when its response names the session
+        reused = await self._flush(request)
+        if not reused:
+            return None
+        _log.warning("POST refused: it reuses %d request id(s) of its session", len(reused))
+        return 409, (f"request id {json.dumps(reused[0])[:64]} was already used in this session: a request id "
+                     "must not be reused within a session")
 
     async def _born(self, request: _Request) -> None:
         try:
@@ -326,13 +345,24 @@ class GuardedEventStore(EventStore):
             _log.exception("guard storage: session not opened; its streams cannot be resumed")
         await self._flush(request)
 
-    async def _flush(self, request: _Request) -> None:
+    async def _ended(self, session_id: str) -> None:
+        try:
+            await self.storage.close(session_id)
+        except StorageError:  # its keys expire with the session's TTL; until then a replica answers from them
+            _log.exception("guard storage: an ended session's events not dropped")
+
+    async def _flush(self, request: _Request) -> list[str]:
+        """Record the requests read so far in the request's session; the ids it had used before."""
         pending, request.pending = request.pending, []
+        reused = []
         try:
             for request_id, requirement in pending:
-                await self.storage.require(request.session_id, request_id, requirement)  # type: ignore[arg-type]
+                if not await self.storage.require(request.session_id, request_id,  # type: ignore[arg-type]
+                                                  requirement, widen=self.mode == "observe"):
+                    reused.append(request_id)  # refused in enforce mode: what the stream requires stays
         except StorageError:  # not recorded: the stream's events are refused, never replayed
             _log.exception("guard storage: requirements not recorded; those streams cannot be resumed")
+        return reused
 
     async def _replay_elsewhere(self, request: _Request, cursor: str, receive: Receive, send: Send) -> bool:
         """Answer a resume for a session another server process holds, from the shared storage: the
@@ -382,6 +412,9 @@ class GuardedEventStore(EventStore):
         while True:
             try:
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
+                if not events and not await storage.is_open(session_id):
+                    await emit(_refusal(_plain(SESSION_ENDED, last())))
+                    return
                 if not events and not await storage.owner_alive(session_id):
                     await emit(_refusal(_plain(SESSION_OWNER_GONE, last())))
                     return
@@ -404,6 +437,41 @@ class GuardedEventStore(EventStore):
     def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
         """Without the hooks: the server's Streamable HTTP app with this store, guarded."""
         return self.asgi(server.streamable_http_app(event_store=self, **app_options))
+
+
+async def _read_post(receive: Receive) -> tuple[list[Message], bytes | None]:
+    """A POST's body messages, read before the app runs, and its body; None past ``MAX_PARSED_BODY``
+    (the messages read until then are handed on as they are, the rest streams)."""
+    read: list[Message] = []
+    body = bytearray()
+    while True:
+        message = await receive()
+        read.append(message)
+        if message["type"] != "http.request":  # the client went away first: nothing to read
+            return read, b""
+        body += message.get("body", b"")
+        if len(body) > MAX_PARSED_BODY:
+            return read, None
+        if not message.get("more_body", False):
+            return read, bytes(body)
+
+
+def _replaying(read: list[Message], receive: Receive) -> Receive:
+    """``receive`` for the app: the messages already read, then the rest as they come."""
+    queued = iter(read)
+
+    async def replayed() -> Message:
+        message = next(queued, None)
+        return message if message is not None else await receive()
+
+    return replayed
+
+
+async def _refuse_post(send: Send, status: int, message: str) -> None:
+    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _request_refusal(request: _Request | None, cursor: str) -> dict[str, Any]:
