@@ -632,10 +632,10 @@ class Tracker:
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]
             self.span_of(call)
-        if not stateless:  # a stateless call lives and dies with its one stream: nothing to look up
-            previous = self._calls.pop(call.key, None)
-            if previous is not None:
-                self._evict(previous)
+        # a stateless call lives and dies with its one stream: nothing to look up. An id its session reuses while
+        # its call is pending (MCP forbids it, the guard refuses it) is observed on its own stream, untracked:
+        # the pending call stays the one its id finds
+        if not stateless and call.key not in self._calls:
             self._calls[call.key] = call
             while len(self._calls) > self._max_calls:
                 self._evict(self._calls.popitem(last=False)[1])
