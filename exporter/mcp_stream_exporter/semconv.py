@@ -101,6 +101,9 @@ TERMINAL_EVENT_ID: Final = "mcp_stream.terminal.event_id"
 TERMINAL_STREAM_KIND: Final = "mcp_stream.terminal.stream_kind"
 CALL_STREAMS: Final = "mcp_stream.call.streams"
 CALL_ARGUMENTS_HASH: Final = "mcp_stream.call.arguments_hash"  # client: salted hash of the tool and its arguments
+# 2026-07-28: the span id in the request's traceparent (the client SDK's request span), on both sides' call and
+# stream spans: two clients' calls of one id in one trace (an agent's turn using two servers) are told apart by it
+CALL_REQUEST_SPAN_ID: Final = "mcp_stream.call.request_span_id"
 REQUIRED_RESOURCES: Final = "mcp_stream.required.resources"
 REQUIRED_SCOPES: Final = "mcp_stream.required.scopes"
 POLICY_DECISION: Final = "mcp_stream.policy.decision"  # allowed | refused | unknown_tool

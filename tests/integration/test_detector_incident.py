@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from opentelemetry import trace
 
+from mcp_stream_exporter import instrument_client
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
-from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
+from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE, Incident, incident_policy
 
 from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, spans
 
@@ -126,6 +130,38 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
                 await lab.call("fetch", {"url": "u", "steps": 4})
             await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
         assert after_grace(found, clock) == []
+
+
+async def test_two_clients_in_one_trace_have_their_stateless_calls_judged_each_on_its_own():
+    """An agent's turn (one trace) with two connections, whose requests are numbered alike: both streams break,
+    the first client re-issues its fetch, the second's caller gives up on its search: that one is lost."""
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            http = instrument_client(auth=lab.auth, policy=incident_policy())
+            url = f"http://127.0.0.1:{lab.proxy.port}/mcp"
+            async with http, Client(streamable_http_client(url, http_client=http)) as sdk:
+                other = Incident(sdk, lab.proxy, lab.auth, lab.issuer, lab.broad, lab.narrow)
+                with trace.get_tracer("agent").start_as_current_span("agent turn"):
+                    lab.proxy.arm(b"fetch step 2")  # the reset breaks every live connection
+                    broken = await asyncio.gather(lab.call("fetch", {"url": "a", "steps": 4}, timeout=5),
+                                                  other.call("search", {"query": "q", "steps": 6}, timeout=5),
+                                                  return_exceptions=True)
+                    assert all(isinstance(outcome, MCPError) for outcome in broken)
+                    await lab.call("fetch", {"url": "a", "steps": 4})  # re-issued; the search is not
+        (finding,) = after_grace(found, clock)
+    assert (finding.rule, finding.tool) == ("not_reissued", "search")
+    recorded = [span_of(s) for s in spans()]
+    for reordered in (recorded[::-1], recorded[1::2] + recorded[::2]):  # whatever order the spans arrive in
+        again = Detector(clock=(later := Clock()))
+        for span in reordered:
+            again.consume([span])
+        later.advance(60)
+        again.tick()
+        assert [(f.rule, f.tool) for f in again.findings] == [("not_reissued", "search")]
+    calls = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
+    assert len({c.context.trace_id for c in calls}) == 1  # one trace, and ids alike
+    assert len({c.attributes[sc.JSONRPC_REQUEST_ID] for c in calls}) < len(calls)
+    assert len({c.attributes[sc.CALL_REQUEST_SPAN_ID] for c in calls}) == len(calls)  # what tells them apart
 
 
 async def test_a_stateless_call_the_client_times_out_on_is_cancelled_not_a_call_owed_a_reissue():

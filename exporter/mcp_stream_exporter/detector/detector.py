@@ -177,7 +177,7 @@ class Detector:
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):
-            self.timelines.attach(finding)
+            self.timelines.attach(finding, call.scope if call is not None else None)
             self.metrics.finding(finding)
             if self._on_finding is not None:
                 self._on_finding(finding)

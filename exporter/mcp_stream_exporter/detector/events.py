@@ -59,8 +59,8 @@ MODEL_KEYS: dict[str, type] = {
     **dict.fromkeys((sc.SPAN, sc.ROLE, sc.ERA, sc.MCP_SESSION_ID, sc.STREAM_KIND, sc.END_REASON, sc.EVENT_FIRST_ID,
                      sc.EVENT_LAST_ID, sc.RESUME_CURSOR, sc.GEN_AI_TOOL_NAME, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION,
                      sc.JSONRPC_REQUEST_ID, sc.CALL_OUTCOME, sc.TERMINAL_EVENT_ID, sc.TERMINAL_STREAM_KIND,
-                     sc.CALL_ARGUMENTS_HASH, sc.REPLAY_DECISION, sc.REPLAY_SENT_LAST_ID, sc.REPLAY_OFFENDING_EVENT_ID,
-                     sc.GUARD_DECISION), str),
+                     sc.CALL_ARGUMENTS_HASH, sc.CALL_REQUEST_SPAN_ID, sc.REPLAY_DECISION, sc.REPLAY_SENT_LAST_ID,
+                     sc.REPLAY_OFFENDING_EVENT_ID, sc.GUARD_DECISION), str),
     **dict.fromkeys((sc.HTTP_RESPONSE_STATUS_CODE, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT, sc.REPLAY_BUFFERED,
                      sc.REPLAY_SENT, sc.REPLAY_SKIPPED), int),
     **dict.fromkeys((sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS, sc.REQUIRED_RESOURCES,
@@ -117,7 +117,7 @@ class Common:
 
     role: str
     era: str
-    scope: str  # the session id, or ``trace:<id>`` where there is no session (2026-07-28)
+    scope: str  # the session id, or ``trace:<id>[/<request span id>]`` where there is none (2026-07-28)
     session_id: str | None
     trace_id: str
     span_id: str
@@ -335,8 +335,14 @@ def _common(a: Mapping[str, Any], where: Where, text: _Get) -> Common:
         raise Rejected("span ends before it starts")
     if len(trace_id) > _MAX_TRACE_ID or len(span_id) > _MAX_SPAN_ID or len(parent_span_id or "") > _MAX_SPAN_ID:
         raise Rejected("trace or span id longer than 16 or 8 bytes")
-    return Common(role, era, session_id or f"trace:{trace_id}", session_id, trace_id, span_id, start_ns, end_ns,
-                  origin)
+    return Common(role, era, session_id or _sessionless(trace_id, text(a, sc.CALL_REQUEST_SPAN_ID)), session_id,
+                  trace_id, span_id, start_ns, end_ns, origin)
+
+
+def _sessionless(trace_id: str, request_span_id: str | None) -> str:
+    """Where a call without a session (2026-07-28) is kept: its trace and, where its spans name it, the request
+    span it went out in (two clients in one trace number their requests alike)."""
+    return f"trace:{trace_id}" if request_span_id is None else f"trace:{trace_id}/{request_span_id}"
 
 
 def cut_origin(origin: str) -> str:

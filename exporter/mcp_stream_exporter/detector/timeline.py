@@ -210,9 +210,11 @@ class Timelines:
         if self.bytes > self.limits.max_bytes:
             self._shrink()
 
-    def attach(self, finding: Finding) -> None:
-        """A new finding: pin its call's timeline to it (call once per finding, when first raised)."""
-        timeline = self._calls.get(self._key(finding))
+    def attach(self, finding: Finding, scope: str | None = None) -> None:
+        """A new finding: pin its call's timeline to it (call once per finding, when first raised). ``scope``:
+        where its call is kept (``Common.scope``), when it has one; else read off the finding."""
+        key = (scope, finding.request_id or SESSION_LEVEL) if scope is not None else self._key(finding)
+        timeline = self._calls.get(key)
         if timeline is None:
             return
         if finding.id in self._findings:

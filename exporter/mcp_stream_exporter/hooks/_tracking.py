@@ -377,6 +377,8 @@ class Call(_Deferred):
         fingerprint = self.fingerprint
         if fingerprint is not None:
             attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
+        if self.stateless:
+            _request_span(attrs, self.traceparent)
         attrs.update(self._policy_attributes())
         name = f"{sc.SPAN_NAME_CALL} {self.method}" + (f" {self.tool}" if self.tool else "")
         return name, attrs
@@ -539,9 +541,22 @@ class Stream(_Deferred):
             attrs[sc.MCP_SESSION_ID] = self.session_id
         if self.calls:
             attrs[sc.STREAM_REQUEST_IDS] = list(self.request_ids[:sc.MAX_ITEMS])
-            if len(self.calls) == 1 and self.calls[0].tool is not None:
-                attrs[sc.GEN_AI_TOOL_NAME] = self.calls[0].tool
+            if len(self.calls) == 1:
+                call = self.calls[0]
+                if call.tool is not None:
+                    attrs[sc.GEN_AI_TOOL_NAME] = call.tool
+                if call.stateless:
+                    _request_span(attrs, call.traceparent)
         return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
+
+
+def _request_span(attrs: dict[str, AttributeValue], traceparent: str | None) -> None:
+    """A stateless call's request span id, from the traceparent its request carried (W3C: version, trace id,
+    parent id, flags), when it is one: both sides read the same request, so both name the same span."""
+    if traceparent is not None and len(traceparent) == 55 and traceparent[35] == "-":
+        span_id = traceparent[36:52]
+        if span_id != "0" * 16 and all(c in "0123456789abcdef" for c in span_id):
+            attrs[sc.CALL_REQUEST_SPAN_ID] = span_id
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
