@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TypeGuard
 
 from prometheus_client import CollectorRegistry
 
+from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import (
     CallEnd,
     Lifecycle,
@@ -66,6 +68,13 @@ class Outcome:
 
     def message(self) -> str:
         return "; ".join(f"{n} span(s): {reason}" for reason, n in sorted(self.rejected.items()))
+
+
+def _counts_twice(event: Lifecycle) -> TypeGuard[StreamEnd]:
+    """Whether the same span taken twice would change a finding: a stream that delivered a terminal event
+    (``duplicate_terminal``), or a resume (``resume_loop``). Every other event leaves the ledger as it
+    found it the first time, and findings are raised once each."""
+    return type(event) is StreamEnd and (event.kind == sc.STREAM_KIND_RESUME or bool(event.terminal_ids))
 
 
 class Detector:
@@ -144,8 +153,7 @@ class Detector:
                 if isinstance(event, OperationCounts):
                     self.metrics.operations.add(event)
                     continue
-                if not isinstance(event, Operation) and not self.ledger.first_sight(event.at.trace_id,
-                                                                                    event.at.span_id):
+                if _counts_twice(event) and not self.ledger.first_sight(event.at.trace_id, event.at.span_id):
                     continue  # delivered again (an exporter's retry): taken once
                 self.timelines.record(event, weight)
                 if isinstance(event, StreamEnd):

@@ -33,6 +33,8 @@ _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (de
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
 _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
 _INDEX_BYTES = 250  # one look-up entry
+_SEEN_BYTES = 96  # one span taken (``first_sight``): its int, its place in a set and in a deque
+_NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -44,18 +46,18 @@ class CallState:
 
     scope: str
     request_id: str
-    first_ns: int
     tool: str | None = None
     era: str = "resumable"
     required: tuple[str, ...] = ()
     owed_since: int | None = None  # a stream ended with the call pending
     clean_since: int | None = None  # ... and that stream ended cleanly (its side's clock): the silent-loss clock
-    clean_role: str | None = None  # whose clock that is: only that side's later progress stops it
-    clean_seen_ns: int | None = None  # when the detector learned of it: the grace runs from here, on its own clock
-    client_progress_ns: int = 0  # the latest end of a stream that moved it without its result, by each side's clock
-    server_progress_ns: int = 0
-    refused_ns: int | None = None  # the latest resume of it refused explicitly (an error frame, the guard)
-    retried_ns: int | None = None  # the latest start of a resume of it that was not refused
+    # whose clock clean_since is (only that side's later progress stops it), and when the detector learned of it
+    # (the grace runs from then, on its own clock)
+    clean_seen: tuple[str, int] | None = None
+    progress: tuple[int, int] = _NEVER  # the latest end of a resume that moved it without its result: client, server
+    # the latest end of a resume of it refused explicitly (an error frame, the guard), and the latest start of one
+    # that was not
+    resumed: tuple[int, int] = _NEVER
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
     stored_since: int | None = None  # the server stored its terminal event with no stream open to carry it
     stored_event_id: str | None = None
@@ -81,33 +83,35 @@ class CallState:
             self.span_ids += (span_id,)
 
     def progressed(self, role: str, end_ns: int) -> None:
-        """A stream ``role`` saw moved it without its result: a clean end that side saw before stops counting."""
-        if role == "client":
-            self.client_progress_ns = max(self.client_progress_ns, end_ns)
-        else:
-            self.server_progress_ns = max(self.server_progress_ns, end_ns)
-        if self.clean_role == role and self.clean_since is not None and end_ns > self.clean_since:
-            self.clean_since = self.clean_role = self.clean_seen_ns = None
+        """A resume ``role`` saw moved it without its result: a clean end that side saw before stops counting."""
+        client, server = self.progress
+        self.progress = (max(client, end_ns), server) if role == "client" else (client, max(server, end_ns))
+        clean_since, clean_seen = self.clean_since, self.clean_seen
+        if clean_since is not None and clean_seen is not None and clean_seen[0] == role and end_ns > clean_since:
+            self.clean_since = self.clean_seen = None
 
     def ended_clean(self, role: str, end_ns: int, now_ns: int) -> bool:
         """A stream ``role`` saw ended cleanly with it pending: the silent-loss clock starts, unless it runs
         already or that side saw it move after this end (spans come in any order); whether it runs."""
         if self.clean_since is None:
-            if end_ns < (self.client_progress_ns if role == "client" else self.server_progress_ns):
+            if end_ns < self.progress[0 if role == "client" else 1]:
                 return False  # it moved after this end (a tie: not after)
-            self.clean_since, self.clean_role, self.clean_seen_ns = end_ns, role, now_ns
+            self.clean_since, self.clean_seen = end_ns, (role, now_ns)
         return True
 
-    def refused(self, end_ns: int) -> None:
-        self.refused_ns = max(self.refused_ns or 0, end_ns)
+    def resume_refused(self, end_ns: int) -> None:
+        refused, retried = self.resumed
+        self.resumed = (max(refused, end_ns), retried)
 
-    def retried(self, start_ns: int) -> None:
-        self.retried_ns = max(self.retried_ns or 0, start_ns)
+    def resume_retried(self, start_ns: int) -> None:
+        refused, retried = self.resumed
+        self.resumed = (refused, max(retried, start_ns))
 
     @property
     def told(self) -> bool:
         """Its last resume was refused explicitly: its caller was told why, so it is no silent loss."""
-        return self.refused_ns is not None and (self.retried_ns is None or self.retried_ns < self.refused_ns)
+        refused, retried = self.resumed
+        return refused > retried
 
     def finding(self, rule: str) -> str | None:
         return self.findings.get(rule) if self.findings is not None else None
@@ -176,7 +180,9 @@ class Ledger:
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
         self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
-        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()  # the latest model spans taken: trace, span id
+        # the latest stream spans taken (``first_sight``), as ints: a set to look up, a ring for their order
+        self._seen: set[int] = set()
+        self._seen_order: deque[int] = deque()
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         self._seq = 0
         self._timer_bits: dict[str, int] = {}
@@ -206,7 +212,7 @@ class Ledger:
         else:
             call = calls if calls is not None and calls.request_id == request_id else None
         if call is None:
-            call = CallState(session.scope, request_id, now_ns)
+            call = CallState(session.scope, request_id)
             calls = self._add_call(session, call)
             if calls is not None and len(calls) > self.limits.max_calls_per_session:
                 self._forget(calls.pop(next(iter(calls))))
@@ -307,17 +313,29 @@ class Ledger:
     # --- look-ups that outlive a span: spans taken, the SDK's request span, and tools (re-)issued ---
 
     def first_sight(self, trace_id: str, span_id: str) -> bool:
-        """Whether a model span is new: an exporter that retries a batch the detector took (its answer lost or
-        late) delivers the same spans again, which must not count twice. Only model spans come here (few on
-        healthy traffic), and a retry follows its batch closely: a bounded window does. A span without a
-        valid id (8 bytes) cannot be told from another: always new."""
+        """Whether a stream span is new: an exporter that retries a batch the detector took (its answer lost or
+        late) delivers the same spans again, which must not count twice. Only the stream spans that would
+        (``Detector.apply``) come here: few, and a retry follows its batch closely, so a bounded window does.
+        A span without a valid id (8 bytes) cannot be told from another: always new."""
         if len(span_id) != 16:
             return True
-        key = (trace_id, span_id)
-        if key in self._seen:
+        try:  # the span id, told apart by its trace's low half: one int, not two strings and a tuple
+            key = int(span_id, 16) ^ int(trace_id[-16:], 16) << 1
+        except ValueError:
+            return True
+        seen = self._seen
+        if key in seen:
             return False
-        self._index_bytes += _bounded_put(self._seen, key, None, self.limits.max_index)
+        seen.add(key)
+        self._seen_order.append(key)
+        self._index_bytes += _SEEN_BYTES
+        if len(seen) > self.limits.max_index:
+            self._forget_seen()
         return True
+
+    def _forget_seen(self) -> None:
+        self._seen.discard(self._seen_order.popleft())
+        self._index_bytes -= _SEEN_BYTES
 
     def link_sdk_span(self, span_id: str, call: CallState) -> None:
         self._index_bytes += _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id),
@@ -406,7 +424,7 @@ class Ledger:
         self._touched.clear()
         evicted = 0
         while self.bytes > self.limits.max_bytes and self._seen:  # a shorter retry window before any session
-            self._index_bytes -= _entry_bytes(*self._seen.popitem(last=False))
+            self._forget_seen()
         while self.bytes > self.limits.max_bytes and self._sessions:
             self._drop(self._sessions.popitem(last=False)[1], "memory")
             evicted += 1
@@ -441,7 +459,8 @@ class Ledger:
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
-        self._seen.clear()  # not kept: a retry rarely outlives a restart
+        while self._seen:  # not kept: a retry rarely outlives a restart
+            self._forget_seen()
         self._index_bytes = sum(_entry_bytes(k, v) for k, v in self._sdk_spans.items()) + sum(
             _entry_bytes(k, v) for k, v in self._issued.items())
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
@@ -468,7 +487,8 @@ class Ledger:
         session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"], deleted=s.get("deleted", False))
         self._bytes += _SESSION_BYTES + _size(session.scope)
         for row in s["calls"]:
-            values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in row.items()}
+            values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v
+                                      for k, v in row.items() if k in _FIELDS}
             self._add_call(session, CallState(**values))
         if s["resumes"]:
             session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
@@ -516,6 +536,7 @@ class Ledger:
             self._in_flight -= 1
 
 
+_FIELDS = frozenset(f.name for f in fields(CallState))  # a row of an older snapshot may hold others: left out
 _TUPLES = frozenset(f.name for f in fields(CallState) if str(f.type).startswith("tuple"))
 _ROLES: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}  # (roles, role) -> roles with it: shared tuples
 

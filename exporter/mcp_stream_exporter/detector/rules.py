@@ -146,7 +146,7 @@ class RuleEngine:
                 if event_id is not None:
                     self.ledger.note_cursor(session, event_id, e.request_ids)
         progressed = bool(e.terminal_ids) or (e.last_event_id is not None and e.last_event_id != e.cursor)
-        if progressed:
+        if progressed and e.kind == sc.STREAM_KIND_RESUME:  # a POST ends before any other stream of its calls
             for call in calls.values():
                 if not call.terminal:  # it moved: the silent-loss clock starts again at its next clean end
                     call.progressed(at.role, at.end_ns)
@@ -199,9 +199,9 @@ class RuleEngine:
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if call is not None:
             if explicit:
-                call.refused(at.end_ns)
+                call.resume_refused(at.end_ns)
             else:
-                call.retried(at.start_ns)
+                call.resume_retried(at.start_ns)
         if e.token.gap and not explicit:
             self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
                        lambda: {**evidence(), **_gap(e.token, e.required)})
@@ -280,9 +280,9 @@ class RuleEngine:
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         for rid in e.pending_ids or e.request_ids:
             if explicit:
-                calls[rid].refused(at.end_ns)
+                calls[rid].resume_refused(at.end_ns)
             else:
-                calls[rid].retried(at.start_ns)
+                calls[rid].resume_retried(at.start_ns)
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
@@ -336,7 +336,7 @@ class RuleEngine:
     def _clean_end_due(self, call: CallState) -> int:
         """When a clean end's grace runs out: counted on the detector's clock from when it learned of the end,
         so a producer's clock, ahead or behind, neither delays the page nor lets the session expire first."""
-        seen = call.clean_seen_ns if call.clean_seen_ns is not None else call.clean_since  # a snapshot's call
+        seen = call.clean_seen[1] if call.clean_seen is not None else call.clean_since  # a snapshot's call
         assert seen is not None
         return seen + self._clean_end_grace_ns
 
