@@ -1,16 +1,607 @@
-"""The hooks' call book-keeping (``hooks._tracking.Tracker``), where the wire breaks the protocol."""
+"""The call/stream tracker both hooks share: outcomes, pending lists, bounds."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import ABSENT
-from mcp_stream_exporter.hooks._tracking import DeviationTracer, Tracker
-from mcp_stream_exporter.wire import TOOLS_CALL, request_message
+from mcp_stream_exporter.auth import ABSENT, TokenReader, ToolPolicy
+from mcp_stream_exporter.detector import Detector, DetectorConfig
+from mcp_stream_exporter.detector.embedded import span_of
+from mcp_stream_exporter.exchange import CONTENT_SSE
+from mcp_stream_exporter.hooks._observer import WireObserver, _Exchange
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
+from mcp_stream_exporter.scope import RequestScope
+from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
+from mcp_stream_exporter.wire import TOOLS_CALL, classify, classify_body, request_message, result_id
+
+
+def _tracker(**kw):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracker(provider.get_tracer("t"), sc.ROLE_CLIENT, **kw), exporter
+
+
+def _request(rid, tool="fetch"):
+    return classify(f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"{tool}"}}}}')[0]
+
+
+def _response(rid):
+    return classify(f'{{"jsonrpc":"2.0","id":{rid},"result":{{}}}}')
+
+
+def _by(exporter, kind):
+    return [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == kind]
+
+
+def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame("", id="e1"), [])
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert span.attributes[sc.END_REASON] == sc.END_CLEAN
+    assert _by(exporter, sc.SPAN_CALL) == []  # resumable: a resume may still deliver it
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    (call_span,) = _by(exporter, sc.SPAN_CALL)
+    assert call_span.attributes[sc.TERMINAL_EVENT_ID] == "e2"
+    assert call_span.attributes[sc.TERMINAL_STREAM_KIND] == sc.STREAM_KIND_RESUME
+    assert call_span.attributes[sc.CALL_STREAMS] == 2
+    assert tracker.calls_of_cursor("s", "e1") == ()
+
+
+def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert tracker.call((None, "1")) is None
+
+
+def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there():
+    tracker, exporter = _tracker()
+    mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    other = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame("x", id="e9"), _response(2))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.STREAM_REQUEST_IDS] == ("1",)
+    assert span.attributes[sc.TERMINAL_REQUEST_IDS] == ("2",)
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert other.done and not mine.done
+
+
+def test_a_stream_flooded_with_other_calls_results_still_tells_the_detector_its_own_call_is_pending():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    for n in range(2, 2 + 3 * sc.MAX_ITEMS):
+        tracker.frame(stream, SSEFrame("x", id=f"e{n}"), _response(n))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.TERMINAL_REQUEST_IDS] == tuple(str(n) for n in range(2, 2 + sc.MAX_ITEMS))
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    detector = Detector(DetectorConfig(), clock=lambda: span.end_time)
+    outcome = detector.consume([span_of(span)])
+    assert outcome.rejected_count == 0  # a list past the bound would have had the whole span refused
+    assert [f.rule for f in detector.findings] == ["foreign_result"]
+
+
+def test_a_result_delivered_twice_on_one_stream_is_listed_twice_for_duplicate_terminal():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame("x", id="e1"), _response(1))
+    tracker.frame(stream, SSEFrame("x", id="e2"), _response(1))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.TERMINAL_REQUEST_IDS] == ("1", "1")
+    detector = Detector(DetectorConfig(), clock=lambda: span.end_time)
+    detector.consume([span_of(span)])
+    assert [f.rule for f in detector.findings] == ["duplicate_terminal"]
+
+
+def test_a_streams_own_answered_calls_stay_listed_past_a_flood_of_other_results():
+    tracker, exporter = _tracker()
+    calls = [tracker.start_call("s", _request(n), None, ABSENT, stateless=False) for n in (1, 2)]
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", calls, {}, ABSENT, 200)
+    for n in range(10, 10 + sc.MAX_ITEMS):
+        tracker.frame(stream, SSEFrame("x"), _response(n))
+    for _ in range(3):  # past the bound, its own call's result is listed once
+        tracker.frame(stream, SSEFrame("x"), _response(2))
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    listed = span.attributes[sc.TERMINAL_REQUEST_IDS]
+    assert len(listed) == sc.MAX_ITEMS and listed[0] == "2" and listed.count("2") == 1 and "10" in listed
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+
+
+def test_an_event_id_of_any_length_is_indexed_for_resumes_by_a_digest_past_the_bound():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    longest, long = "e" * sc.MAX_CHARS, "e" * 1_000_000
+    tracker.frame(stream, SSEFrame("", id=longest), [])
+    tracker.frame(stream, SSEFrame("", id=long), [])
+    assert tracker.calls_of_cursor("s", longest) == tracker.calls_of_cursor("s", long) == (call,)
+    assert tracker.calls_of_cursor("s", long[:-1]) == ()
+    assert max(len(event_id) for _, event_id in tracker._event_index) <= sc.MAX_CHARS
+
+
+def test_error_frames_are_recorded_and_do_not_complete_the_call():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"error":"insufficient_audience"}', event="error"), [])
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.ERROR_FRAMES_COUNT] == 1
+    assert [e.name for e in span.events] == [sc.EVENT_ERROR_FRAME]
+    assert not call.done
+
+
+def test_a_long_stream_not_yet_a_span_keeps_only_the_frames_its_span_would_keep():
+    limit = SpanLimits().max_events
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    progress = classify('{"jsonrpc":"2.0","method":"notifications/progress","params":{}}')
+    for n in range(3 * limit):
+        tracker.frame(stream, SSEFrame("", id=f"e{n}"), progress)
+        assert len(stream._events or ()) <= limit  # bounded while the stream is followed, not only once a span
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert [e.attributes[sc.EVENT_ID] for e in span.events] == [f"e{n}" for n in range(2 * limit, 3 * limit)]
+    assert span.attributes[sc.EVENTS_COUNT] == 3 * limit
+
+
+def test_an_error_frame_that_quotes_a_credential_is_recorded_without_it():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+    jwt = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOiJ4In0.c2lnbmF0dXJl"
+    quoted = "x" * 2000 + f'{{"error":"invalid_token","authorization":"Bearer {jwt}"}}'
+    tracker.frame(stream, SSEFrame(f"token {jwt} refused", event="error"), [])
+    tracker.frame(stream, SSEFrame(quoted[:1000] + jwt + quoted[1000:], event="error"), [])  # across the cut
+    tracker.end_stream(stream, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    recorded = [e.attributes[sc.ERROR_FRAME_DATA] for e in span.events if e.name == sc.EVENT_ERROR_FRAME]
+    assert recorded[0] == "token [redacted] refused"
+    assert len(recorded) == 2 and not any(jwt[:20] in r for r in recorded)
+
+
+def test_cancel_and_eviction_end_pending_calls():
+    tracker, exporter = _tracker(max_calls=2)
+    for rid in (1, 2, 3):
+        tracker.start_call("s", _request(rid), None, ABSENT, stateless=False)
+    tracker.cancel(("s", "3"))
+    outcomes = {s.attributes[sc.JSONRPC_REQUEST_ID]: s.attributes[sc.CALL_OUTCOME]
+                for s in _by(exporter, sc.SPAN_CALL)}
+    assert outcomes == {"1": sc.OUTCOME_EVICTED, "3": sc.OUTCOME_CANCELLED}
+    tracker.shutdown()
+    assert len(_by(exporter, sc.SPAN_CALL)) == 3
+
+
+def test_a_post_that_delivers_its_calls_terminal_emits_no_span():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame("", id="e1"), [])
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    tracker.end_stream(stream, sc.END_CLOSED, 200)
+    assert exporter.get_finished_spans() == ()
+    assert call.done
+
+
+def test_a_result_stored_with_no_stream_open_ends_the_call_span_then_and_a_resume_still_carries_the_call():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.stored(call, "e0", sc.OUTCOME_RESULT)  # its POST is open: the POST will carry it
+    assert _by(exporter, sc.SPAN_CALL) == []
+    tracker.end_stream(post, sc.END_DROPPED)
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT)  # nothing open carries it now
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert (span.attributes[sc.CALL_OUTCOME], span.attributes[sc.TERMINAL_EVENT_ID]) == (sc.OUTCOME_RESULT, "e2")
+    assert sc.TERMINAL_STREAM_KIND not in span.attributes
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    tracker.end_stream(resume, sc.END_CLEAN)
+    assert call.done and len(_by(exporter, sc.SPAN_CALL)) == 1  # its span is not touched again
+    (resumed,) = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes.get(sc.TERMINAL_REQUEST_IDS)]
+    assert resumed.attributes[sc.TERMINAL_REQUEST_IDS] == ("1",)
+
+
+def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_call_does_not():
+    tracker, exporter = _tracker()
+    computed: list[str] = []
+
+    def identify(fingerprint: str):
+        def compute(tool: str | None, arguments: object) -> str:
+            assert (tool, arguments) == ("fetch", None)  # what the request named
+            computed.append(fingerprint)
+            return fingerprint
+        return compute
+
+    healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True, identify=identify("a"))
+    assert computed == []  # nothing broke: no fingerprint is computed on the healthy path
+    tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, [healthy], {}, ABSENT, 200), sc.END_DROPPED)
+    other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True, identify=identify("b"))
+    reissue = tracker.start_call(None, _request(3), "2026-07-28", ABSENT, stateless=True, identify=identify("a"))
+    (broken,) = _by(exporter, sc.SPAN_CALL)
+    assert broken.attributes[sc.CALL_ARGUMENTS_HASH] == "a"
+    assert other.span is None  # same tool, other arguments: not the re-issue, still on the healthy path
+    assert reissue.span is not None  # the re-issue: a span of ours, whatever becomes of it
+    assert computed == ["a", "b", "a"]
+
+
+def _request_with_traceparent(rid, traceparent):
+    meta = json.dumps({"traceparent": traceparent})
+    body = f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"fetch","_meta":{meta}}}}}'
+    return classify(body)[0]
+
+
+@pytest.mark.parametrize("traceparent", [
+    "x" * 55, "-" * 60, "00-" + "g" * 32 + "-" + "0" * 16 + "-01", "00-0x" + "1" * 30 + "-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f0_7aa0ba902b7-01",
+    "00-4BF92F3577B34DA6A3CE929D0E0E4736-00F067AA0BA902B7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\u0661", "ab-cd", ""])
+def test_a_junk_traceparent_from_the_client_still_lets_the_calls_deviation_spans_out(traceparent):
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request_with_traceparent(1, traceparent), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED, 200)
+    tracker.cancel(("s", "1"))
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.parent is None, "junk is no parent"
+    assert _by(exporter, sc.SPAN_STREAM)
+
+
+def test_a_well_formed_traceparent_makes_the_sdks_request_span_the_calls_parent():
+    tracker, exporter = _tracker()
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    call = tracker.start_call("s", _request_with_traceparent(1, tp), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED, 200)
+    tracker.cancel(("s", "1"))
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
+
+
+def test_a_failed_stream_has_an_error_status_and_type_and_a_clean_end_has_neither():
+    from opentelemetry.trace import StatusCode
+
+    tracker, exporter = _tracker()
+    for rid, reason, status in ((1, sc.END_DROPPED, 200), (2, sc.END_HTTP_ERROR, 503), (3, sc.END_CLEAN, 200)):
+        call = tracker.start_call("s", _request(rid), "2025-11-25", ABSENT, stateless=False)
+        tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, status), reason, status)
+    dropped, refused, clean = _by(exporter, sc.SPAN_STREAM)
+    assert (dropped.status.status_code, dropped.attributes[sc.ERROR_TYPE]) == (StatusCode.ERROR, "dropped")
+    assert (refused.status.status_code, refused.attributes[sc.ERROR_TYPE]) == (StatusCode.ERROR, "503")
+    assert clean.status.status_code == StatusCode.UNSET and sc.ERROR_TYPE not in clean.attributes
+    assert {s.attributes[sc.NETWORK_TRANSPORT] for s in (dropped, refused, clean)} == {"tcp"}
+
+
+def test_a_json_answer_that_is_its_one_calls_result_ends_the_call_with_no_stream_and_no_span():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    assert tracker.answered([call], _response(1))
+    assert call.done and tracker.call(("s", "1")) is None
+    assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(("body", "stream_span"), [
+    ('{"jsonrpc":"2.0","id":2,"result":{}}', True),  # another call's result: the call is owed
+    ('{"jsonrpc":"2.0","id":1,"error":{"code":-32003,"message":"refused"}}', False),  # an error answers it
+    ('{"jsonrpc":"2.0","method":"notifications/message","params":{}}', True),  # no terminal at all
+    ('[{"jsonrpc":"2.0","id":1,"result":{}},{"jsonrpc":"2.0","id":2,"result":{}}]', True),  # and another's
+    ("not json", True),
+])
+def test_a_json_answer_that_is_anything_else_leaves_the_call_to_its_stream_followed_in_full(body, stream_span):
+    """``answered`` declines and changes nothing: the hooks then open the stream and read the body on it,
+    as if it had been followed from the start, and a stream that owes the call, or carried another's
+    result, says so."""
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    messages = classify(body)
+    assert not tracker.answered([call], messages)
+    assert not call.done and exporter.get_finished_spans() == ()
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+    tracker.frame(stream, None, messages)
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert len(_by(exporter, sc.SPAN_STREAM)) == stream_span
+    if stream_span and not body.startswith("["):
+        assert _by(exporter, sc.SPAN_STREAM)[0].attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+        (call_span,) = _by(exporter, sc.SPAN_CALL)
+        assert call_span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    else:
+        assert call.done and _by(exporter, sc.SPAN_CALL) == []
+
+
+def test_a_json_answer_to_a_call_that_already_deviated_is_followed_on_its_stream():
+    """A call with a span of its own (here: made at call time) records its stream count and terminal stream
+    on that span: its answer is never taken off the stream."""
+    tracker, _ = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    tracker.span_of(call)
+    assert not tracker.answered([call], _response(1))
+    assert not tracker.answered([call, tracker.start_call(None, _request(2), None, ABSENT, stateless=True)],
+                                _response(1))
+    assert not call.done
+
+
+_TOOL_ERROR_BODY = b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"isError":true}}'
+
+
+def test_a_json_answer_known_by_its_head_ends_a_healthy_call_and_a_deviated_one_still_records_its_tool_error():
+    """``answered_by`` never needs a result's ``isError`` (a search of the whole body): it ends only a call
+    whose end records no outcome, and declines the rest, whose stream is then read in full and records the
+    outcome the body says on the call's span."""
+    tracker, exporter = _tracker()
+    healthy = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    assert tracker.answered_by([healthy], result_id(_TOOL_ERROR_BODY))
+    assert healthy.done and exporter.get_finished_spans() == ()
+
+    deviated = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    tracker.span_of(deviated)  # e.g. an audience gap at call time
+    other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True)
+    head = result_id(_TOOL_ERROR_BODY)
+    assert not tracker.answered_by([deviated], head) and not tracker.answered_by([other], head)
+    assert not tracker.answered_by([deviated, other], head) and not (deviated.done or other.done)
+    messages = classify_body(_TOOL_ERROR_BODY)  # what the hooks then read, on the stream they open
+    assert not tracker.answered([deviated], messages)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [deviated], {}, ABSENT, 200)
+    tracker.frame(stream, None, messages)
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (call_span,) = _by(exporter, sc.SPAN_CALL)
+    assert call_span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_TOOL_ERROR
+
+
+def _sse(event_id, data="", event=None):
+    return render(SSEFrame(data, event, event_id))
+
+
+_PROGRESS = '{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}'
+_RESULT = '{"jsonrpc":"2.0","id":1,"result":{}}'
+
+
+def _exchange(tracker):
+    """A POST of session ``s`` as the server's observer sees it."""
+    observer = WireObserver(tracker, Requirements(100), ToolPolicy(), TokenReader(), "/mcp")
+    return _Exchange(observer, "POST", 0, None, RequestScope("s"), "2025-11-25")
+
+
+def _held_exchange(tracker, call, chunks):
+    """A POST's SSE stream as the server's observer holds it, not opened as a stream: its chunks, each
+    with when it was sent."""
+    ex = _exchange(tracker)
+    ex.held, ex.deferred, ex.status = list(chunks), CONTENT_SSE, 200
+    ex.calls.append(call)
+    tracker.hold(ex, ex.calls, "s", resumable=True)
+    return ex
+
+
+def _held_post(tracker, call, chunks):
+    """A held POST, its stream opened."""
+    ex = _held_exchange(tracker, call, chunks)
+    return ex.held_stream(), ex
+
+
+def test_a_held_stream_that_shows_the_healthy_path_ends_its_call_and_builds_nothing_else():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, _ = _held_post(tracker, call, [(_sse("e1"), 10), (_sse("e2", _RESULT), 20)])
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert call.done and stream.ended and call.open_streams == 0
+    assert exporter.get_finished_spans() == ()
+    assert (stream.events, stream.first_event_id, stream.terminal_ids) == (0, None, ())  # only a span needs them
+
+
+@pytest.mark.parametrize("reason", [sc.END_CLEAN, sc.END_DROPPED])
+def test_a_held_stream_that_deviates_is_read_as_if_followed_with_the_times_its_chunks_were_sent(reason):
+    chunks = [(_sse("e1"), 10), (_sse("e2", _PROGRESS)[:9], 20), (_sse("e2", _PROGRESS)[9:], 30)]
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, ex = _held_post(tracker, call, chunks)
+    tracker.end_stream(stream, reason, 200)
+    followed_tracker, followed_exporter = _tracker()
+    followed_call = followed_tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    followed = followed_tracker.open_stream(sc.STREAM_KIND_POST, "s", [followed_call],
+                                            ("POST", CONTENT_SSE, "2025-11-25", None), ABSENT, 200)
+    parser = SSEParser()
+    for chunk, _ in chunks:
+        for frame in parser.feed(chunk):
+            followed_tracker.frame(followed, frame, classify(frame.data) if frame.data else ())
+    followed_tracker.end_stream(followed, reason, 200)
+    (held_span,), (followed_span,) = _by(exporter, sc.SPAN_STREAM), _by(followed_exporter, sc.SPAN_STREAM)
+    assert held_span.attributes == followed_span.attributes
+    assert held_span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert [(e.name, e.attributes) for e in held_span.events] == [(e.name, e.attributes) for e in followed_span.events]
+    assert [e.timestamp for e in held_span.events] == [10, 30]  # the chunk each frame was completed in
+    assert ex.held is None
+
+
+def test_a_resume_from_an_event_of_a_stream_still_held_reads_it_first_and_continues_its_call():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, ex = _held_post(tracker, call, [(_sse("e1"), 10)])
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    assert ex.held is None and stream.holder is None and stream.first_event_id == "e1"  # followed from now on
+    assert tracker.calls_of_cursor("other-session", "e1") == ()
+
+
+def test_a_held_post_not_yet_a_stream_is_opened_and_read_when_a_resume_needs_one_of_its_events():
+    tracker, _ = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    ex = _held_exchange(tracker, call, [(_sse("e1"), 10)])
+    assert ex.stream is None and (call.streams, call.open_streams) == (1, 1)  # it carries the call already
+    assert tracker.calls_of_cursor("s", "e1") == (call,)
+    assert ex.held is None and ex.stream is not None and ex.stream.first_event_id == "e1"
+    assert (call.streams, call.held_on) == (1, None)  # counted once, held no more
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_cancel_while_a_post_is_held_unopened_reads_it_first(answered):
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    chunks = [(_sse("e1"), 10)] + ([(_sse("e2", _RESULT), 20)] if answered else [])
+    _held_exchange(tracker, call, chunks)
+    tracker.cancel(("s", "1"))
+    if answered:  # its result was sent before the cancel came: answered, no span
+        assert call.done and exporter.get_finished_spans() == ()
+    else:
+        (span,) = _by(exporter, sc.SPAN_CALL)
+        assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+        assert span.attributes[sc.CALL_STREAMS] == 1
+
+
+def test_a_cancel_or_eviction_after_the_result_was_held_leaves_the_call_answered():
+    tracker, exporter = _tracker(max_calls=1)
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream, _ = _held_post(tracker, call, [(_sse("e1"), 10), (_sse("e2", _RESULT), 20)])
+    tracker.cancel(("s", "1"))
+    assert call.done and exporter.get_finished_spans() == ()  # its result came first: no cancelled span
+    other = tracker.start_call("s", _request(2), "2025-11-25", ABSENT, stateless=False)
+    _held_post(tracker, other, [(_sse("e3", '{"jsonrpc":"2.0","id":2,"result":{}}'), 30)])
+    tracker.start_call("s", _request(3), "2025-11-25", ABSENT, stateless=False)  # evicts 2, answered already
+    assert other.done and exporter.get_finished_spans() == ()
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    assert exporter.get_finished_spans() == ()
+
+
+@pytest.mark.parametrize(("stateless", "spanned_first"), [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("pending_at_exchange_end", [False, True])
+def test_a_server_call_links_the_sdks_request_span_whenever_it_gets_a_span(stateless, spanned_first,
+                                                                            pending_at_exchange_end):
+    """``Call.in_sdk_request``: a call keeps the middleware's context and reads the SDK's span off it only
+    when it gets a span, or is still pending when its exchange ends (``exchange_over``: a resumable call
+    may get one long after, and holds no context meanwhile); one already a span links at once. Either
+    way the call's span carries the ``sdk_request`` link."""
+    from opentelemetry import context, trace
+
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=stateless)
+    if spanned_first:
+        tracker.span_of(call)
+    sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
+    call.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
+    sdk.end()
+    if pending_at_exchange_end:
+        call.exchange_over()
+        assert call._sdk_request is None
+    tracker.span_of(call).end()
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    links = {link.attributes[sc.LINK_TYPE]: link.context.span_id for link in span.links}
+    assert links == {sc.LINK_SDK_REQUEST: sdk.get_span_context().span_id}
+
+
+class _Unreadable(Context):
+    """A context that fails the test if anything reads it."""
+
+    def get(self, key: str, default: object = None) -> object:
+        raise AssertionError(f"the context was read ({key})")
+
+    def __getitem__(self, key: str) -> object:
+        raise AssertionError(f"the context was read ({key})")
+
+
+@pytest.mark.parametrize("stateless", [True, False])
+def test_a_healthy_server_call_never_reads_the_sdks_request_span(stateless):
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=stateless)
+    call.in_sdk_request(_Unreadable())
+    if stateless:
+        assert tracker.answered([call], _response(1))
+    else:
+        stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+        tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e1"), _response(1))
+        tracker.end_stream(stream, sc.END_CLEAN, 200)
+    call.exchange_over()
+    assert exporter.get_finished_spans() == ()
+
+
+def test_an_exchange_that_ends_links_its_pending_calls_to_the_sdks_span_and_keeps_no_context():
+    from opentelemetry import context, trace
+
+    tracker, exporter = _tracker()
+    pending = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    answered = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
+    sdk = trace.get_tracer("sdk", tracer_provider=TracerProvider()).start_span("tools/call fetch")
+    pending.in_sdk_request(trace.set_span_in_context(sdk, context.get_current()))
+    answered.in_sdk_request(_Unreadable())
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [answered], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":2,"result":{}}', id="e1"), _response(2))
+    ex = _exchange(tracker)
+    ex.calls += [pending, answered]
+    ex.release()
+    assert pending._sdk_request is None
+    tracker.shutdown()  # evicted: its span, linked to the SDK's request span read when the exchange ended
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert [link.context.span_id for link in span.links] == [sdk.get_span_context().span_id]
+
+
+def _sdk_client_span(exporter, limits=None):
+    provider = TracerProvider(span_limits=limits) if limits is not None else TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider.get_tracer("sdk").start_span("MCP send tools/call fetch", attributes={"a": "1", "b": "2"})
+
+
+@pytest.mark.parametrize(
+    ("limits", "expected"),
+    [
+        (None, {"a": "1", "b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
+        # a value length limit cuts the event id, as the SDK's set_attribute does
+        (SpanLimits(max_span_attribute_length=4),
+         {"a": "1", "b": "2", sc.TERMINAL_STREAM_KIND: "post", sc.TERMINAL_EVENT_ID: "e-lo"}),
+        # no room for both: the oldest attribute goes, as the SDK's set_attribute drops it
+        (SpanLimits(max_span_attributes=3),
+         {"b": "2", sc.TERMINAL_STREAM_KIND: sc.STREAM_KIND_POST, sc.TERMINAL_EVENT_ID: "e-long-id"}),
+    ],
+)
+def test_a_healthy_call_records_where_its_terminal_came_on_the_sdks_span_within_the_sdks_limits(limits, expected):
+    tracker, ours = _tracker()
+    sdk_exporter = InMemorySpanExporter()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    call.sdk_span = sdk = _sdk_client_span(sdk_exporter, limits)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e-long-id"), _response(1))
+    sdk.end()
+    tracker.end_stream(stream, sc.END_CLEAN, 200)
+    (span,) = sdk_exporter.get_finished_spans()
+    assert dict(span.attributes) == expected
+    assert ours.get_finished_spans() == ()
+
+
+def test_an_sdk_span_that_ended_before_its_calls_terminal_came_is_left_as_it_ended():
+    tracker, _ = _tracker()
+    sdk_exporter = InMemorySpanExporter()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    call.sdk_span = sdk = _sdk_client_span(sdk_exporter)
+    sdk.end()
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    (span,) = sdk_exporter.get_finished_spans()
+    assert dict(span.attributes) == {"a": "1", "b": "2"}
 
 
 def test_a_request_id_reused_while_its_call_is_pending_does_not_replace_the_tracked_call():
     """MCP forbids reusing an id in a session (the guard answers 409): the pending call stays the one its id finds."""
-    tracker = Tracker(DeviationTracer(), sc.ROLE_SERVER)
+    tracker, _ = _tracker()
     pending = tracker.start_call("s1", request_message(5, TOOLS_CALL, {"name": "fetch"}), "2025-11-25", ABSENT, False)
     reused = tracker.start_call("s1", request_message(5, TOOLS_CALL, {"name": "search"}), "2025-11-25", ABSENT, False)
     assert tracker.call(("s1", "5")) is pending and reused is not pending and not pending.done
