@@ -334,7 +334,8 @@ class GuardedEventStore(EventStore):
         reused = await self._flush(request)
         if not reused:
             return None
-        _log.warning("POST refused: it reuses %d request id(s) of its session", len(reused))
+        _log.warning("a POST reuses %d request id(s) of its session: %s", len(reused),
+                     "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, (f"request id {json.dumps(reused[0])[:64]} was already used in this session: a request id "
                      "must not be reused within a session")
 
