@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import RULES, Detector, DetectorConfig, LedgerLimits, RuleConfig, RuleId, Span
+from mcp_stream_exporter.detector.snapshot import Snapshots
 
 from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
 
@@ -414,3 +415,34 @@ def test_the_grace_period_runs_on_the_detectors_clock_whatever_the_producers_clo
     clock.now += 2 * S
     detector.tick()
     assert rules(detector) == ["clean_end_pending"]
+
+
+def test_a_retry_one_side_saw_after_a_refusal_is_judged_again_whatever_the_other_sides_clock():
+    """The guard refused (the server's clock a minute ahead); the caller re-authorised and resumed, and a gateway
+    answered that resume with an empty stream the server never saw: the stored result is lost."""
+    ahead = 60.0
+    refused = [replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE, at=2.0 + ahead),
+               stream(SV, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,),
+                      at=2.0 + ahead),
+               stream(C, "resume", "closed", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)]
+    retried = stream(C, "resume", "clean", pending=("3",), cursor="6", at=2.1)
+    for spans in ([*_stored_with_no_stream(), *refused, retried], [retried, *refused, *_stored_with_no_stream()]):
+        assert rules(run(spans, after_s=60)) in (["clean_end_pending"], ["stored_not_delivered"])
+
+
+def test_the_retry_window_outlasts_memory_pressure_and_a_restart(tmp_path):
+    clock = Clock()
+    tight = Detector(DetectorConfig(ledger=LedgerLimits(max_bytes=2 * 1024 * 1024)), clock=clock)
+    for i in range(4000):  # a busy ledger, evicting for memory
+        tight.consume([stream(C, "post", "dropped", session=f"bg{i}", pending=("3",), last="6")])
+    delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9", at=2.0)
+    tight.consume([stream(C, "post", "dropped", pending=("3",), last="6"), delivered])
+    tight.consume([stream(C, "post", "dropped", session=f"new{i}", pending=("3",), last="6") for i in range(3)])
+    assert tight.ledger.evictions["memory"] > 0
+    tight.consume([delivered])  # the exporter's retry
+    Snapshots(tight, tmp_path / "ledger.db").close()
+    restarted = Detector(DetectorConfig(ledger=LedgerLimits(max_bytes=2 * 1024 * 1024)), clock=clock)
+    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted.consume([delivered])  # retried again, its answer lost in the shutdown
+    for detector in (tight, restarted):
+        assert "duplicate_terminal" not in rules(detector)

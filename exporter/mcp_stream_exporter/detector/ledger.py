@@ -15,6 +15,7 @@ tuples plus a measured, rounded-up constant per object), so the estimate stays a
 from __future__ import annotations
 
 import heapq
+import itertools
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event 
 _INDEX_BYTES = 250  # one look-up entry
 _SEEN_BYTES = 96  # one span taken (``first_sight``): its int, its place in a set and in a deque
 _NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
+_NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every call never resumed
+_SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -55,9 +58,9 @@ class CallState:
     # (the grace runs from then, on its own clock)
     clean_seen: tuple[str, int] | None = None
     progress: tuple[int, int] = _NEVER  # the latest end of a resume that moved it without its result: client, server
-    # the latest end of a resume of it refused explicitly (an error frame, the guard), and the latest start of one
-    # that was not
-    resumed: tuple[int, int] = _NEVER
+    # by each side's clock, client then server: the latest end of a resume of it refused explicitly (an error frame,
+    # the guard), and the latest start of one that was not
+    resumed: tuple[int, int, int, int] = _NEVER_RESUMED
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
     stored_since: int | None = None  # the server stored its terminal event with no stream open to carry it
     stored_event_id: str | None = None
@@ -99,19 +102,26 @@ class CallState:
             self.clean_since, self.clean_seen = end_ns, (role, now_ns)
         return True
 
-    def resume_refused(self, end_ns: int) -> None:
-        refused, retried = self.resumed
-        self.resumed = (max(refused, end_ns), retried)
+    def resume_refused(self, role: str, end_ns: int) -> None:
+        self._resumed(role, 0, end_ns)
 
-    def resume_retried(self, start_ns: int) -> None:
-        refused, retried = self.resumed
-        self.resumed = (refused, max(retried, start_ns))
+    def resume_retried(self, role: str, start_ns: int) -> None:
+        self._resumed(role, 1, start_ns)
+
+    def _resumed(self, role: str, which: int, at_ns: int) -> None:
+        at = which if role == "client" else 2 + which
+        resumed = list(self.resumed)
+        resumed[at] = max(resumed[at], at_ns)
+        self.resumed = (resumed[0], resumed[1], resumed[2], resumed[3])
 
     @property
     def told(self) -> bool:
-        """Its last resume was refused explicitly: its caller was told why, so it is no silent loss."""
-        refused, retried = self.resumed
-        return refused > retried
+        """Its last resume was refused explicitly: its caller was told why, so it is no silent loss. Each side
+        compares its own clock's times; a retry one side saw after the refusal (a gateway may answer it
+        before the server sees it) makes it judged again, whatever the other side saw."""
+        client_refused, client_retried, server_refused, server_retried = self.resumed
+        return ((client_refused > client_retried or server_refused > server_retried)
+                and client_retried <= client_refused and server_retried <= server_refused)
 
     def finding(self, rule: str) -> str | None:
         return self.findings.get(rule) if self.findings is not None else None
@@ -323,15 +333,17 @@ class Ledger:
             key = int(span_id, 16) ^ int(trace_id[-16:], 16) << 1
         except ValueError:
             return True
-        seen = self._seen
-        if key in seen:
+        if key in self._seen:
             return False
-        seen.add(key)
+        self._sight(key)
+        return True
+
+    def _sight(self, key: int) -> None:
+        self._seen.add(key)
         self._seen_order.append(key)
         self._index_bytes += _SEEN_BYTES
-        if len(seen) > self.limits.max_index:
+        if len(self._seen) > self.limits.max_index:
             self._forget_seen()
-        return True
 
     def _forget_seen(self) -> None:
         self._seen.discard(self._seen_order.popleft())
@@ -423,7 +435,7 @@ class Ledger:
                 self._charge(call)
         self._touched.clear()
         evicted = 0
-        while self.bytes > self.limits.max_bytes and self._seen:  # a shorter retry window before any session
+        while self.bytes > self.limits.max_bytes and len(self._seen) > _SEEN_FLOOR:  # a shorter retry window first
             self._forget_seen()
         while self.bytes > self.limits.max_bytes and self._sessions:
             self._drop(self._sessions.popitem(last=False)[1], "memory")
@@ -459,8 +471,10 @@ class Ledger:
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
         self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
-        while self._seen:  # not kept: a retry rarely outlives a restart
+        while self._seen:
             self._forget_seen()
+        for key in data.get("seen", ()):  # a batch whose answer the shutdown lost comes again after the restart
+            self._sight(key)
         self._index_bytes = sum(_entry_bytes(k, v) for k, v in self._sdk_spans.items()) + sum(
             _entry_bytes(k, v) for k, v in self._issued.items())
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
@@ -502,7 +516,8 @@ class Ledger:
         return {"evictions": dict(self.evictions),
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
                 "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
-                "timers": list(self._timers), "seq": self._seq}
+                "timers": list(self._timers), "seq": self._seq,
+                "seen": list(itertools.islice(reversed(self._seen_order), _SEEN_FLOOR))[::-1]}
 
     def session_scopes(self) -> list[str]:
         """Every session's scope, least recently active first."""

@@ -199,9 +199,9 @@ class RuleEngine:
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if call is not None:
             if explicit:
-                call.resume_refused(at.end_ns)
+                call.resume_refused(at.role, at.end_ns)
             else:
-                call.resume_retried(at.start_ns)
+                call.resume_retried(at.role, at.start_ns)
         if e.token.gap and not explicit:
             self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
                        lambda: {**evidence(), **_gap(e.token, e.required)})
@@ -280,9 +280,9 @@ class RuleEngine:
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         for rid in e.pending_ids or e.request_ids:
             if explicit:
-                calls[rid].resume_refused(at.end_ns)
+                calls[rid].resume_refused(at.role, at.end_ns)
             else:
-                calls[rid].resume_retried(at.start_ns)
+                calls[rid].resume_retried(at.role, at.start_ns)
         if e.token.gap and not explicit:
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
