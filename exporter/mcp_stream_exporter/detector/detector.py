@@ -153,7 +153,8 @@ class Detector:
                 if isinstance(event, OperationCounts):
                     self.metrics.operations.add(event)
                     continue
-                if _counts_twice(event) and not self.ledger.first_sight(event.at.trace_id, event.at.span_id):
+                if _counts_twice(event) and not self.ledger.first_sight(event.at.trace_id, event.at.span_id,
+                                                                         event.at.scope):
                     continue  # delivered again (an exporter's retry): taken once
                 self.timelines.record(event, weight)
                 if isinstance(event, StreamEnd):

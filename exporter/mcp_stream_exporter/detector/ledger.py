@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
+import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -322,15 +323,17 @@ class Ledger:
 
     # --- look-ups that outlive a span: spans taken, the SDK's request span, and tools (re-)issued ---
 
-    def first_sight(self, trace_id: str, span_id: str) -> bool:
+    def first_sight(self, trace_id: str, span_id: str, scope: str) -> bool:
         """Whether a stream span is new: an exporter that retries a batch the detector took (its answer lost or
         late) delivers the same spans again, which must not count twice. Only the stream spans that would
         (``Detector.apply``) come here: few, and a retry follows its batch closely, so a bounded window does.
-        A span without a valid id (8 bytes) cannot be told from another: always new."""
+        A span without a valid id (8 bytes) cannot be told from another: always new. Its session (``scope``)
+        is part of what it is: a producer that numbers its spans alike in every session (a load generator, a
+        seeded id generator) loses nothing to it."""
         if len(span_id) != 16:
             return True
-        try:  # the span id, told apart by its trace's low half: one int, not two strings and a tuple
-            key = int(span_id, 16) ^ int(trace_id[-16:], 16) << 1
+        try:  # the span id, told apart by its trace's low half and its session's CRC: one int, not a tuple
+            key = int(span_id, 16) ^ int(trace_id[-16:], 16) << 1 ^ zlib.crc32(scope.encode()) << 66
         except ValueError:
             return True
         if key in self._seen:
