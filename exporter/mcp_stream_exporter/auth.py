@@ -213,12 +213,14 @@ class TokenReader:
     def _hash_principal(self, claims: Mapping[str, Any]) -> str | None:
         """Who the token speaks for, hashed: its issuer, subject and client (``client_id``, else ``azp``), as
         the SDK binds a session to them; None when it names neither subject nor client. A client-credentials
-        token has no subject, and a user's token from another client app is another principal."""
+        token has no subject, and a user's token from another client app is another principal. A claim of
+        another type than a string counts as it is, never as absent."""
         subject, client = claims.get("sub"), claims.get("client_id", claims.get("azp"))
-        if not isinstance(subject, str) and not isinstance(client, str):
+        if subject is None and client is None:
             return None
-        principal = json.dumps([str(claims.get("iss")), subject if isinstance(subject, str) else None,
-                                client if isinstance(client, str) else None])
+        # as the claims are, whatever their type (a numeric client_id is a client too): two values differ here
+        # exactly when their JSON differs
+        principal = json.dumps([claims.get("iss"), subject, client], sort_keys=True, default=repr)
         return hmac.new(self.subject_salt, principal.encode(), hashlib.sha256).hexdigest()[:_FINGERPRINT_CHARS]
 
 

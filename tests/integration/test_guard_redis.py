@@ -236,7 +236,8 @@ async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_sti
             assert Refusal.from_data(unknown.value.data).error == "unknown_cursor"
 
 
-async def test_a_reused_request_id_is_refused_on_any_replica_and_a_deleted_session_is_resumed_nowhere(redis_server):
+async def test_a_post_into_a_session_on_another_replica_is_the_sdks_404_and_a_deleted_session_is_resumed_nowhere(
+        redis_server):
     span_exporter().clear()
     issuer = TokenIssuer()
     async with (replica(issuer, redis_server.url, "ended") as a, replica(issuer, redis_server.url, "ended") as b,
@@ -252,8 +253,9 @@ async def test_a_reused_request_id_is_refused_on_any_replica_and_a_deleted_sessi
             reuse = {"jsonrpc": "2.0", "id": int(request_id), "method": "tools/call",
                      "params": {"name": "search", "arguments": {"query": "again"}}}
             async with httpx.AsyncClient(timeout=10) as http:
-                refused = await http.post(f"http://127.0.0.1:{b.port}/mcp", headers=headers, content=json.dumps(reuse))
-                assert refused.status_code == 409  # on the replica that never saw the session: Redis knows the id
+                elsewhere = await http.post(f"http://127.0.0.1:{b.port}/mcp", headers=headers,
+                                            content=json.dumps(reuse))
+                assert elsewhere.status_code == 404  # only the replica running a session runs its requests
                 resumed = await http.get(f"http://127.0.0.1:{b.port}/mcp", headers={**headers, "last-event-id": cursor})
                 assert resumed.status_code == 200 and "search results" in resumed.text  # the session's own resume
         assert ("DELETE", 200) in a.requests  # the client ended its session

@@ -122,6 +122,9 @@ def test_the_principal_is_the_issuer_subject_and_client_as_the_sdk_binds_a_sessi
     assert principal(client_id="svc-a") not in (None, principal(client_id="svc-b"))  # client credentials: no sub
     assert principal(azp="app", sub="alice") == alice
     assert principal() is None  # names nobody
+    numeric = reader.read(_unsigned({"iss": "https://as.example", "client_id": 111})).subject_hash
+    assert numeric is not None and numeric != reader.read(_unsigned({"client_id": 222})).subject_hash
+    assert reader.read(_unsigned({"sub": 1001})).subject_hash != reader.read(_unsigned({"sub": 2002})).subject_hash
 
 
 def test_a_token_whose_header_names_another_key_type_fails_verification_instead_of_raising():

@@ -9,6 +9,7 @@ import pytest
 from mcp_types import JSONRPCNotification, JSONRPCResponse
 
 from mcp_stream_exporter.auth import AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.exchange import read_body
 from mcp_stream_exporter.guard import (
     REFUSAL_METHOD,
     GuardedEventStore,
@@ -370,7 +371,7 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
     request = GuardRequest("s1", BROAD)
     body = json.dumps([{"jsonrpc": "2.0", "id": huge, "method": "tools/call", "params": {"name": "fetch"}},
                        {"jsonrpc": "2.0", "id": "2", "method": "tools/call", "params": {"name": "fetch"}}])
-    run(s.store._record(request, body.encode()))
+    run(s.store._record(request, read_body(body.encode()).requests))
     assert run(s.store.storage.requirement("s1", huge)) is None
     assert run(s.store.storage.requirement("s1", "2")) == Requirement.of([FETCH])
     cursor = s.store_event(huge, None)
@@ -379,9 +380,10 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
 
 
 def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None = "s1",
-                  chunks: int = 1) -> tuple[int, bytes, bytes | None]:
-    """One POST through the guard's ASGI layer to an app that reads its whole body: (status, what the client
-    got, the body the app read; None when the app never ran)."""
+                  chunks: int = 1, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes, bytes | None]:
+    """One POST through the guard's ASGI layer to an app that reads its whole body and answers with an SSE
+    stream it leaves without the answer (the call runs on, as after a dropped connection): (status, what the
+    client got, the body the app read; None when the app never ran)."""
     size = -(-len(body) // chunks)
     messages = [{"type": "http.request", "body": body[i * size:(i + 1) * size], "more_body": i < chunks - 1}
                 for i in range(chunks)]
@@ -402,12 +404,13 @@ def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None 
             if not message.get("more_body", False):
                 break
         seen.append(read)
-        await send({"type": "http.response.start", "status": 202, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
 
-    headers = [(b"mcp-session-id", session.encode())] if session else []
-    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "POST", "headers": headers},
-                                receive, send))
+    sent_headers = [(b"mcp-session-id", session.encode())] if session else []
+    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "POST",
+                                 "headers": sent_headers + (headers or [])}, receive, send))
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), seen[0] if seen else None
 
 
@@ -416,27 +419,43 @@ def _tools_call(request_id: int, tool: str = "search") -> bytes:
                        "params": {"name": tool, "arguments": {}}}).encode()
 
 
-def test_a_post_reusing_a_request_id_of_its_session_never_reaches_the_server():
-    """MCP forbids it, and the SDK would hand that id's stream (a pending call's events) to whoever sent it."""
+def test_a_post_reusing_the_request_id_of_a_call_in_flight_never_reaches_the_server():
+    """MCP forbids it, and the SDK would hand that id's stream (the pending call's events) to whoever sent it."""
     store = GuardedEventStore(POLICY)
     run(store.open_session("s1"))
-    assert _guarded_post(store, _tools_call(5, "fetch"), chunks=3) == (202, b"", _tools_call(5, "fetch"))
-    status, answer, reached = _guarded_post(store, _tools_call(5, "search"))
-    assert (status, reached) == (409, None)
-    assert json.loads(answer)["error"]["code"] == -32600
+    assert _guarded_post(store, _tools_call(5, "fetch"), chunks=3) == (200, b"", _tools_call(5, "fetch"))
+    for reuse in (_tools_call(5, "search"), b"[" + _tools_call(6) + b"," + _tools_call(5) + b"]",
+                  b"[" + _tools_call(7) + b"," + _tools_call(7) + b"]"):
+        status, answer, reached = _guarded_post(store, reuse)
+        assert (status, reached) == (409, None)
+        assert json.loads(answer)["error"]["code"] == -32600
     assert run(store.storage.requirement("s1", "5")) == Requirement.of([FETCH])  # never widened by the reuse
-    assert _guarded_post(store, _tools_call(5), session="s2")[0] == 202  # ids are per session
-    assert _guarded_post(store, _tools_call(6))[0] == 202
+    assert _guarded_post(store, _tools_call(5), session="s2")[0] == 200  # ids are per session
+    token = guard_request.set(GuardRequest("s1", BROAD))
+    try:
+        run(store.store_event("5", result(5)))  # fetch answered: its id is free again
+    finally:
+        guard_request.reset(token)
+    assert _guarded_post(store, _tools_call(5))[0] == 200
 
 
-def test_a_session_post_too_large_to_read_its_ids_is_refused_and_observe_mode_lets_both_through():
+def test_a_post_with_its_session_or_token_header_twice_is_refused():
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    twice = [(b"mcp-session-id", b"s1")]
+    assert _guarded_post(store, _tools_call(5), headers=twice)[::2] == (400, None)
+
+
+def test_a_session_post_too_large_to_read_its_ids_is_refused_and_observe_mode_lets_everything_through():
     store = GuardedEventStore(POLICY)
     run(store.open_session("s1"))
     padded = json.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
                          "params": {"name": "search", "arguments": {"pad": "x" * (4 * 1024 * 1024)}}}).encode()
-    assert _guarded_post(store, padded, chunks=4)[:2][0] == 413
+    assert _guarded_post(store, padded, chunks=4)[0] == 413
+    batch = b"[" + b",".join(_tools_call(n) for n in range(101)) + b"]"
+    assert _guarded_post(store, batch)[0] == 413  # more requests than one POST may carry: bounded work
     observing = GuardedEventStore(POLICY, mode="observe")
     run(observing.open_session("s1"))
-    assert _guarded_post(observing, padded, chunks=4) == (202, b"", padded)
-    run(observing.record_call("s1", "8", "fetch"))
-    assert _guarded_post(observing, _tools_call(8))[0] == 202
+    assert _guarded_post(observing, padded, chunks=4) == (200, b"", padded)
+    assert _guarded_post(observing, _tools_call(8))[0] == 200
+    assert _guarded_post(observing, _tools_call(8))[0] == 200  # reused while in flight, let through

@@ -44,7 +44,6 @@ _REQUIRE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local current = redis.call('HGET', KEYS[2], ARGV[1])
 if not current and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -2 end
-if current and ARGV[6] == '0' then return 1 end
 local function union(a, b)
   local seen, out = {}, {}
   for _, list in ipairs({a, b}) do
@@ -62,7 +61,6 @@ if current then
 end
 redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({r = resources, s = scopes}))
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
-if current then return 1 end
 return 0
 """
 
@@ -181,19 +179,16 @@ class RedisEventStorage:
         async with self._op("after"):
             return _events(await self._redis.xrange(self._keys(session_id)[2], f"({event.event_id}", "+"))
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
-                      widen: bool = True) -> bool:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         if len(session_id) > _MAX_SESSION_ID:
             self._evicted(1)
-            return True
+            return
         async with self._op("require"):
-            done = int(await self._require(keys=self._keys(session_id),
-                                           args=[stream_id, json.dumps(sorted(requirement.resources)),
-                                                 json.dumps(sorted(requirement.scopes)), self._max_calls,
-                                                 self._ttl_ms, "1" if widen else "0"]))
-        if done < 0:  # the session is not open, or holds its maximum of streams
+            done = await self._require(keys=self._keys(session_id),
+                                       args=[stream_id, json.dumps(sorted(requirement.resources)),
+                                             json.dumps(sorted(requirement.scopes)), self._max_calls, self._ttl_ms])
+        if int(done) != 0:
             self._evicted(1)
-        return done != 1
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         async with self._op("requirement"):

@@ -57,14 +57,10 @@ class EventStorage(Protocol):
         """The session's events stored after ``event``, in order."""
         ...
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
-                      widen: bool = True) -> bool:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         """Record that ``stream_id``'s events require ``requirement``, on top of (never instead of)
         what was recorded for it before; dropped (and counted) when the session is not open or holds
-        its maximum of streams already, so the stream's events are never replayed. False when the
-        stream had a requirement already (a request id used before in the session), atomically; with
-        ``widen=False`` that requirement is then left as it was (the request is refused, and must not
-        change what the stream's honest resumes need)."""
+        its maximum of streams already, so the stream's events are never replayed."""
         ...
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None: ...
@@ -164,16 +160,13 @@ class InMemoryEventStorage:
             return []
         return [e for seq, e in session.events.values() if seq > cursor[0]]
 
-    async def require(self, session_id: str, stream_id: str, requirement: Requirement, *,
-                      widen: bool = True) -> bool:
+    async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         session = self._touch(session_id)
         before = session.requirements.get(stream_id) if session is not None else None
         if session is None or (before is None and len(session.requirements) >= self._max_calls):
             self.evictions += 1
-            return True
-        if before is None or widen:
-            session.requirements[stream_id] = requirement if before is None else before | requirement
-        return before is None
+            return
+        session.requirements[stream_id] = requirement if before is None else before | requirement
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         session = self._sessions.get(session_id)

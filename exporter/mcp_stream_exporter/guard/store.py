@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -45,13 +45,17 @@ from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
+    CONTENT_SSE,
+    CONTENT_TYPE,
     LAST_EVENT_ID,
     SESSION_ID,
     STANDALONE_STREAM_ID,
+    content_of,
     read_body,
     request_id_of,
     requirement_of,
 )
+from mcp_stream_exporter.guard.inflight import InFlight
 from mcp_stream_exporter.guard.storage import (
     EventStorage,
     InMemoryEventStorage,
@@ -61,7 +65,7 @@ from mcp_stream_exporter.guard.storage import (
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import MAX_PARSED_BODY
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -102,6 +106,7 @@ _DETAILS: Final = {
                    "and re-issue it",
 }
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
+_MAX_REQUESTS: Final = 100  # in one POST (a 2025-03-26 batch): more is refused, the guard's work a POST bounded
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 
@@ -153,6 +158,7 @@ class GuardedEventStore(EventStore):
         self.storage: EventStorage = storage if storage is not None else InMemoryEventStorage()
         self.tokens = token_reader or TokenReader()
         self._unstored = itertools.count(1)
+        self._in_flight = InFlight()
 
     # --- which call requires what ---
 
@@ -171,6 +177,8 @@ class GuardedEventStore(EventStore):
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
+        if request is not None and request.session_id is not None and _terminal(message):
+            self._in_flight.answered(request.session_id, stream_id)
         if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
             return f"unstored-{next(self._unstored)}"
         try:
@@ -275,19 +283,31 @@ class GuardedEventStore(EventStore):
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             app_receive = receive
+            posted: list[str] = []  # the POST's request ids this process holds in flight, in its session
+            # whether the exchange answers them itself: no response, an error status, or JSON (else an SSE stream,
+            # whose requests stay in flight until their answers are stored)
+            answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
                 read, body = await _read_post(receive)
-                refusal = await self._record(request, body)
+                requests = read_body(body).requests if body else ()
+                refusal = self._admit(request, body, requests)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
                     await _refuse_post(send, *refusal)
                     return
+                if refusal is None and request.session_id is not None:
+                    posted = [msg.id for msg in requests if msg.id is not None]
+                await self._record(request, requests)
                 app_receive = _replaying(read, receive)
 
             async def guarded_send(message: Message) -> None:
+                nonlocal answered_here
                 if held or (elsewhere and message["type"] == "http.response.start" and message["status"] == 404):
                     held.append(message)
                     return
+                if posted and message["type"] == "http.response.start":
+                    content = values(message.get("headers", ()), CONTENT_TYPE)
+                    answered_here = message["status"] >= 400 or [content_of(c) for c in content] != [CONTENT_SSE]
                 if message["type"] == "http.response.start" and request.session_id is None:
                     session_ids = values(message.get("headers", ()), SESSION_ID)
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
@@ -295,6 +315,7 @@ class GuardedEventStore(EventStore):
                         await self._born(request)
                 elif (message["type"] == "http.response.start" and scope.get("method") == "DELETE"
                       and message["status"] < 300 and request.session_id is not None):
+                    self._in_flight.end(request.session_id)
                     await self._ended(request.session_id)  # the SDK ended the session its client deleted
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": _rewrite_refusal(message["body"])}
@@ -307,6 +328,8 @@ class GuardedEventStore(EventStore):
                         await send(message)
             finally:
                 _current.reset(token)
+                if posted:  # the exchange is over, its stream with it (a call may run on, its id held until answered)
+                    self._in_flight.ended(request.session_id, posted, answered=answered_here)  # type: ignore[arg-type]
 
         return guarded
 
@@ -316,28 +339,36 @@ class GuardedEventStore(EventStore):
         auth = ABSENT if ambiguous or not authorizations else self.tokens.from_authorization(authorizations[0])
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    async def _record(self, request: _Request, body: bytes | None) -> tuple[int, str] | None:
-        """Record what each request of a POST's body requires; the refusal (status, message) when the POST
-        must not reach the SDK: a request id its session used before (the SDK would hand that id's stream,
-        a pending call's events included, to whoever sent it: MCP forbids reusing an id in a session), or, in
-        a session, a body too large to read its ids from (``body`` None)."""
+    def _admit(self, request: _Request, body: bytes | None, requests: Sequence[WireMessage]) -> tuple[int, str] | None:
+        """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: repeated
+        ``Mcp-Session-Id`` or ``Authorization`` headers (which one would the SDK take?); in a session, a body
+        too large to read its request ids from (``body`` None), more requests than one POST may carry, or a
+        request id the session has in flight (``InFlight``). Synchronous: no other request runs between the
+        check and the claim."""
+        if request.ambiguous:
+            return 400, "more than one Mcp-Session-Id or Authorization header"
+        if request.session_id is None:
+            return None  # initialize: its session is born with it
         if body is None:
-            return (413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request "
-                         "ids") if request.session_id is not None else None
-        for msg in read_body(body).requests:
+            return 413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request ids"
+        if len(requests) > _MAX_REQUESTS:
+            return 413, f"more than {_MAX_REQUESTS} requests in one POST"
+        refusal = self._in_flight.claim(request.session_id, [msg.id for msg in requests if msg.id is not None])
+        if refusal is None:
+            return None
+        _log.warning("a POST reuses a request id in flight in its session: %s",
+                     "refused" if self.mode == "enforce" else "let through (observe mode)")
+        return 409, refusal
+
+    async def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
+        """Record what each request of a POST requires (its tool's policy; nothing but for ``tools/call``)."""
+        for msg in requests[:_MAX_REQUESTS]:
             assert msg.id is not None
             if len(msg.id) > _MAX_ID:
                 continue  # unknown, so its stream's events are refused, never replayed
-            request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))  # tool: None but for tools/call
-        if request.session_id is None:
-            return None  # initialize: recorded when its response names the session
-        reused = await self._flush(request)
-        if not reused:
-            return None
-        _log.warning("a POST reuses %d request id(s) of its session: %s", len(reused),
-                     "refused" if self.mode == "enforce" else "let through (observe mode)")
-        return 409, (f"request id {json.dumps(reused[0])[:64]} was already used in this session: a request id "
-                     "must not be reused within a session")
+            request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))
+        if request.session_id is not None:
+            await self._flush(request)
 
     async def _born(self, request: _Request) -> None:
         try:
@@ -352,18 +383,13 @@ class GuardedEventStore(EventStore):
         except StorageError:  # its keys expire with the session's TTL; until then a replica answers from them
             _log.exception("guard storage: an ended session's events not dropped")
 
-    async def _flush(self, request: _Request) -> list[str]:
-        """Record the requests read so far in the request's session; the ids it had used before."""
+    async def _flush(self, request: _Request) -> None:
         pending, request.pending = request.pending, []
-        reused = []
         try:
             for request_id, requirement in pending:
-                if not await self.storage.require(request.session_id, request_id,  # type: ignore[arg-type]
-                                                  requirement, widen=self.mode == "observe"):
-                    reused.append(request_id)  # refused in enforce mode: what the stream requires stays
+                await self.storage.require(request.session_id, request_id, requirement)  # type: ignore[arg-type]
         except StorageError:  # not recorded: the stream's events are refused, never replayed
             _log.exception("guard storage: requirements not recorded; those streams cannot be resumed")
-        return reused
 
     async def _replay_elsewhere(self, request: _Request, cursor: str, receive: Receive, send: Send) -> bool:
         """Answer a resume for a session another server process holds, from the shared storage: the
