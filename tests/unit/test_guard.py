@@ -439,6 +439,15 @@ def test_a_post_reusing_the_request_id_of_a_call_in_flight_never_reaches_the_ser
     assert _guarded_post(store, _tools_call(5))[0] == 200
 
 
+def test_a_post_the_sdk_answers_sessionless_holds_no_id_in_the_session_it_names():
+    """The SDK routes a protocol version past the handshake's (2026-07-28) sessionless, whatever Mcp-Session-Id says."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    modern = [(b"mcp-protocol-version", b"2026-07-28")]
+    assert _guarded_post(store, _tools_call(5), headers=modern)[0] == 200
+    assert _guarded_post(store, _tools_call(5))[0] == 200  # the session's own id 5 is not taken
+
+
 def test_a_post_with_its_session_or_token_header_twice_is_refused():
     store = GuardedEventStore(POLICY)
     run(store.open_session("s1"))

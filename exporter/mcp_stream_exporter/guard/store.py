@@ -38,6 +38,7 @@ import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
 
 from mcp_stream_exporter import semconv as sc
@@ -48,6 +49,7 @@ from mcp_stream_exporter.exchange import (
     CONTENT_SSE,
     CONTENT_TYPE,
     LAST_EVENT_ID,
+    PROTOCOL_VERSION,
     SESSION_ID,
     STANDALONE_STREAM_ID,
     content_of,
@@ -337,6 +339,10 @@ class GuardedEventStore(EventStore):
         session_ids, authorizations = values(headers, SESSION_ID), values(headers, AUTHORIZATION)
         ambiguous = len(session_ids) > 1 or len(authorizations) > 1
         auth = ABSENT if ambiguous or not authorizations else self.tokens.from_authorization(authorizations[0])
+        versions = values(headers, PROTOCOL_VERSION)
+        if versions and versions[0] not in HANDSHAKE_PROTOCOL_VERSIONS:
+            # the SDK answers it sessionless (2026-07-28, or a version it will refuse), whatever session it names
+            return _Request(None, auth, ambiguous)
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
     def _admit(self, request: _Request, body: bytes | None, requests: Sequence[WireMessage]) -> tuple[int, str] | None:
