@@ -20,7 +20,11 @@ What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
   of the initialize request's context, or in the POST's own for its priming event;
 - an ``EventMessage`` with ``event_id=None`` is written as ``event: message`` with no ``id:``
   (``StreamableHTTPServerTransport._create_event_data``), one frame per ASGI body chunk
-  (sse-starlette). ``asgi()`` rewrites exactly that chunk, our refusal notice, into ``event: error``.
+  (sse-starlette). ``asgi()`` rewrites exactly that chunk, our refusal notice, into ``event: error``;
+- a request's stream is keyed by its JSON-RPC id, so a POST reusing an id in flight would take it over
+  (``asgi()`` refuses it: ``inflight.InFlight``); a request whose first ``MCP-Protocol-Version`` is not
+  a handshake-era version (``HANDSHAKE_PROTOCOL_VERSIONS``) goes to the SDK's sessionless path, whatever
+  ``Mcp-Session-Id`` it names (``StreamableHTTPSessionManager._handle_request``).
 """
 
 from __future__ import annotations
