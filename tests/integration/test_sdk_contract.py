@@ -185,3 +185,16 @@ async def test_the_sdk_files_a_requests_events_under_its_request_id_and_the_rest
     assert progress == [stream_id_of(str(response.id))]
     changed = [s for s, m in stored if isinstance(m, JSONRPCNotification) and m.method.endswith("list_changed")]
     assert changed == [stream_id_of(None)] and request_id_of(changed[0]) is None
+
+
+def test_the_session_manager_routes_a_non_handshake_version_sessionless_and_keys_request_streams_by_id():
+    """The guard's in-flight table (``guard.inflight``): a POST's request stream is keyed by its JSON-RPC id (a
+    reused id in flight takes the stream over), and a request whose first ``MCP-Protocol-Version`` is not a
+    handshake-era version never reaches a session's transport, whatever ``Mcp-Session-Id`` it names."""
+    from mcp.server import streamable_http, streamable_http_manager
+
+    routing = inspect.getsource(streamable_http_manager.StreamableHTTPSessionManager._handle_request)
+    assert "pv is not None and pv not in HANDSHAKE_PROTOCOL_VERSIONS" in routing
+    assert routing.index("handle_modern_request") < routing.index("_handle_stateful_request")
+    assert "self._request_streams[request_id] = anyio.create_memory_object_stream" in inspect.getsource(
+        streamable_http.StreamableHTTPServerTransport)
