@@ -553,10 +553,9 @@ class Stream(_Deferred):
 def _request_span(attrs: dict[str, AttributeValue], traceparent: str | None) -> None:
     """A stateless call's request span id, from the traceparent its request carried (W3C: version, trace id,
     parent id, flags), when it is one: both sides read the same request, so both name the same span."""
-    if traceparent is not None and len(traceparent) == 55 and traceparent[35] == "-":
-        span_id = traceparent[36:52]
-        if span_id != "0" * 16 and all(c in "0123456789abcdef" for c in span_id):
-            attrs[sc.CALL_REQUEST_SPAN_ID] = span_id
+    parsed = _TRACEPARENT.match(traceparent) if traceparent is not None else None  # as ``_sdk_parent`` reads it
+    if parsed is not None and parsed.group(3) != "0" * 16:
+        attrs[sc.CALL_REQUEST_SPAN_ID] = parsed.group(3)
 
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
