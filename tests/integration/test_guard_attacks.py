@@ -21,7 +21,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.server.mcpserver import MCPServer
+from mcp.server.elicitation import AcceptedElicitation
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import ElicitResult
+from pydantic import BaseModel
 
 from mcp_stream_exporter.auth import Requirement, TokenReader
 from mcp_stream_exporter.guard import GuardedEventStore
@@ -218,3 +221,76 @@ async def test_without_the_guards_asgi_layer_no_resume_replays_another_sessions_
         fetch.cancel()
     assert not leaked(bodies), "a resume in another session replayed the victim's events"
     assert any("no_request_context" in b for b in bodies)  # refused, and said why
+
+
+async def fetch_id_of(store: GuardedEventStore, session_id: str) -> int:
+    (fetch_id,) = [n for n in range(10)  # the SDK's ids are small integers
+                   if await store.storage.requirement(session_id, str(n)) == Requirement.of([FETCH_RESOURCE])]
+    return fetch_id
+
+
+async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetch():
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])  # alice's too, as the incident's client would hold it
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
+        fetch = await fetch_in_flight(c, p)
+        (session_id,) = server.session_ids()
+        fetch_id = await fetch_id_of(store, session_id)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": fetch_id}}
+        async with httpx.AsyncClient(timeout=5) as http:
+            refused = await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(cancel))
+        result = await asyncio.wait_for(fetch, 20)
+    assert refused.status_code == 403
+    assert "insufficient_audience" in refused.json()["error"]["message"]
+    assert SECRET in str(result)  # the call ran to its end
+
+
+async def test_a_narrow_token_cannot_answer_what_the_server_asked_on_a_broader_calls_stream():
+    """An elicitation sent on fetch's stream is fetch's: a narrow token that answers it first (the SDK's
+    request ids are small integers, easy to guess) would decide what fetch does."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    mcp = MCPServer("elicits")
+
+    class Confirm(BaseModel):
+        send_to: str
+
+    @mcp.tool()
+    async def fetch(url: str, ctx: Context) -> str:
+        """Fetch a document, sent where the user says."""
+        answer = await ctx.elicit("Where should the document go?", Confirm)
+        return f"{url} sent to {answer.data.send_to}" if isinstance(answer, AcceptedElicitation) else "not sent"
+
+    attacked = asyncio.Event()
+
+    async def user_answers(context: Any, params: Any) -> ElicitResult:
+        await asyncio.wait_for(attacked.wait(), 10)
+        return ElicitResult(action="accept", content={"send_to": "alice"})
+
+    statuses: list[int] = []
+    async with serve(store.serve(mcp, retry_interval=200)) as port:
+        url = f"http://127.0.0.1:{port}/mcp"
+        async with (httpx2.AsyncClient(auth=BearerAuth(broad), timeout=30) as http,
+                    Client(streamable_http_client(url, http_client=http), mode="legacy",
+                           elicitation_callback=user_answers) as client):
+            call = asyncio.create_task(client.call_tool("fetch", {"url": "victim-doc"}))
+            (session_id,) = set(mcp.session_manager._server_instances)
+            async with httpx.AsyncClient(timeout=5) as attacker:
+                for _ in range(200):  # until the elicitation is out; the first answer the SDK takes decides
+                    statuses = [(await attacker.post(url, headers=headers(session_id, narrow), content=json.dumps(
+                        {"jsonrpc": "2.0", "id": n, "result": {"action": "accept",
+                                                               "content": {"send_to": "mallory"}}}))).status_code
+                                for n in range(3)]
+                    if 403 in statuses:
+                        break
+                    await asyncio.sleep(0.01)
+            attacked.set()
+            result = await asyncio.wait_for(call, 20)
+    assert 403 in statuses  # refused, not taken
+    assert "sent to alice" in str(result) and "mallory" not in str(result)

@@ -34,17 +34,20 @@ from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_
 FETCH = "https://mcp.example.com/tools/fetch"
 
 
-def test_a_body_gives_its_calls_its_other_requests_the_proposed_version_and_the_calls_it_cancels():
+def test_a_body_gives_its_calls_its_other_requests_the_proposed_version_the_calls_it_cancels_and_its_answers():
     batch = [
         {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch"}},
         {"jsonrpc": "2.0", "id": "p", "method": "ping"},
         {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}},
         {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1}},
+        {"jsonrpc": "2.0", "id": 7, "result": {"action": "accept"}},  # answers to the server's requests
+        {"jsonrpc": "2.0", "id": "e", "error": {"code": -1, "message": "no"}},
     ]
     asked = read_body(json.dumps(batch).encode())
     assert [(m.id, m.tool) for m in asked.calls] == [("1", "fetch")]
     assert [m.id for m in asked.requests] == ["1", "p"]
     assert asked.cancelled == ("0",)
+    assert asked.answers == ("7", "e")
     init = read_body(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25"}}')
     assert init.protocol_version == "2025-11-25" and init.calls == ()
 
@@ -128,7 +131,7 @@ def test_a_body_of_one_call_reads_as_its_message_classifies(rid, params, with_id
     # JSON-RPC's id as semconv writes it: an integer's or a string's text; no id for anything else
     assert msg.id == (str(rid) if with_id and isinstance(rid, int | str) and not isinstance(rid, bool) else None)
     is_call = msg.method == TOOLS_CALL and msg.id is not None
-    assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, ())
+    assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, (), ())
 
 
 # Bodies as the SDK writes them: a default-era call (client info in ``_meta``) and a 2025-11-25 one.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import jwt
 import pytest
-from mcp_types import JSONRPCNotification, JSONRPCResponse
+from mcp_types import JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
 from mcp_stream_exporter.auth import AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import read_body
@@ -468,3 +469,46 @@ def test_a_session_post_too_large_to_read_its_ids_is_refused_and_observe_mode_le
     assert _guarded_post(observing, padded, chunks=4) == (200, b"", padded)
     assert _guarded_post(observing, _tools_call(8))[0] == 200
     assert _guarded_post(observing, _tools_call(8))[0] == 200  # reused while in flight, let through
+
+
+def _bearer(*audience: str, sub: str = "alice") -> list[tuple[bytes, bytes]]:
+    claims = {"iss": "https://issuer.example", "sub": sub, "aud": list(audience)}
+    token = jwt.encode(claims, "k" * 32, algorithm="HS256")
+    return [(b"authorization", f"Bearer {token}".encode())]
+
+
+def _cancel(request_id: int) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                       "params": {"requestId": request_id}}).encode()
+
+
+def _answer(server_request_id: int) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": server_request_id, "result": {"action": "accept"}}).encode()
+
+
+def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may_see_the_call():
+    """Cancelling a call ends it, and answering what the server asked on its stream (an elicitation) feeds it:
+    a token narrower than the call's, or another principal's, acts on neither."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    broad, narrow, mallory = _bearer(SEARCH, FETCH), _bearer(SEARCH), _bearer(SEARCH, FETCH, sub="mallory")
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
+    assert _guarded_post(store, _tools_call(6, "search"), headers=narrow)[0] == 200
+    token = guard_request.set(GuardRequest("s1", BROAD))
+    try:  # the server asks the client on fetch's stream
+        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
+    finally:
+        guard_request.reset(token)
+    for act in (_cancel(5), _answer(0), b"[" + _cancel(6) + b"," + _cancel(5) + b"]"):
+        for stranger in (narrow, mallory):
+            status, answer, reached = _guarded_post(store, act, headers=stranger)
+            assert (status, reached) == (403, None)
+            assert b"acts on a call in flight" in answer
+    assert _guarded_post(store, _cancel(6), headers=narrow)[0] == 200  # its own call
+    assert _guarded_post(store, _cancel(99), headers=narrow)[0] == 200  # nothing in flight: the SDK ignores it
+    assert _guarded_post(store, _answer(0), headers=broad)[0] == 200
+    assert _guarded_post(store, _cancel(5), headers=broad)[0] == 200
+    observing = GuardedEventStore(POLICY, mode="observe")
+    run(observing.open_session("s1"))
+    assert _guarded_post(observing, _tools_call(5, "fetch"), headers=broad)[0] == 200
+    assert _guarded_post(observing, _cancel(5), headers=narrow)[0] == 200  # observed, let through

@@ -5,32 +5,59 @@ from __future__ import annotations
 from mcp_stream_exporter.guard.inflight import InFlight
 
 
+def _owned(*ids: str, owner: str = "alice") -> list[tuple[str, str]]:
+    return [(request_id, owner) for request_id in ids]
+
+
 def test_an_id_is_held_until_both_its_answer_is_stored_and_its_post_has_ended():
     table = InFlight()
-    assert table.claim("s1", ["5"]) is None
+    assert table.claim("s1", _owned("5")) is None
     table.ended("s1", ["5"])  # a polling server closed the POST: the call runs on under id 5
-    assert table.claim("s1", ["5"]) is not None
+    assert table.claim("s1", _owned("5")) is not None
     table.answered("s1", "5")
-    assert table.claim("s1", ["5"]) is None
+    assert table.claim("s1", _owned("5")) is None
     table.ended("s1", ["5"], answered=True)  # refused, or answered as JSON: free at once
-    assert table.claim("s1", ["5"]) is None
+    assert table.claim("s1", _owned("5")) is None
 
 
 def test_no_flood_of_other_sessions_frees_a_running_calls_id():
     table = InFlight(max_sessions=3)
-    assert table.claim("victim", ["5"]) is None
+    assert table.claim("victim", _owned("5")) is None
     for n in range(1000):  # POSTs naming made-up sessions, refused by the SDK: nothing of them stays
-        assert table.claim(f"bogus-{n}", ["1"]) is None
+        assert table.claim(f"bogus-{n}", _owned("1")) is None
         table.ended(f"bogus-{n}", ["1"], answered=True)
-    assert table.claim("victim", ["5"]) is not None
-    assert table.claim("a", ["1"]) is None and table.claim("b", ["1"]) is None
-    assert table.claim("c", ["1"]) is not None  # full of sessions in flight: refused, none dropped
+    assert table.claim("victim", _owned("5")) is not None
+    assert table.claim("a", _owned("1")) is None and table.claim("b", _owned("1")) is None
+    assert table.claim("c", _owned("1")) is not None  # full of sessions in flight: refused, none dropped
 
 
 def test_a_long_id_is_held_as_its_digest_and_a_batch_repeating_an_id_is_a_reuse():
     table = InFlight(max_id=8)
     long_id = "9" * 10_000
-    assert table.claim("s1", [long_id]) is None
-    assert table.claim("s1", [long_id]) is not None
-    assert all(len(key) < 80 for held in table._sessions.values() for key in held)
-    assert table.claim("s1", ["7", "7"]) is not None and table.claim("s1", ["7"]) is None
+    assert table.claim("s1", _owned(long_id)) is None
+    assert table.claim("s1", _owned(long_id)) is not None
+    assert all(len(key) < 80 for held in table._sessions.values() for key in held.calls)
+    assert table.claim("s1", _owned("7", "7")) is not None and table.claim("s1", _owned("7")) is None
+
+
+def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_server_sent_on_its_stream():
+    table: InFlight[str] = InFlight(max_per_session=2)
+    assert table.claim("s1", [("5", "broad"), ("6", "narrow")]) is None
+    assert (table.owner("s1", "5"), table.owner("s1", "7"), table.owner("s2", "5")) == ("broad", None, None)
+    table.asked("s1", "0", "5")  # an elicitation sent on call 5's stream
+    table.asked("s1", "1", "_GET_stream")  # on no call's stream: nobody's
+    assert (table.asker("s1", "0"), table.asker("s1", "1")) == ("broad", None)
+    table.replied("s1", ["0"])
+    assert table.asker("s1", "0") is None
+    table.asked("s1", "2", "5")
+    table.answered("s1", "5")
+    table.ended("s1", ["5"])
+    assert (table.owner("s1", "5"), table.asker("s1", "2")) == (None, None)  # call 5 is done, and what it asked
+
+
+def test_the_server_requests_held_for_a_session_are_bounded():
+    table: InFlight[str] = InFlight(max_per_session=2)
+    assert table.claim("s1", _owned("5")) is None
+    for n in range(5):
+        table.asked("s1", str(n), "5")
+    assert [table.asker("s1", str(n)) for n in range(5)] == [None, None, None, "alice", "alice"]

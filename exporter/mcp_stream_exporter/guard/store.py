@@ -24,7 +24,9 @@ What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
 - a request's stream is keyed by its JSON-RPC id, so a POST reusing an id in flight would take it over
   (``asgi()`` refuses it: ``inflight.InFlight``); a request whose first ``MCP-Protocol-Version`` is not
   a handshake-era version (``HANDSHAKE_PROTOCOL_VERSIONS``) goes to the SDK's sessionless path, whatever
-  ``Mcp-Session-Id`` it names (``StreamableHTTPSessionManager._handle_request``).
+  ``Mcp-Session-Id`` it names (``StreamableHTTPSessionManager._handle_request``);
+- a request the server sends for a call (``related_request_id``: an elicitation, a sampling request) is
+  stored under that call's stream id, which is how ``asgi()`` knows whose call a client's answer acts on.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, Final, Literal
 import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
-from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
+from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
 
@@ -56,6 +58,8 @@ from mcp_stream_exporter.exchange import (
     PROTOCOL_VERSION,
     SESSION_ID,
     STANDALONE_STREAM_ID,
+    UNREAD,
+    Body,
     content_of,
     read_body,
     request_id_of,
@@ -115,6 +119,7 @@ _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a host
 _MAX_REQUESTS: Final = 100  # in one POST (a 2025-03-26 batch): more is refused, the guard's work a POST bounded
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
+_Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
 
 
 @dataclass(slots=True)
@@ -164,7 +169,7 @@ class GuardedEventStore(EventStore):
         self.storage: EventStorage = storage if storage is not None else InMemoryEventStorage()
         self.tokens = token_reader or TokenReader()
         self._unstored = itertools.count(1)
-        self._in_flight = InFlight()
+        self._in_flight: InFlight[_Owner] = InFlight()
 
     # --- which call requires what ---
 
@@ -183,8 +188,11 @@ class GuardedEventStore(EventStore):
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
-        if request is not None and request.session_id is not None and _terminal(message):
-            self._in_flight.answered(request.session_id, stream_id)
+        if request is not None and request.session_id is not None:
+            if _terminal(message):
+                self._in_flight.answered(request.session_id, stream_id)
+            elif isinstance(message, JSONRPCRequest):  # the server asks the client something for this call
+                self._in_flight.asked(request.session_id, str(message.id), stream_id)
         if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
             return f"unstored-{next(self._unstored)}"
         try:
@@ -295,8 +303,9 @@ class GuardedEventStore(EventStore):
             answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
                 read, body = await _read_post(receive)
-                requests = read_body(body).requests if body else ()
-                refusal = self._admit(request, body, requests)
+                asked = read_body(body) if body else UNREAD
+                requests = asked.requests
+                refusal = self._admit(request, body, asked)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
                     await _refuse_post(send, *refusal)
@@ -349,26 +358,49 @@ class GuardedEventStore(EventStore):
             return _Request(None, auth, ambiguous)
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    def _admit(self, request: _Request, body: bytes | None, requests: Sequence[WireMessage]) -> tuple[int, str] | None:
+    def _admit(self, request: _Request, body: bytes | None, asked: Body) -> tuple[int, str] | None:
         """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: repeated
         ``Mcp-Session-Id`` or ``Authorization`` headers (which one would the SDK take?); in a session, a body
-        too large to read its request ids from (``body`` None), more requests than one POST may carry, or a
-        request id the session has in flight (``InFlight``). Synchronous: no other request runs between the
-        check and the claim."""
+        too large to read its request ids from (``body`` None), more requests than one POST may carry, a
+        cancel or an answer acting on a call in flight whose events the token may not see, or a request id
+        the session has in flight (``InFlight``). Synchronous: no other request runs between the check and
+        the claim."""
         if request.ambiguous:
             return 400, "more than one Mcp-Session-Id or Authorization header"
-        if request.session_id is None:
+        session_id = request.session_id
+        if session_id is None:
             return None  # initialize: its session is born with it
         if body is None:
             return 413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request ids"
-        if len(requests) > _MAX_REQUESTS:
-            return 413, f"more than {_MAX_REQUESTS} requests in one POST"
-        refusal = self._in_flight.claim(request.session_id, [msg.id for msg in requests if msg.id is not None])
+        if len(asked.requests) + len(asked.cancelled) + len(asked.answers) > _MAX_REQUESTS:
+            return 413, f"more than {_MAX_REQUESTS} requests, cancels and answers in one POST"
+        refusal = self._foreign(request.auth, session_id, asked)
+        if refusal is not None:
+            _log.warning("a POST acts on a call in flight its token may not see: %s",
+                         "refused" if self.mode == "enforce" else "let through (observe mode)")
+            return 403, refusal
+        refusal = self._in_flight.claim(session_id, [(msg.id, (requirement_of(self.policy, msg.tool),
+                                                               request.auth.subject_hash))
+                                                     for msg in asked.requests if msg.id is not None])
         if refusal is None:
+            self._in_flight.replied(session_id, asked.answers)
             return None
         _log.warning("a POST reuses a request id in flight in its session: %s",
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, refusal
+
+    def _foreign(self, auth: AuthView, session_id: str, asked: Body) -> str | None:
+        """Why a POST's ``notifications/cancelled`` or its answer to a request the server sent on a call's
+        stream may not act on that call: the token would be refused the call's events (``_covers``)."""
+        acts = [(f"notifications/cancelled of request {request_id[:64]!r}",
+                 self._in_flight.owner(session_id, request_id)) for request_id in asked.cancelled]
+        acts += [(f"the answer to the server's request {answer[:64]!r}", self._in_flight.asker(session_id, answer))
+                 for answer in asked.answers]
+        for act, owner in acts:
+            reason = self._covers(auth, *owner) if owner is not None else None
+            if reason is not None:
+                return f"{act} acts on a call in flight this token may not see: {reason}: {_DETAILS[reason]}"
+        return None
 
     async def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
         """Record what each request of a POST requires (its tool's policy; nothing but for ``tools/call``)."""
