@@ -120,12 +120,12 @@ async def _end(scope: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _also(server: _Server, body: bytes) -> Step:
+def _also(server: _Server, body: bytes, status: int = 202) -> Step:
     """Another POST of the session, whole, at this point of this one (a cancel answered 202)."""
 
     async def step(scope: Any, send: Any) -> None:
         async def accepted(scope: Any, send: Any) -> None:
-            await send({"type": "http.response.start", "status": 202, "headers": []})
+            await send({"type": "http.response.start", "status": status, "headers": []})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         await server.post(body, accepted)
     return step
@@ -154,6 +154,19 @@ def test_a_cancel_of_a_call_not_yet_handed_over_cancels_it(response_first):
         await server.post(_call(7), *before, _also(server, _cancel(7)), *after, _hand_over(server), _end)
     (call,) = [a for _, a, _ in _run(build).spans() if a[sc.SPAN] == sc.SPAN_CALL]
     assert call[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_cancel_the_server_refused_cancels_nothing(status):
+    """The guard's 403 (a token that may not see the call), the SDK's 401 or 404: the call runs on, and a
+    cancel anyone could post must not end what the hooks track of it."""
+    async def build(server: _Server) -> None:
+        await server.post(_call(7), _start, _hand_over(server), _also(server, _cancel(7), status),
+                          _stored(server, result=False), _end)
+    server = _run(build)
+    assert not [a for _, a, _ in server.spans() if a.get(sc.CALL_OUTCOME) == sc.OUTCOME_CANCELLED]
+    (call,) = server.instr.tracker._calls.values()
+    assert not call.done  # still owed its result, which the SDK may yet store
 
 
 def test_a_result_stored_before_the_call_is_handed_over_or_ever_is_recorded_on_it():

@@ -69,9 +69,9 @@ Judged = tuple[Requirement | None, tuple[frozenset[str], frozenset[str]], str]
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("asked_in", "body", "calls", "complete", "context", "cursor", "deferred", "disconnected", "held",
-                 "held_bytes", "json_body", "method", "observer", "oversized", "parser", "pending", "protocol_version",
-                 "scope", "start_ns", "status", "stream", "tracker", "unread")
+    __slots__ = ("asked_in", "body", "calls", "cancelled", "complete", "context", "cursor", "deferred", "disconnected",
+                 "held", "held_bytes", "json_body", "method", "observer", "oversized", "parser", "pending",
+                 "protocol_version", "scope", "start_ns", "status", "stream", "tracker", "unread")
 
     def __init__(self, observer: WireObserver, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
@@ -90,6 +90,7 @@ class _Exchange:
         # would have then (its parent, when the SDK's ``traceparent`` gives none)
         self.context: Context | None = None
         self.calls: list[Call] = []
+        self.cancelled: tuple[str, ...] = ()  # the calls the body cancels: cancelled once the server accepts it
         # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
         # something other than its result comes (``start_pending``): the healthy path never starts it
         self.pending: tuple[WireMessage, Judged, Context] | None = None
@@ -343,8 +344,7 @@ class WireObserver:
                 if msg.id not in started:
                     judged, deviates = self._judge(ex, msg, stateless)
                     self._start_call(ex, msg, judged, deviates, stateless)
-        for request_id in asked.cancelled:
-            self.tracker.cancel((ex.asked_in, request_id))
+        ex.cancelled = asked.cancelled
 
     def _start_call(self, ex: _Exchange, msg: WireMessage, judged: Judged, deviates: bool, stateless: bool) -> Call:
         """A call started now with what the policy says of it (``_judge``): a span at once if that deviates."""
@@ -376,6 +376,9 @@ class WireObserver:
             elif ex.context is None:  # they start when it does: in this context, as if read now
                 ex.context = get_current()
         ex.status = status
+        if ex.cancelled and status < 300:  # refused (the guard's 403, the SDK's 401 or 404), it cancels nothing
+            for request_id in ex.cancelled:
+                self.tracker.cancel((ex.asked_in, request_id))
         if ex.scope.session_id is None and SESSION_ID in headers:
             ex.scope.session_id = headers[SESSION_ID]  # initialize: the session's scope
         if ex.pending is not None:
