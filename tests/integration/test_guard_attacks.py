@@ -239,12 +239,15 @@ async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetc
         fetch = await fetch_in_flight(c, p)
         (session_id,) = server.session_ids()
         fetch_id = await fetch_id_of(store, session_id)
-        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": fetch_id}}
+        refused = []
         async with httpx.AsyncClient(timeout=5) as http:
-            refused = await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(cancel))
+            for spelling in (fetch_id, f"0{fetch_id}", f" {fetch_id}"):  # the SDK cancels fetch by int() of any
+                cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": spelling}}
+                refused.append(await http.post(server.url, headers=headers(session_id, narrow),
+                                               content=json.dumps(cancel)))
         result = await asyncio.wait_for(fetch, 20)
-    assert refused.status_code == 403
-    assert "insufficient_audience" in refused.json()["error"]["message"]
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert "insufficient_audience" in refused[0].json()["error"]["message"]
     assert SECRET in str(result)  # the call ran to its end
 
 

@@ -61,3 +61,15 @@ def test_the_server_requests_held_for_a_session_are_bounded():
     for n in range(5):
         table.asked("s1", str(n), "5")
     assert [table.asker("s1", str(n)) for n in range(5)] == [None, None, None, "alice", "alice"]
+
+
+def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_is_the_same_id():
+    table: InFlight[str] = InFlight()
+    assert table.claim("s1", [("7", "broad")]) is None
+    # int() of each is 7: the SDK cancels call 7 by any of them
+    for spelling in ("07", " 7", "+7", "\uff17", "7 ", "0" * 1000 + "7"):
+        assert table.owner("s1", spelling) == "broad"
+        assert table.claim("s1", _owned(spelling)) is not None
+    table.asked("s1", "0", "07")
+    assert table.asker("s1", "00") == "broad"
+    assert table.owner("s1", "7a") is None and table.claim("s1", _owned("7a")) is None

@@ -12,6 +12,7 @@ a storage that is down or full never lets a reuse through.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Collection, Sequence
 from typing import Generic, TypeVar
@@ -37,8 +38,9 @@ class InFlight(Generic[Owner]):
     stream before the answer, and its events then go on under the same id); and the requests the server
     sent on their streams, until the client answers them or their call is done. Only sessions with an id in
     flight are held, and none is ever dropped to make room (that would free a running call's id): at most
-    ``max_sessions`` of them and ``max_per_session`` ids each, past which a POST is refused. An id longer
-    than ``max_id`` is held as its digest, so what a POST can pin is bounded whatever its ids."""
+    ``max_sessions`` of them and ``max_per_session`` ids each, past which a POST is refused. Ids are held
+    as the SDK correlates them (``_key``), so ``"07"`` reuses ``7``; one longer than ``max_id`` is held as
+    its digest, so what a POST can pin is bounded whatever its ids."""
 
     def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256) -> None:
         self._sessions: dict[str, _Session[Owner]] = {}
@@ -131,6 +133,11 @@ class InFlight(Generic[Owner]):
             del self._sessions[session_id]
 
     def _key(self, request_id: str) -> str:
+        """One id as the SDK correlates it: a cancel or an answer names its request by ``int()`` of the id
+        where that parses (``mcp.shared.dispatcher.coerce_request_id``: ``7``, ``"7"``, ``"07"``, ``" 7"``
+        and ``"\uff17"`` are one id)."""
+        with contextlib.suppress(ValueError):  # past Python's 4,300 digits neither reads it as an int
+            request_id = str(int(request_id))
         if len(request_id) <= self._max_id:
             return request_id
         return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
