@@ -174,6 +174,18 @@ async def test_a_stateless_call_the_client_times_out_on_is_cancelled_not_a_call_
     assert client.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
 
 
+@pytest.mark.parametrize("mode", ["legacy", None])
+async def test_calls_answered_by_a_json_body_with_an_event_store_are_healthy(mode):
+    """The SDK stores a JSON answer before its response starts: no stream is open when it is stored, yet the
+    POST carries it."""
+    with detector() as (found, clock):
+        async with incident(mode, json_response=True) as lab:
+            for tool, arguments in (("search", {"query": "q", "steps": 2}), ("fetch", {"url": "u", "steps": 2})):
+                assert (await lab.call(tool, arguments)).content[0].text
+        assert after_grace(found, clock) == []
+    assert ours(spans(), sc.SPAN_CALL) == []  # the healthy path: no span of ours
+
+
 async def test_another_call_of_the_same_tool_right_after_the_break_is_not_the_reissue():
     with detector() as (found, clock):
         async with incident(None) as lab:

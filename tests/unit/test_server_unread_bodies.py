@@ -204,3 +204,28 @@ def test_a_call_not_yet_handed_over_when_the_tracker_shuts_down_is_evicted_as_an
         await server.post(_call(7), _start, shut_down)
     (call,) = [a for _, a, _ in _run(build).spans() if a[sc.SPAN] == sc.SPAN_CALL]
     assert call[sc.CALL_OUTCOME] == sc.OUTCOME_EVICTED
+
+
+def _json_answer(scope: Any, send: Any) -> Awaitable[None]:
+    """The SDK's JSON answer (``json_response=True``): its response starts only after the result was stored."""
+    async def step() -> None:
+        body = JSONRPCResponse(jsonrpc="2.0", id=scope["request"]["id"], result={"content": []})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body.model_dump_json(by_alias=True, exclude_none=True)
+                    .encode(), "more_body": False})
+    return step()
+
+
+def test_a_result_stored_before_its_json_answer_started_is_delivered_by_it_and_leaves_no_span():
+    async def build(server: _Server) -> None:
+        await server.post(_call(7), _hand_over(server), _stored(server, sent=False), _json_answer)
+    server = _run(build)
+    assert server.spans() == [] and server.instr.tracker._calls == {}
+
+
+def test_a_result_stored_while_its_exchange_lasted_that_never_answered_is_stored_with_no_stream():
+    async def build(server: _Server) -> None:
+        await server.post(_call(7), _hand_over(server), _stored(server, sent=False))  # no response at all
+    (call,) = [a for _, a, _ in _run(build).spans() if a[sc.SPAN] == sc.SPAN_CALL]
+    assert call[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT and call[sc.TERMINAL_EVENT_ID] == "1"
+    assert sc.TERMINAL_STREAM_KIND not in call  # what the detector reads as stored, not delivered

@@ -114,6 +114,8 @@ class _Exchange:
         for call in self.calls:
             if not call.done:
                 call.exchange_over()
+                if call.stored_early is not None:  # stored, and its exchange ended without carrying it
+                    self.tracker.stored(call, *call.stored_early)
         self.calls.clear()
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None
@@ -125,6 +127,7 @@ class _Exchange:
                                        self.start_ns)
         requirement, missing, decision = judged
         call.require(requirement, missing, decision)
+        call.on_exchange = True
         self.calls.append(call)
         if self.held is not None:
             self.tracker.hold(self, (call,), self.scope.session_id, True)

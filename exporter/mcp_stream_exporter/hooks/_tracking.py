@@ -282,8 +282,8 @@ class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
-                 "key", "method", "missing", "open_streams", "protocol_version", "requirement", "role", "sdk_span",
-                 "stateless", "streams", "tool")
+                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "requirement", "role",
+                 "sdk_span", "stateless", "stored_early", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
@@ -313,6 +313,10 @@ class Call(_Deferred):
         self.sdk_span: SdkSpan | None = None  # the SDK's own span for this request, while it is open
         self.held_on: Holder | None = None  # who holds a stream carrying it: read before anything else judges it
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
+        self.on_exchange = False  # (server) the exchange that carried its request still lasts
+        # (server) its terminal event, stored while that exchange lasted with no stream open yet (its answer's
+        # response not started: a JSON answer is stored before it is sent): ``stored`` once the exchange is over
+        self.stored_early: tuple[str, str] | None = None
 
     @property
     def fingerprint(self) -> str | None:
@@ -334,6 +338,7 @@ class Call(_Deferred):
     def exchange_over(self) -> None:
         """(server) The exchange that carried the call is over: a call still pending may yet get a span (a
         resume, an eviction), so it links the SDK's request span now and lets go of the context."""
+        self.on_exchange = False
         if self.done:
             self._sdk_request = None
         else:
@@ -740,6 +745,9 @@ class Tracker:
         the detector knows a result exists (and can tell whether the client ever gets it) even when
         no stream ever carries it. The call stays tracked: a resume may still deliver it."""
         if call.done or call.open_streams or call.stateless:
+            return
+        if call.on_exchange:  # its answer's response is yet to start: judged when the exchange is over
+            call.stored_early = (event_id, outcome)
             return
         self.span_of(call)
         call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams})

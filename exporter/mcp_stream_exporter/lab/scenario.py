@@ -113,14 +113,14 @@ class Incident:
 @contextlib.asynccontextmanager
 async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_calls: bool = False,
                    resolve: bool = True, session_wide_filter: bool = False,
-                   retry_interval: int = 200, step_delay: float = 0.05,
+                   retry_interval: int = 200, step_delay: float = 0.05, json_response: bool = False,
                    tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
     """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
     ``guarded`` serves with the replay guard instead of the incident's naive replay store;
     ``guard_calls`` installs the call guard, which refuses a call whose token lacks the tool's resource;
     ``resolve`` wraps the client with the guard's resolver, so a refused resume fails its call at once;
     ``session_wide_filter`` makes the naive store skip what the token may not see and replay the rest
-    of the session (``IncidentEventStore``)."""
+    of the session (``IncidentEventStore``); ``json_response`` answers each POST with one JSON body."""
     issuer = TokenIssuer()
     policy = incident_policy()
     store: EventStore
@@ -133,7 +133,8 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_
     if guard_calls:
         server.middleware.append(CallGuard(policy))
     app = instrument_server(server, policy=policy, event_store=store,
-                            retry_interval=retry_interval, tracer_provider=tracer_provider)
+                            retry_interval=retry_interval, json_response=json_response,
+                            tracer_provider=tracer_provider)
     broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
     narrow = issuer.mint([SEARCH_RESOURCE])
     async with serve(app) as port:
