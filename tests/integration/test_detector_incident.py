@@ -164,11 +164,13 @@ async def test_two_clients_in_one_trace_have_their_stateless_calls_judged_each_o
     assert len({c.attributes[sc.CALL_REQUEST_SPAN_ID] for c in calls}) == len(calls)  # what tells them apart
 
 
-async def test_a_stateless_call_the_client_times_out_on_is_cancelled_not_a_call_owed_a_reissue():
+@pytest.mark.parametrize(("step_delay", "steps"), [(0.05, 40), (1.5, 1)], ids=["answer-begun", "nothing-sent-yet"])
+async def test_a_stateless_call_the_client_times_out_on_is_cancelled_not_a_call_owed_a_reissue(step_delay, steps):
     with detector() as (found, clock):
-        async with incident(None) as lab:  # 2026-07-28: closing the response stream is the client's cancel
+        # 2026-07-28: closing the response stream is the client's cancel, before its headers came or after
+        async with incident(None, step_delay=step_delay) as lab:
             with pytest.raises(MCPError):
-                await lab.call("fetch", {"url": "u", "steps": 40}, timeout=0.5)
+                await lab.call("fetch", {"url": "u", "steps": steps}, timeout=0.5)
         assert after_grace(found, clock) == []
     (client,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
     assert client.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED

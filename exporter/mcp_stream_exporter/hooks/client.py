@@ -168,12 +168,12 @@ class ClientInstrumentation:
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
         try:
             response = await inner.handle_async_request(request)
-        except BaseException:
+        except BaseException as failed:
             if pending is not None:
                 calls.append(self._start_late(pending, session_id, protocol_version, view, start))
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
-            if stream is not None:
-                self.tracker.end_stream(stream, sc.END_DROPPED)
+            if stream is not None:  # cancelled before the answer began (a timeout): the client gave up, as below
+                self.tracker.end_stream(stream, sc.END_DROPPED if isinstance(failed, Exception) else sc.END_CLOSED)
             raise
         response_headers = _picked(response.headers, RESPONSE_HEADERS)
         asked_in = session_id  # a pending call is its request's, whatever session the answer names
