@@ -15,3 +15,12 @@ def redis_server():
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_broken_calls_from_earlier_tests():
+    """The client hooks remember broken stateless calls process-wide (a re-issue may come through another
+    client): each test starts with none."""
+    from mcp_stream_exporter.hooks._tracking import BROKEN_IN_PROCESS
+
+    BROKEN_IN_PROCESS.clear()

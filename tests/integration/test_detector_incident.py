@@ -15,7 +15,7 @@ from mcp_stream_exporter import instrument_client
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
-from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE, Incident, incident_policy
+from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE, BearerAuth, Incident, incident_policy
 
 from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, spans
 
@@ -129,6 +129,19 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
             with pytest.raises(MCPError):
                 await lab.call("fetch", {"url": "u", "steps": 4})
             await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
+        assert after_grace(found, clock) == []
+
+
+async def test_a_stateless_call_reissued_through_another_client_of_the_process_is_reissued():
+    with detector() as (found, clock):
+        async with incident(None) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4})
+            http = instrument_client(auth=BearerAuth(lab.broad), policy=incident_policy())  # the caller reconnects
+            async with http, Client(streamable_http_client(f"http://127.0.0.1:{lab.proxy.port}/mcp",
+                                                           http_client=http)) as again:
+                assert (await again.call_tool("fetch", {"url": "u", "steps": 4})).content[0].text == "contents of u"
         assert after_grace(found, clock) == []
 
 

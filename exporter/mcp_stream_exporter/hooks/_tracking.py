@@ -55,6 +55,9 @@ _ERROR_FRAME_DATA_CHARS = 1024
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
+# Those of every client in this process: a caller may re-issue through another client than the one that broke (a
+# new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
+BROKEN_IN_PROCESS: OrderedDict[str, None] = OrderedDict()
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 # A deferred span keeps its last events as the SDK's span would (OTEL_SPAN_EVENT_COUNT_LIMIT, oldest
 # dropped), so a long stream's frames cost bounded memory before its span exists; 128 if unlimited.
@@ -617,7 +620,7 @@ class Tracker:
     """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
 
     def __init__(self, tracer: SpanStarter, role: str, *, max_calls: int = 10_000,
-                 max_event_index: int = 50_000) -> None:
+                 max_event_index: int = 50_000, broken: OrderedDict[str, None] | None = None) -> None:
         self._tracer = tracer
         self._role = role
         self._stream_kind = SpanKind.SERVER if role == sc.ROLE_SERVER else SpanKind.CLIENT
@@ -625,7 +628,8 @@ class Tracker:
         self._max_event_index = max_event_index
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
-        self._broken: OrderedDict[str, None] = OrderedDict()  # fingerprints of stateless calls whose stream broke
+        # fingerprints of stateless calls whose stream broke (a client's: ``BROKEN_IN_PROCESS``)
+        self._broken: OrderedDict[str, None] = OrderedDict() if broken is None else broken
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session

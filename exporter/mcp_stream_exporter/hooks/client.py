@@ -42,6 +42,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.hooks._tracking import (
+    BROKEN_IN_PROCESS,
     HOLD_BYTES,
     HOLD_PIECES,
     Call,
@@ -74,7 +75,8 @@ class ClientInstrumentation:
     ) -> None:
         self.policy = policy
         self.tokens = token_reader or TokenReader()
-        self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls)
+        self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls,
+                               broken=BROKEN_IN_PROCESS)
         self._sdk_spans = SdkSpans.of_global_provider()
         self._protocol_version: str | None = None
         self._identify: Identify = self._fingerprint  # bound once, not per call
