@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -446,3 +447,15 @@ def test_the_retry_window_outlasts_memory_pressure_and_a_restart(tmp_path):
     restarted.consume([delivered])  # retried again, its answer lost in the shutdown
     for detector in (tight, restarted):
         assert "duplicate_terminal" not in rules(detector)
+
+
+def test_spans_numbered_by_counters_are_never_taken_for_one_another():
+    """A producer's ids may be counters (a seeded generator): trace 1 span 3 and trace 2 span 5 are two spans."""
+    def numbered(span: Span, trace: int, span_id: int) -> Span:
+        return dataclasses.replace(span, trace_id=format(trace, "032x"), span_id=format(span_id, "016x"))
+
+    polled = [numbered(stream(C, "post", "clean", ids=("3",), pending=("3",), last="1"), 1, 2),
+              numbered(stream(C, "resume", "clean", ids=("3",), cursor="1", terminal=("3",), last="3", at=2.0), 1, 3),
+              numbered(stream(C, "post", "clean", ids=("5",), pending=("5",), last="4", at=3.0), 2, 4),
+              numbered(stream(C, "resume", "clean", ids=("5",), cursor="4", terminal=("5",), last="6", at=4.0), 2, 5)]
+    assert rules(run(polled, after_s=60)) == []

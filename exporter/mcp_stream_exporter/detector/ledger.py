@@ -14,10 +14,10 @@ tuples plus a measured, rounded-up constant per object), so the estimate stays a
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import sys
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -35,7 +35,7 @@ _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (de
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
 _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
 _INDEX_BYTES = 250  # one look-up entry
-_SEEN_BYTES = 96  # one span taken (``first_sight``): its int, its place in a set and in a deque
+_SEEN_BYTES = 100  # one span taken (``first_sight``): its int, its place in a set and in a deque
 _NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
 _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every call never resumed
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
@@ -332,10 +332,10 @@ class Ledger:
         seeded id generator) loses nothing to it."""
         if len(span_id) != 16:
             return True
-        try:  # the span id, told apart by its trace's low half and its session's CRC: one int, not a tuple
-            key = int(span_id, 16) ^ int(trace_id[-16:], 16) << 1 ^ zlib.crc32(scope.encode()) << 66
-        except ValueError:
-            return True
+        # one int, not a tuple; a digest of all three, not a mix of the ids (a producer's ids may be counters,
+        # whose mixes collide), and bounded whatever a hostile span's ids and session are
+        key = int.from_bytes(hashlib.blake2b(f"{trace_id}/{span_id}/{scope}".encode("utf-8", "surrogatepass"),
+                                             digest_size=16).digest())
         if key in self._seen:
             return False
         self._sight(key)
