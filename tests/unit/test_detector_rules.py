@@ -459,3 +459,22 @@ def test_spans_numbered_by_counters_are_never_taken_for_one_another():
               numbered(stream(C, "post", "clean", ids=("5",), pending=("5",), last="4", at=3.0), 2, 4),
               numbered(stream(C, "resume", "clean", ids=("5",), cursor="4", terminal=("5",), last="6", at=4.0), 2, 5)]
     assert rules(run(polled, after_s=60)) == []
+
+
+def test_a_resume_from_where_a_clean_end_stopped_restarts_the_clock_whichever_side_saw_that_end():
+    """A server that polls (closes each stream) whose own exporter went down after its POST's span: the client's
+    resumes, on its own clock (here far behind), show the call moving on from where the POST stopped."""
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    polled = [stream(SV, "post", "clean", pending=("3",), last="6", at=1000.0),
+              stream(C, "resume", "clean", cursor="6", pending=("3",), last="9", at=1.0),
+              stream(C, "resume", "clean", cursor="9", pending=("3",), last="12", at=3.0),
+              stream(C, "resume", "clean", cursor="12", terminal=("3",), last="15", at=5.0)]
+    for span in polled:
+        detector.consume([span])
+        clock.now += 4 * S  # each within the grace of the one before, not of the first
+        detector.tick()
+        assert rules(detector) == []
+    stuck = [stream(SV, "post", "clean", pending=("3",), last="6", at=1000.0),
+             stream(C, "resume", "clean", cursor="5", pending=("3",), last="8", at=1.0)]  # from before that end
+    assert rules(run(stuck, after_s=6)) == ["clean_end_pending"]

@@ -55,9 +55,10 @@ class CallState:
     required: tuple[str, ...] = ()
     owed_since: int | None = None  # a stream ended with the call pending
     clean_since: int | None = None  # ... and that stream ended cleanly (its side's clock): the silent-loss clock
-    # whose clock clean_since is (only that side's later progress stops it), and when the detector learned of it
-    # (the grace runs from then, on its own clock)
-    clean_seen: tuple[str, int] | None = None
+    # whose clock clean_since is (that side's later progress stops it), when the detector learned of it (the grace
+    # runs from then, on its own clock), and the event that stream stopped at (either side's resume from it that
+    # moved it stops it too: it came after, whatever the clocks)
+    clean_seen: tuple[str, int, str | None] | None = None
     progress: tuple[int, int] = _NEVER  # the latest end of a resume that moved it without its result: client, server
     # by each side's clock, client then server: the latest end of a resume of it refused explicitly (an error frame,
     # the guard), and the latest start of one that was not
@@ -86,21 +87,24 @@ class CallState:
         if len(self.span_ids) < _MAX_SPAN_REFS and span_id not in self.span_ids:
             self.span_ids += (span_id,)
 
-    def progressed(self, role: str, end_ns: int) -> None:
-        """A resume ``role`` saw moved it without its result: a clean end that side saw before stops counting."""
+    def progressed(self, role: str, end_ns: int, cursor: str | None) -> None:
+        """A resume ``role`` saw from ``cursor`` moved it without its result: a clean end that side saw before, or
+        the one it resumed from (seen by either side), stops counting."""
         client, server = self.progress
         self.progress = (max(client, end_ns), server) if role == "client" else (client, max(server, end_ns))
         clean_since, clean_seen = self.clean_since, self.clean_seen
-        if clean_since is not None and clean_seen is not None and clean_seen[0] == role and end_ns > clean_since:
+        if clean_since is not None and clean_seen is not None and (
+                (clean_seen[0] == role and end_ns > clean_since) or (cursor is not None and cursor == clean_seen[2])):
             self.clean_since = self.clean_seen = None
 
-    def ended_clean(self, role: str, end_ns: int, now_ns: int) -> bool:
-        """A stream ``role`` saw ended cleanly with it pending: the silent-loss clock starts, unless it runs
-        already or that side saw it move after this end (spans come in any order); whether it runs."""
+    def ended_clean(self, role: str, end_ns: int, now_ns: int, stopped_at: str | None) -> bool:
+        """A stream ``role`` saw ended cleanly with it pending, at event ``stopped_at``: the silent-loss clock
+        starts, unless it runs already or that side saw it move after this end (spans come in any order);
+        whether it runs."""
         if self.clean_since is None:
             if end_ns < self.progress[0 if role == "client" else 1]:
                 return False  # it moved after this end (a tie: not after)
-            self.clean_since, self.clean_seen = end_ns, (role, now_ns)
+            self.clean_since, self.clean_seen = end_ns, (role, now_ns, stopped_at)
         return True
 
     def resume_refused(self, role: str, end_ns: int) -> None:

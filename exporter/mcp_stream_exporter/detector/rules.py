@@ -149,7 +149,7 @@ class RuleEngine:
         if progressed and e.kind == sc.STREAM_KIND_RESUME:  # a POST ends before any other stream of its calls
             for call in calls.values():
                 if not call.terminal:  # it moved: the silent-loss clock starts again at its next clean end
-                    call.progressed(at.role, at.end_ns)
+                    call.progressed(at.role, at.end_ns, e.cursor)
         for rid in e.pending_ids:
             self._owed(calls[rid], e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
@@ -255,7 +255,8 @@ class RuleEngine:
             return  # an HTTP error is loud; a stream the client closed was its own decision
         silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
         self.ledger.owed(call, e.at.end_ns, e.at.role)
-        if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns):
+        stopped_at = e.last_event_id if e.last_event_id is not None else e.cursor
+        if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns, stopped_at):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
             self._broken(call, e.at.end_ns, now_ns)
