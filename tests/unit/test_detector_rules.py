@@ -478,3 +478,11 @@ def test_a_resume_from_where_a_clean_end_stopped_restarts_the_clock_whichever_si
     stuck = [stream(SV, "post", "clean", pending=("3",), last="6", at=1000.0),
              stream(C, "resume", "clean", cursor="5", pending=("3",), last="8", at=1.0)]  # from before that end
     assert rules(run(stuck, after_s=6)) == ["clean_end_pending"]
+
+
+def test_findings_raised_off_a_replay_that_came_first_name_the_tool_once_a_span_does():
+    """A replay span names no tool: whichever span of the call names it later names it on its findings."""
+    detector = run([replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)),
+                    stream(C, "resume", "clean", cursor="6", pending=("3",), missing=(FETCH,), at=1.1)])
+    assert {(f.rule, f.tool) for f in detector.findings} == {("narrowed_resume", "fetch"),
+                                                             ("replay_truncated", "fetch")}

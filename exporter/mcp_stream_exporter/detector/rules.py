@@ -237,7 +237,12 @@ class RuleEngine:
         """``request_id``'s call in ``session`` (the session of ``at``, already touched), told what ``at`` says."""
         call = self.ledger.call(session, request_id, now_ns)
         call.era = at.era
-        call.tool = call.tool or tool
+        if call.tool is None and tool is not None:
+            call.tool = tool
+            for finding_id in (call.findings or {}).values():  # raised off a span that did not name it (a replay)
+                finding = self._lookup(finding_id)
+                if finding is not None and finding.tool is None:
+                    finding.tool = tool
         call.required = call.required or required
         call.origin = call.origin or (at.origin if at.role == sc.ROLE_CLIENT else "")
         call.note_span(at.trace_id, at.span_id)
