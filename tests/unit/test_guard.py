@@ -505,10 +505,32 @@ def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may
             assert (status, reached) == (403, None)
             assert b"acts on a call in flight" in answer
     assert _guarded_post(store, _cancel(6), headers=narrow)[0] == 200  # its own call
-    assert _guarded_post(store, _cancel(99), headers=narrow)[0] == 200  # nothing in flight: the SDK ignores it
+    # nothing in flight under that id, or nothing asked: refused, or the SDK would act on it later, maybe on
+    # a call that has that id by then
+    assert _guarded_post(store, _cancel(99), headers=narrow)[0] == 403
+    assert _guarded_post(store, _answer(1), headers=broad)[0] == 403
     assert _guarded_post(store, _answer(0), headers=broad)[0] == 200
     assert _guarded_post(store, _cancel(5), headers=broad)[0] == 200
     observing = GuardedEventStore(POLICY, mode="observe")
     run(observing.open_session("s1"))
     assert _guarded_post(observing, _tools_call(5, "fetch"), headers=broad)[0] == 200
     assert _guarded_post(observing, _cancel(5), headers=narrow)[0] == 200  # observed, let through
+
+
+def test_a_cancel_or_an_answer_is_read_as_the_sdk_reads_it_whatever_it_is_dressed_as():
+    """A cancel with an ``id`` the SDK cannot take (so a notification to it), an answer with a ``method`` and
+    ``params`` the SDK cannot take (so a response to it): checked as what the SDK will take them for."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    broad, narrow = _bearer(SEARCH, FETCH), _bearer(SEARCH)
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
+    token = guard_request.set(GuardRequest("s1", BROAD))
+    try:
+        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
+    finally:
+        guard_request.reset(token)
+    for bad_id in (None, True, 1.5, {}):
+        dressed = {**json.loads(_cancel(5)), "id": bad_id}
+        assert _guarded_post(store, json.dumps(dressed).encode(), headers=narrow)[::2] == (403, None)
+    dressed = {**json.loads(_answer(0)), "method": "x", "params": 5}
+    assert _guarded_post(store, json.dumps(dressed).encode(), headers=narrow)[::2] == (403, None)

@@ -36,31 +36,32 @@ def test_a_long_id_is_held_as_its_digest_and_a_batch_repeating_an_id_is_a_reuse(
     long_id = "9" * 10_000
     assert table.claim("s1", _owned(long_id)) is None
     assert table.claim("s1", _owned(long_id)) is not None
-    assert all(len(key) < 80 for held in table._sessions.values() for key in held.calls)
+    assert all(len(key) < 80 for held in table._sessions.values() for key in held)
     assert table.claim("s1", _owned("7", "7")) is not None and table.claim("s1", _owned("7")) is None
 
 
-def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_server_sent_on_its_stream():
-    table: InFlight[str] = InFlight(max_per_session=2)
+def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_server_awaits_an_answer_to():
+    table: InFlight[str] = InFlight()
     assert table.claim("s1", [("5", "broad"), ("6", "narrow")]) is None
     assert (table.owner("s1", "5"), table.owner("s1", "7"), table.owner("s2", "5")) == ("broad", None, None)
     table.asked("s1", "0", "5")  # an elicitation sent on call 5's stream
-    table.asked("s1", "1", "_GET_stream")  # on no call's stream: nobody's
-    assert (table.asker("s1", "0"), table.asker("s1", "1")) == ("broad", None)
+    table.asked("s1", "1", "_GET_stream")  # on no call's stream: anyone's in the session to answer
+    assert (table.asker("s1", "0"), table.asker("s1", "1")) == (("broad",), ())
+    assert (table.asker("s1", "2"), table.asker("s2", "0")) == (None, None)  # not asked (yet): nothing to answer
     table.replied("s1", ["0"])
     assert table.asker("s1", "0") is None
     table.asked("s1", "2", "5")
     table.answered("s1", "5")
     table.ended("s1", ["5"])
-    assert (table.owner("s1", "5"), table.asker("s1", "2")) == (None, None)  # call 5 is done, and what it asked
+    assert (table.owner("s1", "5"), table.asker("s1", "2")) == (None, ())  # call 5 is done: acts on nothing
 
 
-def test_the_server_requests_held_for_a_session_are_bounded():
-    table: InFlight[str] = InFlight(max_per_session=2)
+def test_the_server_requests_awaiting_answers_are_bounded_and_one_let_go_is_unknown():
+    table: InFlight[str] = InFlight(max_asked=2)
     assert table.claim("s1", _owned("5")) is None
     for n in range(5):
         table.asked("s1", str(n), "5")
-    assert [table.asker("s1", str(n)) for n in range(5)] == [None, None, None, "alice", "alice"]
+    assert [table.asker("s1", str(n)) for n in range(5)] == [None, None, None, ("alice",), ("alice",)]
 
 
 def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_is_the_same_id():
@@ -71,5 +72,5 @@ def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_i
         assert table.owner("s1", spelling) == "broad"
         assert table.claim("s1", _owned(spelling)) is not None
     table.asked("s1", "0", "07")
-    assert table.asker("s1", "00") == "broad"
+    assert table.asker("s1", "00") == ("broad",)
     assert table.owner("s1", "7a") is None and table.claim("s1", _owned("7a")) is None

@@ -41,9 +41,18 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import anyio
+import pydantic_core
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
-from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
+from mcp.shared.dispatcher import as_request_id
+from mcp_types import (
+    JSONRPCError,
+    JSONRPCMessage,
+    JSONRPCNotification,
+    JSONRPCRequest,
+    JSONRPCResponse,
+    jsonrpc_message_adapter,
+)
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
 
@@ -61,7 +70,6 @@ from mcp_stream_exporter.exchange import (
     UNREAD,
     Body,
     content_of,
-    read_body,
     request_id_of,
     requirement_of,
 )
@@ -75,7 +83,7 @@ from mcp_stream_exporter.guard.storage import (
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage
+from mcp_stream_exporter.wire import CANCELLED, MAX_PARSED_BODY, TOOLS_CALL, WireMessage, request_message
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -191,7 +199,7 @@ class GuardedEventStore(EventStore):
         if request is not None and request.session_id is not None:
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
-            elif isinstance(message, JSONRPCRequest):  # the server asks the client something for this call
+            elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
                 self._in_flight.asked(request.session_id, str(message.id), stream_id)
         if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
             return f"unstored-{next(self._unstored)}"
@@ -303,7 +311,7 @@ class GuardedEventStore(EventStore):
             answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
                 read, body = await _read_post(receive)
-                asked = read_body(body) if body else UNREAD
+                asked = _as_the_sdk_reads(body) if body else UNREAD
                 requests = asked.requests
                 refusal = self._admit(request, body, asked)
                 if refusal is not None and self.mode == "enforce":
@@ -390,16 +398,24 @@ class GuardedEventStore(EventStore):
         return 409, refusal
 
     def _foreign(self, auth: AuthView, session_id: str, asked: Body) -> str | None:
-        """Why a POST's ``notifications/cancelled`` or its answer to a request the server sent on a call's
-        stream may not act on that call: the token would be refused the call's events (``_covers``)."""
-        acts = [(f"notifications/cancelled of request {request_id[:64]!r}",
-                 self._in_flight.owner(session_id, request_id)) for request_id in asked.cancelled]
-        acts += [(f"the answer to the server's request {answer[:64]!r}", self._in_flight.asker(session_id, answer))
-                 for answer in asked.answers]
-        for act, owner in acts:
-            reason = self._covers(auth, *owner) if owner is not None else None
-            if reason is not None:
-                return f"{act} acts on a call in flight this token may not see: {reason}: {_DETAILS[reason]}"
+        """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
+        SDK: it names nothing in flight (the SDK acts on it later, maybe on a call that has that id by then), or
+        acts on a call whose events the token would be refused (``_covers``)."""
+        acts: list[tuple[str, tuple[_Owner, ...] | None]] = []
+        for request_id in asked.cancelled:
+            owner = self._in_flight.owner(session_id, request_id)
+            acts.append((f"notifications/cancelled of request {request_id[:64]!r}",
+                         (owner,) if owner is not None else None))
+        for answer in asked.answers:
+            acts.append((f"the answer to the server's request {answer[:64]!r}",
+                         self._in_flight.asker(session_id, answer)))
+        for act, owners in acts:
+            if owners is None:
+                return f"{act} names nothing in flight in this session that it may act on"
+            for owner in owners:
+                reason = self._covers(auth, *owner)
+                if reason is not None:
+                    return f"{act} acts on a call in flight this token may not see: {reason}: {_DETAILS[reason]}"
         return None
 
     async def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
@@ -523,6 +539,39 @@ async def _read_post(receive: Receive) -> tuple[list[Message], bytes | None]:
             return read, None
         if not message.get("more_body", False):
             return read, bytes(body)
+
+
+def _as_the_sdk_reads(body: bytes) -> Body:
+    """What a POST body asks of the SDK, read exactly as the SDK reads it (``pydantic_core.from_json``, then
+    ``jsonrpc_message_adapter``, as ``StreamableHTTPServerTransport`` does; each element of a batch alike): a
+    message the guard took for another kind than the SDK does (``"id": null`` on a cancel, ``"method"`` on an
+    answer) would be checked as what it is not. What the SDK would refuse (400) asks nothing."""
+    try:
+        raw = pydantic_core.from_json(body)
+    except ValueError:
+        return UNREAD
+    calls: list[WireMessage] = []
+    requests: list[WireMessage] = []
+    cancelled: list[str] = []
+    answers: list[str] = []
+    for item in raw if isinstance(raw, list) else (raw,):
+        try:
+            message = jsonrpc_message_adapter.validate_python(item, by_name=False)
+        except ValueError:  # pydantic's ValidationError: refused, or dropped, by the SDK
+            continue
+        if isinstance(message, JSONRPCRequest):
+            request = request_message(message.id, message.method, message.params)
+            requests.append(request)
+            if request.method == TOOLS_CALL:
+                calls.append(request)
+        elif isinstance(message, JSONRPCNotification):
+            if message.method == CANCELLED and isinstance(message.params, dict):
+                cancelled_id = as_request_id(message.params.get("requestId"))  # as the SDK's dispatcher reads it
+                if cancelled_id is not None:
+                    cancelled.append(str(cancelled_id))
+        elif message.id is not None:
+            answers.append(str(message.id))
+    return Body(tuple(calls), tuple(requests), None, tuple(cancelled), tuple(answers))
 
 
 def _replaying(read: list[Message], receive: Receive) -> Receive:
