@@ -229,7 +229,7 @@ async def fetch_id_of(store: GuardedEventStore, session_id: str) -> int:
     return fetch_id
 
 
-async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetch():
+async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetch_nor_end_its_session():
     issuer = TokenIssuer()
     broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
     narrow = issuer.mint([SEARCH_RESOURCE])  # alice's too, as the incident's client would hold it
@@ -245,8 +245,9 @@ async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetc
                 cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": spelling}}
                 refused.append(await http.post(server.url, headers=headers(session_id, narrow),
                                                content=json.dumps(cancel)))
+            refused.append(await http.delete(server.url, headers=headers(session_id, narrow)))
         result = await asyncio.wait_for(fetch, 20)
-    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert [r.status_code for r in refused] == [403, 403, 403, 403]
     assert "insufficient_audience" in refused[0].json()["error"]["message"]
     assert SECRET in str(result)  # the call ran to its end
 

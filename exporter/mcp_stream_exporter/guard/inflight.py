@@ -71,6 +71,10 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call[1] if call is not None else None
 
+    def owners(self, session_id: str) -> list[Owner]:
+        """Whose the requests in flight in the session are."""
+        return [owner for _, owner in self._sessions.get(session_id, {}).values()]
+
     def asked(self, session_id: str, server_request_id: str, stream_id: str) -> None:
         """The server sent a request on a stream: its answer is awaited, and when that stream is a call in
         flight, the answer acts on the call."""

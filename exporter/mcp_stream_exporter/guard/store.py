@@ -322,6 +322,12 @@ class GuardedEventStore(EventStore):
                     posted = [msg.id for msg in requests if msg.id is not None]
                 await self._record(request, requests)
                 app_receive = _replaying(read, receive)
+            elif scope.get("method") == "DELETE" and request.session_id is not None:
+                refusal = self._may_end(request.auth, request.session_id)
+                if refusal is not None and self.mode == "enforce":
+                    _current.reset(token)
+                    await _refuse_post(send, *refusal)
+                    return
 
             async def guarded_send(message: Message) -> None:
                 nonlocal answered_here
@@ -416,6 +422,17 @@ class GuardedEventStore(EventStore):
                 reason = self._covers(auth, *owner)
                 if reason is not None:
                     return f"{act} acts on a call in flight this token may not see: {reason}: {_DETAILS[reason]}"
+        return None
+
+    def _may_end(self, auth: AuthView, session_id: str) -> tuple[int, str] | None:
+        """Whether a DELETE may end the session: None, or its refusal (403) when it would end calls in flight
+        whose events its token would be refused (``_covers``)."""
+        for owner in self._in_flight.owners(session_id):
+            reason = self._covers(auth, *owner)
+            if reason is not None:
+                _log.warning("a DELETE would end calls in flight its token may not see: %s",
+                             "refused" if self.mode == "enforce" else "let through (observe mode)")
+                return 403, f"the session has calls in flight this token may not see: {reason}: {_DETAILS[reason]}"
         return None
 
     async def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
