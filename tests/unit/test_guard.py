@@ -534,3 +534,30 @@ def test_a_cancel_or_an_answer_is_read_as_the_sdk_reads_it_whatever_it_is_dresse
         assert _guarded_post(store, json.dumps(dressed).encode(), headers=narrow)[::2] == (403, None)
     dressed = {**json.loads(_answer(0)), "method": "x", "params": 5}
     assert _guarded_post(store, json.dumps(dressed).encode(), headers=narrow)[::2] == (403, None)
+
+
+def test_a_resume_whose_stream_a_new_call_took_while_it_replayed_is_refused_its_live_tail():
+    """A client that reads a replay slowly holds it between the check and the SDK taking the live tail; a new
+    call given the stream's id meanwhile (it was free: the resumed call was over) would send its events there."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)
+    first = session.call(5, "search")[0]
+    sent = []
+
+    async def send(event):
+        sent.append(event)
+        if len(sent) == 1:  # while the replay is sent, fetch is posted under id 5
+            assert store._in_flight.claim("s1", [("5", (Requirement.of([FETCH]), None))]) is None
+
+    token = guard_request.set(GuardRequest("s1", NARROW))
+    try:
+        assert run(store.replay_events_after(first, send)) is None  # no live tail: fetch's events would be on it
+    finally:
+        guard_request.reset(token)
+    assert sent[-1].message.params["error"] == "insufficient_audience"
+    assert sent[-1].message.params["required_resources"] == [FETCH]
+
+    later = session.call(6, "search")[0]
+    stream, _, notices = session.resume(later, NARROW)
+    assert (stream, notices) == ("6", [])  # let take the live tail of 6: a new call may not take the id
+    assert "resumed" in (store._in_flight.claim("s1", [("6", (Requirement.of([FETCH]), None))]) or "")

@@ -74,3 +74,14 @@ def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_i
     table.asked("s1", "0", "07")
     assert table.asker("s1", "00") == ("broad",)
     assert table.owner("s1", "7a") is None and table.claim("s1", _owned("7a")) is None
+
+
+def test_an_id_whose_stream_a_resume_holds_cannot_be_taken_until_the_resume_ends():
+    table: InFlight[str] = InFlight()
+    table.resuming("s1", "5")
+    table.resuming("s1", "5")
+    assert table.claim("s1", _owned("05")) is not None and table.claim("s2", _owned("5")) is None
+    table.resume_ended("s1", "5")
+    assert table.claim("s1", _owned("5")) is not None  # one resume still holds it
+    table.resume_ended("s1", "5")
+    assert table.claim("s1", _owned("5")) is None

@@ -41,6 +41,7 @@ class InFlight(Generic[Owner]):
                  max_asked: int = 100_000) -> None:
         self._sessions: dict[str, dict[str, tuple[int, Owner]]] = {}  # session -> id -> what is done of it, whose
         self._asked: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # (session, server's id) -> its call
+        self._resuming: dict[tuple[str, str], int] = {}  # (session, stream) -> resumes holding its live tail
         self._max_sessions = max_sessions
         self._max_per_session = max_per_session
         self._max_id = max_id
@@ -57,6 +58,8 @@ class InFlight(Generic[Owner]):
             key = self._key(request_id)
             if key in held or key in taken:
                 return f"request id {request_id[:64]!r} is in flight in this session already: ids must not be reused"
+            if (session_id, key) in self._resuming:  # the SDK would send the new call's events to that resume
+                return f"request id {request_id[:64]!r} has its stream resumed in this session: ids must not be reused"
             taken[key] = (0, owner)
         if len(held) + len(taken) > self._max_per_session:
             return f"more than {self._max_per_session} requests in flight in this session"
@@ -70,6 +73,19 @@ class InFlight(Generic[Owner]):
         """Whose the request in flight under ``request_id`` is; None when none is."""
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call[1] if call is not None else None
+
+    def resuming(self, session_id: str, stream_id: str) -> None:
+        """A resume (GET) takes the live tail of a request's stream: a new request with that id would be its."""
+        key = (session_id, self._key(stream_id))
+        self._resuming[key] = self._resuming.get(key, 0) + 1
+
+    def resume_ended(self, session_id: str, stream_id: str) -> None:
+        key = (session_id, self._key(stream_id))
+        left = self._resuming.get(key, 0) - 1
+        if left > 0:
+            self._resuming[key] = left
+        else:
+            self._resuming.pop(key, None)
 
     def owners(self, session_id: str) -> list[Owner]:
         """Whose the requests in flight in the session are."""

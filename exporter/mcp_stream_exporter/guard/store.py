@@ -139,6 +139,7 @@ class _Request:
     auth: AuthView
     ambiguous: bool = False  # a repeated Authorization or Mcp-Session-Id header
     pending: list[tuple[str, Requirement]] = field(default_factory=list)  # recorded once the session is known
+    resumed: str | None = None  # the stream whose live tail a resume (GET) was let take, until it ends
 
 
 _current: ContextVar[_Request | None] = ContextVar("mcp_stream_guard_request", default=None)
@@ -238,14 +239,33 @@ class GuardedEventStore(EventStore):
         if verdict.refusal is None or self.mode == "observe":
             for event in verdict.deliver if verdict.refusal is None else buffered:
                 await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
-            decision = sc.GUARD_ALLOW if verdict.refusal is None else sc.GUARD_WOULD_REFUSE
-            span.set_attributes(_span_attributes(self.mode, decision, verdict.refusal))
+            delivered = verdict.deliver[-1].event_id if verdict.deliver else cursor.event_id
+            stop = verdict.refusal or self._taken_over(request, cursor.stream_id, delivered)
+            if stop is not None and self.mode == "enforce":
+                span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, stop))
+                await send_callback(_refusal(stop))
+                return None
+            decision = sc.GUARD_ALLOW if stop is None else sc.GUARD_WOULD_REFUSE
+            span.set_attributes(_span_attributes(self.mode, decision, stop))
+            if request.session_id is not None:  # no await from the check to the SDK taking the live tail
+                self._in_flight.resuming(request.session_id, cursor.stream_id)
+                request.resumed = cursor.stream_id
             return cursor.stream_id
         for event in verdict.deliver:
             await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
         span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, verdict.refusal))
         await send_callback(_refusal(verdict.refusal))
         return None  # no live tail: the stream ends after the error frame
+
+    def _taken_over(self, request: _Request, stream_id: str, delivered: str) -> dict[str, Any] | None:
+        """Why a resume let replay may not take the live tail of ``stream_id`` after all: while its events were
+        sent (a client that reads slowly holds it there), a new call took the stream's id, one whose events the
+        token would be refused. Read from the in-flight table: nothing awaited between this and the SDK."""
+        owner = self._in_flight.owner(request.session_id, stream_id) if request.session_id is not None else None
+        reason = self._covers(request.auth, *owner) if owner is not None else None
+        if owner is None or reason is None:
+            return None
+        return _refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
 
     async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent]:
         return [e for e in await self.storage.after(session_id, cursor) if self._carries(cursor.stream_id, e)]
@@ -357,6 +377,8 @@ class GuardedEventStore(EventStore):
                         await send(message)
             finally:
                 _current.reset(token)
+                if request.resumed is not None:
+                    self._in_flight.resume_ended(request.session_id, request.resumed)  # type: ignore[arg-type]
                 if posted:  # the exchange is over, its stream with it (a call may run on, its id held until answered)
                     self._in_flight.ended(request.session_id, posted, answered=answered_here)  # type: ignore[arg-type]
 
