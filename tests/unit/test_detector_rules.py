@@ -486,3 +486,12 @@ def test_findings_raised_off_a_replay_that_came_first_name_the_tool_once_a_span_
                     stream(C, "resume", "clean", cursor="6", pending=("3",), missing=(FETCH,), at=1.1)])
     assert {(f.rule, f.tool) for f in detector.findings} == {("narrowed_resume", "fetch"),
                                                              ("replay_truncated", "fetch")}
+
+
+def test_a_resume_another_replica_answered_from_shared_storage_delivers_what_it_lists_as_terminal():
+    """That replica never saw the call: its resume span lists no request ids, only the result it delivered."""
+    server_only = [stream(SV, "post", "dropped", pending=("3",)),
+                   call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15"),
+                   stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=2.0)]
+    assert rules(run(server_only, after_s=60)) == []
+    assert rules(run(server_only[:2], after_s=60)) == ["stored_not_delivered"]

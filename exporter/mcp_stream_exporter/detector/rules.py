@@ -133,6 +133,8 @@ class RuleEngine:
             if rid not in calls:  # most streams list their pending calls among their request ids
                 calls[rid] = self._call(session, at, rid, now_ns, single_tool, e.required)
         for rid in e.terminal_ids:
+            if rid not in calls and not e.request_ids:  # a resume that knew not what it carried (another replica
+                calls[rid] = self._call(session, at, rid, now_ns, None, ())  # answered it from shared storage)
             if rid in calls:
                 self._delivered(calls[rid], at.role, e, now_ns)
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
