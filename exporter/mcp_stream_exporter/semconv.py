@@ -97,6 +97,9 @@ OUTCOME_ERROR: Final = "error"  # a JSON-RPC error response
 OUTCOME_CANCELLED: Final = "cancelled"  # the client sent notifications/cancelled
 OUTCOME_NO_TERMINAL: Final = "no_terminal"  # stateless era: its only stream ended without a terminal event
 OUTCOME_EVICTED: Final = "evicted"  # dropped from the bounded tracker while still pending
+# client, stateless: a call that re-issues one whose stream broke, at its start (a span of its own, ended at once:
+# the call's span ends only with the call, and a long tool would outlast the grace the detector gives a re-issue)
+OUTCOME_REISSUED: Final = "reissued"
 TERMINAL_EVENT_ID: Final = "mcp_stream.terminal.event_id"
 TERMINAL_STREAM_KIND: Final = "mcp_stream.terminal.stream_kind"
 CALL_STREAMS: Final = "mcp_stream.call.streams"

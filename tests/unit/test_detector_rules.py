@@ -200,6 +200,13 @@ def test_not_reissued_fires_when_a_broken_stateless_call_is_not_sent_again():
     assert rules(run([*_broken_stateless_call(), reissued], after_s=6)) == []
 
 
+def test_a_reissue_still_running_when_the_grace_runs_out_is_known_by_the_span_of_its_start():
+    """A long tool: the re-issue's own call span ends only with it, past the grace."""
+    started = call(C, sc.OUTCOME_REISSUED, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                   fingerprint="f00d", trace="t2", stream_kind=None)
+    assert rules(run([*_broken_stateless_call(), started], after_s=60)) == []
+
+
 def test_not_reissued_is_not_hidden_by_another_call_of_the_same_tool_or_by_the_sdks_span():
     other_arguments = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
                            fingerprint="beef", trace="t2")

@@ -243,10 +243,14 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, [healthy], {}, ABSENT, 200), sc.END_DROPPED)
     other = tracker.start_call(None, _request(2), "2026-07-28", ABSENT, stateless=True, identify=identify("b"))
     reissue = tracker.start_call(None, _request(3), "2026-07-28", ABSENT, stateless=True, identify=identify("a"))
-    (broken,) = _by(exporter, sc.SPAN_CALL)
+    broken, marker = _by(exporter, sc.SPAN_CALL)
     assert broken.attributes[sc.CALL_ARGUMENTS_HASH] == "a"
     assert other.span is None  # same tool, other arguments: not the re-issue, still on the healthy path
     assert reissue.span is not None  # the re-issue: a span of ours, whatever becomes of it
+    # and, at once, a span of its start: the detector learns of the re-issue before the call ends
+    assert marker.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_REISSUED
+    assert marker.attributes[sc.CALL_ARGUMENTS_HASH] == "a" and marker.attributes[sc.JSONRPC_REQUEST_ID] == "3"
+    assert marker.parent.span_id == reissue.span.get_span_context().span_id
     assert computed == ["a", "b", "a"]
 
 

@@ -110,7 +110,8 @@ _STEPS = {"post": "POST (the call)", "get": "GET stream", "resume": "Resume", "d
 _ENDS = {sc.END_CLEAN: "ended cleanly", sc.END_DROPPED: "connection dropped", sc.END_CLOSED: "closed by the client"}
 _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool error delivered",
              sc.OUTCOME_ERROR: "JSON-RPC error delivered", sc.OUTCOME_CANCELLED: "given up (cancelled or timed out)",
-             sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending"}
+             sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending",
+             sc.OUTCOME_REISSUED: "re-issued (sent again after its stream broke)"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -654,7 +654,7 @@ class Tracker:
         fingerprint = call.fingerprint if reissue and self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
             del self._broken[fingerprint]
-            self.span_of(call)
+            self._reissued(call)
         # a stateless call lives and dies with its one stream: nothing to look up. An id its session reuses while
         # its call is pending (MCP forbids it, the guard refuses it) is observed on its own stream, untracked:
         # the pending call stays the one its id finds
@@ -663,6 +663,15 @@ class Tracker:
             while len(self._calls) > self._max_calls:
                 self._evict(self._calls.popitem(last=False)[1])
         return call
+
+    def _reissued(self, call: Call) -> None:
+        """The call re-issues one whose stream broke: a deviation, so it gets its span; and the detector is told
+        now, by a span of the call's start ended at once (``OUTCOME_REISSUED``), not when the call ends."""
+        span = self.span_of(call)
+        name, attributes = call.describe()
+        attributes[sc.CALL_OUTCOME] = sc.OUTCOME_REISSUED
+        self._tracer.start_span(name, context=trace.set_span_in_context(span), kind=SpanKind.INTERNAL,
+                                attributes=attributes, start_time=call.start_time).end()
 
     def reissues_possible(self) -> bool:
         """Whether a call starting now may be the re-issue of one whose stream broke (``start_call``)."""
