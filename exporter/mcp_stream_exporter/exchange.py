@@ -1,9 +1,8 @@
 """One exchange on the MCP endpoint, an HTTP request and its response, as the hooks and the guard read it.
 
 Which headers matter, what a request body asks for (its ``tools/call`` requests, the protocol version
-it negotiates, the calls it cancels, the server's requests it answers), what each request requires under
-a tool policy, which stream the SDK's event store files a request's events under, and the attributes a
-stream span opens with.
+it negotiates, the calls it cancels), what each request requires under a tool policy, which stream
+the SDK's event store files a request's events under, and the attributes a stream span opens with.
 Both hooks and the guard read an exchange through this module, so they cannot disagree about it.
 """
 
@@ -77,7 +76,7 @@ class Body(NamedTuple):
     requests: tuple[WireMessage, ...] = ()  # every request with an id, tools/call included
     protocol_version: str | None = None  # what an initialize request proposes
     cancelled: tuple[str, ...] = ()  # request ids of notifications/cancelled
-    answers: tuple[str, ...] = ()  # ids of the responses and errors it carries: the server's requests it answers
+    answers: tuple[str, ...] = ()  # ids of the responses and errors it carries (the guard's reading, its own)
 
 
 UNREAD: Final = Body()
@@ -110,12 +109,9 @@ def read_body(body: bytes) -> Body:
     calls: list[WireMessage] = []
     requests: list[WireMessage] = []
     cancelled: list[str] = []
-    answers: list[str] = []
     protocol_version = None
     for msg in messages:
         if msg.method is None:
-            if msg.is_terminal and msg.id is not None:
-                answers.append(msg.id)
             continue
         if msg.id is not None:
             requests.append(msg)
@@ -125,7 +121,7 @@ def read_body(body: bytes) -> Body:
                 protocol_version = msg.protocol_version
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             cancelled.append(msg.cancelled_id)
-    return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled), tuple(answers))
+    return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled))
 
 
 def can_ask(body: bytes) -> bool:

@@ -34,20 +34,17 @@ from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_
 FETCH = "https://mcp.example.com/tools/fetch"
 
 
-def test_a_body_gives_its_calls_its_other_requests_the_proposed_version_the_calls_it_cancels_and_its_answers():
+def test_a_body_gives_its_calls_its_other_requests_the_proposed_version_and_the_calls_it_cancels():
     batch = [
         {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "fetch"}},
         {"jsonrpc": "2.0", "id": "p", "method": "ping"},
         {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}},
         {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1}},
-        {"jsonrpc": "2.0", "id": 7, "result": {"action": "accept"}},  # answers to the server's requests
-        {"jsonrpc": "2.0", "id": "e", "error": {"code": -1, "message": "no"}},
     ]
     asked = read_body(json.dumps(batch).encode())
     assert [(m.id, m.tool) for m in asked.calls] == [("1", "fetch")]
     assert [m.id for m in asked.requests] == ["1", "p"]
     assert asked.cancelled == ("0",)
-    assert asked.answers == ("7", "e")
     init = read_body(b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":"2025-11-25"}}')
     assert init.protocol_version == "2025-11-25" and init.calls == ()
 
