@@ -81,11 +81,13 @@ class Session:
         return stream, delivered, notices
 
 
-def test_authorised_resume_replays_everything_after_the_cursor_and_keeps_the_live_tail():
+def test_authorised_resume_replays_everything_after_the_cursor_and_keeps_the_live_tail_until_the_answer():
     s = Session(GuardedEventStore(POLICY))
-    ids = s.call(2, "fetch")
+    ids = s.call(2, "fetch", with_result=False)
     stream, delivered, notices = s.resume(ids[1], BROAD)
     assert (stream, delivered, notices) == ("2", ids[2:], [])
+    answered = s.call(3, "fetch")
+    assert s.resume(answered[1], BROAD) == (None, answered[2:], [])  # its answer replayed: nothing live to come
 
 
 def test_narrowed_resume_is_refused_with_an_error_naming_event_requirement_audience_and_cursor():
@@ -137,7 +139,7 @@ def test_live_tail_requirement_is_checked_even_with_nothing_buffered():
 
 def test_observe_mode_replays_as_before():
     s = Session(GuardedEventStore(POLICY, mode="observe"))
-    ids = s.call(2, "fetch")
+    ids = s.call(2, "fetch", with_result=False)
     stream, delivered, notices = s.resume(ids[1], NARROW)
     assert (stream, delivered, notices) == ("2", ids[2:], [])
 
@@ -269,7 +271,7 @@ def test_a_token_that_failed_verification_gets_nothing_not_even_events_that_requ
 
 def test_opaque_tokens_are_replayed_only_when_the_setting_allows_them():
     s = Session(GuardedEventStore(POLICY, opaque="allow"))
-    ids = s.call(2, "fetch")
+    ids = s.call(2, "fetch", with_result=False)
     stream, delivered, notices = s.resume(ids[0], AuthView(fingerprint="o", verification="opaque"))
     assert (stream, delivered, notices) == ("2", ids[1:], [])
 
@@ -557,7 +559,10 @@ def test_a_resume_whose_stream_a_new_call_took_while_it_replayed_is_refused_its_
     assert sent[-1].message.params["error"] == "insufficient_audience"
     assert sent[-1].message.params["required_resources"] == [FETCH]
 
-    later = session.call(6, "search")[0]
-    stream, _, notices = session.resume(later, NARROW)
+    running = session.call(6, "search", with_result=False)[0]
+    stream, _, notices = session.resume(running, NARROW)
     assert (stream, notices) == ("6", [])  # let take the live tail of 6: a new call may not take the id
-    assert "resumed" in (store._in_flight.claim("s1", [("6", (Requirement.of([FETCH]), None))]) or "")
+    assert "resume" in (store._in_flight.claim("s1", [("6", (Requirement.of([FETCH]), None))]) or "")
+    answered = session.call(7, "search")[0]
+    assert session.resume(answered, NARROW)[0] is None  # its answer replayed: no live tail, no id held for one
+    assert store._in_flight.claim("s1", [("7", (Requirement.of([FETCH]), None))]) is None

@@ -53,15 +53,28 @@ def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_serve
     table.asked("s1", "2", "5")
     table.answered("s1", "5")
     table.ended("s1", ["5"])
-    assert (table.owner("s1", "5"), table.asker("s1", "2")) == (None, ())  # call 5 is done: acts on nothing
+    assert (table.owner("s1", "5"), table.asker("s1", "2")) == (None, None)  # call 5 is done: nothing awaits it
 
 
-def test_the_server_requests_awaiting_answers_are_bounded_and_one_let_go_is_unknown():
-    table: InFlight[str] = InFlight(max_asked=2)
+def test_the_server_requests_awaiting_answers_are_bounded_per_session_so_other_sessions_evict_none():
+    table: InFlight[str] = InFlight(max_per_session=2, max_sessions=3)
     assert table.claim("s1", _owned("5")) is None
-    for n in range(5):
-        table.asked("s1", str(n), "5")
-    assert [table.asker("s1", str(n)) for n in range(5)] == [None, None, None, ("alice",), ("alice",)]
+    table.asked("s1", "0", "5")
+    for n in range(50):  # another session's requests, never answered
+        table.asked("s2", str(n), "_GET_stream")
+    assert table.asker("s1", "0") == ("alice",)
+    assert [table.asker("s2", str(n)) for n in (47, 48, 49)] == [None, (), ()]  # its own oldest let go
+
+
+def test_the_owners_of_a_sessions_calls_outlive_them_until_the_session_ends():
+    """A call's stored result outlives the call: ending the session ends it too."""
+    table: InFlight[str] = InFlight()
+    assert table.claim("s1", [("5", "broad")]) is None
+    table.answered("s1", "5")
+    table.ended("s1", ["5"])
+    assert table.owner("s1", "5") is None and table.owners("s1") == ["broad"]
+    table.end("s1")
+    assert table.owners("s1") == []
 
 
 def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_is_the_same_id():
@@ -76,12 +89,12 @@ def test_ids_are_held_as_the_sdk_correlates_them_so_a_spelling_of_the_same_int_i
     assert table.owner("s1", "7a") is None and table.claim("s1", _owned("7a")) is None
 
 
-def test_an_id_whose_stream_a_resume_holds_cannot_be_taken_until_the_resume_ends():
+def test_an_id_something_the_sdk_may_still_act_on_names_cannot_be_taken_until_it_is_released():
     table: InFlight[str] = InFlight()
-    table.resuming("s1", "5")
-    table.resuming("s1", "5")
+    table.hold("s1", "5")  # a resume holding its stream's live tail
+    table.hold("s1", "5")  # a cancel of it being handled
     assert table.claim("s1", _owned("05")) is not None and table.claim("s2", _owned("5")) is None
-    table.resume_ended("s1", "5")
-    assert table.claim("s1", _owned("5")) is not None  # one resume still holds it
-    table.resume_ended("s1", "5")
+    table.release("s1", "5")
+    assert table.claim("s1", _owned("5")) is not None  # one still holds it
+    table.release("s1", "5")
     assert table.claim("s1", _owned("5")) is None

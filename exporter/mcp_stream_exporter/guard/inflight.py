@@ -25,27 +25,38 @@ _ENDED = 2  # the POST that carried it ended: its answer sent, or its stream clo
 _FREE = _ANSWERED | _ENDED
 
 
+class _Known(Generic[Owner]):
+    """What a session's past tells the guard: the server's requests awaiting the client's answer (and the call
+    each was sent for, if any), and whose its calls have been."""
+
+    __slots__ = ("asked", "owners")
+
+    def __init__(self) -> None:
+        self.asked: dict[str, str | None] = {}
+        self.owners: dict[Owner, None] = {}
+
+
 class InFlight(Generic[Owner]):
     """Per session, the ids of the requests this process's SDK is still answering, each with its owner:
     from their POST until both their answer was stored and their POST ended (a server may close a POST's
     stream before the answer, and its events then go on under the same id). Only sessions with an id in
     flight are held, and none is ever dropped to make room (that would free a running call's id): at most
-    ``max_sessions`` of them and ``max_per_session`` ids each, past which a POST is refused. Ids are held
-    as the SDK correlates them (``_key``), so ``"07"`` reuses ``7``; one longer than ``max_id`` is held as
-    its digest, so what a POST can pin is bounded whatever its ids.
+    ``max_sessions`` of them and ``max_per_session`` ids each, past which a POST is refused. An id stays
+    taken while something the SDK may still act on names it (``hold``: a resume holding its stream's live
+    tail, a cancel being handled). Ids are held as the SDK correlates them (``_key``), so ``"07"`` reuses
+    ``7``; one longer than ``max_id`` is held as its digest, so what a POST can pin is bounded whatever its ids.
 
-    Beside them, the requests the server sent that await the client's answer, and the call each was sent
-    for, if any: the latest ``max_asked`` of them (an answer to one let go is refused, as unknown)."""
+    Beside them, per session (the ``max_sessions`` most recently active), the server's requests awaiting
+    answers (at most ``max_per_session``; an answer to one let go is refused, as unknown) and the owners of
+    its calls (what ending the session ends)."""
 
-    def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256,
-                 max_asked: int = 100_000) -> None:
+    def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256) -> None:
         self._sessions: dict[str, dict[str, tuple[int, Owner]]] = {}  # session -> id -> what is done of it, whose
-        self._asked: OrderedDict[tuple[str, str], str | None] = OrderedDict()  # (session, server's id) -> its call
-        self._resuming: dict[tuple[str, str], int] = {}  # (session, stream) -> resumes holding its live tail
+        self._held: dict[tuple[str, str], int] = {}  # (session, id) -> what still names it
+        self._known: OrderedDict[str, _Known[Owner]] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_per_session = max_per_session
         self._max_id = max_id
-        self._max_asked = max_asked
 
     def claim(self, session_id: str, requests: Sequence[tuple[str, Owner]]) -> str | None:
         """Take a POST's request ids with their owners, all or none: None when taken, else why not (the
@@ -58,8 +69,9 @@ class InFlight(Generic[Owner]):
             key = self._key(request_id)
             if key in held or key in taken:
                 return f"request id {request_id[:64]!r} is in flight in this session already: ids must not be reused"
-            if (session_id, key) in self._resuming:  # the SDK would send the new call's events to that resume
-                return f"request id {request_id[:64]!r} has its stream resumed in this session: ids must not be reused"
+            if (session_id, key) in self._held:  # e.g. the SDK would send the new call's events to a resume of it
+                return (f"request id {request_id[:64]!r} is named by a resume or a cancel still being handled in this "
+                        "session: ids must not be reused")
             taken[key] = (0, owner)
         if len(held) + len(taken) > self._max_per_session:
             return f"more than {self._max_per_session} requests in flight in this session"
@@ -67,6 +79,10 @@ class InFlight(Generic[Owner]):
             return f"more than {self._max_sessions} sessions with requests in flight"
         self._sessions[session_id] = held
         held.update(taken)
+        owners = self._known_of(session_id).owners
+        for _, owner in taken.values():
+            if len(owners) < self._max_per_session:
+                owners[owner] = None
         return None
 
     def owner(self, session_id: str, request_id: str) -> Owner | None:
@@ -74,47 +90,51 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call[1] if call is not None else None
 
-    def resuming(self, session_id: str, stream_id: str) -> None:
-        """A resume (GET) takes the live tail of a request's stream: a new request with that id would be its."""
-        key = (session_id, self._key(stream_id))
-        self._resuming[key] = self._resuming.get(key, 0) + 1
-
-    def resume_ended(self, session_id: str, stream_id: str) -> None:
-        key = (session_id, self._key(stream_id))
-        left = self._resuming.get(key, 0) - 1
-        if left > 0:
-            self._resuming[key] = left
-        else:
-            self._resuming.pop(key, None)
-
     def owners(self, session_id: str) -> list[Owner]:
-        """Whose the requests in flight in the session are."""
-        return [owner for _, owner in self._sessions.get(session_id, {}).values()]
+        """Whose the session's calls have been, in flight or not (its stored results outlive them)."""
+        known = self._known.get(session_id)
+        return list(known.owners) if known is not None else []
+
+    def hold(self, session_id: str, request_id: str) -> None:
+        """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is
+        being handled): a new request may not take it until ``release``."""
+        key = (session_id, self._key(request_id))
+        self._held[key] = self._held.get(key, 0) + 1
+
+    def release(self, session_id: str, request_id: str) -> None:
+        key = (session_id, self._key(request_id))
+        left = self._held.get(key, 0) - 1
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
 
     def asked(self, session_id: str, server_request_id: str, stream_id: str) -> None:
         """The server sent a request on a stream: its answer is awaited, and when that stream is a call in
         flight, the answer acts on the call."""
-        key = (session_id, self._key(server_request_id))
+        asked = self._known_of(session_id).asked
+        if len(asked) >= self._max_per_session:
+            del asked[next(iter(asked))]
         call = self._key(stream_id)
-        self._asked[key] = call if call in self._sessions.get(session_id, {}) else None
-        self._asked.move_to_end(key)
-        if len(self._asked) > self._max_asked:
-            self._asked.popitem(last=False)
+        asked[self._key(server_request_id)] = call if call in self._sessions.get(session_id, {}) else None
 
     def asker(self, session_id: str, server_request_id: str) -> tuple[Owner, ...] | None:
         """Whose call the server's request ``server_request_id`` was sent for: ``(owner,)``, or ``()`` when it
-        was sent for no call still in flight; None when the server awaits no answer to it in this session."""
-        key = (session_id, self._key(server_request_id))
-        if key not in self._asked:
+        was sent for no call; None when the server awaits no answer to it in this session."""
+        known = self._known.get(session_id)
+        key = self._key(server_request_id)
+        if known is None or key not in known.asked:
             return None
-        of = self._asked[key]
+        of = known.asked[key]
         call = self._sessions.get(session_id, {}).get(of) if of is not None else None
         return (call[1],) if call is not None else ()
 
     def replied(self, session_id: str, server_request_ids: Collection[str]) -> None:
         """The client answered these requests of the server."""
-        for server_request_id in server_request_ids:
-            self._asked.pop((session_id, self._key(server_request_id)), None)
+        known = self._known.get(session_id)
+        if known is not None:
+            for server_request_id in server_request_ids:
+                known.asked.pop(self._key(server_request_id), None)
 
     def answered(self, session_id: str, request_id: str) -> None:
         """Its response or error was stored."""
@@ -125,22 +145,36 @@ class InFlight(Generic[Owner]):
         self._done(session_id, ids, _FREE if answered else _ENDED)
 
     def end(self, session_id: str) -> None:
-        """The session ended: nothing of it is in flight any more (the server's requests age out)."""
+        """The session ended: nothing of it is in flight any more."""
         self._sessions.pop(session_id, None)
+        self._known.pop(session_id, None)
+
+    def _known_of(self, session_id: str) -> _Known[Owner]:
+        known = self._known.get(session_id)
+        if known is None:
+            known = self._known[session_id] = _Known()
+            if len(self._known) > self._max_sessions:
+                self._known.popitem(last=False)
+        else:
+            self._known.move_to_end(session_id)
+        return known
 
     def _done(self, session_id: str, ids: Collection[str], done: int) -> None:
         held = self._sessions.get(session_id)
         if held is None:
             return
+        known = self._known.get(session_id)
         for request_id in ids:
             key = self._key(request_id)
             call = held.get(key)
             if call is None:
                 continue
-            if call[0] | done == _FREE:
-                del held[key]
-            else:
+            if call[0] | done != _FREE:
                 held[key] = (call[0] | done, call[1])
+                continue
+            del held[key]
+            if known is not None and key in known.asked.values():  # its requests' answers act on nothing now
+                known.asked = {asked: of for asked, of in known.asked.items() if of != key}
         if not held:
             del self._sessions[session_id]
 

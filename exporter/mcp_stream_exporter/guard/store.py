@@ -139,7 +139,9 @@ class _Request:
     auth: AuthView
     ambiguous: bool = False  # a repeated Authorization or Mcp-Session-Id header
     pending: list[tuple[str, Requirement]] = field(default_factory=list)  # recorded once the session is known
-    resumed: str | None = None  # the stream whose live tail a resume (GET) was let take, until it ends
+    # ids it names that the SDK may act on until it ends (``InFlight.hold``): the stream whose live tail a resume
+    # was let take, the calls a POST cancels
+    holds: list[str] = field(default_factory=list)
 
 
 _current: ContextVar[_Request | None] = ContextVar("mcp_stream_guard_request", default=None)
@@ -247,9 +249,11 @@ class GuardedEventStore(EventStore):
                 return None
             decision = sc.GUARD_ALLOW if stop is None else sc.GUARD_WOULD_REFUSE
             span.set_attributes(_span_attributes(self.mode, decision, stop))
+            if cursor.stream_id != STANDALONE_STREAM_ID and _answered(cursor, buffered):
+                return None  # its answer is replayed: no live tail to wait on, nor an id to hold for one
             if request.session_id is not None:  # no await from the check to the SDK taking the live tail
-                self._in_flight.resuming(request.session_id, cursor.stream_id)
-                request.resumed = cursor.stream_id
+                self._in_flight.hold(request.session_id, cursor.stream_id)
+                request.holds.append(cursor.stream_id)
             return cursor.stream_id
         for event in verdict.deliver:
             await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
@@ -340,6 +344,9 @@ class GuardedEventStore(EventStore):
                     return
                 if refusal is None and request.session_id is not None:
                     posted = [msg.id for msg in requests if msg.id is not None]
+                    for cancelled in asked.cancelled:  # its id may not be taken by a new call before the SDK acts
+                        self._in_flight.hold(request.session_id, cancelled)
+                        request.holds.append(cancelled)
                 await self._record(request, requests)
                 app_receive = _replaying(read, receive)
             elif scope.get("method") == "DELETE" and request.session_id is not None:
@@ -377,8 +384,8 @@ class GuardedEventStore(EventStore):
                         await send(message)
             finally:
                 _current.reset(token)
-                if request.resumed is not None:
-                    self._in_flight.resume_ended(request.session_id, request.resumed)  # type: ignore[arg-type]
+                for held_id in request.holds:
+                    self._in_flight.release(request.session_id, held_id)  # type: ignore[arg-type]
                 if posted:  # the exchange is over, its stream with it (a call may run on, its id held until answered)
                     self._in_flight.ended(request.session_id, posted, answered=answered_here)  # type: ignore[arg-type]
 
@@ -710,6 +717,12 @@ def _frame(event: EventMessage) -> bytes:
         return render(SSEFrame(json.dumps(message.params), event="error"))
     return render(SSEFrame(message.model_dump_json(by_alias=True, exclude_unset=True), event="message",
                            id=event.event_id))
+
+
+def _answered(cursor: StoredEvent, buffered: list[StoredEvent]) -> bool:
+    """Whether the cursor's stream's answer is the cursor or among the events replayed after it."""
+    return _terminal(cursor.message) or any(e.stream_id == cursor.stream_id and _terminal(e.message)
+                                            for e in buffered)
 
 
 def _terminal(message: JSONRPCMessage | None) -> bool:
