@@ -76,7 +76,6 @@ class Body(NamedTuple):
     requests: tuple[WireMessage, ...] = ()  # every request with an id, tools/call included
     protocol_version: str | None = None  # what an initialize request proposes
     cancelled: tuple[str, ...] = ()  # request ids of notifications/cancelled
-    answers: tuple[str, ...] = ()  # ids of the responses and errors it carries (the guard's reading, its own)
 
 
 UNREAD: Final = Body()
@@ -98,13 +97,13 @@ def read_body(body: bytes) -> Body:
     msg = sdk_call(text)  # the usual: one call, as the SDK writes it
     if msg is not None:
         one = (msg,)
-        return _body((one, one, None, (), ()))
+        return _body((one, one, None, ()))
     obj = parse(text)
     if type(obj) is dict and obj.get("method") == TOOLS_CALL and "id" in obj:  # the usual: one call, read as
         msg = request_message(obj["id"], TOOLS_CALL, obj.get("params"))        # ``classify`` reads it
         if msg.id is not None:
             one = (msg,)
-            return _body((one, one, None, (), ()))
+            return _body((one, one, None, ()))
     messages = classify_parsed(obj)
     calls: list[WireMessage] = []
     requests: list[WireMessage] = []

@@ -114,20 +114,23 @@ async def test_a_session_that_expires_while_a_call_is_owed_is_flagged():
     assert expired.tool == "fetch"
 
 
+async def _break_fetch(lab: Incident) -> None:
+    """fetch's stream cut after its first progress event: the SDK tells its caller, who may re-issue it."""
+    lab.proxy.arm(b"fetch step 1")
+    with pytest.raises(MCPError):
+        await lab.call("fetch", {"url": "u", "steps": 4})
+
+
 async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_reissues_it():
     with detector() as (found, clock):
         async with incident(None) as lab:
-            lab.proxy.arm(b"fetch step 1")
-            with pytest.raises(MCPError):
-                await lab.call("fetch", {"url": "u", "steps": 4})
+            await _break_fetch(lab)
         (finding,) = after_grace(found, clock)
     assert (finding.rule, finding.tool, finding.era) == ("not_reissued", "fetch", sc.ERA_STATELESS)
 
     with detector() as (found, clock):
         async with incident(None) as lab:
-            lab.proxy.arm(b"fetch step 1")
-            with pytest.raises(MCPError):
-                await lab.call("fetch", {"url": "u", "steps": 4})
+            await _break_fetch(lab)
             await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
         assert after_grace(found, clock) == []
 
@@ -135,9 +138,7 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
 async def test_a_stateless_call_reissued_through_another_client_of_the_process_is_reissued():
     with detector() as (found, clock):
         async with incident(None) as lab:
-            lab.proxy.arm(b"fetch step 1")
-            with pytest.raises(MCPError):
-                await lab.call("fetch", {"url": "u", "steps": 4})
+            await _break_fetch(lab)
             http = instrument_client(auth=BearerAuth(lab.broad), policy=incident_policy())  # the caller reconnects
             async with http, Client(streamable_http_client(f"http://127.0.0.1:{lab.proxy.port}/mcp",
                                                            http_client=http)) as again:
@@ -205,9 +206,7 @@ async def test_calls_answered_by_a_json_body_with_an_event_store_are_healthy(mod
 async def test_another_call_of_the_same_tool_right_after_the_break_is_not_the_reissue():
     with detector() as (found, clock):
         async with incident(None) as lab:
-            lab.proxy.arm(b"fetch step 1")
-            with pytest.raises(MCPError):
-                await lab.call("fetch", {"url": "u", "steps": 4})
+            await _break_fetch(lab)
             await lab.call("fetch", {"url": "another", "steps": 0})  # same tool, other arguments: another call
         (finding,) = after_grace(found, clock)
     assert (finding.rule, finding.tool) == ("not_reissued", "fetch")

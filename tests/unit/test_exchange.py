@@ -128,7 +128,7 @@ def test_a_body_of_one_call_reads_as_its_message_classifies(rid, params, with_id
     # JSON-RPC's id as semconv writes it: an integer's or a string's text; no id for anything else
     assert msg.id == (str(rid) if with_id and isinstance(rid, int | str) and not isinstance(rid, bool) else None)
     is_call = msg.method == TOOLS_CALL and msg.id is not None
-    assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, (), ())
+    assert read_body(body) == ((msg,) if is_call else (), (msg,) if is_call else (), None, ())
 
 
 # Bodies as the SDK writes them: a default-era call (client info in ``_meta``) and a 2025-11-25 one.

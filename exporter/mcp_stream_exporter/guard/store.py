@@ -38,7 +38,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import anyio
 import pydantic_core
@@ -67,8 +67,6 @@ from mcp_stream_exporter.exchange import (
     PROTOCOL_VERSION,
     SESSION_ID,
     STANDALONE_STREAM_ID,
-    UNREAD,
-    Body,
     content_of,
     request_id_of,
     requirement_of,
@@ -83,7 +81,7 @@ from mcp_stream_exporter.guard.storage import (
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import CANCELLED, MAX_PARSED_BODY, TOOLS_CALL, WireMessage, request_message
+from mcp_stream_exporter.wire import CANCELLED, MAX_PARSED_BODY, WireMessage, request_message
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -128,6 +126,18 @@ _MAX_REQUESTS: Final = 100  # in one POST (a 2025-03-26 batch): more is refused,
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
+
+
+class _Asked(NamedTuple):
+    """What a session POST asks of the SDK, as the SDK reads it (``_as_the_sdk_reads``)."""
+
+    requests: tuple[WireMessage, ...] = ()  # every request with an id
+    cancelled: tuple[str, ...] = ()  # the ids its notifications/cancelled name
+    answers: tuple[str, ...] = ()  # the ids of its responses and errors: the server's requests it answers
+    too_many: bool = False  # a batch longer than one POST may carry (``_MAX_REQUESTS``), left unread
+
+
+_NOTHING_ASKED: Final = _Asked()
 
 
 @dataclass(slots=True)
@@ -335,7 +345,7 @@ class GuardedEventStore(EventStore):
             answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
                 read, body = await _read_post(receive)
-                asked = _as_the_sdk_reads(body) if body else UNREAD
+                asked = _as_the_sdk_reads(body) if body else _NOTHING_ASKED
                 requests = asked.requests
                 refusal = self._admit(request, body, asked)
                 if refusal is not None and self.mode == "enforce":
@@ -401,7 +411,7 @@ class GuardedEventStore(EventStore):
             return _Request(None, auth, ambiguous)
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    def _admit(self, request: _Request, body: bytes | None, asked: Body) -> tuple[int, str] | None:
+    def _admit(self, request: _Request, body: bytes | None, asked: _Asked) -> tuple[int, str] | None:
         """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: repeated
         ``Mcp-Session-Id`` or ``Authorization`` headers (which one would the SDK take?); in a session, a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
@@ -415,7 +425,7 @@ class GuardedEventStore(EventStore):
             return None  # initialize: its session is born with it
         if body is None:
             return 413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request ids"
-        if len(asked.requests) + len(asked.cancelled) + len(asked.answers) > _MAX_REQUESTS:
+        if asked.too_many or len(asked.requests) + len(asked.cancelled) + len(asked.answers) > _MAX_REQUESTS:
             return 413, f"more than {_MAX_REQUESTS} requests, cancels and answers in one POST"
         refusal = self._foreign(request.auth, session_id, asked)
         if refusal is not None:
@@ -432,7 +442,7 @@ class GuardedEventStore(EventStore):
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, refusal
 
-    def _foreign(self, auth: AuthView, session_id: str, asked: Body) -> str | None:
+    def _foreign(self, auth: AuthView, session_id: str, asked: _Asked) -> str | None:
         """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
         SDK: it names nothing in flight (the SDK acts on it later, maybe on a call that has that id by then), or
         acts on a call whose events the token would be refused (``_covers``)."""
@@ -587,16 +597,18 @@ async def _read_post(receive: Receive) -> tuple[list[Message], bytes | None]:
             return read, bytes(body)
 
 
-def _as_the_sdk_reads(body: bytes) -> Body:
+def _as_the_sdk_reads(body: bytes) -> _Asked:
     """What a POST body asks of the SDK, read exactly as the SDK reads it (``pydantic_core.from_json``, then
     ``jsonrpc_message_adapter``, as ``StreamableHTTPServerTransport`` does; each element of a batch alike): a
     message the guard took for another kind than the SDK does (``"id": null`` on a cancel, ``"method"`` on an
-    answer) would be checked as what it is not. What the SDK would refuse (400) asks nothing."""
+    answer) would be checked as what it is not. What the SDK would refuse (400) asks nothing; a batch longer
+    than one POST may carry is not validated element by element (a 4 MiB body holds a million of them)."""
     try:
         raw = pydantic_core.from_json(body)
     except ValueError:
-        return UNREAD
-    calls: list[WireMessage] = []
+        return _NOTHING_ASKED
+    if isinstance(raw, list) and len(raw) > _MAX_REQUESTS:
+        return _Asked(too_many=True)
     requests: list[WireMessage] = []
     cancelled: list[str] = []
     answers: list[str] = []
@@ -606,10 +618,7 @@ def _as_the_sdk_reads(body: bytes) -> Body:
         except ValueError:  # pydantic's ValidationError: refused, or dropped, by the SDK
             continue
         if isinstance(message, JSONRPCRequest):
-            request = request_message(message.id, message.method, message.params)
-            requests.append(request)
-            if request.method == TOOLS_CALL:
-                calls.append(request)
+            requests.append(request_message(message.id, message.method, message.params))
         elif isinstance(message, JSONRPCNotification):
             if message.method == CANCELLED and isinstance(message.params, dict):
                 cancelled_id = as_request_id(message.params.get("requestId"))  # as the SDK's dispatcher reads it
@@ -617,7 +626,7 @@ def _as_the_sdk_reads(body: bytes) -> Body:
                     cancelled.append(str(cancelled_id))
         elif message.id is not None:
             answers.append(str(message.id))
-    return Body(tuple(calls), tuple(requests), None, tuple(cancelled), tuple(answers))
+    return _Asked(tuple(requests), tuple(cancelled), tuple(answers))
 
 
 def _replaying(read: list[Message], receive: Receive) -> Receive:
