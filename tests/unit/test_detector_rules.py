@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import sqlite3
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 
 from mcp_stream_exporter import semconv as sc
@@ -121,7 +124,7 @@ def test_resume_loop_fires_on_repeated_resumes_without_progress_within_the_windo
 
 
 def test_session_expired_in_flight_fires_on_a_404_while_a_call_is_owed():
-    owed = stream(C, "post", "dropped", pending=("3",))
+    owed = stream(C, "post", "dropped", pending=("3",), last="6")
     expired = stream(C, "resume", "http_error", ids=("3",), cursor="6", status=404)
     assert rules(run([owed, expired])) == ["session_expired_in_flight"]
     delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9")
@@ -502,3 +505,145 @@ def test_a_resume_another_replica_answered_from_shared_storage_delivers_what_it_
                    stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=2.0)]
     assert rules(run(server_only, after_s=60)) == []
     assert rules(run(server_only[:2], after_s=60)) == ["stored_not_delivered"]
+
+
+def _stateless(role: str, outcome: str, request_id: str, at: float, trace: str, **kw: object) -> Span:
+    return call(role, outcome, at=at, request_id=request_id, session=None, era=sc.ERA_STATELESS, trace=trace,
+                fingerprint="f00d", **kw)  # type: ignore[arg-type]
+
+
+def _broken(request_id: str, at: float) -> list[Span]:
+    """A fetch whose only stream broke before its response (its caller told), in a trace of its own."""
+    trace = f"b{request_id}"
+    return [stream(C, "post", "dropped", ids=(request_id,), pending=(request_id,), session=None, at=at,
+                   era=sc.ERA_STATELESS, trace=trace),
+            _stateless(C, sc.OUTCOME_NO_TERMINAL, request_id, at, trace)]
+
+
+def _reissue(request_id: str, at: float) -> list[Span]:
+    """A re-issue as the client hook records it: the span of its start, ended at once, and its own call span."""
+    trace = f"e{request_id}"
+    return [_stateless(C, sc.OUTCOME_REISSUED, request_id, at, trace, stream_kind=None),
+            _stateless(C, sc.OUTCOME_RESULT, request_id, at, trace)]
+
+
+def _not_reissued(detector: Detector) -> list[str | None]:
+    return sorted(f.request_id for f in detector.findings if f.rule == "not_reissued")
+
+
+def test_one_reissue_answers_one_broken_call_of_the_same_tool_and_arguments():
+    two_broken = [*_broken("3", 1.0), *_broken("5", 1.0)]
+    assert len(_not_reissued(run([*two_broken, *_reissue("7", 2.0)], after_s=6))) == 1
+    assert _not_reissued(run([*two_broken, *_reissue("7", 2.0), *_reissue("9", 2.5)], after_s=6)) == []
+    # the re-issue broke too, and was not sent again: the first call's re-issue was sent, the second's was not
+    assert _not_reissued(run([*_broken("3", 1.0), *_broken("7", 2.0)], after_s=6)) == ["7"]
+
+
+def test_a_reissue_counts_once_whichever_of_its_spans_come_twice_and_in_whatever_order():
+    reissue = _reissue("7", 2.0)
+    two_broken = [*_broken("3", 1.0), *_broken("5", 1.0)]
+    for spans in ([*two_broken, *reissue, *reissue],  # an exporter's retry delivers them again
+                  [*reissue, *two_broken],  # the re-issue's exporter flushed first
+                  [*reissue[::-1], *two_broken[::-1], *reissue]):
+        assert len(_not_reissued(run(spans, after_s=6))) == 1
+
+
+def test_a_reissue_a_broken_call_claimed_stays_claimed_across_a_restart_and_an_older_snapshot_still_loads(
+        tmp_path):
+    clock = Clock()
+    config = DetectorConfig(rules=RuleConfig(reissue_grace_s=5))
+    before = Detector(config, clock=clock)
+    before.consume([*_broken("3", 1.0), *_reissue("7", 2.0)])
+    clock.now += 6 * S
+    before.tick()  # "3" takes "7" as its re-issue
+    Snapshots(before, tmp_path / "ledger.db").close()
+    restarted = Detector(config, clock=clock)
+    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted.consume(_broken("5", 1.5))  # broken before "7" started, but told late: "7" is taken
+    clock.now += 6 * S
+    restarted.tick()
+    assert _not_reissued(restarted) == ["5"]
+
+    issued = Detector(config, clock=clock)
+    issued.consume(_reissue("7", 2.0))
+    Snapshots(issued, tmp_path / "older.db").close()
+    with closing(sqlite3.connect(tmp_path / "older.db")) as db:  # as before: format 2, each key's latest issue
+        ((rows,),) = db.execute("SELECT data FROM rows WHERE kind = 'issued'")
+        latest = [[origin, key, issues[-1]] for origin, key, issues in json.loads(rows)]
+        db.execute("UPDATE rows SET data = ? WHERE kind = 'issued'", (json.dumps(latest),))
+        db.execute("UPDATE meta SET format = 2")
+        db.commit()
+    older = Detector(config, clock=clock)
+    assert Snapshots(older, tmp_path / "older.db").restore()
+    older.consume(_broken("3", 1.0))
+    clock.now += 6 * S
+    older.tick()
+    assert _not_reissued(older) == []
+
+
+def _in_flight(spans: Sequence[Span]) -> tuple[int, list[str]]:
+    detector = run(spans, after_s=6)
+    return detector.ledger.in_flight, rules(detector)
+
+
+def test_a_call_whose_caller_the_sdk_told_it_failed_is_over_not_in_flight_and_its_give_up_explains_nothing():
+    dropped = [stream(role, "post", "dropped", pending=("3",), last="6") for role in (C, SV)]
+    assert _in_flight([*dropped, call(C, sc.OUTCOME_EVICTED)]) == (1, [])  # the client's tracker forgot it: owed
+    assert _in_flight([*dropped, call(C, sc.OUTCOME_NO_TERMINAL)]) == (0, [])
+    # no event id to resume from (a server with no event store): the SDK fails the call to its caller at once
+    for role in (C, SV):
+        assert _in_flight([stream(role, "post", "dropped", pending=("3",), session=None)]) == (0, [])
+    emptied = stream(C, "resume", "clean", pending=("3",), cursor="6", at=2.0)
+    assert _in_flight([*dropped, emptied, call(C, sc.OUTCOME_NO_TERMINAL, at=3.0)]) == (0, ["clean_end_pending"])
+    assert _in_flight(_broken("3", 1.0)) == (0, ["not_reissued"])  # 2026-07-28: the loss is the call not sent again
+
+
+def test_a_call_whose_server_accepted_its_cancel_is_over_not_in_flight_nor_expired_with_its_session():
+    dropped = stream(SV, "post", "dropped", pending=("3",), last="6")
+    cancelled = call(SV, sc.OUTCOME_CANCELLED, at=2.0)
+    expired = stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=3.0)
+    assert _in_flight([dropped, expired]) == (1, ["session_expired_in_flight"])
+    assert _in_flight([dropped, cancelled, expired]) == (0, [])
+    emptied = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=1.5)
+    assert _in_flight([dropped, emptied, cancelled]) == (0, ["clean_end_pending"])  # its caller gave up: no cause
+
+
+def test_a_stateless_call_whose_server_stream_ended_without_its_response_is_over_not_in_flight():
+    """2026-07-28 has no resumption: nothing can deliver it any more (server spans only: its caller's timeout)."""
+    dropped = stream(SV, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS)
+    no_terminal = call(SV, sc.OUTCOME_NO_TERMINAL, session=None, era=sc.ERA_STATELESS)
+    assert _in_flight([dropped]) == (0, [])
+    assert _in_flight([no_terminal, dropped]) == (0, [])
+
+
+def test_a_give_up_in_a_snapshot_of_before_still_explains_the_finding_its_call_gets_after_the_restart():
+    clock = Clock()
+    config = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5))
+    before = Detector(config, clock=clock)
+    before.consume([stream(C, "resume", "clean", pending=("3",), cursor="6"), call(C, sc.OUTCOME_CANCELLED)])
+    rows = before.ledger.dump()
+    for session in rows["sessions"]:
+        for row in session["calls"]:
+            del row["cancelled"]  # every give-up it held was its client's
+    restarted = Detector(config, clock=clock)
+    restarted.ledger.load(rows)
+    clock.now += 6 * S
+    restarted.tick()
+    assert rules(restarted) == ["clean_end_pending", "timeout_attributed"]
+
+
+def test_a_reissue_dated_past_what_64_signed_bits_hold_is_still_taken_for_one():
+    far = dataclasses.replace(_reissue("7", 2.0)[1], start_ns=2**64 - 1, end_ns=2**64 - 1)  # OTLP's times: uint64
+    assert _not_reissued(run([*_broken("3", 1.0), far], after_s=6)) == []
+
+
+def test_a_snapshot_whose_reissue_look_up_no_64_bit_time_holds_is_set_aside_not_raised(tmp_path):
+    issued = Detector(clock=Clock())
+    issued.consume(_reissue("7", 2.0))
+    Snapshots(issued, tmp_path / "ledger.db").close()
+    with closing(sqlite3.connect(tmp_path / "ledger.db")) as db:
+        db.execute("UPDATE rows SET data = ? WHERE kind = 'issued'",
+                   (json.dumps([["client-app", "fetch#f00d", [2**63]]]),))
+        db.commit()
+    assert not Snapshots(Detector(), tmp_path / "ledger.db").restore()
+    assert list(tmp_path.glob("ledger.db.corrupt-*"))

@@ -37,8 +37,10 @@ def _response(rid):
     return classify(f'{{"jsonrpc":"2.0","id":{rid},"result":{{}}}}')
 
 
-def _by(exporter, kind):
-    return [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == kind]
+def _by(exporter, kind, *, moving=False):
+    """The spans of ``kind``; with ``moving``, a resume's told as it first moved its calls on (``END_OPEN``) too."""
+    return [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == kind
+            and (moving or s.attributes.get(sc.END_REASON) != sc.END_OPEN)]
 
 
 def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending():
@@ -59,6 +61,34 @@ def test_a_stream_that_ends_before_the_terminal_event_lists_the_call_as_pending(
     assert call_span.attributes[sc.TERMINAL_STREAM_KIND] == sc.STREAM_KIND_RESUME
     assert call_span.attributes[sc.CALL_STREAMS] == 2
     assert tracker.calls_of_cursor("s", "e1") == ()
+
+
+def _progress(token):
+    return classify(f'{{"jsonrpc":"2.0","method":"notifications/progress","params":{{"progressToken":{token},'
+                    f'"progress":1}}}}')
+
+
+def test_a_resume_that_moves_its_call_on_says_so_at_once_in_a_span_ended_there_before_its_own_ends():
+    """A tool that polls may run on a resume long after the clean end before it: the detector learns of the
+    resume when it first moves the call on (``END_OPEN``), not only when it ends."""
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.end_stream(post, sc.END_CLEAN, 200)  # the server closed it: the client polls
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    tracker.frame(resume, SSEFrame("", id="e2"), [])  # a priming event moves nothing
+    assert [s.attributes[sc.END_REASON] for s in _by(exporter, sc.SPAN_STREAM, moving=True)] == [sc.END_CLEAN]
+    for n in (3, 4):
+        tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","method":"notifications/progress"}', id=f"e{n}"), _progress(1))
+    _, moving = _by(exporter, sc.SPAN_STREAM, moving=True)
+    assert (moving.attributes[sc.END_REASON], moving.attributes[sc.STREAM_KIND]) == (sc.END_OPEN, sc.STREAM_KIND_RESUME)
+    assert (moving.attributes[sc.EVENT_LAST_ID], moving.attributes[sc.PENDING_REQUEST_IDS]) == ("e3", ("1",))
+    assert moving.parent.span_id == resume.span.get_span_context().span_id  # told once, inside the resume's span
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e5"), _response(1))
+    tracker.end_stream(resume, sc.END_CLEAN, 200)
+    assert [s.attributes[sc.END_REASON] for s in _by(exporter, sc.SPAN_STREAM, moving=True)] == [
+        sc.END_CLEAN, sc.END_OPEN, sc.END_CLEAN]
 
 
 def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():

@@ -14,10 +14,12 @@ tuples plus a measured, rounded-up constant per object), so the estimate stays a
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import itertools
 import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -27,6 +29,8 @@ from mcp_stream_exporter.detector import sizes
 
 _MAX_SPAN_REFS = 4
 _MAX_CURSORS = 64  # per session: the cursors whose calls a later resume without request ids is told
+_MAX_ISSUES = 32  # issues kept per client process and call key (the newest): where a broken call's re-issue is found
+_LATEST_NS = (1 << 63) - 1  # an issue's start is kept in 64 signed bits: a later one (past 2262) is no clock's, cut
 _MIN_COMPACTION = 2048  # timers held before the first sweep of evicted calls' timers
 # bytes charged per object beyond its strings and tuples (measured with tracemalloc, rounded up)
 _SESSION_BYTES = 200  # the session, its place in the LRU order, its cursors' tuple
@@ -68,7 +72,8 @@ class CallState:
     stored_event_id: str | None = None
     fingerprint: str | None = None  # client: salted hash of tool and arguments, what a re-issue repeats
     terminal: bool = False
-    timed_out: bool = False  # the client gave up on it (timeout or cancel)
+    timed_out: bool = False  # over undelivered: its caller gave up or was told it failed, or nothing can deliver it
+    cancelled: bool = False  # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain
     roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
     client_deliveries: int = 0  # terminal deliveries seen, per side
     server_deliveries: int = 0
@@ -194,7 +199,9 @@ class Ledger:
         self._in_flight = 0
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
-        self._issued: OrderedDict[tuple[str, str], int] = OrderedDict()  # (origin, call key) -> last start
+        # (origin, call key) -> the starts of its issues, oldest first, each negated once a broken call took it; an
+        # array: 8 bytes an issue and sized in one step, for every client call span adds one
+        self._issued: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
         # the latest stream spans taken (``first_sight``), as ints: a set to look up, a ring for their order
         self._seen: set[int] = set()
         self._seen_order: deque[int] = deque()
@@ -269,6 +276,7 @@ class Ledger:
         self._in_flight -= was
 
     def given_up(self, call: CallState) -> None:
+        """Its caller no longer waits for it (or nothing can deliver it any more): no longer in flight."""
         was = call.in_flight
         call.timed_out = True
         self._in_flight -= was
@@ -369,13 +377,36 @@ class Ledger:
         return self.find(*key) if key is not None else None
 
     def issued(self, origin: str, call_key: str, start_ns: int) -> None:
-        """A client process (``origin``) issued a call: ``call_key`` is its tool and arguments fingerprint."""
+        """A client process (``origin``) issued a call: ``call_key`` is its tool and arguments fingerprint. An
+        issue is known by its start: a re-issue's two spans (its start's and its own) and a span delivered
+        again are one issue, and one a broken call took stays taken."""
         key = (origin, call_key)
-        self._index_bytes += _bounded_put(self._issued, key, max(start_ns, self._issued.get(key, 0)),
-                                          self.limits.max_index)
+        start_ns = min(start_ns, _LATEST_NS)
+        issues = self._issued.get(key)
+        if issues is None:
+            self._index_bytes += _bounded_put(self._issued, key, array("q", (start_ns,)), self.limits.max_index)
+            return
+        if start_ns in issues or -start_ns in issues:
+            return
+        before = sys.getsizeof(issues)
+        bisect.insort(issues, start_ns, key=abs)
+        if len(issues) > _MAX_ISSUES:
+            del issues[0]
+        self._issued.move_to_end(key)
+        self._index_bytes += sys.getsizeof(issues) - before
 
-    def last_issued(self, origin: str, call_key: str) -> int:
-        return self._issued.get((origin, call_key), 0)
+    def take_reissue(self, origin: str, call_key: str, broken_ns: int) -> bool:
+        """Take, for a call of ``call_key`` whose stream broke at ``broken_ns``, the earliest issue after it that
+        no broken call took: one re-issue answers one broken call. The earliest, for a call that broke later
+        can take only later issues: whatever order broken calls come in, as many get one as could."""
+        issues = self._issued.get((origin, call_key))
+        if issues is None:
+            return False
+        for i, start in enumerate(issues):
+            if start > broken_ns:  # not taken (a taken one is negative) and after the break
+                issues[i] = -start
+                return True
+        return False
 
     # --- timers: grace periods, evaluated by the caller's clock ---
 
@@ -477,7 +508,7 @@ class Ledger:
         """Take a dump's look-ups, timers and counts (after its sessions)."""
         self.evictions.update(data["evictions"])
         self._sdk_spans = OrderedDict((span_id, (scope, rid)) for span_id, scope, rid in data["sdk_spans"])
-        self._issued = OrderedDict(((origin, tool), start) for origin, tool, start in data["issued"])
+        self._issued = OrderedDict(((origin, key), _issues(issues)) for origin, key, issues in data["issued"])
         while self._seen:
             self._forget_seen()
         for key in data.get("seen", ()):  # a batch whose answer the shutdown lost comes again after the restart
@@ -510,6 +541,8 @@ class Ledger:
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v
                                       for k, v in row.items() if k in _FIELDS}
+            if "cancelled" not in row:  # a row of before: every give-up then was its client's
+                values["cancelled"] = row.get("timed_out", False)
             self._add_call(session, CallState(**values))
         if s["resumes"]:
             session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
@@ -522,7 +555,7 @@ class Ledger:
         """Everything but the sessions (a snapshot row)."""
         return {"evictions": dict(self.evictions),
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
-                "issued": [[origin, tool, start] for (origin, tool), start in self._issued.items()],
+                "issued": [[origin, key, list(issues)] for (origin, key), issues in self._issued.items()],
                 "timers": list(self._timers), "seq": self._seq,
                 "seen": list(itertools.islice(reversed(self._seen_order), _SEEN_FLOOR))[::-1]}
 
@@ -589,6 +622,11 @@ _BOOK_KEEPING = frozenset({"charged", "timers"})
 
 def _row(call: CallState) -> dict[str, Any]:
     return {f.name: getattr(call, f.name) for f in fields(CallState) if f.name not in _BOOK_KEEPING}
+
+
+def _issues(row: int | list[int]) -> array[int]:
+    """A key's issues in a snapshot row; a snapshot of before kept only the latest start: one issue, not taken."""
+    return array("q", (row,) if isinstance(row, int) else row)
 
 
 def _bounded_put(index: OrderedDict[_K, _V], key: _K, value: _V, cap: int) -> int:

@@ -341,6 +341,8 @@ class DetectorMetrics:
     def stream_end(self, e: StreamEnd) -> None:
         """Counted here, added to the counters by :meth:`flush`: one ``inc`` per label set and batch, not
         three per stream (a counter's ``inc`` takes a lock)."""
+        if e.reason == sc.END_OPEN:
+            return  # a resume still open, told early (docs/span-model.md): counted when it ends
         resume = None
         if e.kind == sc.STREAM_KIND_RESUME:
             # the tool label now, not at flush: ToolLabels takes the first tools seen, in the order they come

@@ -98,6 +98,9 @@ class RuleConfig:
 
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
+# a call span that ended so shows the call over, though not delivered: the SDK failed it to its caller, or it has
+# no stream left to come on (no_terminal); the server accepted its client's cancel (cancelled)
+_OVER_OUTCOMES = frozenset({sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_CANCELLED})
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
 _STORED = "stored"
@@ -178,8 +181,10 @@ class RuleEngine:
             self.ledger.delivered(call)
         elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
             self._timed_out(call, now_ns)
-        elif e.outcome == sc.OUTCOME_NO_TERMINAL and at.role == sc.ROLE_CLIENT:
-            self._broken(call, at.end_ns, now_ns)
+        elif e.outcome in _OVER_OUTCOMES:
+            self.ledger.given_up(call)  # over, but no give-up of its client's: nothing for a finding to explain
+            if e.outcome == sc.OUTCOME_NO_TERMINAL and at.role == sc.ROLE_CLIENT:
+                self._broken(call, at.end_ns, now_ns)
 
     def replay(self, e: Replay, now_ns: int) -> None:
         at = e.at
@@ -265,6 +270,10 @@ class RuleEngine:
         stopped_at = e.last_event_id if e.last_event_id is not None else e.cursor
         if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns, stopped_at):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
+        if e.at.era == sc.ERA_STATELESS or (e.kind == sc.STREAM_KIND_POST and e.last_event_id is None):
+            # nothing can resume it: that era has no resumption, and a POST that gave no event id left the client
+            # no cursor (the SDK fails the call to its caller at once). Its loss, if any, is still judged
+            self.ledger.given_up(call)
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
             self._broken(call, e.at.end_ns, now_ns)
 
@@ -312,12 +321,13 @@ class RuleEngine:
                     "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
+        call.cancelled = True
         self.ledger.given_up(call)
         self._attribute(call, now_ns)
 
     def _attribute(self, call: CallState, now_ns: int) -> None:
         """A client that gave up on a call with a finding: link the give-up to its cause."""
-        if not call.timed_out or call.findings is None or RuleId.TIMEOUT_ATTRIBUTED in call.findings:
+        if not call.cancelled or call.findings is None or RuleId.TIMEOUT_ATTRIBUTED in call.findings:
             return
         causes = [fid for rule, fid in call.findings.items() if rule != RuleId.TIMEOUT_ATTRIBUTED]
         if not causes:
@@ -365,10 +375,11 @@ class RuleEngine:
 
     def _check_reissue(self, call: CallState, now_ns: int) -> None:
         """Only a call span of the same client process with the same tool and arguments fingerprint is
-        a re-issue; the hooks always record one (docs/span-model.md), so its absence is meaningful."""
-        if call.terminal or call.broken_since is None or call.tool is None:
+        a re-issue; the hooks always record one (docs/span-model.md), so its absence is meaningful. A re-issue
+        answers one broken call: two calls broken alike and sent again once are one loss."""
+        if call.terminal or call.broken_since is None or call.tool is None or call.era != sc.ERA_STATELESS:
             return
-        if self.ledger.last_issued(call.origin, _call_key(call.tool, call.fingerprint)) > call.broken_since:
+        if self.ledger.take_reissue(call.origin, _call_key(call.tool, call.fingerprint), call.broken_since):
             return
         broken_since = call.broken_since
         self._emit(RuleId.NOT_REISSUED, call, None, call.request_id, now_ns, lambda: {

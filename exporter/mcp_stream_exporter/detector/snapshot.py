@@ -35,14 +35,14 @@ from typing import Any
 from mcp_stream_exporter.detector.detector import Detector
 
 log = logging.getLogger("mcp_stream_exporter.detector")
-_FORMAT = 2  # 1: one row holding everything (read, for upgrades); 2: rows of chunks
+_FORMAT = 3  # 1: one row holding everything; 2: rows of chunks; 3: each re-issue look-up holds its issues (1, 2: read)
 _CHUNK_BYTES = 1024 * 1024  # a row's JSON, about
 _SESSIONS_PER_LOCK = 256  # sessions copied per hold of the detector's lock
 _FINDINGS_PER_LOCK = 512
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 1), format INTEGER NOT NULL, "
            "taken_ns INTEGER NOT NULL)",
            "CREATE TABLE IF NOT EXISTS rows (seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, data TEXT NOT NULL)")
-_UNREADABLE = (sqlite3.DatabaseError, ValueError, KeyError, TypeError, IndexError, AttributeError)
+_UNREADABLE = (sqlite3.DatabaseError, ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError)
 
 
 class SnapshotLocked(RuntimeError):

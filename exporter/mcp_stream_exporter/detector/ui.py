@@ -107,7 +107,8 @@ FIRST_STEPS: dict[str, tuple[str, ...]] = {
 _STEPS = {"post": "POST (the call)", "get": "GET stream", "resume": "Resume", "delete": "DELETE session",
           "replay": "Replay (server)", "call": "Call ends", "timeout": "Caller's timeout",
           "error": "Caller's error"}
-_ENDS = {sc.END_CLEAN: "ended cleanly", sc.END_DROPPED: "connection dropped", sc.END_CLOSED: "closed by the client"}
+_ENDS = {sc.END_CLEAN: "ended cleanly", sc.END_DROPPED: "connection dropped", sc.END_CLOSED: "closed by the client",
+         sc.END_OPEN: "still open, moving the call on"}
 _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool error delivered",
              sc.OUTCOME_ERROR: "JSON-RPC error delivered", sc.OUTCOME_CANCELLED: "given up (cancelled or timed out)",
              sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending",

@@ -510,7 +510,7 @@ class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
     __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "holder", "kind",
-                 "last_event_id", "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
+                 "last_event_id", "moved", "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
 
     def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
                  opened: Mapping[str, AttributeValue] | Opening, status: int | None, calls: list[Call], *,
@@ -531,6 +531,7 @@ class Stream(_Deferred):
         self.first_event_id: str | None = None
         self.last_event_id: str | None = None
         self.ended = False
+        self.moved = False  # a resume: it has moved its calls on (``Tracker._moving``)
         self.holder: Holder | None = None  # its side holds its frames, unread (``Tracker.hold``)
 
     def pending(self) -> list[Call]:
@@ -943,6 +944,24 @@ class Tracker:
             stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method), timestamp)
             if msg.id is not None and msg.is_terminal:
                 self._terminal(stream, msg, event_id)
+        if stream.kind == sc.STREAM_KIND_RESUME and event_id is not None and messages and not stream.moved:
+            stream.moved = True
+            self._moving(stream, event_id, timestamp)
+
+    def _moving(self, stream: Stream, event_id: str, timestamp: int | None) -> None:
+        """A resume moved its pending calls on: the detector is told now, by a span of the resume so far ended at
+        once (``END_OPEN``), not only when the resume ends, which for a tool that polls may be long after any
+        grace its clean end started."""
+        pending = stream.pending()
+        if not pending or stream.span is None:
+            return
+        name, attributes = stream.describe()
+        attributes.update({sc.END_REASON: sc.END_OPEN, sc.EVENTS_COUNT: stream.events,
+                           sc.EVENT_FIRST_ID: stream.first_event_id or event_id, sc.EVENT_LAST_ID: event_id,
+                           sc.PENDING_REQUEST_IDS: [c.key[1] for c in pending[:sc.MAX_ITEMS]],
+                           **_owed(stream, pending)})
+        self._tracer.start_span(name, context=trace.set_span_in_context(stream.span), kind=stream.span_kind,
+                                attributes=attributes, start_time=stream.start_time).end(timestamp)
 
     def _error_frame(self, stream: Stream, frame: SSEFrame, timestamp: int | None) -> None:
         stream.error_frames += 1
