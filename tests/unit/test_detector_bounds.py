@@ -247,3 +247,17 @@ def test_max_memory_mb_splits_into_the_ledger_findings_timelines_and_queue_budge
     assert config.detector_config().max_findings_bytes == 8 * mib
     assert config.detector_config().max_timelines_bytes == 8 * mib
     assert config.ingest_limits().max_queued_bytes == 8 * mib
+
+
+def test_a_streams_requirement_is_charged_to_the_call_it_carries_alone_not_to_each_of_hundreds():
+    """A stream span lists what its pending calls require, as a union: kept on each of the 256 calls it may carry,
+    one tuple would be charged 256 times, and a few small requests would evict the sessions being judged."""
+    long_resources = tuple(f"https://mcp.example.com/{n:03d}/" + "r" * 230 for n in range(256))
+    ids = tuple(str(n) for n in range(256))
+    charged = []
+    for required in ((), long_resources):
+        detector = Detector(CONFIG, clock=Clock())
+        detector.consume([_with(stream(C, "post", "clean", ids=ids, pending=ids, tool=None),
+                                **{sc.REQUIRED_RESOURCES: required} if required else {})])
+        charged.append(detector.ledger.bytes)
+    assert charged[1] - charged[0] < 128 * 1024  # one span's list, not 256 copies of it (16 MB)

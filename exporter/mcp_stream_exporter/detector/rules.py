@@ -123,6 +123,9 @@ class RuleEngine:
         at = e.at
         session = self.ledger.session(at.scope, now_ns)
         single_tool = e.tool if len(e.request_ids) == 1 else None
+        # what the pending calls require, as a union: a call's own only when the stream carries it alone (kept on
+        # each of hundreds of calls, one span's union would be charged hundreds of times for one tuple)
+        own_required = e.required if len(e.request_ids) <= 1 else ()
         expired = e.status == 404 and not session.deleted
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
@@ -131,10 +134,10 @@ class RuleEngine:
             session.deleted = True
         calls: dict[str, CallState] = {}
         for rid in e.request_ids:
-            calls[rid] = self._call(session, at, rid, now_ns, single_tool, e.required)
+            calls[rid] = self._call(session, at, rid, now_ns, single_tool, own_required)
         for rid in e.pending_ids:
             if rid not in calls:  # most streams list their pending calls among their request ids
-                calls[rid] = self._call(session, at, rid, now_ns, single_tool, e.required)
+                calls[rid] = self._call(session, at, rid, now_ns, single_tool, own_required)
         for rid in e.terminal_ids:
             if rid not in calls and not e.request_ids:  # a resume that knew not what it carried (another replica
                 calls[rid] = self._call(session, at, rid, now_ns, None, ())  # answered it from shared storage)
