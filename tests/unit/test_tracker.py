@@ -101,6 +101,18 @@ def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
     assert tracker.call((None, "1")) is None
 
 
+def test_a_clients_call_whose_post_brought_no_event_id_ends_with_it_for_nothing_can_resume_it():
+    """A server without an event store (or a stream cut before its first event): the client holds no cursor, and
+    the SDK fails the call to its caller at once; the call is over, not pending until it is evicted."""
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.end_stream(stream, sc.END_DROPPED)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert tracker.call(("s", "1")) is None
+
+
 def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there():
     tracker, exporter = _tracker()
     mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)

@@ -1071,11 +1071,14 @@ class Tracker:
             attrs.update(_owed(stream, pending))
         span.set_attributes(attrs)
         span.end()
-        # no resumption in this era: nothing else can deliver it. A client that closed the stream itself
-        # cancelled the call (the era's cancel: no notifications/cancelled is sent), as at a timeout
+        # no resumption in this era, nor, on the client, after a POST that brought no event id (no cursor to resume
+        # from: the SDK fails the call to its caller): nothing else can deliver it. A client that closed the stream
+        # itself cancelled the call (the 2026-07-28 era's cancel: no notifications/cancelled is sent), as at a timeout
         outcome = sc.OUTCOME_CANCELLED if reason == sc.END_CLOSED else sc.OUTCOME_NO_TERMINAL
+        no_cursor = (self._role == sc.ROLE_CLIENT and stream.kind == sc.STREAM_KIND_POST
+                     and stream.last_event_id is None)
         for call in pending:
-            if call.stateless:
+            if call.stateless or no_cursor:
                 self._finish(call, outcome)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
