@@ -23,8 +23,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_types import ElicitResult
-from pydantic import BaseModel
+from mcp_types import CreateMessageResult, ElicitResult, ListRootsResult, Root, SamplingMessage, TextContent
+from pydantic import BaseModel, FileUrl
 
 from mcp_stream_exporter.auth import Requirement, TokenReader
 from mcp_stream_exporter.guard import GuardedEventStore
@@ -298,3 +298,56 @@ async def test_a_narrow_token_cannot_answer_what_the_server_asked_on_a_broader_c
             result = await asyncio.wait_for(call, 20)
     assert 403 in statuses  # refused, not taken
     assert "sent to alice" in str(result) and "mallory" not in str(result)
+
+
+@pytest.mark.filterwarnings("ignore:The (sampling|roots) capability is deprecated")
+async def test_a_sampling_request_a_tool_sends_on_the_standalone_stream_is_its_calls_to_see_and_to_answer():
+    """The SDK sends a tool's ``create_message`` (sampling) and ``list_roots`` on the session's standalone stream,
+    tied to no call: what they carry (here the document fetch read) is still fetch's. A narrow token resuming
+    that stream is refused at it, and its answer to it is refused; the user's answer decides."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    mcp = MCPServer("samples")
+
+    @mcp.tool()
+    async def fetch(url: str, ctx: Context) -> str:
+        """Fetch a document and have the client's model summarise it."""
+        await ctx.session.list_roots()  # on the standalone stream too: a cursor there to resume from
+        summary = await ctx.session.create_message(
+            messages=[SamplingMessage(role="user", content=TextContent(type="text", text=f"Summarise {SECRET}"))],
+            max_tokens=20)
+        assert isinstance(summary.content, TextContent)
+        return f"summary: {summary.content.text}"
+
+    asked, attacked = asyncio.Event(), asyncio.Event()
+
+    async def roots(context: Any) -> ListRootsResult:
+        return ListRootsResult(roots=[Root(uri=FileUrl("file:///home/alice"))])
+
+    async def model(context: Any, params: Any) -> CreateMessageResult:
+        asked.set()
+        await asyncio.wait_for(attacked.wait(), 10)
+        return CreateMessageResult(role="assistant", content=TextContent(type="text", text="alice's"), model="m")
+
+    async with serve(store.serve(mcp, retry_interval=200)) as port:
+        url = f"http://127.0.0.1:{port}/mcp"
+        async with (httpx2.AsyncClient(auth=BearerAuth(broad), timeout=30) as http,
+                    Client(streamable_http_client(url, http_client=http), mode="legacy",
+                           sampling_callback=model, list_roots_callback=roots) as client):
+            call = asyncio.create_task(client.call_tool("fetch", {"url": "victim-doc"}))
+            (session_id,) = set(mcp.session_manager._server_instances)
+            await asyncio.wait_for(asked.wait(), 10)  # the sampling request is out, the user yet to answer
+            async with httpx.AsyncClient(timeout=5) as attacker:
+                answers = [(await attacker.post(url, headers=headers(session_id, narrow), content=json.dumps(
+                    {"jsonrpc": "2.0", "id": n, "result": {"role": "assistant", "model": "m", "content": {
+                        "type": "text", "text": "mallory's"}}}))).status_code for n in range(3)]
+                bodies = [await resume(attacker, url, session_id, narrow, cursor) for cursor in range(1, 12)]
+            attacked.set()
+            result = await asyncio.wait_for(call, 20)
+    assert not [body for body in bodies if SECRET in body]
+    assert any("insufficient_audience" in body for body in bodies)  # refused at it, explicitly
+    assert set(answers) == {403}
+    assert "summary: alice's" in str(result)

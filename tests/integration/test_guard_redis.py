@@ -38,6 +38,7 @@ from mcp_stream_exporter.lab import (
     serve,
 )
 from mcp_stream_exporter.resume import Refusal
+from mcp_stream_exporter.sse import SSEParser
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
 from harness import TOKENS_USED, ours, span_exporter, spans
@@ -262,3 +263,31 @@ async def test_a_post_into_a_session_on_another_replica_is_the_sdks_404_and_a_de
         async with httpx.AsyncClient(timeout=10) as http:
             after = await http.get(f"http://127.0.0.1:{b.port}/mcp", headers={**headers, "last-event-id": cursor})
     assert after.status_code == 404 and "search results" not in after.text  # dropped from Redis: the SDK's 404
+
+
+async def test_a_cursor_redis_could_not_hold_is_an_unknown_cursor_never_a_store_error(redis_server):
+    """Each part of a Redis stream id is an unsigned 64-bit integer: a Last-Event-ID past that made Redis fail,
+    so any client could get ``store_unavailable`` and page on-call (MCPGuardStoreErrors) at will."""
+    span_exporter().clear()
+    issuer = TokenIssuer()
+    token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    TOKENS_USED.append(token)
+    headers = {"authorization": f"Bearer {token}", "mcp-protocol-version": "2025-11-25",
+               "accept": "application/json, text/event-stream", "content-type": "application/json"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}}
+    async with (replica(issuer, redis_server.url, "bogus") as a, replica(issuer, redis_server.url, "bogus") as b,
+                httpx.AsyncClient(timeout=10) as http):
+        opened = await http.post(f"http://127.0.0.1:{a.port}/mcp", headers=headers, content=json.dumps(init))
+        session_id = opened.headers["mcp-session-id"]
+        errors_before = _store_errors()
+        for port in (a.port, b.port):  # the replica that holds the session, and one answering from Redis
+            for cursor in ("99999999999999999999-0", "18446744073709551616-0", "0-18446744073709551616",
+                           "18446744073709551615-18446744073709551615"):  # the last one Redis holds, never handed out
+                resumed = await http.get(f"http://127.0.0.1:{port}/mcp",
+                                         headers={**headers, "mcp-session-id": session_id, "last-event-id": cursor})
+                assert resumed.status_code == 200
+                (frame,) = SSEParser().feed(resumed.content)
+                assert (frame.event, json.loads(frame.data)["error"]) == ("error", "unknown_cursor")
+        assert await a.storage.get(session_id, "\u0661-0") is None  # an Arabic-Indic one: a digit to \d and int()
+        assert _store_errors() == errors_before

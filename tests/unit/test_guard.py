@@ -41,6 +41,10 @@ def result(rid):
     return JSONRPCResponse(jsonrpc="2.0", id=rid, result={"content": []})
 
 
+class ClientLeft(Exception):
+    """A resume's client goes away while its live tail waits."""
+
+
 class Session:
     """One MCP session's view of the store, as the SDK would drive it."""
 
@@ -65,16 +69,30 @@ class Session:
         return ids
 
     def resume(self, cursor, auth):
+        """Resume from ``cursor``; the client leaves where the live tail would wait for the call's next event.
+        ``stream``: the stream whose live tail the resume held (the guard's tail, or the SDK's), else None."""
         sent = []
+        storage = self.store.storage
 
         async def send(event):
             sent.append(event)
 
+        async def wait_after(session_id, event_id, timeout_s):
+            last = await storage.get(session_id, event_id)
+            events = await storage.after(session_id, last) if last is not None else []
+            if not events:
+                raise ClientLeft
+            return events
+
+        storage.wait_after = wait_after
         token = guard_request.set(GuardRequest(self.session_id, auth))
         try:
             stream = run(self.store.replay_events_after(cursor, send))
+        except ClientLeft:
+            stream = run(storage.get(self.session_id, cursor)).stream_id
         finally:
             guard_request.reset(token)
+            del storage.wait_after
         delivered = [e.event_id for e in sent if e.event_id is not None]
         notices = [e.message.params for e in sent if e.event_id is None]
         assert all(e.message.method == REFUSAL_METHOD for e in sent if e.event_id is None)
@@ -374,7 +392,8 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
     request = GuardRequest("s1", BROAD)
     body = json.dumps([{"jsonrpc": "2.0", "id": huge, "method": "tools/call", "params": {"name": "fetch"}},
                        {"jsonrpc": "2.0", "id": "2", "method": "tools/call", "params": {"name": "fetch"}}])
-    run(s.store._record(request, read_body(body.encode()).requests))
+    s.store._record(request, read_body(body.encode()).requests)
+    run(s.store._flush(request))  # the SDK took the POST
     assert run(s.store.storage.requirement("s1", huge)) is None
     assert run(s.store.storage.requirement("s1", "2")) == Requirement.of([FETCH])
     cursor = s.store_event(huge, None)
@@ -382,11 +401,13 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
     assert s.resume(cursor, BROAD)[2][0]["error"] == "unknown_cursor"
 
 
-def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None = "s1",
-                  chunks: int = 1, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes, bytes | None]:
+def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None = "s1", chunks: int = 1,
+                  headers: list[tuple[bytes, bytes]] | None = None,
+                  status: int = 200) -> tuple[int, bytes, bytes | None]:
     """One POST through the guard's ASGI layer to an app that reads its whole body and answers with an SSE
-    stream it leaves without the answer (the call runs on, as after a dropped connection): (status, what the
-    client got, the body the app read; None when the app never ran)."""
+    stream it leaves without the answer (the call runs on, as after a dropped connection), or with ``status``
+    (the SDK refusing it: 401, 404): (status, what the client got, the body the app read; None when the app
+    never ran)."""
     size = -(-len(body) // chunks)
     messages = [{"type": "http.request", "body": body[i * size:(i + 1) * size], "more_body": i < chunks - 1}
                 for i in range(chunks)]
@@ -407,8 +428,8 @@ def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None 
             if not message.get("more_body", False):
                 break
         seen.append(read)
-        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": status,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"text/event-stream" if status == 200 else b"application/json")]})
         await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
 
     sent_headers = [(b"mcp-session-id", session.encode())] if session else []
@@ -566,3 +587,93 @@ def test_a_resume_whose_stream_a_new_call_took_while_it_replayed_is_refused_its_
     answered = session.call(7, "search")[0]
     assert session.resume(answered, NARROW)[0] is None  # its answer replayed: no live tail, no id held for one
     assert store._in_flight.claim("s1", [("7", (Requirement.of([FETCH]), None))]) is None
+
+
+def test_a_post_the_server_refuses_changes_nothing_the_guard_knows_of_the_session():
+    """The SDK authenticates a POST after the guard reads it: one it refuses (no token: 401; another user's
+    session: 404) records no requirement (it would fill the session's table of streams, or widen what an id
+    the client uses next requires), no owner (the client's DELETE would look foreign) and no answer (the
+    server's request would be forgotten and the client's own answer refused)."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    broad = _bearer(SEARCH, FETCH)
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
+    token = guard_request.set(GuardRequest("s1", BROAD))
+    try:
+        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
+    finally:
+        guard_request.reset(token)
+    for refused, headers in ((401, []), (404, _bearer(SEARCH, FETCH, sub="mallory"))):
+        assert _guarded_post(store, _tools_call(6, "fetch"), headers=headers, status=refused)[0] == refused
+        assert _guarded_post(store, _answer(0), headers=broad, status=refused)[0] == refused
+    assert run(store.storage.requirement("s1", "6")) is None
+    alice = store.tokens.from_authorization(broad[0][1].decode()).subject_hash
+    assert store._in_flight.owners("s1") == [(Requirement.of([FETCH]), alice)]
+    assert _guarded_post(store, _answer(0), headers=broad)[0] == 200  # still awaited: the client's answer counts
+
+
+def _standalone(session: Session, message, auth=OPENER) -> str:
+    return session.store_event("_GET_stream", message, auth)
+
+
+def _sampling(server_request_id: int) -> JSONRPCRequest:
+    return JSONRPCRequest(jsonrpc="2.0", id=server_request_id, method="sampling/createMessage",
+                          params={"messages": [{"role": "user", "content": {"type": "text", "text": "doc"}}]})
+
+
+def test_a_standalone_event_requires_what_the_calls_in_flight_when_it_was_stored_required():
+    """The SDK sends a sampling or roots request a tool makes on the standalone stream, not its call's: it may
+    carry what the call read, so replaying it, or acting on it by answering, takes what seeing the call takes."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)
+    before = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"))
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
+    asked = _standalone(session, _sampling(0))
+    stream, delivered, notices = session.resume(before, NARROW)
+    assert (stream, delivered, notices[0]["error"]) == (None, [], "insufficient_audience")
+    assert (notices[0]["event_id"], notices[0]["required_resources"]) == (asked, [FETCH])
+    assert session.resume(before, BROAD)[1] == [asked]
+    assert _guarded_post(store, _answer(0), headers=_bearer(SEARCH))[::2] == (403, None)
+    assert _guarded_post(store, _answer(0), headers=[])[::2] == (403, None)  # nobody's token: nobody's call
+    assert _guarded_post(store, _answer(0), headers=_bearer(SEARCH, FETCH))[0] == 200
+    elsewhere = GuardedEventStore(POLICY)  # another process: it never saw what was in flight then
+    Session(elsewhere)
+    run(elsewhere.storage.require("s1", "_GET_stream", Requirement.of([])))
+    assert elsewhere._alone("s1", run(store.storage.get("s1", asked))).requirement is None  # unknown: refused
+
+
+def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its_token_may_not_see():
+    """Live, the SDK writes standalone events to whichever GET stream holds them: a narrower token's stream
+    stops there, its cursor at the last event it was sent."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)
+    first = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"))
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
+    asked = _standalone(session, _sampling(0))
+    frames = [f"event: message\r\nid: {event_id}\r\ndata: {{}}\r\n\r\n".encode() for event_id in (first, asked)]
+
+    def get(headers):
+        sent: list[dict] = []
+
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for frame in frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "GET",
+                                     "headers": [(b"mcp-session-id", b"s1"), *headers]}, receive, send))
+        return [SSEParser().feed(m["body"]) for m in sent[1:]], sent[-1].get("more_body", False)
+
+    narrow, more = get(_bearer(SEARCH))
+    assert [frame.id for frame in narrow[0]] == [first] and not more
+    refusal = json.loads(narrow[1][0].data)
+    assert (narrow[1][0].type, refusal["error"], refusal["event_id"], refusal["cursor"]) == (
+        "error", "insufficient_audience", asked, first)
+    assert [frames[0].id for frames in get(_bearer(SEARCH, FETCH))[0]] == [first, asked]

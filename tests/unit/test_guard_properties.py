@@ -79,17 +79,32 @@ def _message(call: Call):
     return JSONRPCResponse(jsonrpc="2.0", id=int(call.request_id), result={"from": call.session})
 
 
+class ClientLeft(Exception):
+    """A resume's client goes away while its live tail waits."""
+
+
 class World:
     def __init__(self, store: GuardedEventStore, tokens: dict[str, AuthView]) -> None:
         self.store = store
         self.tokens = tokens  # each session's honest client's current token
         self.calls: list[Call] = []
         self.owner: dict[tuple[str, str], Call] = {}  # (session, event id) -> the call that stored it
+        self._wait_after = store.storage.wait_after
+        store.storage.wait_after = self._client_leaves
+
+    async def _client_leaves(self, session_id: str, event_id: str, timeout_s: float):
+        """A resume's live tail takes what is stored already; where it would wait, its client leaves."""
+        events = await self._wait_after(session_id, event_id, 0)
+        if not events:
+            raise ClientLeft
+        return events
 
     def _run(self, session: str, coro_factory, auth: AuthView):
         token = guard_request.set(GuardRequest(session, auth))
         try:
             return LOOP.run_until_complete(coro_factory())
+        except ClientLeft:
+            return None  # the resume's connection is gone: nothing carries its stream live
         finally:
             guard_request.reset(token)
 

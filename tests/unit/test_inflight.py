@@ -45,10 +45,10 @@ def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_serve
     assert table.claim("s1", [("5", "broad"), ("6", "narrow")]) is None
     assert (table.owner("s1", "5"), table.owner("s1", "7"), table.owner("s2", "5")) == ("broad", None, None)
     table.asked("s1", "0", "5")  # an elicitation sent on call 5's stream
-    table.asked("s1", "1", "_GET_stream")  # on no call's stream: anyone's in the session to answer
-    assert (table.asker("s1", "0"), table.asker("s1", "1")) == (("broad",), ())
+    table.asked("s1", "1", "_GET_stream")  # on no call's stream: any call in flight may have sent it
+    assert (table.asker("s1", "0"), table.asker("s1", "1")) == (("broad",), ("broad", "narrow"))
     assert (table.asker("s1", "2"), table.asker("s2", "0")) == (None, None)  # not asked (yet): nothing to answer
-    table.replied("s1", ["0"])
+    table.accepted("s1", [], ["0"])  # the SDK took the client's answer
     assert table.asker("s1", "0") is None
     table.asked("s1", "2", "5")
     table.answered("s1", "5")
@@ -66,10 +66,40 @@ def test_the_server_requests_awaiting_answers_are_bounded_per_session_so_other_s
     assert [table.asker("s2", str(n)) for n in (47, 48, 49)] == [None, (), ()]  # its own oldest let go
 
 
+def test_a_refused_post_changes_nothing_the_table_knows_of_its_session():
+    """Owners and answers count once the SDK took the POST (``accepted``): a POST it refuses (no token, another
+    user's session) can neither make the session's DELETE look foreign, nor answer for the client, nor evict
+    another session's past by naming made-up sessions."""
+    table: InFlight[str] = InFlight(max_sessions=3)
+    assert table.claim("victim", [("5", "alice")]) is None
+    table.accepted("victim", ["alice"], [])
+    table.asked("victim", "0", "5")
+    table.answered("victim", "5")
+    table.ended("victim", ["5"])
+    for n in range(10):  # refused by the SDK: claimed, then freed at once, never accepted
+        assert table.claim(f"bogus-{n}", [("1", "mallory")]) is None
+        table.ended(f"bogus-{n}", ["1"], answered=True)
+    assert table.claim("victim", [("6", "mallory")]) is None  # refused too
+    table.ended("victim", ["6"], answered=True)
+    assert table.owners("victim") == ["alice"]
+
+
+def test_whose_calls_were_in_flight_is_kept_with_each_event_of_the_standalone_stream():
+    table: InFlight[str] = InFlight(max_per_session=2)
+    table.stored_alone("s1", "1")  # nothing in flight: a list_changed notification
+    assert table.claim("s1", [("5", "broad")]) is None
+    table.stored_alone("s1", "2")  # a sampling request the tool of call 5 sent on no call's stream
+    assert (table.alone("s1", "1"), table.alone("s1", "2"), table.alone("s1", "9")) == ((), ("broad",), None)
+    table.stored_alone("s1", "3")
+    assert table.alone("s1", "1") is None  # past the newest max_per_session: unknown, so refused
+
+
 def test_the_owners_of_a_sessions_calls_outlive_them_until_the_session_ends():
     """A call's stored result outlives the call: ending the session ends it too."""
     table: InFlight[str] = InFlight()
     assert table.claim("s1", [("5", "broad")]) is None
+    assert table.owners("s1") == ["broad"]  # in flight, the SDK yet to take it
+    table.accepted("s1", ["broad"], [])
     table.answered("s1", "5")
     table.ended("s1", ["5"])
     assert table.owner("s1", "5") is None and table.owners("s1") == ["broad"]

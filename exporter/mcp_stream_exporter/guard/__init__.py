@@ -11,6 +11,7 @@ from mcp_stream_exporter.guard.storage import (
     SharedEventStorage,
     StorageError,
     StoredEvent,
+    TailableEventStorage,
 )
 from mcp_stream_exporter.guard.store import REFUSAL_METHOD, GuardedEventStore
 
@@ -24,5 +25,6 @@ __all__ = [
     "SharedEventStorage",
     "StorageError",
     "StoredEvent",
+    "TailableEventStorage",
     "resolve_refusals",
 ]

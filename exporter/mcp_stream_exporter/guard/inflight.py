@@ -26,14 +26,17 @@ _FREE = _ANSWERED | _ENDED
 
 
 class _Known(Generic[Owner]):
-    """What a session's past tells the guard: the server's requests awaiting the client's answer (and the call
-    each was sent for, if any), and whose its calls have been."""
+    """What a session's past tells the guard: the server's requests awaiting the client's answer (the call each
+    was sent for, or, sent on no call's stream, the owners of the calls in flight then: any of them may have
+    sent it), whose its calls have been, and whose calls were in flight when each event of the server's
+    standalone stream was stored (what such an event may carry)."""
 
-    __slots__ = ("asked", "owners")
+    __slots__ = ("alone", "asked", "owners")
 
     def __init__(self) -> None:
-        self.asked: dict[str, str | None] = {}
+        self.asked: dict[str, str | tuple[Owner, ...]] = {}
         self.owners: dict[Owner, None] = {}
+        self.alone: OrderedDict[str, tuple[Owner, ...]] = OrderedDict()
 
 
 class InFlight(Generic[Owner]):
@@ -79,11 +82,19 @@ class InFlight(Generic[Owner]):
             return f"more than {self._max_sessions} sessions with requests in flight"
         self._sessions[session_id] = held
         held.update(taken)
-        owners = self._known_of(session_id).owners
-        for _, owner in taken.values():
-            if len(owners) < self._max_per_session:
-                owners[owner] = None
         return None
+
+    def accepted(self, session_id: str, owners: Sequence[Owner], answers: Collection[str]) -> None:
+        """The SDK took a POST (it answered below 400: authenticated, its session this credential's): its calls'
+        owners are the session's from now on, and the server's requests it answers await nothing more. Never
+        before: a POST the SDK refuses (no token, another user's, a session it does not hold) changes nothing
+        the guard knows of the session, nor makes room in it by evicting another session's past."""
+        known = self._known_of(session_id)
+        for owner in owners:
+            if len(known.owners) < self._max_per_session:
+                known.owners[owner] = None
+        for server_request_id in answers:
+            known.asked.pop(self._key(server_request_id), None)
 
     def owner(self, session_id: str, request_id: str) -> Owner | None:
         """Whose the request in flight under ``request_id`` is; None when none is."""
@@ -91,9 +102,12 @@ class InFlight(Generic[Owner]):
         return call[1] if call is not None else None
 
     def owners(self, session_id: str) -> list[Owner]:
-        """Whose the session's calls have been, in flight or not (its stored results outlive them)."""
+        """Whose the session's calls have been, in flight or not (its stored results outlive them): those the SDK
+        took, and those it is still deciding on."""
         known = self._known.get(session_id)
-        return list(known.owners) if known is not None else []
+        owners = dict.fromkeys(known.owners) if known is not None else {}
+        owners.update(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
+        return list(owners)
 
     def hold(self, session_id: str, request_id: str) -> None:
         """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is
@@ -110,31 +124,46 @@ class InFlight(Generic[Owner]):
             self._held.pop(key, None)
 
     def asked(self, session_id: str, server_request_id: str, stream_id: str) -> None:
-        """The server sent a request on a stream: its answer is awaited, and when that stream is a call in
-        flight, the answer acts on the call."""
+        """The server sent a request on a stream: its answer is awaited, and acts on the call whose stream that
+        is; sent on no call's stream (a sampling or roots request the SDK does not tie to its call), on any
+        of the calls in flight."""
         asked = self._known_of(session_id).asked
         if len(asked) >= self._max_per_session:
             del asked[next(iter(asked))]
         call = self._key(stream_id)
-        asked[self._key(server_request_id)] = call if call in self._sessions.get(session_id, {}) else None
+        asked[self._key(server_request_id)] = (call if call in self._sessions.get(session_id, {})
+                                               else self._running(session_id))
 
     def asker(self, session_id: str, server_request_id: str) -> tuple[Owner, ...] | None:
-        """Whose call the server's request ``server_request_id`` was sent for: ``(owner,)``, or ``()`` when it
-        was sent for no call; None when the server awaits no answer to it in this session."""
+        """Whose calls the server's request ``server_request_id`` may act on: the owner of the call it was sent
+        for, or of those in flight when it was sent on no call's stream (``()``: none); None when the server
+        awaits no answer to it in this session."""
         known = self._known.get(session_id)
         key = self._key(server_request_id)
         if known is None or key not in known.asked:
             return None
         of = known.asked[key]
-        call = self._sessions.get(session_id, {}).get(of) if of is not None else None
+        if not isinstance(of, str):
+            return of
+        call = self._sessions.get(session_id, {}).get(of)
         return (call[1],) if call is not None else ()
 
-    def replied(self, session_id: str, server_request_ids: Collection[str]) -> None:
-        """The client answered these requests of the server."""
+    def stored_alone(self, session_id: str, event_id: str) -> None:
+        """The server stored an event on its standalone stream (no call's): it may carry what any call in flight
+        sent there (a sampling request over a document a tool read), so it is theirs to see."""
+        alone = self._known_of(session_id).alone
+        alone[event_id] = self._running(session_id)
+        if len(alone) > self._max_per_session:
+            alone.popitem(last=False)
+
+    def alone(self, session_id: str, event_id: str) -> tuple[Owner, ...] | None:
+        """Whose calls were in flight when standalone event ``event_id`` was stored; None when not known (another
+        process stored it, or it is older than the ``max_per_session`` newest)."""
         known = self._known.get(session_id)
-        if known is not None:
-            for server_request_id in server_request_ids:
-                known.asked.pop(self._key(server_request_id), None)
+        return known.alone.get(event_id) if known is not None else None
+
+    def _running(self, session_id: str) -> tuple[Owner, ...]:
+        return tuple(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
 
     def answered(self, session_id: str, request_id: str) -> None:
         """Its response or error was stored."""
@@ -187,3 +216,9 @@ class InFlight(Generic[Owner]):
         if len(request_id) <= self._max_id:
             return request_id
         return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def posting(self, session_id: str, request_id: str) -> bool:
+        """Whether the POST that carried the request in flight under ``request_id`` is still open: the SDK sends
+        the call's events there, and would not hand a resume its live tail."""
+        call = self._sessions.get(session_id, {}).get(self._key(request_id))
+        return call is not None and not call[0] & _ENDED

@@ -34,7 +34,10 @@ from mcp_stream_exporter.auth import Requirement
 from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
 
 _MESSAGE: Final = TypeAdapter(JSONRPCMessage)
-_STREAM_ID: Final = re.compile(r"\d{1,20}-\d{1,20}")  # a Redis stream entry id: the only event ids we hand out
+# a Redis stream entry id, the only event ids we hand out: two unsigned 64-bit integers, in ASCII digits (``\d``
+# would take any script's, and ``int()`` reads them)
+_STREAM_ID: Final = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_MAX_ID_PART: Final = 2**64 - 1
 _MAX_SESSION_ID: Final = 256
 _TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the socket timeout allows for it
 _OPERATIONS: Final = ("open", "close", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
@@ -169,8 +172,8 @@ class RedisEventStorage:
         return _text(event_id)
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
-        if not _STREAM_ID.fullmatch(event_id) or len(session_id) > _MAX_SESSION_ID:
-            return None
+        if not _holds(event_id) or len(session_id) > _MAX_SESSION_ID:
+            return None  # a cursor Redis could not even parse is unknown here, never a Redis error (nor a page)
         async with self._op("get"):
             found = _events(await self._redis.xrange(self._keys(session_id)[2], event_id, event_id, count=1))
         return found[0] if found else None
@@ -247,6 +250,12 @@ class RedisEventStorage:
             raise StorageError(f"redis {operation}: {type(exc).__name__}") from exc
         finally:
             _SECONDS.labels(operation).observe(time.perf_counter() - started)
+
+
+def _holds(event_id: str) -> bool:
+    """Whether ``event_id`` is one Redis can hold as a stream entry id (a client's ``Last-Event-ID`` is anything)."""
+    parts = _STREAM_ID.fullmatch(event_id)
+    return parts is not None and all(int(part) <= _MAX_ID_PART for part in parts.groups())
 
 
 def _text(value: bytes | str) -> str:

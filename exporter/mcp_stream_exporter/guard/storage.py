@@ -4,6 +4,10 @@ and its in-process implementation.
 A requirement lives with the events it protects, and a session exists only from ``open`` (its
 initialize response) until it is evicted: an evicted session is never re-created by a later write,
 so what its streams required can never be recorded anew, lower.
+
+A storage the guard can wait on (``TailableEventStorage``) lets it serve a resume's live tail itself, from
+the storage, rather than hand it to the SDK, which drops what a call stores between the replay and its
+taking the stream (docs/guard.md, "What it relies on in the SDK").
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import anyio
 from mcp_types import JSONRPCMessage
 
 from mcp_stream_exporter.auth import Requirement
@@ -67,15 +72,22 @@ class EventStorage(Protocol):
 
 
 @runtime_checkable
-class SharedEventStorage(EventStorage, Protocol):
-    """A storage every server process of a deployment sees: a resume that reaches a process which
-    does not hold the session (another replica, or the same one restarted) is answered from it."""
+class TailableEventStorage(EventStorage, Protocol):
+    """A storage the guard can wait on for a session's next events: it then sends a resume's live tail
+    itself, every event stored after the last one replayed, none lost to the SDK's hand-over."""
 
     async def is_open(self, session_id: str) -> bool: ...
 
     async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
-        """The session's events after ``event_id``, waiting up to ``timeout_s`` for one to arrive."""
+        """The session's events after ``event_id`` (one it handed out), in order, waiting up to ``timeout_s``
+        for one to arrive; an event appended at any time after ``event_id`` is in this answer or the next."""
         ...
+
+
+@runtime_checkable
+class SharedEventStorage(TailableEventStorage, Protocol):
+    """A storage every server process of a deployment sees: a resume that reaches a process which
+    does not hold the session (another replica, or the same one restarted) is answered from it."""
 
     async def owner_alive(self, session_id: str) -> bool:
         """Whether the process that opened the session is still running (so its calls may still end)."""
@@ -87,6 +99,19 @@ class _Session:
     events: OrderedDict[str, tuple[int, StoredEvent]] = field(default_factory=OrderedDict)
     requirements: dict[str, Requirement] = field(default_factory=dict)
     touched: float = 0.0
+    # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
+    # however many wait, made only when one does
+    changed: anyio.Event | None = None
+
+    def wake(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
+            self.changed = None
+
+    def newer(self, seq: int) -> list[StoredEvent]:
+        """Its events after sequence number ``seq``, in order (read from the newest end: a tail is near it)."""
+        newer = itertools.takewhile(lambda item: item[0] > seq, reversed(self.events.values()))
+        return [event for _, event in reversed(list(newer))]
 
 
 class InMemoryEventStorage:
@@ -94,7 +119,10 @@ class InMemoryEventStorage:
     first), ``max_calls_per_session`` stream requirements a session (later ones are not recorded),
     ``max_sessions`` sessions (least recently used go first), and a session untouched for ``ttl``
     seconds is dropped. Everything dropped is counted in ``evictions``: an evicted event's id reads
-    as an unknown cursor, and an event without a recorded requirement is never replayed."""
+    as an unknown cursor, and an event without a recorded requirement is never replayed.
+
+    A ``TailableEventStorage`` (the guard serves live tails from it), not a ``SharedEventStorage``: no
+    other process sees it."""
 
     def __init__(self, *, max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
                  max_sessions: int = 10_000, ttl: float = 3600.0,
@@ -115,6 +143,7 @@ class InMemoryEventStorage:
                 return
             self.evictions += len(oldest.events) + len(oldest.requirements)
             del self._sessions[key]
+            oldest.wake()
 
     def _touch(self, session_id: str | None) -> _Session | None:
         now = self._clock()
@@ -131,7 +160,9 @@ class InMemoryEventStorage:
             self._expire(self._clock())
 
     async def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.wake()
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
@@ -145,6 +176,7 @@ class InMemoryEventStorage:
         while len(session.events) > self._max_events:
             session.events.popitem(last=False)
             self.evictions += 1
+        session.wake()
         return event.event_id
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
@@ -171,3 +203,25 @@ class InMemoryEventStorage:
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         session = self._sessions.get(session_id)
         return session.requirements.get(stream_id) if session is not None else None
+
+    # --- TailableEventStorage ---
+
+    async def is_open(self, session_id: str) -> bool:
+        self._expire(self._clock())
+        return session_id in self._sessions
+
+    async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
+        seq = int(event_id)  # the ids handed out are sequence numbers: the one given may have been evicted since
+        session = self._sessions.get(session_id)
+        if session is None:
+            return []
+        newer = session.newer(seq)
+        if newer:
+            return newer
+        if session.changed is None:
+            session.changed = anyio.Event()
+        changed = session.changed  # taken with no await since the read: an append after it sets it
+        with anyio.move_on_after(timeout_s):
+            await changed.wait()
+        session = self._sessions.get(session_id)  # it may have ended meanwhile
+        return session.newer(seq) if session is not None else []

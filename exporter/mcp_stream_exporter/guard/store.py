@@ -26,16 +26,23 @@ What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
   a handshake-era version (``HANDSHAKE_PROTOCOL_VERSIONS``) goes to the SDK's sessionless path, whatever
   ``Mcp-Session-Id`` it names (``StreamableHTTPSessionManager._handle_request``);
 - a request the server sends for a call (``related_request_id``: an elicitation, a sampling request) is
-  stored under that call's stream id, which is how ``asgi()`` knows whose call a client's answer acts on.
+  stored under that call's stream id, which is how ``asgi()`` knows whose call a client's answer acts on;
+  one tied to no call (a tool's ``create_message`` or ``list_roots`` by default) goes on the standalone
+  stream, so its events are held to what the calls in flight then require (``InFlight.stored_alone``);
+- the SDK authenticates a request after ``asgi()`` reads it: what a POST asks counts once the SDK took it
+  (a response below 400, or an event of its stream stored), never for a POST it refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
@@ -78,6 +85,7 @@ from mcp_stream_exporter.guard.storage import (
     SharedEventStorage,
     StorageError,
     StoredEvent,
+    TailableEventStorage,
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
@@ -157,6 +165,15 @@ class _Request:
 _current: ContextVar[_Request | None] = ContextVar("mcp_stream_guard_request", default=None)
 
 
+@dataclass(slots=True)
+class _GetStream:
+    """A GET stream's frames as they go out, for the standalone events among them (``_live_alone``)."""
+
+    parser: SSEParser
+    delivered: str | None  # the last event id sent: where a refused client resumes from
+    stopped: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class _Verdict:
     deliver: list[StoredEvent]
@@ -191,6 +208,9 @@ class GuardedEventStore(EventStore):
         self.tokens = token_reader or TokenReader()
         self._unstored = itertools.count(1)
         self._in_flight: InFlight[_Owner] = InFlight()
+        # what the requests of session POSTs the SDK has not taken yet require: recorded once it takes them
+        # (``_flush``), or once it stores an event of their stream, whichever comes first (``store_event``)
+        self._unrecorded: dict[tuple[str, str], Requirement] = {}
 
     # --- which call requires what ---
 
@@ -210,6 +230,9 @@ class GuardedEventStore(EventStore):
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
         if request is not None and request.session_id is not None:
+            unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
+            if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
+                await self._require(request.session_id, stream_id, unrecorded)
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
@@ -223,9 +246,21 @@ class GuardedEventStore(EventStore):
             _log.exception("guard storage: event of stream %s not stored; a resume from it will be refused",
                            stream_id)
             event_id = None
-        return event_id if event_id is not None else f"unstored-{next(self._unstored)}"
+        if event_id is None:
+            return f"unstored-{next(self._unstored)}"
+        if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
+            self._in_flight.stored_alone(request.session_id, event_id)
+        return event_id
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        """The checked replay, then a call's stream's live tail sent from the storage (``_tail``) and None to the
+        SDK: the SDK takes a stream only after an await of its own, and drops what the call stores meanwhile."""
+        return await self._replay(last_event_id, send_callback, None)
+
+    async def _replay(self, last_event_id: str, send_callback: EventCallback,
+                      elsewhere: SharedEventStorage | None) -> StreamId | None:
+        """A resume: for the SDK (``elsewhere`` None), or for a session another process holds, answered from
+        ``elsewhere`` (``_replay_elsewhere``). The stream id when the SDK is to send the live tail."""
         span = trace.get_current_span()  # the hooks' replay span when they are installed
         request = _current.get()
         if request is None or request.ambiguous or request.session_id is None:
@@ -233,15 +268,16 @@ class GuardedEventStore(EventStore):
             span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, refusal))
             await send_callback(_refusal(refusal))  # in every mode: there is nothing to check against
             return None
+        session_id = request.session_id
         try:
-            cursor = await self.storage.get(request.session_id, last_event_id)
+            cursor = await self.storage.get(session_id, last_event_id)
             if cursor is None:  # unknown, evicted, or another session's: never an empty 200
                 span.set_attributes(_span_attributes(self.mode, sc.GUARD_UNKNOWN_CURSOR,
                                                      _plain(UNKNOWN_CURSOR, last_event_id)))
                 await send_callback(_refusal(_plain(UNKNOWN_CURSOR, last_event_id)))
                 return None
-            buffered = await self._buffered(request.session_id, cursor)
-            live = await self.storage.requirement(request.session_id, cursor.stream_id)
+            buffered = await self._buffered(session_id, cursor)
+            live = await self.storage.requirement(session_id, cursor.stream_id)
         except StorageError:
             _log.exception("guard storage: replay refused, the storage is unavailable")
             span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, _plain(STORE_UNAVAILABLE, last_event_id)))
@@ -249,9 +285,9 @@ class GuardedEventStore(EventStore):
             return None
         verdict = self._verdict(request.auth, cursor, buffered, live)
         if verdict.refusal is None or self.mode == "observe":
-            for event in verdict.deliver if verdict.refusal is None else buffered:
+            for event in buffered:  # what the verdict lets through: all of it, or (observe) what it would refuse
                 await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
-            delivered = verdict.deliver[-1].event_id if verdict.deliver else cursor.event_id
+            delivered = buffered[-1].event_id if buffered else cursor.event_id
             stop = verdict.refusal or self._taken_over(request, cursor.stream_id, delivered)
             if stop is not None and self.mode == "enforce":
                 span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, stop))
@@ -261,15 +297,28 @@ class GuardedEventStore(EventStore):
             span.set_attributes(_span_attributes(self.mode, decision, stop))
             if cursor.stream_id != STANDALONE_STREAM_ID and _answered(cursor, buffered):
                 return None  # its answer is replayed: no live tail to wait on, nor an id to hold for one
-            if request.session_id is not None:  # no await from the check to the SDK taking the live tail
-                self._in_flight.hold(request.session_id, cursor.stream_id)
-                request.holds.append(cursor.stream_id)
-            return cursor.stream_id
+            # no await from the check to the live tail being taken (by the SDK, or below): the id stays held
+            storage = elsewhere if elsewhere is not None else self.storage
+            if not isinstance(storage, TailableEventStorage) or (elsewhere is None
+                                                                  and cursor.stream_id == STANDALONE_STREAM_ID):
+                self._hold(request, cursor.stream_id)
+                return cursor.stream_id  # a storage it cannot wait on, or the standalone stream: the SDK's tail
+            if elsewhere is None and self._in_flight.posting(session_id, cursor.stream_id):
+                return None  # the call's POST is open: the SDK sends its events there, and would send none here
+            self._hold(request, cursor.stream_id)
+            await self._tail(storage, request.auth, session_id, cursor.stream_id, delivered, send_callback, elsewhere)
+            return None
         for event in verdict.deliver:
             await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
         span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, verdict.refusal))
         await send_callback(_refusal(verdict.refusal))
         return None  # no live tail: the stream ends after the error frame
+
+    def _hold(self, request: _Request, stream_id: str) -> None:
+        """Keep ``stream_id`` from a new call while this resume holds its live tail (released when it ends)."""
+        assert request.session_id is not None
+        self._in_flight.hold(request.session_id, stream_id)
+        request.holds.append(stream_id)
 
     def _taken_over(self, request: _Request, stream_id: str, delivered: str) -> dict[str, Any] | None:
         """Why a resume let replay may not take the live tail of ``stream_id`` after all: while its events were
@@ -282,7 +331,34 @@ class GuardedEventStore(EventStore):
         return _refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
 
     async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent]:
-        return [e for e in await self.storage.after(session_id, cursor) if self._carries(cursor.stream_id, e)]
+        return [self._alone(session_id, e) for e in await self.storage.after(session_id, cursor)
+                if self._carries(cursor.stream_id, e)]
+
+    def _alone(self, session_id: str, event: StoredEvent) -> StoredEvent:
+        """``event``, requiring what it may carry: on the standalone stream, what the calls in flight when it was
+        stored required too (unknown, so refused, when this process did not see it stored)."""
+        if event.stream_id != STANDALONE_STREAM_ID or event.requirement is None:
+            return event
+        owners = self._in_flight.alone(session_id, event.event_id)
+        requirement = None if owners is None else functools.reduce(
+            operator.or_, (owner[0] for owner in owners), event.requirement)
+        return dataclasses.replace(event, requirement=requirement)
+
+    def _live_alone(self, request: _Request, stream: _GetStream, chunk: bytes) -> dict[str, Any] | None:
+        """Why a GET stream may not go on with ``chunk``: one of its standalone events carries what a call its
+        token may not see had in flight (``_alone``), the SDK sending it live (a fresh GET stream, or the live
+        tail of a resumed one). None when it may: events of a call's stream were checked when it was resumed."""
+        assert request.session_id is not None
+        for frame in stream.parser.feed(chunk):
+            if frame.id is None:
+                continue
+            for requirement, subject in self._in_flight.alone(request.session_id, frame.id) or ():
+                reason = self._covers(request.auth, requirement, subject)
+                if reason is not None:
+                    return _refusal_data(reason, frame.id, STANDALONE_STREAM_ID, requirement, request.auth,
+                                         stream.delivered or "")  # "": none yet, open the stream afresh
+            stream.delivered = frame.id
+        return None
 
     def _carries(self, stream_id: str, event: StoredEvent) -> bool:
         """Whether a resume of ``stream_id`` replays ``event`` (priming events are never replayed)."""
@@ -334,11 +410,17 @@ class GuardedEventStore(EventStore):
             raw_headers = scope.get("headers", ())
             request = self._request(raw_headers)
             cursors = values(raw_headers, LAST_EVENT_ID)
+            # the SDK's 404 for a session it does not hold is also its answer to a credential not the session's;
+            # answered from the storage only for a token that names its principal, which the events are bound to
             elsewhere = (isinstance(self.storage, SharedEventStorage) and scope.get("method") == "GET"
-                         and len(cursors) == 1 and request.session_id is not None)
+                         and len(cursors) == 1 and request.session_id is not None
+                         and request.auth.subject_hash is not None)
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             app_receive = receive
+            asked = _NOTHING_ASKED
+            get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None)
+                   if scope.get("method") == "GET" and request.session_id is not None else None)
             posted: list[str] = []  # the POST's request ids this process holds in flight, in its session
             # whether the exchange answers them itself: no response, an error status, or JSON (else an SSE stream,
             # whose requests stay in flight until their answers are stored)
@@ -357,7 +439,7 @@ class GuardedEventStore(EventStore):
                     for cancelled in asked.cancelled:  # its id may not be taken by a new call before the SDK acts
                         self._in_flight.hold(request.session_id, cancelled)
                         request.holds.append(cancelled)
-                await self._record(request, requests)
+                self._record(request, requests)
                 app_receive = _replaying(read, receive)
             elif scope.get("method") == "DELETE" and request.session_id is not None:
                 refusal = self._may_end(request.auth, request.session_id)
@@ -371,10 +453,24 @@ class GuardedEventStore(EventStore):
                 if held or (elsewhere and message["type"] == "http.response.start" and message["status"] == 404):
                     held.append(message)
                     return
+                if get is not None and message["type"] == "http.response.body":
+                    if get.stopped:  # ended with an error frame: what the SDK still writes to it goes nowhere
+                        return
+                    stop = self._live_alone(request, get, message.get("body", b""))
+                    if stop is not None and self.mode == "enforce":
+                        get.stopped = True
+                        await send({"type": "http.response.body", "more_body": False,
+                                    "body": render(SSEFrame(json.dumps(stop), event="error"))})
+                        return
                 if posted and message["type"] == "http.response.start":
                     content = values(message.get("headers", ()), CONTENT_TYPE)
                     answered_here = message["status"] >= 400 or [content_of(c) for c in content] != [CONTENT_SSE]
-                if message["type"] == "http.response.start" and request.session_id is None:
+                if (message["type"] == "http.response.start" and scope.get("method") == "POST"
+                        and request.session_id is not None and message["status"] < 400):
+                    await self._flush(request)  # the SDK took it: now what it asks counts
+                    self._in_flight.accepted(request.session_id, [self._owner(request, msg) for msg in asked.requests
+                                                                  if msg.id is not None], asked.answers)
+                elif message["type"] == "http.response.start" and request.session_id is None:
                     session_ids = values(message.get("headers", ()), SESSION_ID)
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
@@ -394,6 +490,9 @@ class GuardedEventStore(EventStore):
                         await send(message)
             finally:
                 _current.reset(token)
+                if request.session_id is not None:
+                    for request_id, _ in request.pending:  # never taken by the SDK: nothing of it is recorded
+                        self._unrecorded.pop((request.session_id, request_id), None)
                 for held_id in request.holds:
                     self._in_flight.release(request.session_id, held_id)  # type: ignore[arg-type]
                 if posted:  # the exchange is over, its stream with it (a call may run on, its id held until answered)
@@ -432,15 +531,16 @@ class GuardedEventStore(EventStore):
             _log.warning("a POST acts on a call in flight its token may not see: %s",
                          "refused" if self.mode == "enforce" else "let through (observe mode)")
             return 403, refusal
-        refusal = self._in_flight.claim(session_id, [(msg.id, (requirement_of(self.policy, msg.tool),
-                                                               request.auth.subject_hash))
+        refusal = self._in_flight.claim(session_id, [(msg.id, self._owner(request, msg))
                                                      for msg in asked.requests if msg.id is not None])
         if refusal is None:
-            self._in_flight.replied(session_id, asked.answers)
             return None
         _log.warning("a POST reuses a request id in flight in its session: %s",
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, refusal
+
+    def _owner(self, request: _Request, msg: WireMessage) -> _Owner:
+        return requirement_of(self.policy, msg.tool), request.auth.subject_hash
 
     def _foreign(self, auth: AuthView, session_id: str, asked: _Asked) -> str | None:
         """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
@@ -474,21 +574,29 @@ class GuardedEventStore(EventStore):
                 return 403, f"the session has calls in flight this token may not see: {reason}: {_DETAILS[reason]}"
         return None
 
-    async def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
-        """Record what each request of a POST requires (its tool's policy; nothing but for ``tools/call``)."""
+    def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
+        """What each request of a POST requires (its tool's policy; nothing but for ``tools/call``), to record
+        once the SDK takes the POST (``_flush``, ``store_event``): a POST it refuses (no token, another user's
+        session) records nothing, so it can neither fill a session's table of streams nor widen what an id the
+        client uses next requires."""
         for msg in requests[:_MAX_REQUESTS]:
             assert msg.id is not None
             if len(msg.id) > _MAX_ID:
                 continue  # unknown, so its stream's events are refused, never replayed
-            request.pending.append((msg.id, requirement_of(self.policy, msg.tool)))
-        if request.session_id is not None:
-            await self._flush(request)
+            requirement = requirement_of(self.policy, msg.tool)
+            request.pending.append((msg.id, requirement))
+            if request.session_id is not None:
+                self._unrecorded[(request.session_id, msg.id)] = requirement
 
     async def _born(self, request: _Request) -> None:
+        session_id = request.session_id
+        assert session_id is not None
         try:
-            await self.open_session(request.session_id)  # type: ignore[arg-type]
+            await self.open_session(session_id)
         except StorageError:
             _log.exception("guard storage: session not opened; its streams cannot be resumed")
+        for request_id, requirement in request.pending:  # the initialize POST: taken, as its session is born
+            self._unrecorded[(session_id, request_id)] = requirement
         await self._flush(request)
 
     async def _ended(self, session_id: str) -> None:
@@ -498,12 +606,19 @@ class GuardedEventStore(EventStore):
             _log.exception("guard storage: an ended session's events not dropped")
 
     async def _flush(self, request: _Request) -> None:
+        session_id = request.session_id
+        assert session_id is not None
         pending, request.pending = request.pending, []
+        for request_id, _ in pending:  # unless an event of its stream was stored first, which recorded it
+            requirement = self._unrecorded.pop((session_id, request_id), None)
+            if requirement is not None:
+                await self._require(session_id, request_id, requirement)
+
+    async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         try:
-            for request_id, requirement in pending:
-                await self.storage.require(request.session_id, request_id, requirement)  # type: ignore[arg-type]
+            await self.storage.require(session_id, stream_id, requirement)
         except StorageError:  # not recorded: the stream's events are refused, never replayed
-            _log.exception("guard storage: requirements not recorded; those streams cannot be resumed")
+            _log.exception("guard storage: a requirement not recorded; its stream cannot be resumed")
 
     async def _replay_elsewhere(self, request: _Request, cursor: str, receive: Receive, send: Send) -> bool:
         """Answer a resume for a session another server process holds, from the shared storage: the
@@ -522,13 +637,8 @@ class GuardedEventStore(EventStore):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                                 (b"mcp-session-id", session_id.encode("latin-1"))]})
-        last, finished = cursor, False
 
         async def emit(event: EventMessage) -> None:
-            nonlocal last, finished
-            if event.event_id is not None:
-                last = event.event_id
-                finished = finished or _terminal(event.message)
             await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
 
         async with anyio.create_task_group() as tasks:
@@ -538,42 +648,59 @@ class GuardedEventStore(EventStore):
                 tasks.cancel_scope.cancel()
 
             tasks.start_soon(disconnect)
-            stream_id = await self.replay_events_after(cursor, emit)
-            if stream_id is not None and not finished:
-                await self._tail(storage, request, stream_id, lambda: last, emit)
+            await self._replay(cursor, emit, storage)
             tasks.cancel_scope.cancel()
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return True
 
-    async def _tail(self, storage: SharedEventStorage, request: _Request, stream_id: str,
-                    last: Callable[[], str], emit: EventCallback) -> None:
-        session_id = request.session_id or ""
-        after = last()
+    async def _tail(self, storage: TailableEventStorage, auth: AuthView, session_id: str, stream_id: str,
+                    delivered: str, send: EventCallback, elsewhere: SharedEventStorage | None) -> None:
+        """Send the live tail of ``stream_id`` from the storage: every event of it stored after ``delivered``, the
+        last one replayed (waiting from there, none stored since the replay read is missed), each checked as a
+        replayed one is, until the stream's terminal event. An event the token may not see, the session's end,
+        its owner gone (``elsewhere``: another process's), events evicted under it or the storage failing end it
+        with an error frame whose cursor is the last event sent, never silently; the client leaving cancels it."""
+        after = delivered
         while True:
             try:
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
-                if not events and not await storage.is_open(session_id):
-                    await emit(_refusal(_plain(SESSION_ENDED, last())))
-                    return
-                if not events and not await storage.owner_alive(session_id):
-                    await emit(_refusal(_plain(SESSION_OWNER_GONE, last())))
-                    return
+                stop = await self._tail_stop(storage, session_id, after, events, elsewhere)
             except StorageError:
-                await emit(_refusal(_plain(STORE_UNAVAILABLE, last())))
+                stop = STORE_UNAVAILABLE
+            if stop is not None:
+                await send(_refusal(_plain(stop, delivered)))
                 return
-            for event in events:
-                after = event.event_id
-                if not self._carries(stream_id, event):
+            for stored in events:
+                after = stored.event_id
+                if not self._carries(stream_id, stored):
                     continue
-                reason = self._covers(request.auth, event.requirement, event.subject)
+                event = self._alone(session_id, stored)
+                reason = self._covers(auth, event.requirement, event.subject)
                 if reason is not None and self.mode == "enforce":
-                    await emit(_refusal(_refusal_data(reason, event.event_id, event.stream_id, event.requirement,
-                                                      request.auth, last())))
+                    await send(_refusal(_refusal_data(reason, event.event_id, event.stream_id, event.requirement,
+                                                      auth, delivered)))
                     return
-                await emit(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
-                if _terminal(event.message):
+                await send(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
+                delivered = event.event_id
+                if event.stream_id == stream_id and _terminal(event.message):
                     return
+
+    @staticmethod
+    async def _tail_stop(storage: TailableEventStorage, session_id: str, after: str, events: list[StoredEvent],
+                         elsewhere: SharedEventStorage | None) -> str | None:
+        """Why a live tail that read ``events`` after ``after`` may not go on: the session ended, its owner is gone,
+        or ``after`` was evicted meanwhile (a client reading slowly while the session's cap drops its oldest
+        events), and events after it may have been too: while it is held, none newer was dropped."""
+        if events:
+            if await storage.get(session_id, after) is not None:
+                return None
+            return UNKNOWN_CURSOR if await storage.is_open(session_id) else SESSION_ENDED
+        if not await storage.is_open(session_id):
+            return SESSION_ENDED
+        if elsewhere is not None and not await elsewhere.owner_alive(session_id):
+            return SESSION_OWNER_GONE
+        return None
 
     def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
         """Without the hooks: the server's Streamable HTTP app with this store, guarded."""

@@ -1,0 +1,239 @@
+"""The live tail of a resumed call's stream, sent by the guard from its storage (no HTTP): what the call
+stores while its replay is being sent is never lost, each event is checked as a replayed one is, and the
+tail ends only with the call's answer or an error frame. Driven on one event loop: the tests know when the
+tail waits because they see it ask the storage, never by sleeping."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+import pytest
+from mcp.server.streamable_http import EventMessage
+from mcp_types import JSONRPCNotification, JSONRPCResponse
+
+from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
+from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID
+from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage, SharedEventStorage, TailableEventStorage
+from mcp_stream_exporter.guard.storage import StoredEvent
+from mcp_stream_exporter.guard.store import _current as guard_request
+from mcp_stream_exporter.guard.store import _Request as GuardRequest
+
+pytestmark = pytest.mark.anyio
+
+SEARCH = "https://mcp.example.com/tools/search"
+FETCH = "https://mcp.example.com/tools/fetch"
+POLICY = ToolPolicy({"search": Requirement.of([SEARCH]), "fetch": Requirement.of([FETCH])})
+BROAD = AuthView(audience=frozenset({SEARCH, FETCH}), fingerprint="b", verification="unverified")
+NARROW = AuthView(audience=frozenset({SEARCH}), fingerprint="n", verification="unverified")
+OPENER = AuthView()
+BOUND_S = 5  # a tail that never comes is a failure, not a hang
+
+
+def progress(n: int) -> JSONRPCNotification:
+    return JSONRPCNotification(jsonrpc="2.0", method="notifications/progress", params={"progress": n})
+
+
+def result(request_id: int) -> JSONRPCResponse:
+    return JSONRPCResponse(jsonrpc="2.0", id=request_id, result={"content": []})
+
+
+async def stored(store: GuardedEventStore, stream_id: str, message: JSONRPCNotification | JSONRPCResponse | None,
+                 ) -> str:
+    """An event the session's call stores (the SDK's message router, in the session's context)."""
+    token = guard_request.set(GuardRequest("s1", OPENER))
+    try:
+        return await store.store_event(stream_id, message)
+    finally:
+        guard_request.reset(token)
+
+
+async def a_call(store: GuardedEventStore, request_id: int, tool: str) -> list[str]:
+    """A call whose POST is gone (the client's connection dropped): its priming event and two progress events."""
+    await store.record_call("s1", str(request_id), tool)
+    return [await stored(store, str(request_id), None)] + [await stored(store, str(request_id), progress(n))
+                                                           for n in range(2)]
+
+
+async def resume(store: GuardedEventStore, cursor: str, auth: AuthView, sent: list[EventMessage],
+                 during: Callable[[], Awaitable[None]] | None = None) -> str | None:
+    """A resume as the SDK runs it; ``during`` runs while its first event is being sent (a client reading it)."""
+
+    async def send(event: EventMessage) -> None:
+        sent.append(event)
+        if during is not None and len(sent) == 1:
+            await during()
+
+    token = guard_request.set(GuardRequest("s1", auth))
+    try:
+        return await store.replay_events_after(cursor, send)
+    finally:
+        guard_request.reset(token)
+
+
+class Waits:
+    """The storage's ``wait_after``, counted: ``parked(n)`` returns once the tail has asked for its n-th wait, and
+    so waits (nothing in the tail yields but the storage's wait)."""
+
+    def __init__(self, storage: InMemoryEventStorage) -> None:
+        self.entered = 0
+        self._entered = anyio.Event()
+        self._wait = storage.wait_after
+        storage.wait_after = self.wait_after  # type: ignore[method-assign]
+
+    async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
+        self.entered += 1
+        self._entered.set()
+        self._entered = anyio.Event()
+        return await self._wait(session_id, event_id, timeout_s)
+
+    async def parked(self, times: int) -> None:
+        while self.entered < times:
+            await self._entered.wait()
+
+
+def ids_of(sent: list[EventMessage]) -> list[str | None]:
+    return [event.event_id for event in sent]
+
+
+def notice(event: EventMessage) -> dict[str, object]:
+    assert event.event_id is None and isinstance(event.message, JSONRPCNotification)
+    assert isinstance(event.message.params, dict)
+    return event.message.params
+
+
+async def test_what_a_call_stores_while_its_replay_is_sent_follows_it_up_to_the_answer():
+    """The SDK takes a resumed stream only after an await of its own: its events stored meanwhile were lost."""
+    store = GuardedEventStore(POLICY)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    later: list[str] = []
+
+    async def the_call_goes_on() -> None:
+        later.append(await stored(store, "2", progress(9)))
+        later.append(await stored(store, "2", result(2)))
+
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        stream = await resume(store, ids[1], BROAD, sent, during=the_call_goes_on)
+    assert stream is None  # the SDK never takes the stream: nothing of it goes to a stream nobody reads
+    assert ids_of(sent) == ids[2:] + later
+
+
+async def test_a_live_tail_waits_for_the_calls_next_event_and_holds_its_id_until_the_answer():
+    storage = InMemoryEventStorage()
+    assert isinstance(storage, TailableEventStorage)
+    assert not isinstance(storage, SharedEventStorage)  # it answers no other process's resumes
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    waits = Waits(storage)
+    sent: list[EventMessage] = []
+    streams: list[str | None] = []
+
+    async def resumed() -> None:
+        streams.append(await resume(store, ids[1], BROAD, sent))
+
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resumed)
+            await waits.parked(1)
+            assert ids_of(sent) == ids[2:]
+            reuse = store._in_flight.claim("s1", [("2", (Requirement.of([SEARCH]), None))])
+            assert "resume" in (reuse or "")  # no new call may take the id whose live tail is being sent
+            step = await stored(store, "2", progress(9))
+            await waits.parked(2)  # woken by the append, sent it, waits again
+            assert ids_of(sent) == [*ids[2:], step]
+            answer = await stored(store, "2", result(2))
+    assert streams == [None]
+    assert ids_of(sent) == [*ids[2:], step, answer]  # the answer ends it
+
+
+async def test_a_live_tail_ends_with_an_error_frame_when_the_session_ends_under_it():
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    waits = Waits(storage)
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, ids[1], BROAD, sent)
+            await waits.parked(1)
+            await storage.close("s1")  # its client deleted it
+    *replayed, ended = sent
+    assert ids_of(replayed) == ids[2:]
+    assert notice(ended)["error"] == "session_ended"
+    assert notice(ended)["cursor"] == ids[-1]  # the last event sent: never past an undelivered one
+
+
+async def test_a_live_event_the_token_may_not_see_ends_the_tail_with_an_error_frame_and_nothing_after_it():
+    """What a stream requires only grows (its id used again for fetch): the tail checks each event as a replay
+    does, not only the requirement it saw when the resume began."""
+    store = GuardedEventStore(POLICY)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "search")
+    later: list[str] = []
+
+    async def widened() -> None:
+        await store.record_call("s1", "2", "fetch")
+        later.append(await stored(store, "2", progress(9)))
+        later.append(await stored(store, "2", result(2)))
+
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        assert await resume(store, ids[1], NARROW, sent, during=widened) is None
+    *replayed, refused = sent
+    assert ids_of(replayed) == ids[2:]
+    assert notice(refused)["error"] == "insufficient_audience"
+    assert notice(refused)["event_id"] == later[0]
+    assert notice(refused)["missing_resources"] == [FETCH]
+    assert notice(refused)["cursor"] == ids[-1]
+
+
+async def test_only_a_call_whose_post_ended_is_tailed_here_and_the_standalone_stream_is_left_to_the_sdk():
+    """While the call's POST is open the SDK sends its events there and would send a resume none: the resume
+    ends after its replay. The standalone stream has no answer to end a tail: the SDK keeps it."""
+    store = GuardedEventStore(POLICY)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    assert store._in_flight.claim("s1", [("2", (Requirement.of([FETCH]), None))]) is None  # its POST is open
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        assert await resume(store, ids[1], BROAD, sent) is None
+    assert ids_of(sent) == ids[2:]
+
+    store._in_flight.ended("s1", ["2"])  # the POST is gone, the call runs on
+    answer: list[str] = []
+
+    async def answered() -> None:
+        answer.append(await stored(store, "2", result(2)))
+
+    sent = []
+    with anyio.fail_after(BOUND_S):
+        assert await resume(store, ids[1], BROAD, sent, during=answered) is None
+    assert ids_of(sent) == ids[2:] + answer
+
+    alone = await stored(store, STANDALONE_STREAM_ID, progress(0))
+    assert await resume(store, alone, BROAD, []) == STANDALONE_STREAM_ID
+
+
+async def test_a_live_tail_the_sessions_cap_outran_ends_with_unknown_cursor_never_past_a_dropped_event():
+    """A client reading slowly while the call stores more than the session holds: what it did not get is gone,
+    and its cursor may not move past it."""
+    store = GuardedEventStore(POLICY, storage=InMemoryEventStorage(max_events_per_session=4))
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+
+    async def outran() -> None:
+        for n in range(6):
+            await stored(store, "2", progress(10 + n))
+        await stored(store, "2", result(2))
+
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        assert await resume(store, ids[1], BROAD, sent, during=outran) is None
+    *replayed, refused = sent
+    assert ids_of(replayed) == ids[2:]
+    assert notice(refused)["error"] == "unknown_cursor"
+    assert notice(refused)["cursor"] == ids[-1]
