@@ -392,7 +392,8 @@ class LedgerCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         ledger = self._ledger
         yield GaugeMetricFamily("mcp_stream_calls_in_flight", "Calls a stream ended on without their result "
-                                "and still owed one (deviating calls only; healthy calls are never tracked).",
+                                "and still owed one: not once their caller gave up or was told they failed, or "
+                                "nothing can deliver them (deviating calls only; healthy calls are never tracked).",
                                 value=ledger.in_flight)
         yield GaugeMetricFamily("mcp_stream_detector_ledger_sessions", "Sessions (or traces, 2026-07-28) the "
                                 "ledger holds.", value=ledger.sessions)
