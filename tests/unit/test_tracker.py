@@ -296,6 +296,20 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     assert computed == ["a", "b", "a"]
 
 
+def test_each_of_several_broken_calls_alike_has_its_re_issue_told_and_one_more_call_alike_is_no_re_issue():
+    """Two calls with the same arguments broken by one cut, each sent again by its caller: the detector matches a
+    re-issue to one broken call, so each re-issue must say so, and a third call alike is a call of its own."""
+    tracker, exporter = _tracker()
+    broken = [tracker.start_call(None, _request(n), "2026-07-28", ABSENT, stateless=True,
+                                 identify=lambda tool, arguments: "a") for n in (1, 2)]
+    tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, broken, {}, ABSENT, 200), sc.END_DROPPED)
+    again = [tracker.start_call(None, _request(n), "2026-07-28", ABSENT, stateless=True,
+                                identify=lambda tool, arguments: "a") for n in (3, 4, 5)]
+    assert [call.span is not None for call in again] == [True, True, False]
+    markers = [s for s in _by(exporter, sc.SPAN_CALL) if s.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_REISSUED]
+    assert [m.attributes[sc.JSONRPC_REQUEST_ID] for m in markers] == ["3", "4"]
+
+
 def _request_with_traceparent(rid, traceparent):
     meta = json.dumps({"traceparent": traceparent})
     body = f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"fetch","_meta":{meta}}}}}'

@@ -54,10 +54,11 @@ CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
-_MAX_BROKEN = 1024  # stateless calls whose stream broke, by arguments fingerprint: what a re-issue matches
-# Those of every client in this process: a caller may re-issue through another client than the one that broke (a
+_MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
+# Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
+# of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
 # new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
-BROKEN_IN_PROCESS: OrderedDict[str, None] = OrderedDict()
+BROKEN_IN_PROCESS: OrderedDict[str, int] = OrderedDict()
 _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})  # no claims: audience unknown
 # A deferred span keeps its last events as the SDK's span would (OTEL_SPAN_EVENT_COUNT_LIMIT, oldest
 # dropped), so a long stream's frames cost bounded memory before its span exists; 128 if unlimited.
@@ -630,7 +631,7 @@ class Tracker:
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
         # fingerprints of stateless calls whose stream broke (a client's: ``BROKEN_IN_PROCESS``)
-        self._broken: OrderedDict[str, None] = OrderedDict() if broken is None else broken
+        self._broken: OrderedDict[str, int] = OrderedDict() if broken is None else broken
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
@@ -654,7 +655,11 @@ class Tracker:
                     None if identify is None else msg.arguments)
         fingerprint = call.fingerprint if reissue and self._broken else None
         if fingerprint is not None and fingerprint in self._broken:
-            del self._broken[fingerprint]
+            left = self._broken[fingerprint] - 1
+            if left:
+                self._broken[fingerprint] = left
+            else:
+                del self._broken[fingerprint]
             self._reissued(call)
         # a stateless call lives and dies with its one stream: nothing to look up. An id its session reuses while
         # its call is pending (MCP forbids it, the guard refuses it) is observed on its own stream, untracked:
@@ -733,7 +738,8 @@ class Tracker:
             del self._calls[call.key]
         fingerprint = call.fingerprint if outcome == sc.OUTCOME_NO_TERMINAL else None
         if fingerprint is not None:
-            self._broken[fingerprint] = None
+            self._broken[fingerprint] = self._broken.get(fingerprint, 0) + 1
+            self._broken.move_to_end(fingerprint)
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
         if call.closed:  # its span ended when its result was stored (``stored``)
