@@ -50,3 +50,32 @@ def test_a_resume_that_moved_the_call_on_then_ended_without_its_result_starts_th
     now[0] += 6 * S
     detector.tick()
     assert [f.rule for f in detector.findings] == ["clean_end_pending"]
+
+
+def _stuck(detector: Detector) -> float | None:
+    return detector.registry.get_sample_value("mcp_stream_calls_stuck")
+
+
+def test_a_call_is_stuck_once_its_session_shows_no_sign_of_life_for_fifteen_minutes_not_while_it_moves_on():
+    detector, now = _detector()
+    detector.consume([stream(C, "post", "clean", pending=("3",), last="6", at=1.0),
+                      stream(C, "post", "dropped", session="s2", pending=("3",), last="6", at=1.0)])
+    for minute in range(1, 20):  # s1's resume says every minute that it moves the call on; s2 is silent
+        now[0] += 60 * S
+        detector.consume([stream(C, "resume", sc.END_OPEN, cursor="6", pending=("3",), last=str(6 + minute),
+                                 at=1.0 + 60 * minute)])
+        detector.tick()
+        assert detector.ledger.in_flight == 2
+        assert _stuck(detector) == (1 if minute > 15 else 0), minute  # s2 only, once 15 minutes have passed
+    detector.consume([stream(C, "resume", "clean", cursor="6", session="s2", terminal=("3",), last="9", at=1200.0)])
+    now[0] += 11 * S
+    detector.tick()
+    assert _stuck(detector) == 0
+
+
+def test_a_404_on_the_session_ends_what_it_owed_once_its_finding_is_raised():
+    detector, now = _detector()
+    detector.consume([stream(C, "post", "dropped", pending=("3",), last="6", at=1.0),
+                      stream(C, "resume", "http_error", cursor="6", pending=("3",), status=404, at=2.0)])
+    assert [f.rule for f in detector.findings] == ["session_expired_in_flight"]
+    assert detector.ledger.in_flight == 0  # the SDK fails the call: its session is gone

@@ -602,7 +602,7 @@ def test_a_call_whose_server_accepted_its_cancel_is_over_not_in_flight_nor_expir
     dropped = stream(SV, "post", "dropped", pending=("3",), last="6")
     cancelled = call(SV, sc.OUTCOME_CANCELLED, at=2.0)
     expired = stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=3.0)
-    assert _in_flight([dropped, expired]) == (1, ["session_expired_in_flight"])
+    assert _in_flight([dropped, expired]) == (0, ["session_expired_in_flight"])  # gone with its session
     assert _in_flight([dropped, cancelled, expired]) == (0, [])
     emptied = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=1.5)
     assert _in_flight([dropped, emptied, cancelled]) == (0, ["clean_end_pending"])  # its caller gave up: no cause

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from opentelemetry.context import Context
@@ -85,10 +86,15 @@ def test_a_resume_that_moves_its_call_on_says_so_at_once_in_a_span_ended_there_b
     assert (moving.attributes[sc.END_REASON], moving.attributes[sc.STREAM_KIND]) == (sc.END_OPEN, sc.STREAM_KIND_RESUME)
     assert (moving.attributes[sc.EVENT_LAST_ID], moving.attributes[sc.PENDING_REQUEST_IDS]) == ("e3", ("1",))
     assert moving.parent.span_id == resume.span.get_span_context().span_id  # told once, inside the resume's span
-    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e5"), _response(1))
+    later = time.time_ns() + 61 * 1_000_000_000  # and again, at most once a minute, while it moves the call on
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","method":"notifications/progress"}', id="e5"), _progress(1),
+                  later)
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","method":"notifications/progress"}', id="e6"), _progress(1),
+                  later + 1)
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e7"), _response(1))
     tracker.end_stream(resume, sc.END_CLEAN, 200)
     assert [s.attributes[sc.END_REASON] for s in _by(exporter, sc.SPAN_STREAM, moving=True)] == [
-        sc.END_CLEAN, sc.END_OPEN, sc.END_CLEAN]
+        sc.END_CLEAN, sc.END_OPEN, sc.END_OPEN, sc.END_CLEAN]
 
 
 def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():

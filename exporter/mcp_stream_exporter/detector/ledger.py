@@ -197,6 +197,7 @@ class Ledger:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently active first
         self._calls = 0
         self._in_flight = 0
+        self.stuck = 0  # calls in flight with no sign of life for a while (``count_stuck``)
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
         # (origin, call key) -> the starts of its issues, oldest first, each negated once a broken call took it; an
@@ -444,6 +445,22 @@ class Ledger:
                 call.timers &= ~self._timer_bit(what)
                 self._touched[id(call)] = call  # a finding may be added to it
                 yield what, call
+
+    def count_stuck(self, now_ns: int, after_ns: int) -> None:
+        """``stuck``: the calls in flight in sessions no span has touched for ``after_ns`` (a resume moving a call
+        on says so at least every minute: docs/span-model.md), least recently active first, so the count stops
+        at the first session touched since. By the detector's clock: no producer's clock is compared."""
+        horizon = now_ns - after_ns
+        stuck = 0
+        for session in self._sessions.values():
+            if session.last_ns >= horizon:
+                break
+            calls = session.calls
+            if isinstance(calls, dict):
+                stuck += sum(call.in_flight for call in calls.values())
+            elif calls is not None:
+                stuck += calls.in_flight
+        self.stuck = stuck
 
     def expire(self, now_ns: int) -> int:
         """Evict sessions idle longer than their TTL; returns how many."""

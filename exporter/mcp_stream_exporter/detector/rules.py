@@ -95,12 +95,14 @@ class RuleConfig:
     reissue_grace_s: float = 30.0
     resume_loop_count: int = 5
     resume_loop_window_s: float = 60.0
+    stuck_after_s: float = 900.0  # a call in flight whose session shows no sign of life this long is stuck
 
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 # a call span that ended so shows the call over, though not delivered: the SDK failed it to its caller, or it has
 # no stream left to come on (no_terminal); the server accepted its client's cancel (cancelled)
 _OVER_OUTCOMES = frozenset({sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_CANCELLED})
+_STUCK_EVERY_NS = 10 * 1_000_000_000  # how often the stuck calls are counted: a walk of the idle sessions
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
 _STORED = "stored"
@@ -116,6 +118,8 @@ class RuleEngine:
         self._clean_end_grace_ns = _ns(config.clean_end_grace_s)
         self._reissue_grace_ns = _ns(config.reissue_grace_s)
         self._resume_loop_window_ns = _ns(config.resume_loop_window_s)
+        self._stuck_after_ns = _ns(config.stuck_after_s)
+        self._stuck_counted_ns = 0  # when the stuck calls were last counted (every _STUCK_EVERY_NS)
 
     # --- events ---
 
@@ -168,6 +172,7 @@ class RuleEngine:
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, at, call.request_id, now_ns, lambda: {
                 "status": e.status, "stream_kind": e.kind,
                 "owed_since": (call.owed_since or 0) / 1e9})  # noqa: B023 (called before the loop moves on)
+            self.ledger.given_up(call)  # its session is gone: nothing can deliver it (the SDK fails it)
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
@@ -239,6 +244,9 @@ class RuleEngine:
             elif what == _STORED:
                 self._check_stored(call, now_ns)
         self.ledger.expire(now_ns)
+        if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
+            self._stuck_counted_ns = now_ns
+            self.ledger.count_stuck(now_ns, self._stuck_after_ns)
 
     # --- the ledger, updated ---
 

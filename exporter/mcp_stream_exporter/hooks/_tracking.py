@@ -54,6 +54,7 @@ CallKey = tuple[str | None, str]  # (session id, JSON-RPC request id)
 _ERROR_FRAME_DATA_CHARS = 1024
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-|$)", re.ASCII)
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
+_MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
 # Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
 # of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
@@ -532,7 +533,7 @@ class Stream(_Deferred):
         self.first_event_id: str | None = None
         self.last_event_id: str | None = None
         self.ended = False
-        self.moved = False  # a resume: it has moved its calls on (``Tracker._moving``)
+        self.moved = 0  # a resume: when it last told that it moves its calls on (``Tracker._moving``)
         self.holder: Holder | None = None  # its side holds its frames, unread (``Tracker.hold``)
 
     def pending(self) -> list[Call]:
@@ -622,7 +623,7 @@ class Tracker:
     """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
 
     def __init__(self, tracer: SpanStarter, role: str, *, max_calls: int = 10_000,
-                 max_event_index: int = 50_000, broken: OrderedDict[str, None] | None = None) -> None:
+                 max_event_index: int = 50_000, broken: OrderedDict[str, int] | None = None) -> None:
         self._tracer = tracer
         self._role = role
         self._stream_kind = SpanKind.SERVER if role == sc.ROLE_SERVER else SpanKind.CLIENT
@@ -950,14 +951,17 @@ class Tracker:
             stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method), timestamp)
             if msg.id is not None and msg.is_terminal:
                 self._terminal(stream, msg, event_id)
-        if stream.kind == sc.STREAM_KIND_RESUME and event_id is not None and messages and not stream.moved:
-            stream.moved = True
-            self._moving(stream, event_id, timestamp)
+        if stream.kind == sc.STREAM_KIND_RESUME and event_id is not None and messages:
+            seen = timestamp or time.time_ns()
+            if seen - stream.moved >= _MOVING_EVERY_NS:
+                stream.moved = seen
+                self._moving(stream, event_id, timestamp)
 
     def _moving(self, stream: Stream, event_id: str, timestamp: int | None) -> None:
         """A resume moved its pending calls on: the detector is told now, by a span of the resume so far ended at
-        once (``END_OPEN``), not only when the resume ends, which for a tool that polls may be long after any
-        grace its clean end started."""
+        once (``END_OPEN``), and again at most every minute while it goes on, not only when the resume ends,
+        which for a tool that polls may be long after any grace its clean end started, and after the detector
+        would count its call stuck."""
         pending = stream.pending()
         if not pending or stream.span is None:
             return
