@@ -677,3 +677,6 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     assert (narrow[1][0].type, refusal["error"], refusal["event_id"], refusal["cursor"]) == (
         "error", "insufficient_audience", asked, first)
     assert [frames[0].id for frames in get(_bearer(SEARCH, FETCH))[0]] == [first, asked]
+    frames[1] = b"event: message\r\nid: unstored-1\r\ndata: {}\r\n\r\n"  # the storage failed to keep it
+    unknown, _ = get(_bearer(SEARCH, FETCH))
+    assert json.loads(unknown[1][0].data)["error"] == "requirement_unknown"  # unknown whose: refused, not let by

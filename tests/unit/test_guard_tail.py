@@ -15,7 +15,7 @@ from mcp_types import JSONRPCNotification, JSONRPCResponse
 from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID
 from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage, SharedEventStorage, TailableEventStorage
-from mcp_stream_exporter.guard.storage import StoredEvent
+from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
 from mcp_stream_exporter.guard.store import _current as guard_request
 from mcp_stream_exporter.guard.store import _Request as GuardRequest
 
@@ -237,3 +237,30 @@ async def test_a_live_tail_the_sessions_cap_outran_ends_with_unknown_cursor_neve
     assert ids_of(replayed) == ids[2:]
     assert notice(refused)["error"] == "unknown_cursor"
     assert notice(refused)["cursor"] == ids[-1]
+
+
+async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_keep_an_event_of_its_stream():
+    """An event the storage could not keep (Redis down a moment) never comes to a tail that reads the storage: if
+    it was the answer, the tail would wait on it for ever. It ends instead, explicitly, at the last event sent."""
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    waits = Waits(storage)
+    sent: list[EventMessage] = []
+    kept = storage.append
+
+    async def failing(*args: object, **kwargs: object) -> str | None:
+        raise StorageError("down")
+
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, ids[1], BROAD, sent)
+            await waits.parked(1)
+            storage.append = failing  # type: ignore[method-assign]
+            assert (await stored(store, "2", result(2))).startswith("unstored-")
+            storage.append = kept  # type: ignore[method-assign]
+            await stored(store, "3", progress(1))  # another stream's event wakes the tail
+    *replayed, ended = sent
+    assert ids_of(replayed) == ids[2:]
+    assert (notice(ended)["error"], notice(ended)["cursor"]) == ("store_unavailable", ids[-1])

@@ -35,7 +35,6 @@ What it relies on in the SDK (pinned by tests/integration/test_sdk_contract.py):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -62,6 +61,7 @@ from mcp_types import (
 )
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
+from sse_starlette import EventSourceResponse
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -131,6 +131,7 @@ _DETAILS: Final = {
 }
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
 _MAX_REQUESTS: Final = 100  # in one POST (a 2025-03-26 batch): more is refused, the guard's work a POST bounded
+_MAX_UNKEPT: Final = 10_000  # streams remembered as having lost an event to the storage (``store_event``)
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
@@ -171,6 +172,7 @@ class _GetStream:
 
     parser: SSEParser
     delivered: str | None  # the last event id sent: where a refused client resumes from
+    fresh: bool  # no Last-Event-ID: the standalone stream, live
     stopped: bool = False
 
 
@@ -211,6 +213,8 @@ class GuardedEventStore(EventStore):
         # what the requests of session POSTs the SDK has not taken yet require: recorded once it takes them
         # (``_flush``), or once it stores an event of their stream, whichever comes first (``store_event``)
         self._unrecorded: dict[tuple[str, str], Requirement] = {}
+        # streams an event of which the storage did not keep (the newest _MAX_UNKEPT): their live tails end
+        self._unkept: dict[tuple[str, str], None] = {}
 
     # --- which call requires what ---
 
@@ -247,6 +251,10 @@ class GuardedEventStore(EventStore):
                            stream_id)
             event_id = None
         if event_id is None:
+            if request is not None and request.session_id is not None:  # a live tail of it would wait on it forever
+                self._unkept[(request.session_id, stream_id)] = None
+                if len(self._unkept) > _MAX_UNKEPT:
+                    del self._unkept[next(iter(self._unkept))]
             return f"unstored-{next(self._unstored)}"
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
             self._in_flight.stored_alone(request.session_id, event_id)
@@ -349,10 +357,15 @@ class GuardedEventStore(EventStore):
         token may not see had in flight (``_alone``), the SDK sending it live (a fresh GET stream, or the live
         tail of a resumed one). None when it may: events of a call's stream were checked when it was resumed."""
         assert request.session_id is not None
+        alone = stream.fresh or STANDALONE_STREAM_ID in request.holds  # the stream is the standalone one
         for frame in stream.parser.feed(chunk):
             if frame.id is None:
                 continue
-            for requirement, subject in self._in_flight.alone(request.session_id, frame.id) or ():
+            owners = self._in_flight.alone(request.session_id, frame.id) if frame.data else ()
+            if owners is None and alone:  # not kept (the storage failed), or too old: unknown, so refused
+                return _refusal_data(REQUIREMENT_UNKNOWN, frame.id, STANDALONE_STREAM_ID, None, request.auth,
+                                     stream.delivered or "")
+            for requirement, subject in owners or ():
                 reason = self._covers(request.auth, requirement, subject)
                 if reason is not None:
                     return _refusal_data(reason, frame.id, STANDALONE_STREAM_ID, requirement, request.auth,
@@ -419,7 +432,7 @@ class GuardedEventStore(EventStore):
             token = _current.set(request)
             app_receive = receive
             asked = _NOTHING_ASKED
-            get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None)
+            get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None, not cursors)
                    if scope.get("method") == "GET" and request.session_id is not None else None)
             posted: list[str] = []  # the POST's request ids this process holds in flight, in its session
             # whether the exchange answers them itself: no response, an error status, or JSON (else an SSE stream,
@@ -485,7 +498,7 @@ class GuardedEventStore(EventStore):
 
             try:
                 await app(scope, app_receive, guarded_send)
-                if held and not await self._replay_elsewhere(request, cursors[0], receive, send):
+                if held and not await self._replay_elsewhere(scope, request, cursors[0], receive, send):
                     for message in held:
                         await send(message)
             finally:
@@ -620,7 +633,8 @@ class GuardedEventStore(EventStore):
         except StorageError:  # not recorded: the stream's events are refused, never replayed
             _log.exception("guard storage: a requirement not recorded; its stream cannot be resumed")
 
-    async def _replay_elsewhere(self, request: _Request, cursor: str, receive: Receive, send: Send) -> bool:
+    async def _replay_elsewhere(self, scope: Scope, request: _Request, cursor: str, receive: Receive,
+                                send: Send) -> bool:
         """Answer a resume for a session another server process holds, from the shared storage: the
         same verdict as a local replay, then the live tail as the owner stores it, until the call's
         terminal event, an event the token may not see, or the owner is gone (an error frame, never
@@ -634,24 +648,19 @@ class GuardedEventStore(EventStore):
                 return False
         except StorageError:
             return False
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                                (b"mcp-session-id", session_id.encode("latin-1"))]})
+        frames, read = anyio.create_memory_object_stream[bytes](0)
 
         async def emit(event: EventMessage) -> None:
-            await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
+            await frames.send(_frame(event))
 
-        async with anyio.create_task_group() as tasks:
-            async def disconnect() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                tasks.cancel_scope.cancel()
+        async def replay() -> None:
+            async with frames:
+                await self._replay(cursor, emit, storage)
 
-            tasks.start_soon(disconnect)
-            await self._replay(cursor, emit, storage)
-            tasks.cancel_scope.cancel()
-        with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # as the SDK answers a resume: sse-starlette ends it when the client leaves or the server shuts down
+        await EventSourceResponse(read, data_sender_callable=replay,
+                                  headers={"cache-control": "no-cache", "mcp-session-id": session_id})(
+            scope, receive, send)
         return True
 
     async def _tail(self, storage: TailableEventStorage, auth: AuthView, session_id: str, stream_id: str,
@@ -667,6 +676,8 @@ class GuardedEventStore(EventStore):
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
                 stop = await self._tail_stop(storage, session_id, after, events, elsewhere)
             except StorageError:
+                stop = STORE_UNAVAILABLE
+            if stop is None and (session_id, stream_id) in self._unkept:  # never in the storage: never coming
                 stop = STORE_UNAVAILABLE
             if stop is not None:
                 await send(_refusal(_plain(stop, delivered)))
