@@ -128,6 +128,15 @@ def test_an_int_attribute_that_is_no_int64_is_one_span_refused_and_the_rest_of_t
     assert detector.ledger.find("good", "7") is not None and detector.ledger.find("bad", "7") is None
 
 
+@pytest.mark.parametrize("query", ["since=nan", "since=inf", "since=-inf", "since=1e308", "until=1e400", "until=-1",
+                                   "since=18446744074"])
+def test_a_findings_time_that_is_no_time_in_nanoseconds_is_a_422_not_a_500(service, query):
+    client, _, _ = service
+    answer = client.get(f"/api/findings?{query}", headers=AUTH)
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][1] == query.split("=")[0]
+    assert client.get("/api/findings?since=0&until=18446744073", headers=AUTH).status_code == 200
+
+
 @pytest.mark.parametrize("document", [
     '{"resourceSpans":[{"scopeSpans":"x"}]}', '{"resourceSpans":"x"}', '{"resourceSpans":[1]}',
     '{"resourceSpans":[{"scopeSpans":[{"spans":"x"}]}]}', '{"resourceSpans":[{"scopeSpans":[{"spans":[7]}]}]}',
@@ -237,10 +246,11 @@ def test_the_ingest_queue_is_bounded_in_bytes_not_only_in_spans():
 
 
 @contextlib.contextmanager
-def _bounded_server(limits: ConnectionLimits, registry: CollectorRegistry | None = None):
+def _bounded_server(limits: ConnectionLimits, registry: CollectorRegistry | None = None,
+                    ingest: IngestLimits | None = None, access: Access | None = None):
     detector = Detector()
-    queue = IngestQueue(detector, IngestLimits())
-    server = uvicorn.Server(server_config(create_app(detector, queue), "127.0.0.1", 0, limits,
+    queue = IngestQueue(detector, ingest or IngestLimits())
+    server = uvicorn.Server(server_config(create_app(detector, queue, access), "127.0.0.1", 0, limits,
                                           registry or detector.registry, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -375,6 +385,64 @@ def test_a_body_refused_before_it_is_read_closes_its_connection_so_its_rest_is_n
         answer = _answer(sock)  # until the server closes it: a test that hangs here would be the bug
         assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
         sock.close()
+
+
+def _response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response's head and body (by its Content-Length), the connection left open."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(65536)
+    head, body = received.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def test_a_refused_body_is_read_and_dropped_within_bounds_so_a_sender_that_sends_it_whole_reads_the_answer():
+    """Most OTLP exporters write the whole body, then read: a connection closed on bytes not read resets,
+    and the refusal is lost (the exporter retries a batch that can never be taken). The rest of a refused
+    body is read and dropped, up to 4 times --max-body-bytes and within the body timeout; past either, the
+    answer closes the connection."""
+    ingest = IngestLimits(max_body_bytes=64 * 1024, body_timeout_s=1.0)
+    limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)
+    post = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+    with _bounded_server(limits, ingest=ingest, access=Access(ingest_token=TOKEN)) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+        for head, body in [
+            (auth + b"Content-Length: 200000\r\n", b"\x00" * 200_000),  # declared too large
+            (auth + b"Transfer-Encoding: chunked\r\n", b"".join(b"8000\r\n" + b"\x00" * 0x8000 + b"\r\n"
+                                                                for _ in range(6)) + b"0\r\n\r\n"),  # found so
+            (b"Content-Length: 200000\r\n", b"\x00" * 200_000),  # no token
+        ]:
+            sock.sendall(post + head + b"\r\n" + body)
+            answer, _ = _response(sock)
+            assert answer.split(b" ")[1] in (b"413", b"401") and b"connection: close" not in answer.lower()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection, past each rest
+        assert _response(sock)[0].startswith(b"HTTP/1.1 200 ")
+        sock.close()
+        for head, sent in [(b"Content-Length: 300000\r\n", 0),  # more than 4 times the limit: not read
+                           (b"Content-Length: 200000\r\n", 10_000)]:  # a rest that stops coming
+            sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+            started = time.monotonic()
+            sock.sendall(post + auth + head + b"\r\n" + b"\x00" * sent)
+            answer = _answer(sock)  # until the server closes it
+            assert answer.startswith(b"HTTP/1.1 413 ") and b"connection: close" in answer.lower()
+            assert time.monotonic() - started < ingest.body_timeout_s + 5
+            sock.close()
+
+
+def test_a_request_head_past_16_kib_is_refused_even_when_it_comes_in_one_read():
+    limits = ConnectionLimits(max_connections=10, header_timeout_s=60, idle_timeout_s=60)
+    registry = CollectorRegistry()
+    with _bounded_server(limits, registry) as port:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 20_000 + b"\r\n\r\n")  # one segment
+        assert _answer(sock).startswith(b"HTTP/1.1 400 ")
+        sock.close()
+        assert _closed(registry, "bad_request") == 1
 
 
 def test_a_request_head_or_trailer_that_never_ends_is_refused_past_16_kib_and_its_connection_closes():

@@ -1,9 +1,13 @@
-"""The lean OTLP reader reads what protobuf reads: attribute values, span fields, batches split in runs."""
+"""The lean OTLP reader reads what protobuf reads: attribute values, span fields, batches split in runs; what
+OTLP does not allow is refused span by span, in protobuf and in JSON; bodies are decompressed as HTTP says."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import random
+import zlib
 from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +22,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, otlp
 from mcp_stream_exporter.detector.events import MAX_CHARS, Operation, Rejected, StreamEnd, lifecycle
 from mcp_stream_exporter.detector.events import Span as ModelSpan
+from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, decode, decompress
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts
 from mcp_stream_exporter.detector.otlp import _any, _value, decode_protobuf
@@ -168,7 +173,7 @@ def test_the_memo_of_sdk_span_labels_is_bounded_in_entries_and_in_the_bytes_of_e
 def test_a_batch_decoded_in_runs_of_spans_yields_every_span_once_in_order() -> None:
     spans = [_span(i, {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_SERVER, sc.STREAM_KIND: "get",
                        sc.END_REASON: sc.END_CLEAN, "filler": "f" * 900}, kind=Span.SPAN_KIND_SERVER)
-             for i in range(0, 200, 2)]
+             for i in range(2, 202, 2)]
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans[:60]),
                                                                                     ScopeSpans(spans=spans[60:])])])
     batch = decode_protobuf(request.SerializeToString(), IngestLimits(max_span_bytes=4096))  # runs of ~4 spans
@@ -189,8 +194,9 @@ def test_model_attribute_values_are_memoised_short_and_bounded_and_read_the_same
 
     ids = [f"request-{i}" for i in range(ingest._MODEL_VALUES_MAX[str] + 100)] + ["r" * 300, "request-1"]
     stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
-    spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id] * (1 + i % 40), sc.EVENT_LAST_ID: request_id,
-                           sc.EVENTS_COUNT: i}, exception=None) for i, request_id in enumerate(ids)]
+    spans = [_span(2 * i + 2, {**stream, sc.PENDING_REQUEST_IDS: [request_id] * (1 + i % 40),
+                               sc.EVENT_LAST_ID: request_id, sc.EVENTS_COUNT: i}, exception=None)
+             for i, request_id in enumerate(ids)]  # from 2: an id of zeros is none
     read = list(decode_protobuf(_request(*spans), IngestLimits()).spans)
     expected = [((request_id,) * (1 + i % 40), request_id, i) for i, request_id in enumerate(ids)]
     del expected[-2]  # its ids are longer than the readers take as they are: read one value at a time
@@ -421,10 +427,10 @@ def test_any_span_in_the_hooks_scope_is_read_as_in_any_other_scope() -> None:
 def test_the_memo_of_encoded_attributes_is_bounded_keeps_no_token_and_shares_values() -> None:
     stream = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
     ids = [f"request-{i}" for i in range(otlp._KEY_VALUES_MAX + 100)]
-    spans = [_span(2 * i, {**stream, sc.PENDING_REQUEST_IDS: [request_id], sc.STREAM_REQUEST_IDS: [request_id],
-                           "filler": "f" * (i % 200), "app.auth": f"Bearer s3cr3t{i % 3}",
-                           sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
-                   exception=None) for i, request_id in enumerate(ids)]
+    spans = [_span(2 * i + 2, {**stream, sc.PENDING_REQUEST_IDS: [request_id], sc.STREAM_REQUEST_IDS: [request_id],
+                               "filler": "f" * (i % 200), "app.auth": f"Bearer s3cr3t{i % 3}",
+                               sc.EVENT_LAST_ID: "Bearer s3cr3t" if i % 5 else request_id},
+                   exception=None) for i, request_id in enumerate(ids)]  # from 2: an id of zeros is none
     request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
         scope=InstrumentationScope(name=sc.INSTRUMENTATION_NAME), spans=spans)])])
     read = list(decode_protobuf(request.SerializeToString(), IngestLimits()).spans)
@@ -458,3 +464,101 @@ def test_a_token_is_seen_in_encoded_bytes_whatever_byte_stands_before_it() -> No
     secret = b"Bearer " + b"s" * 58  # 65 bytes: its length byte is "A", a word character before "Bearer"
     assert _field(1, secret)[1:2] == b"A"
     assert holds_token(_field(1, secret)) and holds_token(_field(2, _field(1, secret)))
+
+
+_STREAM = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: sc.ROLE_CLIENT, sc.STREAM_KIND: "post", sc.END_REASON: sc.END_CLEAN}
+
+
+def _outcome(body: bytes, content_type: str = PROTOBUF) -> tuple[int, dict[str, int]]:
+    _, outcome = Detector().read(decode(body, content_type, IngestLimits()).spans, "otlp_http")
+    return outcome.accepted, outcome.rejected
+
+
+@pytest.mark.parametrize("scope", [sc.INSTRUMENTATION_NAME, "another"])
+def test_a_model_span_whose_ids_are_not_of_otlps_lengths_or_all_zero_is_refused(scope: str) -> None:
+    def span(trace_id: bytes, span_id: bytes, parent: bytes = b"") -> Span:
+        s = _span(1, _STREAM, exception=None)
+        s.trace_id, s.span_id, s.parent_span_id = trace_id, span_id, parent
+        return s
+
+    trace, one = bytes(range(1, 17)), bytes(range(1, 9))
+    broken = [span(b"", one), span(trace, b"abc"), span(trace[:15], one), span(trace, one + b"x"),
+              span(trace, one, b"abc"), span(bytes(16), one), span(trace, bytes(8))]
+    for s in [span(trace, one), span(trace, one, one), *broken]:
+        for unchecked in (s, _span(1, {**_STREAM, sc.EVENTS_COUNT: AnyValue(bool_value=True)}, exception=None)):
+            unchecked.trace_id, unchecked.span_id, unchecked.parent_span_id = s.trace_id, s.span_id, s.parent_span_id
+        request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+            scope=InstrumentationScope(name=scope), spans=[s])])])
+        accepted, rejected = _outcome(request.SerializeToString())
+        assert (accepted, rejected) == ((0, {"trace or span id not of 16 or 8 bytes, or all zero": 1}) if s in broken
+                                        else (1, {}))
+
+
+def test_a_model_span_whose_kind_is_no_span_kind_is_refused_in_protobuf_and_in_json() -> None:
+    kinds = [*Span.SpanKind.values(), 6, 99, -1, 2**31 - 1]
+    spans = [_span(i + 1, _STREAM, kind=kind, exception=None) for i, kind in enumerate(kinds)]
+    for scope in (sc.INSTRUMENTATION_NAME, "another"):
+        request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+            scope=InstrumentationScope(name=scope), spans=spans)])])
+        assert _outcome(request.SerializeToString()) == (6, {"the span's kind is no OTLP SpanKind": 4})
+    json_kinds = [*Span.SpanKind.keys(), 3, "SPAN_KIND_FOO", "3", "\uff13", True, 3.0, 2**40, 99, None]
+    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [
+        {**_json_span(i + 1), **({} if kind is None else {"kind": kind})} for i, kind in enumerate(json_kinds)]}]}]}
+    assert _outcome(json.dumps(doc).encode(), JSON) == (8, {"the span's kind is no OTLP SpanKind": 7})
+
+
+def _json_span(i: int, *attributes: dict[str, Any]) -> dict[str, Any]:
+    return {"traceId": f"{i:032x}", "spanId": f"{i:016x}", "startTimeUnixNano": "1", "endTimeUnixNano": "2",
+            "attributes": [{"key": k, "value": {"stringValue": v}} for k, v in _STREAM.items()] + list(attributes)}
+
+
+@pytest.mark.parametrize("value", ["\uff11\uff12", "\u0661\u0662", "1_2", "+12", "\t12", "12\n", " 12", "1e3",
+                                   "0x10", "", "NaN", "9223372036854775808", "-9223372036854775809", "9" * 5000])
+def test_a_json_int_that_is_no_decimal_int64_refuses_its_span_as_a_string_in_protobuf_does(value: str) -> None:
+    """protobuf's JSON parser reads an int64 string with ``int()`` (taking fullwidth digits, "1_2" or "+12" for
+    12) or refuses the whole batch; OTLP/JSON writes a decimal int64. Any other string refuses its span, if a
+    reader reads it, and the rest of the batch is kept."""
+    count = {"key": sc.EVENTS_COUNT, "value": {"intValue": value}}
+    ids = {"key": sc.STREAM_REQUEST_IDS, "value": {"arrayValue": {"values": [{"intValue": value}]}}}
+    unread = {"key": "app.count", "value": {"intValue": value}}
+    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [
+        _json_span(1, count), _json_span(2, ids), _json_span(3, unread), _json_span(4, {**count, "value": {
+            "intValue": "-12"}}), _json_span(5, {**count, "value": {"intValue": 12}})]}]}]}
+    assert _outcome(json.dumps(doc).encode(), JSON) == (3, {f"{sc.EVENTS_COUNT} must be an integer": 1,
+                                                            f"{sc.STREAM_REQUEST_IDS} must be a list of strings": 1})
+
+
+def test_an_int_of_the_model_sent_as_a_string_is_refused_digits_or_not() -> None:
+    for value in ("12", "-1", "\u00b2"):
+        accepted, rejected = _outcome(_request(_span(1, {**_STREAM, sc.EVENTS_COUNT: value}, exception=None),
+                                               _span(3, {**_STREAM, sc.EVENTS_COUNT: 12}, exception=None)))
+        assert (accepted, rejected) == (1, {f"{sc.EVENTS_COUNT} must be an integer": 1})
+
+
+def test_a_content_coding_is_read_whatever_its_case_and_x_gzip_as_gzip() -> None:
+    body = b"spans" * 100
+    for encoding, sent in [("GZIP", gzip.compress(body)), ("Gzip", gzip.compress(body)),
+                           (" x-gzip ", gzip.compress(body)), ("Deflate", zlib.compress(body)), ("IDENTITY", body)]:
+        assert decompress(sent, encoding, IngestLimits()) == body
+    with pytest.raises(IngestError) as refused:
+        decompress(body, "BR", IngestLimits())
+    assert refused.value.status == 415
+
+
+def test_every_member_of_a_gzip_body_is_read_within_one_bound_and_anything_else_after_one_is_a_400() -> None:
+    limits = IngestLimits(max_decompressed_bytes=1000)
+    members = [gzip.compress(part) for part in (b"a" * 400, b"", b"b" * 400, b"c" * 200)]
+    assert decompress(b"".join(members), "gzip", limits) == b"a" * 400 + b"b" * 400 + b"c" * 200
+    assert decompress(members[0] + bytes(5000), "gzip", limits) == b"a" * 400  # NUL padding, as gzip -d skips it
+    many = gzip.compress(b"x") * 5000  # a decompressor each, the bound across them all
+    with pytest.raises(IngestError) as refused:
+        decompress(many, "gzip", limits)
+    assert (refused.value.status, refused.value.metric_reason) == (413, "too_large")
+    assert decompress(many, "gzip", IngestLimits()) == b"x" * 5000
+    for garbage in (b"trailing garbage", gzip.compress(b"d")[:-3], bytes(3) + b"x"):
+        with pytest.raises(IngestError) as refused:
+            decompress(b"".join(members) + garbage, "gzip", IngestLimits())
+        assert (refused.value.status, refused.value.metric_reason) == (400, "malformed")
+    with pytest.raises(IngestError) as refused:  # zlib streams are not members: one only
+        decompress(zlib.compress(b"a") + zlib.compress(b"b"), "deflate", limits)
+    assert refused.value.status == 400

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Query, Request, Response
@@ -51,6 +51,7 @@ class Access:
 _ACCEPTED = {PROTOBUF: b"", JSON: b"{}"}  # the answer to a batch taken whole, as each encoding writes it
 # on a refusal before the whole body is in: what is left of it must not be read as the next request
 _CLOSE = (b"connection", b"close")
+_DISCARDED_BODIES = 4  # the rest of a refused body read and dropped, in --max-body-bytes (``_OtlpHttp._unread``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,10 @@ class _Answer:
     body: bytes
     content_type: str = JSON
     headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+def _closing(answer: _Answer) -> _Answer:
+    return replace(answer, headers=(*answer.headers, _CLOSE))
 
 
 def _retry_after(limits: IngestLimits) -> tuple[tuple[bytes, bytes], ...]:
@@ -102,7 +107,8 @@ class _OtlpHttp:
 
     async def _export(self, raw_headers: list[tuple[bytes, bytes]], messages: Receive) -> _Answer | None:
         limits = self._limits
-        authorization = declared = content_type = encoding = None
+        deadline = asyncio.get_running_loop().time() + limits.body_timeout_s  # for the whole body, read or not
+        authorization = declared = content_type = encoding = expect = None
         for name, value in raw_headers:  # the first of each, as Starlette reads them
             if name == b"authorization" and authorization is None:
                 authorization = value.decode("latin-1")
@@ -112,42 +118,31 @@ class _OtlpHttp:
                 content_type = value.decode("latin-1").strip()
             elif name == b"content-encoding" and encoding is None:
                 encoding = value.decode("latin-1").strip()
+            elif name == b"expect" and expect is None:
+                expect = value
+        length = int(declared) if declared is not None and declared.isdigit() else None  # None: not said
+        refusal = None
         if self._token is not None and not bearer_matches(authorization or "", self._token):
-            return self._refuse(401, "a bearer token is required", "unauthorized",
-                                ((b"www-authenticate", b"Bearer"), _CLOSE))
-        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large", (_CLOSE,))
+            refusal = self._refuse(401, "a bearer token is required", "unauthorized",
+                                   ((b"www-authenticate", b"Bearer"),))
+        elif length is not None and length > limits.max_body_bytes:
+            refusal = self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+        if refusal is not None:
+            if expect is not None and expect.strip().lower() == b"100-continue":
+                return _closing(refusal)  # its body comes only after a 100 Continue: none is asked for
+            return await self._unread(refusal, messages, length, deadline)
+        body = await self._body(messages, length, deadline)
+        if not isinstance(body, bytes):
+            return body
         if content_type is None:
             content_type = PROTOBUF
-        chunks: list[bytes] = []
-        size = 0  # held, and reserved in the queue's body buffer
         try:
-            try:
-                async with asyncio.timeout(limits.body_timeout_s):
-                    more = True
-                    while more:
-                        message = await messages()
-                        if message["type"] != "http.request":
-                            return None
-                        chunk, more = message.get("body", b""), message.get("more_body", False)
-                        if size + len(chunk) > limits.max_body_bytes:
-                            return self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large",
-                                                (_CLOSE,))
-                        if not self._queue.reserve(len(chunk)):
-                            return self._refuse(429, "too many request bodies held; retry after the given delay",
-                                                "busy", (*_retry_after(limits), _CLOSE))
-                        chunks.append(chunk)
-                        size += len(chunk)
-            except TimeoutError:
-                return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout",
-                                    (_CLOSE,))
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             outcome = await run_in_threadpool(self._read, body, content_type, encoding)
         except IngestError as exc:
             return self._refuse(exc.status, exc.reason, exc.metric_reason,
                                 _retry_after(limits) if exc.status == 429 else ())
         finally:
-            self._queue.release(size)
+            self._queue.release(len(body))
         if outcome is None:
             return self._refuse(429, "ingest queue full; retry after the given delay", "queue_full",
                                 _retry_after(limits))
@@ -159,10 +154,72 @@ class _OtlpHttp:
         return _Answer(200, json_format.MessageToJson(answer).encode() if media == JSON
                        else answer.SerializeToString(), media)
 
+    async def _body(self, messages: Receive, length: int | None, deadline: float) -> bytes | _Answer | None:
+        """The request's body, reserved in the queue's body buffer (the caller releases it); or the answer
+        to one refused while it comes; None if the client went away."""
+        limits = self._limits
+        chunks: list[bytes] = []
+        size = 0  # reserved, and released here unless the body is returned
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    message = await messages()
+                    if message["type"] != "http.request":
+                        return None
+                    chunk, more = message.get("body", b""), message.get("more_body", False)
+                    if size + len(chunk) > limits.max_body_bytes:
+                        refusal = self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
+                        break
+                    if not self._queue.reserve(len(chunk)):
+                        refusal = self._refuse(429, "too many request bodies held; retry after the given delay",
+                                               "busy", _retry_after(limits))
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if not more:
+                        size = 0  # the caller's to release
+                        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except TimeoutError:
+            return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout", (_CLOSE,))
+        finally:
+            self._queue.release(size)
+        if not more:
+            return refusal
+        chunks.clear()  # not held while the rest is read
+        return await self._unread(refusal, messages, None if length is None else length - size - len(chunk),
+                                  deadline)
+
+    async def _unread(self, answer: _Answer, messages: Receive, rest: int | None, deadline: float) -> _Answer | None:
+        """``answer`` to a request whose body is refused before it is all in, once the ``rest`` of it (None:
+        not known) is read and dropped: a sender that writes its whole body before it reads (most OTLP
+        exporters) then reads the answer, where a connection closed on unread bytes would reset and lose it.
+        At most ``_DISCARDED_BODIES`` times ``max_body_bytes`` is read, by the body's deadline; past either, the
+        answer closes the connection. None if the client went away."""
+        allowance = _DISCARDED_BODIES * self._limits.max_body_bytes
+        if rest is not None and rest > allowance:
+            return _closing(answer)
+        try:
+            async with asyncio.timeout_at(deadline):
+                while allowance >= 0:
+                    message = await messages()
+                    if message["type"] != "http.request":
+                        return None
+                    if not message.get("more_body", False):
+                        return answer
+                    allowance -= len(message.get("body", b""))
+        except TimeoutError:
+            pass
+        return _closing(answer)
+
     def _read(self, body: bytes, content_type: str, encoding: str | None) -> Outcome | None:
         with self._queue.decoding():
             body = decompress(body, encoding, self._limits)
             return receive(self._queue, decode(body, content_type, self._limits), "otlp_http")
+
+
+# a time as the API takes it, in epoch seconds within OTLP's times (unsigned 64-bit nanoseconds): any other
+# (NaN, infinite, negative, too late) is a 422, not a 500 where it would not become an int
+_EPOCH_SECONDS = Query(description="epoch seconds", allow_inf_nan=False, ge=0, le=2**64 / 1e9)
 
 
 def _bearer_ok(request: Request, token: str | None) -> bool:
@@ -196,8 +253,8 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
 
     @app.get("/api/findings")
     def findings(request: Request, rule: str | None = None, tool: str | None = None, severity: str | None = None,
-                 since: Annotated[float | None, Query(description="epoch seconds")] = None,
-                 until: Annotated[float | None, Query(description="epoch seconds")] = None,
+                 since: Annotated[float | None, _EPOCH_SECONDS] = None,
+                 until: Annotated[float | None, _EPOCH_SECONDS] = None,
                  offset: Annotated[int, Query(ge=0)] = 0,
                  limit: Annotated[int, Query(ge=1, le=500)] = 50) -> dict[str, Any]:
         api_guard(request)

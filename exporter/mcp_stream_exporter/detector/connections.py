@@ -16,14 +16,17 @@ closed so, before it reached the app, is counted (``mcp_stream_detector_http_con
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Any
 
+import h11
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-_MAX_HEADER_BYTES = 16 * 1024  # h11 refuses (400) a request whose headers are larger
+_MAX_HEADER_BYTES = 16 * 1024  # a request whose head is larger is refused (400)
+_HEAD_END = re.compile(rb"\n\r?\n")  # where h11 finds a head's end
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 # why a connection was closed before the app answered its request, or while it waited idle for the next
@@ -79,10 +82,20 @@ def _bounded_protocol(limits: ConnectionLimits, closed: Counter) -> type[H11Prot
             self._arm()
 
         def handle_events(self) -> None:
+            if self._head_too_large():
+                self.send_400_response(f"Request head larger than {_MAX_HEADER_BYTES} bytes.")
+                return
             cycle = self.cycle
             super().handle_events()
             if self.cycle is not cycle:
                 self._request_since = self.loop.time()
+
+        def _head_too_large(self) -> bool:
+            """A request head past the limit that came whole: h11 bounds only a head still incomplete."""
+            if self.conn.their_state is not h11.IDLE:
+                return False
+            buffered = self.conn.trailing_data[0]
+            return len(buffered) > _MAX_HEADER_BYTES and _HEAD_END.search(buffered, 0, _MAX_HEADER_BYTES) is None
 
         def send_400_response(self, msg: str) -> None:
             super().send_400_response(msg)

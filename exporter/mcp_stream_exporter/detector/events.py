@@ -28,12 +28,11 @@ _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT})
 # Bounds on what one span may make the detector keep: a longer list is refused, and a longer string is kept
 # as a digest of it, never cut (a cut id would be another call's): a server's ids may be long (a JWT
 # session id), and the same id gives the same digest on every span. Trace and span ids are hex of 16
-# and 8 bytes per OTLP.
+# and 8 bytes, not all zero: OTLP calls any other invalid.
 MAX_CHARS = sc.MAX_CHARS
 MAX_ITEMS = sc.MAX_ITEMS
-_MAX_TRACE_ID = 32
-_MAX_SPAN_ID = 16
-_MAX_INT_DIGITS = 18  # an int64 as a string; isdigit() alone also takes "²" and 5,000 digits int() refuses
+_NO_TRACE_ID = "0" * 32
+_NO_SPAN_ID = "0" * 16
 
 
 @dataclass(slots=True)
@@ -287,9 +286,7 @@ def _int(a: Mapping[str, Any], key: str) -> int | None:
     value = a.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= _MAX_INT_DIGITS:
-            return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):  # a string of digits too: the span model says int
         raise Rejected(f"{key} must be an integer")
     return value
 
@@ -333,8 +330,9 @@ def _common(a: Mapping[str, Any], where: Where, text: _Get) -> Common:
     trace_id, span_id, parent_span_id, start_ns, end_ns, origin = where
     if end_ns < start_ns:
         raise Rejected("span ends before it starts")
-    if len(trace_id) > _MAX_TRACE_ID or len(span_id) > _MAX_SPAN_ID or len(parent_span_id or "") > _MAX_SPAN_ID:
-        raise Rejected("trace or span id longer than 16 or 8 bytes")
+    if (len(trace_id) != len(_NO_TRACE_ID) or len(span_id) != len(_NO_SPAN_ID) or trace_id == _NO_TRACE_ID
+            or span_id == _NO_SPAN_ID or (parent_span_id is not None and len(parent_span_id) != len(_NO_SPAN_ID))):
+        raise Rejected("trace or span id not of 16 or 8 bytes, or all zero")
     return Common(role, era, session_id or _sessionless(trace_id, text(a, sc.CALL_REQUEST_SPAN_ID)), session_id,
                   trace_id, span_id, start_ns, end_ns, origin)
 

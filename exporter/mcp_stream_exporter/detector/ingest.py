@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 import time
 import zlib
@@ -27,6 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
 from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.connections import ConnectionLimits
@@ -48,21 +50,55 @@ PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 
 
+# input handed to zlib at a time: where a gzip member ends, zlib copies the rest of what it was handed, so a
+# body of many tiny members costs a copy of this much each, not of the whole rest of the body
+_INFLATE_FEED = 4096
+_NOT_NUL = re.compile(rb"[^\0]")
+
+
 def decompress(body: bytes, encoding: str | None, limits: IngestLimits) -> bytes:
-    if encoding in (None, "", "identity"):
+    """The body as sent, decoded: every member of a gzip body (RFC 1952: as ``gzip -d`` reads one), within
+    ``max_decompressed_bytes`` altogether, refused (413) while inflating, never inflated whole."""
+    coding = content_coding(encoding)
+    if coding == "identity":
         return body
-    if encoding not in ("gzip", "deflate"):
-        raise IngestError(415, f"unsupported Content-Encoding {encoding[:40]!r}: use gzip or none", "bad_encoding")
-    inflater = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)  # 47: gzip or zlib header
-    try:
-        out = inflater.decompress(body, limits.max_decompressed_bytes + 1)
-    except zlib.error as exc:
-        raise IngestError(400, f"body does not decompress as {encoding}: {exc}", "malformed") from None
-    if len(out) > limits.max_decompressed_bytes or inflater.unconsumed_tail:
-        raise IngestError(413, f"decompressed body exceeds {limits.max_decompressed_bytes} bytes", "too_large")
-    if not inflater.eof:
-        raise IngestError(400, f"body is a truncated {encoding} stream", "malformed")
-    return out
+    if coding not in ("gzip", "deflate"):
+        raise IngestError(415, f"unsupported Content-Encoding {coding[:40]!r}: use gzip or none", "bad_encoding")
+    wbits = 47 if coding == "gzip" else 15  # 47: gzip or zlib header
+    room = limits.max_decompressed_bytes
+    out: list[bytes] = []
+    view = memoryview(body)
+    pos = 0
+    inflater = zlib.decompressobj(wbits=wbits)
+    while True:
+        if inflater.eof:  # a member's end: another member follows, or the end
+            pos -= len(inflater.unused_data)
+            if coding == "gzip":  # NUL padding after a member is skipped, as gzip.decompress skips it
+                found = _NOT_NUL.search(body, pos)
+                pos = len(body) if found is None else found.start()
+            if pos == len(body):
+                return b"".join(out)
+            if coding != "gzip":
+                raise IngestError(400, f"data after the end of the {coding} stream", "malformed")
+            inflater = zlib.decompressobj(wbits=wbits)
+        if pos == len(body):
+            raise IngestError(400, f"body is a truncated {coding} stream", "malformed")
+        fed = view[pos:pos + _INFLATE_FEED]
+        pos += len(fed)
+        try:
+            part = inflater.decompress(fed, room + 1)
+        except zlib.error as exc:
+            raise IngestError(400, f"body does not decompress as {coding}: {exc}", "malformed") from None
+        room -= len(part)
+        if room < 0:
+            raise IngestError(413, f"decompressed body exceeds {limits.max_decompressed_bytes} bytes", "too_large")
+        out.append(part)
+
+
+def content_coding(encoding: str | None) -> str:
+    """A Content-Encoding as one coding's name: case-insensitive (RFC 9110 8.4.1), ``x-gzip`` as ``gzip``."""
+    coding = (encoding or "").strip().lower() or "identity"
+    return "gzip" if coding == "x-gzip" else coding
 
 
 def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
@@ -82,22 +118,24 @@ def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
                           f"batches, or protobuf", "too_large")
     request = ExportRequest()
     try:
-        json_format.ParseDict(_hex_ids_to_base64(json.loads(body)), request, ignore_unknown_fields=True)
+        json_format.ParseDict(_as_protobuf_json(json.loads(body)), request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         reason = redact(str(exc)[:400])[:200]
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {reason}", "malformed") from None
     return decode_protobuf(request.SerializeToString(), limits)  # one reader, the same limits
 
 
-def _hex_ids_to_base64(doc: Any) -> Any:
-    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64. A part of the
-    wrong type is left as it is: ``ParseDict`` refuses it with its path."""
+def _as_protobuf_json(doc: Any) -> Any:
+    """OTLP/JSON as protobuf's JSON mapping reads it: trace and span ids from hex (OTLP/JSON) to base64 (the
+    mapping), and what the mapping's parser would take though OTLP does not allow it made a refusal. A part of
+    the wrong type is left as it is: ``ParseDict`` refuses it with its path."""
     if not isinstance(doc, dict):
         raise ValueError("the body must be a JSON object")
     for resource_spans in _objects(doc, "resourceSpans"):
         for scope_spans in _objects(resource_spans, "scopeSpans"):
             for span in _objects(scope_spans, "spans"):
                 _rewrite(span)
+                _strict(span)
                 for link in _objects(span, "links"):
                     _rewrite(link)
     return doc
@@ -106,6 +144,40 @@ def _hex_ids_to_base64(doc: Any) -> Any:
 def _objects(parent: Any, key: str) -> list[Any]:
     items = parent.get(key) if isinstance(parent, dict) else None
     return items if isinstance(items, list) else []
+
+
+# protobuf's parser reads more than OTLP/JSON allows, and reads it as a valid value: an int64 string through
+# ``int()`` (fullwidth or Arabic-Indic digits, "1_2", "+5", "\t12"), a kind that is no SpanKind as UNSPECIFIED
+# (an unknown name, 2**40) or as a kind it does not name (true, a fullwidth digit). What OTLP/JSON writes: an
+# int64 in decimal, a kind's number or name.
+_INT64_TEXT = re.compile(r"-?[0-9]{1,19}")
+_INT64 = range(-(2**63), 2**63)
+_KIND_NUMBERS = frozenset(OtlpSpan.SpanKind.values())
+_KIND_NAMES = frozenset(OtlpSpan.SpanKind.keys())
+
+
+def _strict(span: dict[str, Any]) -> None:
+    """A span's int attribute (or array item) or kind that OTLP/JSON does not allow, made one the span model's
+    readers refuse, as they refuse one of the wrong type in protobuf: an int as a double (which no reader
+    takes), the kind as a number of no SpanKind. The span is refused if a reader reads it."""
+    kind = span.get("kind")
+    if kind is not None and not ((type(kind) is int and kind in _KIND_NUMBERS)
+                                 or (type(kind) is str and kind in _KIND_NAMES)):
+        span["kind"] = -1
+    for attribute in _objects(span, "attributes"):
+        value = attribute.get("value") if isinstance(attribute, dict) else None
+        if isinstance(value, dict):
+            _strict_int(value)
+            array = value.get("arrayValue")
+            for item in _objects(array, "values"):
+                _strict_int(item)
+
+
+def _strict_int(value: Any) -> None:
+    text = value.get("intValue") if isinstance(value, dict) else None
+    if isinstance(text, str) and not (_INT64_TEXT.fullmatch(text) and int(text) in _INT64):
+        del value["intValue"]
+        value["doubleValue"] = "NaN"
 
 
 def _rewrite(obj: Any) -> None:

@@ -52,6 +52,7 @@ from mcp_stream_exporter.detector.metrics import BOUNDS, OperationCounts, Sample
 from mcp_stream_exporter.redaction import holds_token, redact
 
 _KINDS: dict[int, str] = {OtlpSpan.SPAN_KIND_CLIENT: KIND_CLIENT, OtlpSpan.SPAN_KIND_SERVER: KIND_SERVER}
+_SPAN_KINDS = frozenset(OtlpSpan.SpanKind.values())
 _MAX_ARRAY = 1_000  # values kept from one array attribute
 _ERROR = Status.STATUS_CODE_ERROR
 _EXCEPTION_TYPE = "exception.type"
@@ -667,6 +668,8 @@ def _read_ours(s: Any, origin: str, model_origin: str) -> Span | StreamEnd | Cal
 def _model(s: Any, attributes: dict[str, Any], as_they_are: bool, origin: str,
            model_origin: str) -> Span | StreamEnd | CallEnd | Replay | Rejected:
     """A model span's event, or its refusal, from values all ``clean``; else a span, read one value at a time."""
+    if s.kind not in _SPAN_KINDS:  # else read as INTERNAL: a producer that sends no OTLP kind is told so
+        return Rejected("the span's kind is no OTLP SpanKind")
     if not as_they_are:
         return _span(s, attributes, origin)
     try:
