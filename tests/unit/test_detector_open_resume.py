@@ -74,8 +74,10 @@ def test_a_call_is_stuck_once_its_session_shows_no_sign_of_life_for_fifteen_minu
 
 
 def test_a_404_on_the_session_ends_what_it_owed_once_its_finding_is_raised():
-    detector, _ = _detector()
+    detector, now = _detector()
     detector.consume([stream(C, "post", "dropped", pending=("3",), last="6", at=1.0),
                       stream(C, "resume", "http_error", cursor="6", pending=("3",), status=404, at=2.0)])
+    now[0] += 6 * S
+    detector.tick()
     assert [f.rule for f in detector.findings] == ["session_expired_in_flight"]
     assert detector.ledger.in_flight == 0  # the SDK fails the call: its session is gone

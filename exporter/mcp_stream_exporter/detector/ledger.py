@@ -282,6 +282,11 @@ class Ledger:
         call.timed_out = True
         self._in_flight -= was
 
+    def deleted(self, scope: str) -> bool:
+        """Whether the session's client deleted it (a DELETE the server accepted)."""
+        session = self._sessions.get(scope)
+        return session is not None and session.deleted
+
     def in_session(self, scope: str) -> list[CallState]:
         session = self._sessions.get(scope)
         return session.all() if session is not None else []
@@ -424,6 +429,10 @@ class Ledger:
             # timers of evicted calls would otherwise stay until due: drop them; the heap at least
             # doubles between two compactions, so each push pays O(1) for them
             self._compact_timers()
+
+    def waiting(self, call: CallState, what: str) -> bool:
+        """Whether ``call`` has a timer for ``what`` set."""
+        return bool(call.timers & self._timer_bit(what))
 
     def _timer_bit(self, what: str) -> int:
         """A bit of ``CallState.timers`` for each kind of timer the rules set (a handful)."""

@@ -106,6 +106,7 @@ _STUCK_EVERY_NS = 10 * 1_000_000_000  # how often the stuck calls are counted: a
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
 _STORED = "stored"
+_EXPIRED = "expired"
 
 
 class RuleEngine:
@@ -168,11 +169,8 @@ class RuleEngine:
             if session.resumes is None:
                 session.resumes = {}
             self._resume(e, session, calls, progressed, now_ns)
-        for call in in_flight_before:
-            self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, at, call.request_id, now_ns, lambda: {
-                "status": e.status, "stream_kind": e.kind,
-                "owed_since": (call.owed_since or 0) / 1e9})  # noqa: B023 (called before the loop moves on)
-            self.ledger.given_up(call)  # its session is gone: nothing can deliver it (the SDK fails it)
+        for call in in_flight_before:  # judged a grace later: its delivery, or its client's DELETE, may come after
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _EXPIRED, call)
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
@@ -243,6 +241,8 @@ class RuleEngine:
                 self._check_reissue(call, now_ns)
             elif what == _STORED:
                 self._check_stored(call, now_ns)
+            elif what == _EXPIRED:
+                self._check_expired(call, now_ns)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -351,6 +351,8 @@ class RuleEngine:
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
+        if self.ledger.waiting(call, _EXPIRED):  # its session went first: that judges it (``_check_expired``)
+            return
         if call.era == sc.ERA_STATELESS and call.broken_since is not None:
             return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
         due = self._clean_end_due(call)
@@ -383,6 +385,16 @@ class RuleEngine:
         self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, lambda: {
             "stored_at": stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
+
+    def _check_expired(self, call: CallState, now_ns: int) -> None:
+        """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its
+        client's seen (spans come in any order): it went with the session, which nothing can deliver it from (a
+        caller that gave up since was failed by that)."""
+        if not call.terminal and not self.ledger.deleted(call.scope):
+            self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
+                "status": 404, "owed_since": (call.owed_since or 0) / 1e9})
+            self.ledger.given_up(call)
+        self._check_clean_end(call, now_ns)  # held back for this judgement (its caller told: no silent loss then)
 
     def _check_reissue(self, call: CallState, now_ns: int) -> None:
         """Only a call span of the same client process with the same tool and arguments fingerprint is
