@@ -500,6 +500,16 @@ def _bearer(*audience: str, sub: str = "alice") -> list[tuple[bytes, bytes]]:
     return [(b"authorization", f"Bearer {token}".encode())]
 
 
+def _server_asks(store: GuardedEventStore, stream_id: str, server_request_id: int) -> None:
+    """The server sends the client a request (an elicitation) on ``stream_id``, as the SDK's router stores it."""
+    token = guard_request.set(GuardRequest("s1", BROAD))
+    try:
+        run(store.store_event(stream_id, JSONRPCRequest(jsonrpc="2.0", id=server_request_id,
+                                                        method="elicitation/create", params={})))
+    finally:
+        guard_request.reset(token)
+
+
 def _cancel(request_id: int) -> bytes:
     return json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled",
                        "params": {"requestId": request_id}}).encode()
@@ -517,11 +527,7 @@ def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may
     broad, narrow, mallory = _bearer(SEARCH, FETCH), _bearer(SEARCH), _bearer(SEARCH, FETCH, sub="mallory")
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
     assert _guarded_post(store, _tools_call(6, "search"), headers=narrow)[0] == 200
-    token = guard_request.set(GuardRequest("s1", BROAD))
-    try:  # the server asks the client on fetch's stream
-        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
-    finally:
-        guard_request.reset(token)
+    _server_asks(store, "5", 0)  # the server asks the client on fetch's stream
     for act in (_cancel(5), _answer(0), b"[" + _cancel(6) + b"," + _cancel(5) + b"]"):
         for stranger in (narrow, mallory):
             status, answer, reached = _guarded_post(store, act, headers=stranger)
@@ -547,11 +553,7 @@ def test_a_cancel_or_an_answer_is_read_as_the_sdk_reads_it_whatever_it_is_dresse
     run(store.open_session("s1"))
     broad, narrow = _bearer(SEARCH, FETCH), _bearer(SEARCH)
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
-    token = guard_request.set(GuardRequest("s1", BROAD))
-    try:
-        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
-    finally:
-        guard_request.reset(token)
+    _server_asks(store, "5", 0)
     for bad_id in (None, True, 1.5, {}):
         dressed = {**json.loads(_cancel(5)), "id": bad_id}
         assert _guarded_post(store, json.dumps(dressed).encode(), headers=narrow)[::2] == (403, None)
@@ -598,11 +600,7 @@ def test_a_post_the_server_refuses_changes_nothing_the_guard_knows_of_the_sessio
     run(store.open_session("s1"))
     broad = _bearer(SEARCH, FETCH)
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
-    token = guard_request.set(GuardRequest("s1", BROAD))
-    try:
-        run(store.store_event("5", JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})))
-    finally:
-        guard_request.reset(token)
+    _server_asks(store, "5", 0)
     for refused, headers in ((401, []), (404, _bearer(SEARCH, FETCH, sub="mallory"))):
         assert _guarded_post(store, _tools_call(6, "fetch"), headers=headers, status=refused)[0] == refused
         assert _guarded_post(store, _answer(0), headers=broad, status=refused)[0] == refused
