@@ -81,3 +81,15 @@ def test_a_404_on_the_session_ends_what_it_owed_once_its_finding_is_raised():
     detector.tick()
     assert [f.rule for f in detector.findings] == ["session_expired_in_flight"]
     assert detector.ledger.in_flight == 0  # the SDK fails the call: its session is gone
+
+
+def test_a_stuck_call_counts_whatever_else_its_session_does():
+    """Another call's spans on the session are no sign of life of this one."""
+    detector, now = _detector()
+    detector.consume([stream(C, "post", "dropped", pending=("3",), last="6", at=1.0)])
+    for minute in range(1, 20):
+        now[0] += 60 * S
+        detector.consume([stream(C, "post", "dropped", ids=(str(100 + minute),), pending=(str(100 + minute),),
+                                 last=str(100 + minute), at=1.0 + 60 * minute)])
+        detector.tick()
+    assert _stuck(detector) is not None and _stuck(detector) >= 1

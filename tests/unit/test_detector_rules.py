@@ -137,7 +137,7 @@ def test_a_404_after_the_client_deleted_its_session_is_no_expiry_and_the_clean_e
     # the server's view of the incident's end: the SDK client, resuming on after its caller gave up, sends a
     # resume or a notification after its own DELETE; whichever comes first, the loss is the clean end's
     pending = stream(SV, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))
-    deleted = stream(SV, "delete", "clean", ids=(), tool=None)
+    deleted = stream(SV, "delete", "clean", ids=(), tool=None, at=2.0)  # at exit, after the loss
     for stray in (stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None),
                   stream(SV, "post", "http_error", ids=(), status=404, tool=None)):
         detector = run([pending, deleted, stray], after_s=6)
@@ -649,3 +649,21 @@ def test_a_snapshot_whose_reissue_look_up_no_64_bit_time_holds_is_set_aside_not_
         db.commit()
     assert not Snapshots(Detector(), tmp_path / "ledger.db").restore()
     assert list(tmp_path.glob("ledger.db.corrupt-*"))
+
+
+def test_a_404_whose_span_comes_before_the_one_showing_its_call_owed_still_judges_that_call():
+    owed = stream(SV, "post", "dropped", pending=("3",), last="6", at=1.0)
+    expired = stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=2.0)
+    assert rules(run([expired, owed], after_s=6)) == ["session_expired_in_flight"]
+
+
+def test_a_stream_its_client_ended_by_deleting_the_session_is_no_loss_and_what_the_session_owed_is_over():
+    """The client closes its session (a DELETE the server accepted) while a long call runs: the server ends the
+    call's resume cleanly, and nothing it owes can come any more: not lost, not in flight."""
+    resumed = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=3.0)
+    deleted = stream(SV, "delete", "clean", ids=(), tool=None, at=2.5)
+    for spans in ([deleted, resumed], [resumed, deleted]):
+        detector = run(spans, after_s=6)
+        assert (rules(detector), detector.ledger.in_flight) == ([], 0)
+    lost_before = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=1.0)
+    assert rules(run([lost_before, deleted], after_s=6)) == ["clean_end_pending"]  # it was lost before the DELETE

@@ -678,3 +678,5 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     frames[1] = b"event: message\r\nid: unstored-1\r\ndata: {}\r\n\r\n"  # the storage failed to keep it
     unknown, _ = get(_bearer(SEARCH, FETCH))
     assert json.loads(unknown[1][0].data)["error"] == "requirement_unknown"  # unknown whose: refused, not let by
+    empty_cursor, _ = get([*_bearer(SEARCH, FETCH), (b"last-event-id", b"")])  # the SDK: a fresh stream too
+    assert json.loads(empty_cursor[1][0].data)["error"] == "requirement_unknown"

@@ -264,3 +264,41 @@ async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_k
     *replayed, ended = sent
     assert ids_of(replayed) == ids[2:]
     assert (notice(ended)["error"], notice(ended)["cursor"]) == ("store_unavailable", ids[-1])
+
+
+async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_answer_ends_it_at_once():
+    """The client got a lost event live, before it resumed: its tail goes on. The answer lost before the resume
+    will never be stored: the tail says so at once instead of waiting for it."""
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    kept = storage.append
+
+    async def failing(*args: object, **kwargs: object) -> str | None:
+        raise StorageError("down")
+
+    storage.append = failing  # type: ignore[method-assign]
+    await stored(store, "2", progress(7))  # lost, sent live before the client resumes
+    storage.append = kept  # type: ignore[method-assign]
+    later = await stored(store, "2", progress(8))
+    sent: list[EventMessage] = []
+    answer: list[str] = []
+
+    async def answered() -> None:
+        answer.append(await stored(store, "2", result(2)))
+
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[1], BROAD, sent, during=answered)
+    assert ids_of(sent) == [ids[2], later, *answer]  # up to the answer: no error frame
+    storage.append = failing  # type: ignore[method-assign]
+    await stored(store, "3", result(3))  # call 3's answer lost before anyone resumed it
+    storage.append = kept  # type: ignore[method-assign]
+    await store.record_call("s1", "3", "fetch")
+    cursor = await stored(store, "3", None)
+    ended: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, cursor, BROAD, ended)
+            await stored(store, "4", progress(1))  # wakes the tail
+    assert notice(ended[-1])["error"] == "store_unavailable"

@@ -79,7 +79,7 @@ def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_fi
 
 def test_a_session_its_client_deleted_stays_deleted_across_a_restart(tmp_path):
     clock = Clock()
-    before = _fed(clock, [*_incident_so_far(), stream(C, "delete", "clean", ids=(), tool=None)])
+    before = _fed(clock, [*_incident_so_far(), stream(C, "delete", "clean", ids=(), tool=None, at=1000.0)])
     Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
     restarted = Detector(CONFIG, clock=clock)
     Snapshots(restarted, tmp_path / "ledger.db").restore()

@@ -133,10 +133,18 @@ class RuleEngine:
         own_required = e.required if len(e.request_ids) <= 1 else ()
         expired = e.status == 404 and not session.deleted
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
+        session.expired = session.expired or expired
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
             # the client ended the session: its resumes and notifications still on the way get 404 (the SDK
-            # client resumes on after its caller gave up), and a call it was owed keeps its own finding
+            # client resumes on after its caller gave up), a call it was owed keeps its own finding, and nothing
+            # it owes can come any more
             session.deleted = True
+            client, server = session.deleted_at
+            started = at.start_ns
+            session.deleted_at = ((min(client, started) if client else started, server) if at.role == sc.ROLE_CLIENT
+                                  else (client, min(server, started) if server else started))
+            for call in self.ledger.in_session(at.scope):
+                self.ledger.given_up(call)
         calls: dict[str, CallState] = {}
         for rid in e.request_ids:
             calls[rid] = self._call(session, at, rid, now_ns, single_tool, own_required)
@@ -163,6 +171,7 @@ class RuleEngine:
             for call in calls.values():
                 if not call.terminal:  # it moved: the silent-loss clock starts again at its next clean end
                     call.progressed(at.role, at.end_ns, e.cursor)
+                    self.ledger.alive(call, now_ns)
         for rid in e.pending_ids:
             self._owed(calls[rid], e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
@@ -277,7 +286,12 @@ class RuleEngine:
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
             return  # an HTTP error is loud; a stream the client closed was its own decision
         silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
-        self.ledger.owed(call, e.at.end_ns, e.at.role)
+        self.ledger.owed(call, now_ns, e.at.role)
+        session = self.ledger.session(e.at.scope, now_ns)
+        if session.deleted:  # its client ended the session (spans in any order): nothing can deliver it any more
+            self.ledger.given_up(call)
+        elif session.expired:  # its 404 came first (spans in any order): judged as gone with it
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _EXPIRED, call)
         stopped_at = e.last_event_id if e.last_event_id is not None else e.cursor
         if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns, stopped_at):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
@@ -353,6 +367,9 @@ class RuleEngine:
             return
         if self.ledger.waiting(call, _EXPIRED):  # its session went first: that judges it (``_check_expired``)
             return
+        clean_seen = call.clean_seen
+        if clean_seen is not None and self.ledger.ended_by_delete(call.scope, clean_seen[0], call.clean_since):
+            return  # the stream ended because its client deleted the session: the client's own doing
         if call.era == sc.ERA_STATELESS and call.broken_since is not None:
             return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
         due = self._clean_end_due(call)

@@ -213,8 +213,9 @@ class GuardedEventStore(EventStore):
         # what the requests of session POSTs the SDK has not taken yet require: recorded once it takes them
         # (``_flush``), or once it stores an event of their stream, whichever comes first (``store_event``)
         self._unrecorded: dict[tuple[str, str], Requirement] = {}
-        # streams an event of which the storage did not keep (the newest _MAX_UNKEPT): their live tails end
-        self._unkept: dict[tuple[str, str], None] = {}
+        # streams an event of which the storage did not keep (the newest _MAX_UNKEPT): how many, and whether their
+        # answer was one; a live tail of such a stream ends rather than wait for what will never be stored
+        self._unkept: dict[tuple[str, str], tuple[int, bool]] = {}
 
     # --- which call requires what ---
 
@@ -251,13 +252,14 @@ class GuardedEventStore(EventStore):
                            stream_id)
             event_id = None
         if event_id is None:
+            event_id = f"unstored-{next(self._unstored)}"
             if request is not None and request.session_id is not None:  # a live tail of it would wait on it forever
-                self._unkept[(request.session_id, stream_id)] = None
+                losses, answer_lost = self._unkept.pop((request.session_id, stream_id), (0, False))
+                self._unkept[(request.session_id, stream_id)] = (losses + 1, answer_lost or _terminal(message))
                 if len(self._unkept) > _MAX_UNKEPT:
                     del self._unkept[next(iter(self._unkept))]
-            return f"unstored-{next(self._unstored)}"
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
-            self._in_flight.stored_alone(request.session_id, event_id)
+            self._in_flight.stored_alone(request.session_id, event_id)  # the SDK sends it live, stored or not
         return event_id
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
@@ -432,7 +434,8 @@ class GuardedEventStore(EventStore):
             token = _current.set(request)
             app_receive = receive
             asked = _NOTHING_ASKED
-            get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None, not cursors)
+            # fresh: what the SDK takes for a new standalone stream (no Last-Event-ID, or an empty first one)
+            get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None, not cursors or not cursors[0])
                    if scope.get("method") == "GET" and request.session_id is not None else None)
             posted: list[str] = []  # the POST's request ids this process holds in flight, in its session
             # whether the exchange answers them itself: no response, an error status, or JSON (else an SSE stream,
@@ -671,13 +674,12 @@ class GuardedEventStore(EventStore):
         its owner gone (``elsewhere``: another process's), events evicted under it or the storage failing end it
         with an error frame whose cursor is the last event sent, never silently; the client leaving cancels it."""
         after = delivered
+        lost_before = self._unkept.get((session_id, stream_id), (0, False))[0]  # before its cursor: sent live
         while True:
             try:
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
                 stop = await self._tail_stop(storage, session_id, after, events, elsewhere)
             except StorageError:
-                stop = STORE_UNAVAILABLE
-            if stop is None and (session_id, stream_id) in self._unkept:  # never in the storage: never coming
                 stop = STORE_UNAVAILABLE
             if stop is not None:
                 await send(_refusal(_plain(stop, delivered)))
@@ -696,6 +698,10 @@ class GuardedEventStore(EventStore):
                 delivered = event.event_id
                 if event.stream_id == stream_id and _terminal(event.message):
                     return
+            lost, answer_lost = self._unkept.get((session_id, stream_id), (0, False))
+            if answer_lost or lost > lost_before:  # never in the storage, so never coming: said, not waited on
+                await send(_refusal(_plain(STORE_UNAVAILABLE, delivered)))
+                return
 
     @staticmethod
     async def _tail_stop(storage: TailableEventStorage, session_id: str, after: str, events: list[StoredEvent],
