@@ -93,3 +93,14 @@ def test_a_stuck_call_counts_whatever_else_its_session_does():
                                  last=str(100 + minute), at=1.0 + 60 * minute)])
         detector.tick()
     assert _stuck(detector) is not None and _stuck(detector) >= 1
+
+
+def test_resumes_that_drop_without_moving_the_call_on_are_no_sign_of_life():
+    """A proxy that cuts every resume of a hung tool: each shows the call owed again, none moves it on."""
+    detector, now = _detector()
+    detector.consume([stream(C, "post", "dropped", pending=("3",), last="6", at=1.0)])
+    for minute in range(1, 20):
+        now[0] += 60 * S
+        detector.consume([stream(C, "resume", "dropped", cursor="6", pending=("3",), at=1.0 + 60 * minute)])
+        detector.tick()
+    assert _stuck(detector) == 1

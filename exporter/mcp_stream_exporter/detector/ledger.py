@@ -57,8 +57,8 @@ class CallState:
     tool: str | None = None
     era: str = "resumable"
     required: tuple[str, ...] = ()
-    # a stream ended with the call pending: when the detector last saw it so, or moving on (its clock): how long
-    # a call in flight has shown no sign of life (``count_stuck``)
+    # a stream ended with the call pending: when the detector first saw it so, or last saw it moving on (its
+    # clock): how long a call in flight has shown no sign of life (``count_stuck``)
     owed_since: int | None = None
     clean_since: int | None = None  # ... and that stream ended cleanly (its side's clock): the silent-loss clock
     # whose clock clean_since is (that side's later progress stops it), when the detector learned of it (the grace
@@ -168,9 +168,6 @@ class SessionState:
     cursors: tuple[str | tuple[str, ...], ...] = ()
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
     deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
-    # when that DELETE started, by each side's clock (client, server; 0: not seen): a stream of it that ended
-    # cleanly after was ended by it, no silent loss
-    deleted_at: tuple[int, int] = (0, 0)
     expired: bool = False  # a request on it got 404 while it was not deleted: what it owes goes with it
 
     def get(self, request_id: str) -> CallState | None:
@@ -272,9 +269,10 @@ class Ledger:
         """A stream ended with the call pending: it is in flight until delivered or given up."""
         if role not in call.roles:
             call.roles = _with_role(call.roles, role)
-        was = call.in_flight
-        call.owed_since = now_ns
-        self._in_flight += call.in_flight - was
+        if call.owed_since is None:  # owed again, not moving (a resume that drops at once): no sign of life
+            was = call.in_flight
+            call.owed_since = now_ns
+            self._in_flight += call.in_flight - was
 
     def alive(self, call: CallState, now_ns: int) -> None:
         """A span showed the call moving on: not stuck, for a while."""
@@ -296,13 +294,6 @@ class Ledger:
         """Whether the session's client deleted it (a DELETE the server accepted)."""
         session = self._sessions.get(scope)
         return session is not None and session.deleted
-
-    def ended_by_delete(self, scope: str, role: str, end_ns: int) -> bool:
-        """Whether a stream of the session that ``role`` saw end at ``end_ns`` ended after its client's DELETE
-        started (that side's clock): the DELETE ended it."""
-        session = self._sessions.get(scope)
-        started = session.deleted_at[0 if role == "client" else 1] if session is not None else 0
-        return 0 < started <= end_ns
 
     def in_session(self, scope: str) -> list[CallState]:
         session = self._sessions.get(scope)
@@ -473,8 +464,8 @@ class Ledger:
                 yield what, call
 
     def count_stuck(self, now_ns: int, after_ns: int) -> None:
-        """``stuck``: the calls in flight that no span has shown owed or moving on for ``after_ns`` (a resume
-        moving a call on says so at least every minute: docs/span-model.md). By the detector's clock: no
+        """``stuck``: the calls in flight that no span has shown moving on for ``after_ns`` since they were owed
+        (a resume moving a call on says so at least every minute: docs/span-model.md). By the detector's clock: no
         producer's clock is compared. A walk of every call, every few seconds (``RuleEngine.tick``)."""
         horizon = now_ns - after_ns
         stuck = 0
@@ -572,14 +563,12 @@ class Ledger:
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
                 "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)],
-                "deleted": s.deleted, "deleted_at": list(s.deleted_at), "expired": s.expired}
+                "deleted": s.deleted, "expired": s.expired}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
-        client, server = s.get("deleted_at", (0, 0))
-        session = self._sessions[s["scope"]] = SessionState(
-            s["scope"], s["last_ns"], deleted=s.get("deleted", False), deleted_at=(client, server),
-            expired=s.get("expired", False))
+        session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"], deleted=s.get("deleted", False),
+                                                            expired=s.get("expired", False))
         self._bytes += _SESSION_BYTES + _size(session.scope)
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v

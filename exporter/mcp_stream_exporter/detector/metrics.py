@@ -395,9 +395,9 @@ class LedgerCollector(Collector):
                                 "and still owed one: not once their caller gave up or was told they failed, or "
                                 "nothing can deliver them (deviating calls only; healthy calls are never tracked).",
                                 value=ledger.in_flight)
-        yield GaugeMetricFamily("mcp_stream_calls_stuck", "Calls in flight that no span of ours has shown owed or "
-                                "moving on for 15 minutes: owed a result that neither came nor was declared lost. "
-                                "Counted every 10 seconds.", value=ledger.stuck)
+        yield GaugeMetricFamily("mcp_stream_calls_stuck", "Calls in flight that no span of ours has shown moving "
+                                "on for 15 minutes since they were owed: owed a result that neither came nor was "
+                                "declared lost. Counted every 10 seconds.", value=ledger.stuck)
         yield GaugeMetricFamily("mcp_stream_detector_ledger_sessions", "Sessions (or traces, 2026-07-28) the "
                                 "ledger holds.", value=ledger.sessions)
         yield GaugeMetricFamily("mcp_stream_detector_ledger_calls", "Calls the ledger holds.", value=ledger.calls)

@@ -139,10 +139,6 @@ class RuleEngine:
             # client resumes on after its caller gave up), a call it was owed keeps its own finding, and nothing
             # it owes can come any more
             session.deleted = True
-            client, server = session.deleted_at
-            started = at.start_ns
-            session.deleted_at = ((min(client, started) if client else started, server) if at.role == sc.ROLE_CLIENT
-                                  else (client, min(server, started) if server else started))
             for call in self.ledger.in_session(at.scope):
                 self.ledger.given_up(call)
         calls: dict[str, CallState] = {}
@@ -367,9 +363,6 @@ class RuleEngine:
             return
         if self.ledger.waiting(call, _EXPIRED):  # its session went first: that judges it (``_check_expired``)
             return
-        clean_seen = call.clean_seen
-        if clean_seen is not None and self.ledger.ended_by_delete(call.scope, clean_seen[0], call.clean_since):
-            return  # the stream ended because its client deleted the session: the client's own doing
         if call.era == sc.ERA_STATELESS and call.broken_since is not None:
             return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
         due = self._clean_end_due(call)
@@ -409,7 +402,7 @@ class RuleEngine:
         caller that gave up since was failed by that)."""
         if not call.terminal and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
-                "status": 404, "owed_since": (call.owed_since or 0) / 1e9})
+                "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
             self.ledger.given_up(call)
         self._check_clean_end(call, now_ns)  # held back for this judgement (its caller told: no silent loss then)
 
