@@ -48,6 +48,21 @@ async def stored(store: GuardedEventStore, stream_id: str, message: JSONRPCNotif
         guard_request.reset(token)
 
 
+async def lost(store: GuardedEventStore, stream_id: str, message: JSONRPCNotification | JSONRPCResponse) -> str:
+    """An event the storage fails to keep (Redis down a moment): the id the guard hands the SDK instead."""
+    storage = store.storage
+    kept = storage.append
+
+    async def failing(*args: object, **kwargs: object) -> str | None:
+        raise StorageError("down")
+
+    storage.append = failing  # type: ignore[method-assign]
+    try:
+        return await stored(store, stream_id, message)
+    finally:
+        storage.append = kept  # type: ignore[method-assign]
+
+
 async def a_call(store: GuardedEventStore, request_id: int, tool: str) -> list[str]:
     """A call whose POST is gone (the client's connection dropped): its priming event and two progress events."""
     await store.record_call("s1", str(request_id), tool)
@@ -248,18 +263,11 @@ async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_k
     ids = await a_call(store, 2, "fetch")
     waits = Waits(storage)
     sent: list[EventMessage] = []
-    kept = storage.append
-
-    async def failing(*args: object, **kwargs: object) -> str | None:
-        raise StorageError("down")
-
     with anyio.fail_after(BOUND_S):
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(resume, store, ids[1], BROAD, sent)
             await waits.parked(1)
-            storage.append = failing  # type: ignore[method-assign]
-            assert (await stored(store, "2", result(2))).startswith("unstored-")
-            storage.append = kept  # type: ignore[method-assign]
+            assert (await lost(store, "2", result(2))).startswith("unstored-")
             await stored(store, "3", progress(1))  # another stream's event wakes the tail
     *replayed, ended = sent
     assert ids_of(replayed) == ids[2:]
@@ -273,14 +281,7 @@ async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_a
     store = GuardedEventStore(POLICY, storage=storage)
     await store.open_session("s1")
     ids = await a_call(store, 2, "fetch")
-    kept = storage.append
-
-    async def failing(*args: object, **kwargs: object) -> str | None:
-        raise StorageError("down")
-
-    storage.append = failing  # type: ignore[method-assign]
-    await stored(store, "2", progress(7))  # lost, sent live before the client resumes
-    storage.append = kept  # type: ignore[method-assign]
+    await lost(store, "2", progress(7))  # sent live before the client resumes
     later = await stored(store, "2", progress(8))
     sent: list[EventMessage] = []
     answer: list[str] = []
@@ -291,9 +292,7 @@ async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_a
     with anyio.fail_after(BOUND_S):
         await resume(store, ids[1], BROAD, sent, during=answered)
     assert ids_of(sent) == [ids[2], later, *answer]  # up to the answer: no error frame
-    storage.append = failing  # type: ignore[method-assign]
-    await stored(store, "3", result(3))  # call 3's answer lost before anyone resumed it
-    storage.append = kept  # type: ignore[method-assign]
+    await lost(store, "3", result(3))  # call 3's answer, before anyone resumed it
     await store.record_call("s1", "3", "fetch")
     cursor = await stored(store, "3", None)
     ended: list[EventMessage] = []

@@ -95,14 +95,14 @@ class RuleConfig:
     reissue_grace_s: float = 30.0
     resume_loop_count: int = 5
     resume_loop_window_s: float = 60.0
-    stuck_after_s: float = 900.0  # a call in flight whose session shows no sign of life this long is stuck
+    stuck_after_s: float = 900.0  # a call in flight that has not moved on this long since it was owed is stuck
 
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 # a call span that ended so shows the call over, though not delivered: the SDK failed it to its caller, or it has
 # no stream left to come on (no_terminal); the server accepted its client's cancel (cancelled)
 _OVER_OUTCOMES = frozenset({sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_CANCELLED})
-_STUCK_EVERY_NS = 10 * 1_000_000_000  # how often the stuck calls are counted: a walk of the idle sessions
+_STUCK_EVERY_NS = 10 * 1_000_000_000  # how often the stuck calls are counted: a walk of every call
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
 _STORED = "stored"
@@ -169,7 +169,7 @@ class RuleEngine:
                     call.progressed(at.role, at.end_ns, e.cursor)
                     self.ledger.alive(call, now_ns)
         for rid in e.pending_ids:
-            self._owed(calls[rid], e, now_ns)
+            self._owed(calls[rid], session, e, now_ns)
         if e.kind == sc.STREAM_KIND_RESUME:
             if session.resumes is None:
                 session.resumes = {}
@@ -278,12 +278,11 @@ class RuleEngine:
             self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
-    def _owed(self, call: CallState, e: StreamEnd, now_ns: int) -> None:
+    def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int) -> None:
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
             return  # an HTTP error is loud; a stream the client closed was its own decision
         silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
         self.ledger.owed(call, now_ns, e.at.role)
-        session = self.ledger.session(e.at.scope, now_ns)
         if session.deleted:  # its client ended the session (spans in any order): nothing can deliver it any more
             self.ledger.given_up(call)
         elif session.expired:  # its 404 came first (spans in any order): judged as gone with it
