@@ -67,6 +67,8 @@ END_CLEAN: Final = "clean"  # the server ended the response body
 END_DROPPED: Final = "dropped"  # the connection broke before the server ended it
 END_CLOSED: Final = "closed"  # the client closed the response before the server ended it
 END_HTTP_ERROR: Final = "http_error"  # status >= 400, no stream
+# the session was deleted (a DELETE its side saw accepted) while the stream was open: it ended with the session
+END_TERMINATED: Final = "terminated"
 # a resume still open, told as it first moves a pending call on: a span of its own, ended at once (the resume's
 # span ends when it does, maybe long after: a tool that polls)
 END_OPEN: Final = "open"

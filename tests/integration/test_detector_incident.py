@@ -272,3 +272,26 @@ async def test_an_opaque_token_on_a_resume_that_delivered_the_result_is_no_narro
     assert resume.attributes[sc.AUTH_VERIFICATION] == sc.VERIFICATION_OPAQUE
     assert sc.AUTH_AUDIENCE not in resume.attributes  # unknown, not empty
     assert sc.AUTH_MISSING_RESOURCES not in resume.attributes
+
+
+@pytest.mark.parametrize("tool", ["fetch", "poll"])  # its POST still open; closed, the client polling on a resume
+async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing_and_leaves_nothing_in_flight(tool):
+    """The SDK closes a session's streams as it accepts its DELETE, before it answers it: the streams of a call
+    the client leaves behind as it exits end ``terminated`` on the server, not clean with the call pending."""
+    arguments = {"url": "u", "steps": 10_000} if tool == "fetch" else {"steps": 10_000}
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            running = asyncio.create_task(lab.call(tool, arguments, timeout=60))
+            for _ in range(200):  # bounded: 10 s
+                if len(lab.progress) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(lab.progress) >= 3, "the call must be running when its client leaves"
+        running.cancel()
+        with pytest.raises(BaseException):  # noqa: B017, PT011: cancelled, or failed by its client's exit
+            await running
+        assert after_grace(found, clock) == []
+    assert found.ledger.in_flight == 0
+    ended = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__end__reason=sc.END_TERMINATED)
+    carried = [sp for sp in ended if sp.attributes.get(sc.STREAM_REQUEST_IDS)]  # not the standalone GET
+    assert carried and all(sp.attributes.get(sc.PENDING_REQUEST_IDS) for sp in carried)

@@ -665,3 +665,15 @@ def test_what_a_session_owed_is_over_once_its_client_deleted_it_and_a_clean_end_
     for spans in ([deleted, resumed], [resumed, deleted]):
         detector = run(spans, after_s=6)
         assert (rules(detector), detector.ledger.in_flight) == (["clean_end_pending"], 0)
+
+
+def test_a_stream_ended_with_its_session_leaves_its_calls_over_and_pages_nothing_in_any_order():
+    """``terminated``: the hooks saw the session's DELETE accepted while the stream was open (the SDK closes a
+    session's streams as it accepts its DELETE): a call its client left as it exited is no loss."""
+    deleted = stream(SV, "delete", "clean", ids=(), tool=None, at=2.5)
+    running = stream(SV, "post", sc.END_TERMINATED, pending=("3",), last="6", at=2.5)  # a long call, its POST open
+    polled = stream(SV, "post", "clean", pending=("3",), last="6", at=1.0)  # a tool that polls: its resume moved on
+    moving = stream(SV, "resume", sc.END_TERMINATED, pending=("3",), cursor="6", last="8", at=2.5)
+    for spans in ([running], [running, deleted], [deleted, running], [polled, moving], [moving, deleted, polled]):
+        detector = run(spans, after_s=6)
+        assert (rules(detector), detector.ledger.in_flight) == ([], 0)

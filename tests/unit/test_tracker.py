@@ -97,6 +97,77 @@ def test_a_resume_that_moves_its_call_on_says_so_at_once_in_a_span_ended_there_b
         sc.END_CLEAN, sc.END_OPEN, sc.END_OPEN, sc.END_CLEAN]
 
 
+def _resumed(tracker, session="s", rid=1):
+    """A call of ``session`` whose POST ended clean with it pending, and the resume that carries it now."""
+    call = tracker.start_call(session, _request(rid), "2025-11-25", ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, session, [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id=f"e{rid}"), [])
+    tracker.end_stream(post, sc.END_CLEAN, 200)
+    return tracker.open_stream(sc.STREAM_KIND_RESUME, session, tracker.calls_of_cursor(session, f"e{rid}"), {},
+                               ABSENT, 200)
+
+
+def _resume_end(exporter):
+    (span,) = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes[sc.STREAM_KIND] == sc.STREAM_KIND_RESUME]
+    return span
+
+
+@pytest.mark.parametrize("status", [200, 204])
+def test_a_stream_that_ends_clean_while_its_sessions_delete_is_accepted_ended_with_the_session(status):
+    """The SDK closes a session's streams as it accepts its DELETE, before it answers it: a call its client
+    leaves behind as it exits is no silent loss. The span waits for the answer, and keeps when the stream ended."""
+    tracker, exporter = _tracker()
+    resume = _resumed(tracker)
+    tracker.deleting("s")
+    before = time.time_ns()
+    tracker.end_stream(resume, sc.END_CLEAN, 200)
+    assert _by(exporter, sc.SPAN_STREAM)[1:] == []  # the POST's only: the resume's waits for the DELETE's answer
+    tracker.deleted("s", status)
+    span = _resume_end(exporter)
+    assert span.attributes[sc.END_REASON] == sc.END_TERMINATED
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    assert before <= span.end_time <= time.time_ns()
+    later = _resumed(tracker, rid=2)  # one that ends after the answer ended with the session too
+    tracker.end_stream(later, sc.END_CLEAN, 200)
+    assert _by(exporter, sc.SPAN_STREAM)[-1].attributes[sc.END_REASON] == sc.END_TERMINATED
+
+
+@pytest.mark.parametrize("status", [403, 404, None])
+def test_a_clean_end_during_a_refused_or_unanswered_delete_is_still_a_clean_end_with_its_call_pending(status):
+    tracker, exporter = _tracker()
+    resume = _resumed(tracker)
+    tracker.deleting("s")
+    tracker.deleting("s")  # two at once: the stream waits for both
+    tracker.end_stream(resume, sc.END_CLEAN, 200)
+    tracker.deleted("s", status)
+    assert _by(exporter, sc.SPAN_STREAM)[1:] == []
+    tracker.deleted("s", 401)
+    span = _resume_end(exporter)
+    assert span.attributes[sc.END_REASON] == sc.END_CLEAN
+    assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
+    again = _resumed(tracker, rid=2)
+    tracker.end_stream(again, sc.END_CLEAN, 200)
+    assert _by(exporter, sc.SPAN_STREAM)[-1].attributes[sc.END_REASON] == sc.END_CLEAN
+
+
+def test_a_clean_end_before_the_delete_or_in_another_session_is_a_clean_end_and_shutdown_ends_what_waits():
+    """A loss the client walks away from (its resume ended clean, then it deletes the session) stays a loss."""
+    tracker, exporter = _tracker()
+    lost = _resumed(tracker)
+    tracker.end_stream(lost, sc.END_CLEAN, 200)
+    other = _resumed(tracker, session="t", rid=2)
+    waiting = _resumed(tracker, session="u", rid=3)
+    tracker.deleting("s")
+    tracker.deleting("u")
+    tracker.end_stream(other, sc.END_CLEAN, 200)
+    tracker.end_stream(waiting, sc.END_CLEAN, 200)
+    tracker.deleted("s", 200)
+    tracker.shutdown()
+    resumes = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes[sc.STREAM_KIND] == sc.STREAM_KIND_RESUME]
+    assert [(s.attributes[sc.PENDING_REQUEST_IDS], s.attributes[sc.END_REASON]) for s in resumes] == [
+        (("1",), sc.END_CLEAN), (("2",), sc.END_CLEAN), (("3",), sc.END_CLEAN)]
+
+
 def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
     tracker, exporter = _tracker()
     call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)

@@ -53,7 +53,7 @@ INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "
 SPAN_REJECTIONS = ("span_model",)
 RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
 STREAM_KINDS = (sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE)
-END_REASONS = (sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR)
+END_REASONS = (sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR, sc.END_TERMINATED)
 ERROR_PLACES = ("ingest", "snapshot")
 # a tool name as MCP defines it (1-128 of these characters); a dynamic tool label is shorter still
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,64}", re.ASCII)
@@ -246,7 +246,7 @@ def _resume_outcome(e: StreamEnd) -> str:
         return "delivered"
     if e.reason == sc.END_DROPPED:
         return "dropped"
-    if e.reason == sc.END_CLOSED:
+    if e.reason in (sc.END_CLOSED, sc.END_TERMINATED):  # the client closed it, or deleted its session
         return "closed"
     return "progressed" if e.last_event_id is not None and e.last_event_id != e.cursor else "empty"
 
@@ -276,7 +276,8 @@ class DetectorMetrics:
             ["role", "tool"], registry=registry)
         self.stream_ends = Counter(
             "mcp_stream_stream_ends", "MCP streams that told something about a call's fate, by role, kind "
-            "(post, get, resume, delete) and end reason (clean, dropped, closed, http_error). Healthy calls "
+            "(post, get, resume, delete) and end reason (clean, dropped, closed, http_error, terminated: its session's "
+            "DELETE ended it). Healthy calls "
             "answered on their own POST are not counted here.", ["role", "kind", "reason"], registry=registry)
         self.operations = Operations(tools)
         registry.register(self.operations)

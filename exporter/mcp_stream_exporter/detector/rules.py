@@ -279,6 +279,9 @@ class RuleEngine:
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
     def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int) -> None:
+        if e.reason == sc.END_TERMINATED:  # its client deleted the session: nothing can deliver it any more
+            self.ledger.given_up(call)
+            return
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
             return  # an HTTP error is loud; a stream the client closed was its own decision
         silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer

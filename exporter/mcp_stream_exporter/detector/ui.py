@@ -108,7 +108,7 @@ _STEPS = {"post": "POST (the call)", "get": "GET stream", "resume": "Resume", "d
           "replay": "Replay (server)", "call": "Call ends", "timeout": "Caller's timeout",
           "error": "Caller's error"}
 _ENDS = {sc.END_CLEAN: "ended cleanly", sc.END_DROPPED: "connection dropped", sc.END_CLOSED: "closed by the client",
-         sc.END_OPEN: "still open, moving the call on"}
+         sc.END_OPEN: "still open, moving the call on", sc.END_TERMINATED: "ended with its session (DELETE)"}
 _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool error delivered",
              sc.OUTCOME_ERROR: "JSON-RPC error delivered", sc.OUTCOME_CANCELLED: "given up (cancelled or timed out)",
              sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending",

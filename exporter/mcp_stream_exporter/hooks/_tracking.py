@@ -56,6 +56,7 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
+_MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that ends clean ended with them
 # Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
 # of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
 # new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
@@ -636,6 +637,8 @@ class Tracker:
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
+        self._deletions: dict[str, _Deletion] = {}  # DELETEs of a session in progress (``deleting``)
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
 
     # --- calls ---
 
@@ -1059,7 +1062,20 @@ class Tracker:
         if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400
                 and (terminal_ids == stream.request_ids or set(terminal_ids).issubset(stream.request_ids))):
             return
+        if reason == sc.END_CLEAN and stream.kind != sc.STREAM_KIND_DELETE and stream.session_id is not None:
+            # the SDK closes a session's streams as it accepts its DELETE, before it answers: a stream ending then
+            # ended with the session, not with its calls' answers (its client's own decision, no loss)
+            if stream.session_id in self._deleted:
+                reason = sc.END_TERMINATED
+            elif (deletion := self._deletions.get(stream.session_id)) is not None:
+                deletion.ended.append((stream, status, time.time_ns()))  # ended once the DELETE is answered
+                return
+        self._close(stream, reason, status)
+
+    def _close(self, stream: Stream, reason: str, status: int | None, end_time: int | None = None) -> None:
+        """The span of an ended stream that is not the healthy path, and what its end means for its calls."""
         pending = stream.pending()
+        terminal_ids = stream.terminal_ids
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,
                                             sc.NETWORK_TRANSPORT: _TRANSPORT}
@@ -1080,7 +1096,7 @@ class Tracker:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
             attrs.update(_owed(stream, pending))
         span.set_attributes(attrs)
-        span.end()
+        span.end(end_time)
         # no resumption in this era, nor, on the client, after a POST that brought no event id (no cursor to resume
         # from: the SDK fails the call to its caller): nothing else can deliver it. A client that closed the stream
         # itself cancelled the call (the 2026-07-28 era's cancel: no notifications/cancelled is sent), as at a timeout
@@ -1090,6 +1106,36 @@ class Tracker:
         for call in pending:
             if call.stateless or no_cursor:
                 self._finish(call, outcome)
+
+    def deleting(self, session_id: str) -> None:
+        """A DELETE of the session is sent (client) or received (server); ``deleted`` once its answer is known."""
+        deletion = self._deletions.get(session_id)
+        if deletion is None:
+            deletion = self._deletions[session_id] = _Deletion()
+        deletion.requests += 1
+
+    def deleted(self, session_id: str, status: int | None) -> None:
+        """The answer to a DELETE of the session (``deleting``): its status, None if there was none. Accepted, the
+        streams that ended clean meanwhile ended with the session (the DELETEs still in progress change nothing
+        more); once every DELETE is refused, with their own."""
+        deletion = self._deletions.get(session_id)
+        if deletion is None:
+            return
+        deletion.requests -= 1
+        accepted = status is not None and status < 400
+        if accepted:
+            self._deleted[session_id] = None
+            self._deleted.move_to_end(session_id)
+            if len(self._deleted) > _MAX_DELETED:
+                self._deleted.popitem(last=False)
+        elif deletion.requests > 0:
+            return
+        self._ended_with(session_id, accepted)
+
+    def _ended_with(self, session_id: str, deleted: bool) -> None:
+        """Close the streams that ended clean while the session's DELETEs were in progress."""
+        for stream, status, end_time in self._deletions.pop(session_id).ended:
+            self._close(stream, sc.END_TERMINATED if deleted else sc.END_CLEAN, status, end_time)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
         self._event_index[(session_id, _indexed(event_id))] = request_ids
@@ -1102,8 +1148,20 @@ class Tracker:
         for bodies in list(self._unread.values()):
             for body in list(bodies):
                 body.read_unread()
+        for session_id in list(self._deletions):  # DELETEs never answered: their streams ended their own way
+            self._ended_with(session_id, False)
         for call in list(self._calls.values()):
             self._evict(call)
+
+
+class _Deletion:
+    """The DELETEs of a session in progress, and the streams of it that ended clean meanwhile."""
+
+    __slots__ = ("ended", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.ended: list[tuple[Stream, int | None, int]] = []  # a stream, its status, when it ended
 
 
 def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:
