@@ -288,8 +288,8 @@ async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing
                 await asyncio.sleep(0.05)
             assert len(lab.progress) >= 3, "the call must be running when its client leaves"
         running.cancel()
-        with pytest.raises(BaseException):  # noqa: B017, PT011: cancelled, or failed by its client's exit
-            await running
+        (left,) = await asyncio.gather(running, return_exceptions=True)
+        assert isinstance(left, BaseException)  # cancelled, or failed by its client's exit
         assert after_grace(found, clock) == []
     assert found.ledger.in_flight == 0
     ended = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__end__reason=sc.END_TERMINATED)

@@ -67,17 +67,17 @@ def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_c
     rewrites that frame into `event: error` on the wire. Pins the transport's rendering."""
     from mcp.server.streamable_http import EventMessage, StreamableHTTPServerTransport
 
-    from mcp_stream_exporter.guard.store import REFUSAL_METHOD, _refusal, _rewrite_refusal
+    from mcp_stream_exporter.guard.error_frame import REFUSAL_METHOD, refusal_notice, rewrite_refusal
     from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 
-    notice = _refusal({"error": "insufficient_audience", "cursor": "6"})
+    notice = refusal_notice({"error": "insufficient_audience", "cursor": "6"})
     assert isinstance(notice, EventMessage)
     transport = StreamableHTTPServerTransport.__new__(StreamableHTTPServerTransport)
     data = StreamableHTTPServerTransport._create_event_data(transport, notice)
     assert data == {"event": "message", "data": data["data"]}  # no "id": the client's cursor stays
     assert REFUSAL_METHOD in data["data"]
     wire = render(SSEFrame(data["data"], event=data["event"]))
-    (frame,) = SSEParser().feed(_rewrite_refusal(wire))
+    (frame,) = SSEParser().feed(rewrite_refusal(wire))
     assert (frame.event, frame.id) == ("error", None)
 
 

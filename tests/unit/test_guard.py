@@ -16,9 +16,9 @@ from mcp_stream_exporter.guard import (
     GuardedEventStore,
     InMemoryEventStorage,
 )
+from mcp_stream_exporter.guard.error_frame import rewrite_refusal
 from mcp_stream_exporter.guard.store import _current as guard_request
 from mcp_stream_exporter.guard.store import _Request as GuardRequest
-from mcp_stream_exporter.guard.store import _rewrite_refusal
 from mcp_stream_exporter.sse import SSEParser
 
 SEARCH = "https://mcp.example.com/tools/search"
@@ -202,12 +202,12 @@ def test_storage_bounds_count_evictions_and_expire_idle_sessions():
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
     notice = JSONRPCNotification(jsonrpc="2.0", method=REFUSAL_METHOD, params={"error": "x", "cursor": "7"})
     chunk = f"event: message\r\ndata: {notice.model_dump_json(by_alias=True, exclude_unset=True)}\r\n\r\n".encode()
-    (frame,) = SSEParser().feed(_rewrite_refusal(chunk))
+    (frame,) = SSEParser().feed(rewrite_refusal(chunk))
     assert frame.event == "error"
     assert frame.id is None
     assert json.loads(frame.data) == {"error": "x", "cursor": "7"}
     other = b"id: 3\r\nevent: message\r\ndata: {}\r\n\r\n"
-    assert _rewrite_refusal(other) == other
+    assert rewrite_refusal(other) == other
 
 
 

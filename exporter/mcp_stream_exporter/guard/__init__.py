@@ -4,6 +4,7 @@ implementation; the call guard, a ``ServerMiddleware`` that refuses a ``tools/ca
 what the tool requires (``calls``); and on the client, refused resumes resolved at once (``refusals``)."""
 
 from mcp_stream_exporter.guard.calls import CallGuard
+from mcp_stream_exporter.guard.error_frame import REFUSAL_METHOD
 from mcp_stream_exporter.guard.refusals import RefusalResolver, resolve_refusals
 from mcp_stream_exporter.guard.storage import (
     EventStorage,
@@ -13,7 +14,7 @@ from mcp_stream_exporter.guard.storage import (
     StoredEvent,
     TailableEventStorage,
 )
-from mcp_stream_exporter.guard.store import REFUSAL_METHOD, GuardedEventStore
+from mcp_stream_exporter.guard.store import GuardedEventStore
 
 __all__ = [
     "REFUSAL_METHOD",

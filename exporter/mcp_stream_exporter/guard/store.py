@@ -44,20 +44,16 @@ import operator
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, Literal
 
 import anyio
-import pydantic_core
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
-from mcp.shared.dispatcher import as_request_id
 from mcp_types import (
     JSONRPCError,
     JSONRPCMessage,
-    JSONRPCNotification,
     JSONRPCRequest,
     JSONRPCResponse,
-    jsonrpc_message_adapter,
 )
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
@@ -75,10 +71,39 @@ from mcp_stream_exporter.exchange import (
     SESSION_ID,
     STANDALONE_STREAM_ID,
     content_of,
-    request_id_of,
     requirement_of,
 )
+from mcp_stream_exporter.guard.error_frame import (
+    AMBIGUOUS_REQUEST,
+    AUDIENCE_UNKNOWN,
+    DETAILS,
+    INSUFFICIENT_AUDIENCE,
+    NO_REQUEST_CONTEXT,
+    PRINCIPAL_MISMATCH,
+    REFUSAL_METHOD,
+    REQUIREMENT_UNKNOWN,
+    SESSION_ENDED,
+    SESSION_OWNER_GONE,
+    STORE_UNAVAILABLE,
+    TOKEN_UNVERIFIED,
+    UNKNOWN_CURSOR,
+    plain,
+    refusal_data,
+    refusal_notice,
+    rewrite_refusal,
+    span_attributes,
+    sse_bytes,
+)
 from mcp_stream_exporter.guard.inflight import InFlight
+from mcp_stream_exporter.guard.posts import (
+    MAX_REQUESTS,
+    NOTHING_ASKED,
+    Asked,
+    as_the_sdk_reads,
+    read_post,
+    refuse_post,
+    replaying,
+)
 from mcp_stream_exporter.guard.storage import (
     EventStorage,
     InMemoryEventStorage,
@@ -89,64 +114,18 @@ from mcp_stream_exporter.guard.storage import (
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import CANCELLED, MAX_PARSED_BODY, WireMessage, request_message
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
 ReplayScope = Literal["stream", "session"]
 Opaque = Literal["refuse", "allow"]
 
-REFUSAL_METHOD: Final = "notifications/mcp_stream/replay_refused"  # the in-process notice asgi() rewrites
-# The ``error`` of a refusal frame: why the replay stopped (docs/guard.md, "The error frame").
-INSUFFICIENT_AUDIENCE: Final = "insufficient_audience"
-UNKNOWN_CURSOR: Final = "unknown_cursor"
-REQUIREMENT_UNKNOWN: Final = "requirement_unknown"
-TOKEN_UNVERIFIED: Final = "token_unverified"  # noqa: S105 (a refusal reason, not a secret)
-AUDIENCE_UNKNOWN: Final = "audience_unknown"
-PRINCIPAL_MISMATCH: Final = "principal_mismatch"
-NO_REQUEST_CONTEXT: Final = "no_request_context"
-AMBIGUOUS_REQUEST: Final = "ambiguous_request"
-STORE_UNAVAILABLE: Final = "store_unavailable"
-SESSION_OWNER_GONE: Final = "session_owner_gone"
-SESSION_ENDED: Final = "session_ended"
-
-_DETAILS: Final = {
-    INSUFFICIENT_AUDIENCE: "the token's aud or scopes do not cover this event's call: re-authorise for "
-                           "required_resources and resume from cursor",
-    REQUIREMENT_UNKNOWN: "the guard has no record of what this event's call requires (never recorded or "
-                         "evicted): re-issue the call",
-    TOKEN_UNVERIFIED: "the token's signature did not verify: only a verified token's audience counts",
-    AUDIENCE_UNKNOWN: "an opaque token's audience cannot be read: present a JWT access token covering "
-                      "required_resources",
-    PRINCIPAL_MISMATCH: "the token's subject is not the one that opened this session",
-    NO_REQUEST_CONTEXT: "the guard's ASGI layer is not in front of this server: no session or token to "
-                        "check a replay against",
-    AMBIGUOUS_REQUEST: "the resume carried more than one Authorization or Mcp-Session-Id header",
-    UNKNOWN_CURSOR: "event id unknown or evicted in this session; re-issue the pending calls",
-    STORE_UNAVAILABLE: "the guard's event storage is unavailable: resume from cursor later, or re-issue",
-    SESSION_OWNER_GONE: "the server process that ran this session is gone and the call did not finish: "
-                        "re-issue it",
-    SESSION_ENDED: "the session was ended (deleted) or expired while the call was pending: start a new session "
-                   "and re-issue it",
-}
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
-_MAX_REQUESTS: Final = 100  # in one POST (a 2025-03-26 batch): more is refused, the guard's work a POST bounded
 _MAX_UNKEPT: Final = 10_000  # streams remembered as having lost an event to the storage (``store_event``)
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
-
-
-class _Asked(NamedTuple):
-    """What a session POST asks of the SDK, as the SDK reads it (``_as_the_sdk_reads``)."""
-
-    requests: tuple[WireMessage, ...] = ()  # every request with an id
-    cancelled: tuple[str, ...] = ()  # the ids its notifications/cancelled name
-    answers: tuple[str, ...] = ()  # the ids of its responses and errors: the server's requests it answers
-    too_many: bool = False  # a batch longer than one POST may carry (``_MAX_REQUESTS``), left unread
-
-
-_NOTHING_ASKED: Final = _Asked()
 
 
 @dataclass(slots=True)
@@ -275,23 +254,23 @@ class GuardedEventStore(EventStore):
         request = _current.get()
         if request is None or request.ambiguous or request.session_id is None:
             refusal = _request_refusal(request, last_event_id)
-            span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, refusal))
-            await send_callback(_refusal(refusal))  # in every mode: there is nothing to check against
+            span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, refusal))
+            await send_callback(refusal_notice(refusal))  # in every mode: there is nothing to check against
             return None
         session_id = request.session_id
         try:
             cursor = await self.storage.get(session_id, last_event_id)
             if cursor is None:  # unknown, evicted, or another session's: never an empty 200
-                span.set_attributes(_span_attributes(self.mode, sc.GUARD_UNKNOWN_CURSOR,
-                                                     _plain(UNKNOWN_CURSOR, last_event_id)))
-                await send_callback(_refusal(_plain(UNKNOWN_CURSOR, last_event_id)))
+                span.set_attributes(span_attributes(self.mode, sc.GUARD_UNKNOWN_CURSOR,
+                                                     plain(UNKNOWN_CURSOR, last_event_id)))
+                await send_callback(refusal_notice(plain(UNKNOWN_CURSOR, last_event_id)))
                 return None
             buffered = await self._buffered(session_id, cursor)
             live = await self.storage.requirement(session_id, cursor.stream_id)
         except StorageError:
             _log.exception("guard storage: replay refused, the storage is unavailable")
-            span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, _plain(STORE_UNAVAILABLE, last_event_id)))
-            await send_callback(_refusal(_plain(STORE_UNAVAILABLE, last_event_id)))
+            span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, plain(STORE_UNAVAILABLE, last_event_id)))
+            await send_callback(refusal_notice(plain(STORE_UNAVAILABLE, last_event_id)))
             return None
         verdict = self._verdict(request.auth, cursor, buffered, live)
         if verdict.refusal is None or self.mode == "observe":
@@ -300,11 +279,11 @@ class GuardedEventStore(EventStore):
             delivered = buffered[-1].event_id if buffered else cursor.event_id
             stop = verdict.refusal or self._taken_over(request, cursor.stream_id, delivered)
             if stop is not None and self.mode == "enforce":
-                span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, stop))
-                await send_callback(_refusal(stop))
+                span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, stop))
+                await send_callback(refusal_notice(stop))
                 return None
             decision = sc.GUARD_ALLOW if stop is None else sc.GUARD_WOULD_REFUSE
-            span.set_attributes(_span_attributes(self.mode, decision, stop))
+            span.set_attributes(span_attributes(self.mode, decision, stop))
             if cursor.stream_id != STANDALONE_STREAM_ID and _answered(cursor, buffered):
                 return None  # its answer is replayed: no live tail to wait on, nor an id to hold for one
             # no await from the check to the live tail being taken (by the SDK, or below): the id stays held
@@ -320,8 +299,8 @@ class GuardedEventStore(EventStore):
             return None
         for event in verdict.deliver:
             await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
-        span.set_attributes(_span_attributes(self.mode, sc.GUARD_REFUSE, verdict.refusal))
-        await send_callback(_refusal(verdict.refusal))
+        span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, verdict.refusal))
+        await send_callback(refusal_notice(verdict.refusal))
         return None  # no live tail: the stream ends after the error frame
 
     def _hold(self, request: _Request, stream_id: str) -> None:
@@ -338,7 +317,7 @@ class GuardedEventStore(EventStore):
         reason = self._covers(request.auth, *owner) if owner is not None else None
         if owner is None or reason is None:
             return None
-        return _refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
+        return refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
 
     async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent]:
         return [self._alone(session_id, e) for e in await self.storage.after(session_id, cursor)
@@ -365,12 +344,12 @@ class GuardedEventStore(EventStore):
                 continue
             owners = self._in_flight.alone(request.session_id, frame.id) if frame.data else ()
             if owners is None and alone:  # not kept (the storage failed), or too old: unknown, so refused
-                return _refusal_data(REQUIREMENT_UNKNOWN, frame.id, STANDALONE_STREAM_ID, None, request.auth,
+                return refusal_data(REQUIREMENT_UNKNOWN, frame.id, STANDALONE_STREAM_ID, None, request.auth,
                                      stream.delivered or "")
             for requirement, subject in owners or ():
                 reason = self._covers(request.auth, requirement, subject)
                 if reason is not None:
-                    return _refusal_data(reason, frame.id, STANDALONE_STREAM_ID, requirement, request.auth,
+                    return refusal_data(reason, frame.id, STANDALONE_STREAM_ID, requirement, request.auth,
                                          stream.delivered or "")  # "": none yet, open the stream afresh
             stream.delivered = frame.id
         return None
@@ -387,13 +366,13 @@ class GuardedEventStore(EventStore):
             if reason is not None:
                 prefix = buffered[:index] if self.policy_mode == "prefix" else []
                 resume_from = prefix[-1].event_id if prefix else cursor.event_id
-                return _Verdict(prefix, _refusal_data(reason, event.event_id, event.stream_id, event.requirement,
+                return _Verdict(prefix, refusal_data(reason, event.event_id, event.stream_id, event.requirement,
                                                       auth, resume_from))
             delivered = event.event_id
         reason = self._covers(auth, live, cursor.subject)
         if reason is not None:  # the live tail would carry events the token may not see
             prefix = buffered if self.policy_mode == "prefix" else []
-            return _Verdict(prefix, _refusal_data(reason, None, cursor.stream_id, live, auth,
+            return _Verdict(prefix, refusal_data(reason, None, cursor.stream_id, live, auth,
                                                   delivered if prefix else cursor.event_id))
         return _Verdict(buffered, None)
 
@@ -433,7 +412,7 @@ class GuardedEventStore(EventStore):
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             app_receive = receive
-            asked = _NOTHING_ASKED
+            asked = NOTHING_ASKED
             # fresh: what the SDK takes for a new standalone stream (no Last-Event-ID, or an empty first one)
             get = (_GetStream(SSEParser(), cursors[0] if len(cursors) == 1 else None, not cursors or not cursors[0])
                    if scope.get("method") == "GET" and request.session_id is not None else None)
@@ -442,13 +421,13 @@ class GuardedEventStore(EventStore):
             # whose requests stay in flight until their answers are stored)
             answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
-                read, body = await _read_post(receive)
-                asked = _as_the_sdk_reads(body) if body else _NOTHING_ASKED
+                read, body = await read_post(receive)
+                asked = as_the_sdk_reads(body) if body else NOTHING_ASKED
                 requests = asked.requests
                 refusal = self._admit(request, body, asked)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
-                    await _refuse_post(send, *refusal)
+                    await refuse_post(send, *refusal)
                     return
                 if refusal is None and request.session_id is not None:
                     posted = [msg.id for msg in requests if msg.id is not None]
@@ -456,12 +435,12 @@ class GuardedEventStore(EventStore):
                         self._in_flight.hold(request.session_id, cancelled)
                         request.holds.append(cancelled)
                 self._record(request, requests)
-                app_receive = _replaying(read, receive)
+                app_receive = replaying(read, receive)
             elif scope.get("method") == "DELETE" and request.session_id is not None:
                 refusal = self._may_end(request.auth, request.session_id)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
-                    await _refuse_post(send, *refusal)
+                    await refuse_post(send, *refusal)
                     return
 
             async def guarded_send(message: Message) -> None:
@@ -496,7 +475,7 @@ class GuardedEventStore(EventStore):
                     self._in_flight.end(request.session_id)
                     await self._ended(request.session_id)  # the SDK ended the session its client deleted
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
-                    message = {**message, "body": _rewrite_refusal(message["body"])}
+                    message = {**message, "body": rewrite_refusal(message["body"])}
                 await send(message)
 
             try:
@@ -526,7 +505,7 @@ class GuardedEventStore(EventStore):
             return _Request(None, auth, ambiguous)
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
-    def _admit(self, request: _Request, body: bytes | None, asked: _Asked) -> tuple[int, str] | None:
+    def _admit(self, request: _Request, body: bytes | None, asked: Asked) -> tuple[int, str] | None:
         """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: repeated
         ``Mcp-Session-Id`` or ``Authorization`` headers (which one would the SDK take?); in a session, a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
@@ -540,8 +519,8 @@ class GuardedEventStore(EventStore):
             return None  # initialize: its session is born with it
         if body is None:
             return 413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request ids"
-        if asked.too_many or len(asked.requests) + len(asked.cancelled) + len(asked.answers) > _MAX_REQUESTS:
-            return 413, f"more than {_MAX_REQUESTS} requests, cancels and answers in one POST"
+        if asked.too_many or len(asked.requests) + len(asked.cancelled) + len(asked.answers) > MAX_REQUESTS:
+            return 413, f"more than {MAX_REQUESTS} requests, cancels and answers in one POST"
         refusal = self._foreign(request.auth, session_id, asked)
         if refusal is not None:
             _log.warning("a POST acts on a call in flight its token may not see: %s",
@@ -558,7 +537,7 @@ class GuardedEventStore(EventStore):
     def _owner(self, request: _Request, msg: WireMessage) -> _Owner:
         return requirement_of(self.policy, msg.tool), request.auth.subject_hash
 
-    def _foreign(self, auth: AuthView, session_id: str, asked: _Asked) -> str | None:
+    def _foreign(self, auth: AuthView, session_id: str, asked: Asked) -> str | None:
         """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
         SDK: it names nothing in flight (the SDK acts on it later, maybe on a call that has that id by then), or
         acts on a call whose events the token would be refused (``_covers``)."""
@@ -576,7 +555,7 @@ class GuardedEventStore(EventStore):
             for owner in owners:
                 reason = self._covers(auth, *owner)
                 if reason is not None:
-                    return f"{act} acts on a call in flight this token may not see: {reason}: {_DETAILS[reason]}"
+                    return f"{act} acts on a call in flight this token may not see: {reason}: {DETAILS[reason]}"
         return None
 
     def _may_end(self, auth: AuthView, session_id: str) -> tuple[int, str] | None:
@@ -587,7 +566,7 @@ class GuardedEventStore(EventStore):
             if reason is not None:
                 _log.warning("a DELETE would end calls in flight its token may not see: %s",
                              "refused" if self.mode == "enforce" else "let through (observe mode)")
-                return 403, f"the session has calls in flight this token may not see: {reason}: {_DETAILS[reason]}"
+                return 403, f"the session has calls in flight this token may not see: {reason}: {DETAILS[reason]}"
         return None
 
     def _record(self, request: _Request, requests: Sequence[WireMessage]) -> None:
@@ -595,7 +574,7 @@ class GuardedEventStore(EventStore):
         once the SDK takes the POST (``_flush``, ``store_event``): a POST it refuses (no token, another user's
         session) records nothing, so it can neither fill a session's table of streams nor widen what an id the
         client uses next requires."""
-        for msg in requests[:_MAX_REQUESTS]:
+        for msg in requests[:MAX_REQUESTS]:
             assert msg.id is not None
             if len(msg.id) > _MAX_ID:
                 continue  # unknown, so its stream's events are refused, never replayed
@@ -654,7 +633,7 @@ class GuardedEventStore(EventStore):
         frames, read = anyio.create_memory_object_stream[bytes](0)
 
         async def emit(event: EventMessage) -> None:
-            await frames.send(_frame(event))
+            await frames.send(sse_bytes(event))
 
         async def replay() -> None:
             async with frames:
@@ -682,7 +661,7 @@ class GuardedEventStore(EventStore):
             except StorageError:
                 stop = STORE_UNAVAILABLE
             if stop is not None:
-                await send(_refusal(_plain(stop, delivered)))
+                await send(refusal_notice(plain(stop, delivered)))
                 return
             for stored in events:
                 after = stored.event_id
@@ -691,7 +670,7 @@ class GuardedEventStore(EventStore):
                 event = self._alone(session_id, stored)
                 reason = self._covers(auth, event.requirement, event.subject)
                 if reason is not None and self.mode == "enforce":
-                    await send(_refusal(_refusal_data(reason, event.event_id, event.stream_id, event.requirement,
+                    await send(refusal_notice(refusal_data(reason, event.event_id, event.stream_id, event.requirement,
                                                       auth, delivered)))
                     return
                 await send(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
@@ -700,7 +679,7 @@ class GuardedEventStore(EventStore):
                     return
             lost, answer_lost = self._unkept.get((session_id, stream_id), (0, False))
             if answer_lost or lost > lost_before:  # never in the storage, so never coming: said, not waited on
-                await send(_refusal(_plain(STORE_UNAVAILABLE, delivered)))
+                await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
 
     @staticmethod
@@ -724,152 +703,11 @@ class GuardedEventStore(EventStore):
         return self.asgi(server.streamable_http_app(event_store=self, **app_options))
 
 
-async def _read_post(receive: Receive) -> tuple[list[Message], bytes | None]:
-    """A POST's body messages, read before the app runs, and its body; None past ``MAX_PARSED_BODY``
-    (the messages read until then are handed on as they are, the rest streams)."""
-    read: list[Message] = []
-    body = bytearray()
-    while True:
-        message = await receive()
-        read.append(message)
-        if message["type"] != "http.request":  # the client went away first: nothing to read
-            return read, b""
-        body += message.get("body", b"")
-        if len(body) > MAX_PARSED_BODY:
-            return read, None
-        if not message.get("more_body", False):
-            return read, bytes(body)
-
-
-def _as_the_sdk_reads(body: bytes) -> _Asked:
-    """What a POST body asks of the SDK, read exactly as the SDK reads it (``pydantic_core.from_json``, then
-    ``jsonrpc_message_adapter``, as ``StreamableHTTPServerTransport`` does; each element of a batch alike): a
-    message the guard took for another kind than the SDK does (``"id": null`` on a cancel, ``"method"`` on an
-    answer) would be checked as what it is not. What the SDK would refuse (400) asks nothing; a batch longer
-    than one POST may carry is not validated element by element (a 4 MiB body holds a million of them)."""
-    try:
-        raw = pydantic_core.from_json(body)
-    except ValueError:
-        return _NOTHING_ASKED
-    if isinstance(raw, list) and len(raw) > _MAX_REQUESTS:
-        return _Asked(too_many=True)
-    requests: list[WireMessage] = []
-    cancelled: list[str] = []
-    answers: list[str] = []
-    for item in raw if isinstance(raw, list) else (raw,):
-        try:
-            message = jsonrpc_message_adapter.validate_python(item, by_name=False)
-        except ValueError:  # pydantic's ValidationError: refused, or dropped, by the SDK
-            continue
-        if isinstance(message, JSONRPCRequest):
-            requests.append(request_message(message.id, message.method, message.params))
-        elif isinstance(message, JSONRPCNotification):
-            if message.method == CANCELLED and isinstance(message.params, dict):
-                cancelled_id = as_request_id(message.params.get("requestId"))  # as the SDK's dispatcher reads it
-                if cancelled_id is not None:
-                    cancelled.append(str(cancelled_id))
-        elif message.id is not None:
-            answers.append(str(message.id))
-    return _Asked(tuple(requests), tuple(cancelled), tuple(answers))
-
-
-def _replaying(read: list[Message], receive: Receive) -> Receive:
-    """``receive`` for the app: the messages already read, then the rest as they come."""
-    queued = iter(read)
-
-    async def replayed() -> Message:
-        message = next(queued, None)
-        return message if message is not None else await receive()
-
-    return replayed
-
-
-async def _refuse_post(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
 def _request_refusal(request: _Request | None, cursor: str) -> dict[str, Any]:
     if request is None:
         _log.warning("replay refused: GuardedEventStore.asgi() is not in front of the server "
                      "(use instrument_server(..., event_store=guard) or guard.serve(...))")
-    return _plain(AMBIGUOUS_REQUEST if request is not None and request.ambiguous else NO_REQUEST_CONTEXT, cursor)
-
-
-def _plain(error: str, cursor: str) -> dict[str, Any]:
-    return {"error": error, "cursor": cursor, "detail": _DETAILS[error]}
-
-
-def _refusal_data(error: str, event_id: str | None, stream_id: str, requirement: Requirement | None,
-                  auth: AuthView, cursor: str) -> dict[str, Any]:
-    known = requirement or NO_REQUIREMENT
-    missing = auth.missing(known) if error == INSUFFICIENT_AUDIENCE else (known.resources, known.scopes)
-    return {
-        "error": error,
-        "event_id": event_id,  # None: the live tail of the stream, not a buffered event
-        "request_id": request_id_of(stream_id),
-        "required_resources": sorted(known.resources),
-        "required_scopes": sorted(known.scopes),
-        "missing_resources": sorted(missing[0]),
-        "missing_scopes": sorted(missing[1]),
-        "token_audience": sorted(auth.audience),
-        "cursor": cursor,  # resume from here with a token that covers the requirement
-        "detail": _DETAILS[error],
-    }
-
-
-def _refusal(data: dict[str, Any]) -> EventMessage:
-    """The notice sent through the SDK's replay callback; ``asgi()`` renders it as ``event: error``."""
-    return EventMessage(JSONRPCNotification(jsonrpc="2.0", method=REFUSAL_METHOD, params=data), None)
-
-
-def _span_attributes(mode: str, decision: str, refusal: dict[str, Any] | None) -> dict[str, Any]:
-    attrs: dict[str, Any] = {sc.GUARD_MODE: mode, sc.GUARD_DECISION: decision}
-    if refusal is None:
-        return attrs
-    attrs[sc.GUARD_REASON] = refusal["error"]
-    attrs[sc.GUARD_CURSOR] = refusal["cursor"]
-    if refusal.get("event_id") is not None:
-        attrs[sc.GUARD_OFFENDING_EVENT_ID] = refusal["event_id"]
-    if "missing_resources" in refusal:
-        attrs[sc.GUARD_MISSING_RESOURCES] = refusal["missing_resources"]
-        attrs[sc.GUARD_MISSING_SCOPES] = refusal["missing_scopes"]
-    return attrs
-
-
-def _rewrite_refusal(chunk: bytes) -> bytes:
-    """Render our refusal notices in a body chunk as ``event: error`` frames; leave the rest as is."""
-    parser = SSEParser()
-    frames = [*parser.feed(chunk), *parser.close()]
-    out: list[bytes] = []
-    for frame in frames:
-        notice = _notice(frame)
-        out.append(render(SSEFrame(json.dumps(notice), event="error")) if notice is not None else render(frame))
-    return b"".join(out) if frames else chunk
-
-
-def _notice(frame: SSEFrame) -> dict[str, Any] | None:
-    if frame.id is not None or REFUSAL_METHOD not in frame.data:
-        return None
-    try:
-        obj = json.loads(frame.data)
-    except ValueError:
-        return None
-    params = obj.get("params") if isinstance(obj, dict) and obj.get("method") == REFUSAL_METHOD else None
-    return params if isinstance(params, dict) else None
-
-
-
-def _frame(event: EventMessage) -> bytes:
-    """An event as the SDK writes it (``event: message`` with its ``id:``), or a refusal notice as
-    ``event: error``: the bytes of a resume this process answers itself."""
-    message = event.message
-    if event.event_id is None and isinstance(message, JSONRPCNotification) and message.method == REFUSAL_METHOD:
-        return render(SSEFrame(json.dumps(message.params), event="error"))
-    return render(SSEFrame(message.model_dump_json(by_alias=True, exclude_unset=True), event="message",
-                           id=event.event_id))
+    return plain(AMBIGUOUS_REQUEST if request is not None and request.ambiguous else NO_REQUEST_CONTEXT, cursor)
 
 
 def _answered(cursor: StoredEvent, buffered: list[StoredEvent]) -> bool:
