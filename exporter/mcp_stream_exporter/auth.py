@@ -38,17 +38,17 @@ def canonical_resource(uri: str) -> str:
     ``rstrip('/')`` would make ``/tools//`` equal ``/tools``. A URI with an invalid port (``:99999``,
     ``:abc``) is no resource's canonical form: it is kept as written, equal only to itself.
     """
-    parts = urlsplit(uri.strip())
-    scheme = parts.scheme.lower()
-    if not scheme or not parts.netloc:
-        return uri.strip()
-    host = (parts.hostname or "").lower()
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    try:
+    try:  # an invalid IPv6 literal (``http://[::1``) or port (``:99999``, ``:abc``) makes urlsplit raise
+        parts = urlsplit(uri.strip())
+        host = (parts.hostname or "").lower()
         port = parts.port
     except ValueError:
         return uri.strip()
+    scheme = parts.scheme.lower()
+    if not scheme or not parts.netloc:
+        return uri.strip()
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
     netloc = host if port is None or _DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
     if parts.username is not None:
         userinfo = parts.username + (f":{parts.password}" if parts.password is not None else "")
@@ -96,6 +96,17 @@ class AuthView:
 
 
 ABSENT = AuthView()
+
+
+def _expiry(exp: Any) -> float | None:
+    """A token's ``exp`` as a time; None for none, or for one no float holds (``10**400``: read by anyone's
+    forged token before any signature is checked, it may not raise)."""
+    if not isinstance(exp, int | float) or isinstance(exp, bool):
+        return None
+    try:
+        return float(exp)
+    except OverflowError:
+        return None
 
 
 def _as_set(value: Any, *, split: bool) -> frozenset[str]:
@@ -182,21 +193,24 @@ class TokenReader:
     def _read(self, token: str, fingerprint: str) -> AuthView:
         if token.count(".") != 2:
             return AuthView(fingerprint=fingerprint, verification="opaque")
+        # anyone's token is read here, before any signature is checked: claims that cannot be read (JSON nested past
+        # the recursion limit, among others) make a token whose audience is unknown, never an error page
         try:
             claims = jwt.decode(token, options={"verify_signature": False})
-        except jwt.InvalidTokenError:
+            audience = canonical_resources(_as_set(claims.get("aud"), split=False))
+            subject_hash = self._hash_principal(claims)
+        except (jwt.InvalidTokenError, RecursionError, ValueError, TypeError):
             return AuthView(fingerprint=fingerprint, verification="opaque")
         verification: Verification = "unverified"
         if self.verifies:
             verification = "verified" if self._verify(token) else "failed"
-        exp = claims.get("exp")
         return AuthView(
-            audience=canonical_resources(_as_set(claims.get("aud"), split=False)),
+            audience=audience,
             scopes=_as_set(claims.get("scope"), split=True) | _as_set(claims.get("scp"), split=True),
-            subject_hash=self._hash_principal(claims),
+            subject_hash=subject_hash,
             fingerprint=fingerprint,
             verification=verification,
-            expires_at=float(exp) if isinstance(exp, int | float) else None,
+            expires_at=_expiry(claims.get("exp")),
         )
 
     def _verify(self, token: str) -> bool:

@@ -351,3 +351,36 @@ async def test_a_sampling_request_a_tool_sends_on_the_standalone_stream_is_its_c
     assert any("insufficient_audience" in body for body in bodies)  # refused at it, explicitly
     assert set(answers) == {403}
     assert "summary: alice's" in str(result)
+
+
+async def test_a_session_header_sent_twice_gets_no_stream_and_deletes_nothing_whatever_the_method():
+    """Which session would the SDK take? Its first: a GET or DELETE naming the victim's session twice was read by
+    the guard as naming none, and so was neither checked against its calls in flight nor refused."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
+        fetch = await fetch_in_flight(c, p)
+        (session_id,) = server.session_ids()
+        twice = httpx.Headers([*headers(session_id, narrow).items(), ("mcp-session-id", session_id)])
+        async with httpx.AsyncClient(timeout=5) as http:
+            answers = [await http.request(method, server.url, headers=twice) for method in ("GET", "DELETE")]
+        result = await asyncio.wait_for(fetch, 20)
+    assert [r.status_code for r in answers] == [400, 400]
+    assert SECRET in str(result)  # the call ran to its end in its session
+
+
+async def test_requests_the_sdk_refuses_open_no_session_in_the_guards_storage():
+    """The SDK names, in a refusal of a request with no session, the session it made for it and dropped: taken for
+    a session born, each such request filled the storage (evicting other users' sessions past its cap)."""
+    issuer = TokenIssuer()
+    token = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE])
+    TOKENS_USED.append(token)
+    store = GuardedEventStore(incident_policy())
+    async with guarded_server(issuer, store) as server, httpx.AsyncClient(timeout=5) as http:
+        refused = [await http.get(server.url, headers=headers(None, token)) for _ in range(5)]
+    assert {r.status_code for r in refused} == {400}
+    for answer in refused:
+        assert not await store.storage.is_open(answer.headers["mcp-session-id"])

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import Requirement
 from mcp_stream_exporter.guard import GuardedEventStore, resolve_refusals
 from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
 from mcp_stream_exporter.lab import (
@@ -291,3 +292,31 @@ async def test_a_cursor_redis_could_not_hold_is_an_unknown_cursor_never_a_store_
                 assert (frame.event, json.loads(frame.data)["error"]) == ("error", "unknown_cursor")
         assert await a.storage.get(session_id, "\u0661-0") is None  # an Arabic-Indic one: a digit to \d and int()
         assert _store_errors() == errors_before
+
+
+async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connections_and_fail_nothing(redis_server):
+    """Each live tail waits in Redis on a connection of its own, and redis-py's pool has no bound: one client
+    resuming its own stream hundreds of times at once took Redis's every connection, paging on-call and leaving
+    other users' events unstored. Past ``max_blocking_reads`` a tail polls, and the pool waits at its bound."""
+    import redis.asyncio as aioredis
+
+    storage = RedisEventStorage.from_url(redis_server.url, prefix="bounded", max_connections=6)
+    watcher = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await storage.open("s")
+        await storage.require("s", "1", Requirement())
+        cursor = await storage.append("s", "1", None, None)
+        assert cursor is not None
+        errors_before = _store_errors()
+        tails = [asyncio.create_task(storage.wait_after("s", cursor, 0.3)) for _ in range(200)]
+        await asyncio.sleep(0.1)
+        other = await storage.append("s", "1", None, None)  # another user's event meanwhile
+        clients = len(await watcher.client_list())
+        found = await asyncio.gather(*tails)
+        assert other is not None
+        assert {tuple(e.event_id for e in events) for events in found} <= {(), (other,)}
+        assert clients <= 6 + 1  # the watcher's own
+        assert _store_errors() == errors_before
+    finally:
+        await storage.aclose()
+        await watcher.aclose()

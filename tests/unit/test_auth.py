@@ -224,3 +224,27 @@ def test_tool_policy_rejects_a_malformed_file(tmp_path):
     bad.write_text(json.dumps({"tools": {"fetch": 3}}))
     with pytest.raises(ValueError, match="fetch"):
         ToolPolicy.from_file(bad)
+
+
+def _forged(payload: bytes) -> str:
+    import base64
+
+    def b64(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    header = b64(b'{"alg":"HS256","typ":"JWT"}')
+    return f"{header}.{b64(payload)}.{b64(b'sig')}"
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"sub":"x","exp":1' + b"0" * 400 + b"}",  # no float holds it
+    b'{"sub":"x","aud":["http://[::1"]}',  # urlsplit raises on it
+    b'{"sub":"x","aud":"https://a.example:99999"}',
+    b'{"sub":' + b"[" * 5000 + b"]" * 5000 + b"}",  # past the JSON decoder's recursion limit
+    b'{"exp":NaN,"sub":"x"}', b'{"exp":true}', b'{"aud":{"a":1},"scope":["x"],"sub":{"a":[1]}}', b"[1,2]", b'"s"',
+])
+def test_any_claims_anyone_can_forge_make_a_view_never_an_error(payload):
+    """Every request's token is read before any signature is checked: a claim the reader cannot take made the
+    guard's and the hooks' ASGI layers answer 500 to anyone."""
+    view = TokenReader().read(_forged(payload))
+    assert view.verification in ("unverified", "opaque")

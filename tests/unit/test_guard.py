@@ -199,6 +199,25 @@ def test_storage_bounds_count_evictions_and_expire_idle_sessions():
     assert storage.evictions == 2 + (3 + 2) + (1 + 2)  # s1: 3 events, 2 requirements (its call, GET); other
 
 
+def _big(rid, chars):
+    return JSONRPCResponse(jsonrpc="2.0", id=rid, result={"text": "x" * chars})
+
+
+def test_storage_bounds_the_bytes_a_session_and_all_sessions_keep_oldest_first():
+    """A count of events bounds nothing when each is a megabyte a client made the tool echo."""
+    storage = InMemoryEventStorage(max_bytes_per_session=3000, max_bytes=5000)
+    run(storage.open("a"))
+    kept = [run(storage.append("a", str(i), _big(i, 1000), None)) for i in range(5)]
+    assert [run(storage.get("a", e)) is not None for e in kept] == [False, False, False, True, True]  # ~1 KB each
+    assert storage.evictions == 3
+    run(storage.open("b"))
+    big = run(storage.append("b", "9", _big(9, 2900), None))  # the total past its bound: "a", least recent, goes
+    assert run(storage.get("b", big)) is not None
+    assert not run(storage.is_open("a"))
+    alone = run(storage.append("b", "10", _big(10, 4500), None))  # past the session's bound, kept alone
+    assert [run(storage.get("b", e)) is not None for e in (big, alone)] == [False, True]
+
+
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
     notice = JSONRPCNotification(jsonrpc="2.0", method=REFUSAL_METHOD, params={"error": "x", "cursor": "7"})
     chunk = f"event: message\r\ndata: {notice.model_dump_json(by_alias=True, exclude_unset=True)}\r\n\r\n".encode()

@@ -88,7 +88,8 @@ def replaying(read: list[Message], receive: Receive) -> Receive:
     return replayed
 
 
-async def refuse_post(send: Send, status: int, message: str) -> None:
+async def refuse_request(send: Send, status: int, message: str) -> None:
+    """Answer a request in the SDK's stead, as it answers one it refuses: a JSON-RPC error, no id."""
     body = json.dumps({"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -39,6 +39,7 @@ _MESSAGE: Final = TypeAdapter(JSONRPCMessage)
 _STREAM_ID: Final = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 _MAX_ID_PART: Final = 2**64 - 1
 _MAX_SESSION_ID: Final = 256
+_POLLING_READS: Final = 8  # live tails past ``max_blocking_reads`` reading at once, a connection each
 _TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the socket timeout allows for it
 _OPERATIONS: Final = ("open", "close", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
                       "owner_alive", "heartbeat")
@@ -100,12 +101,15 @@ for _operation in _OPERATIONS:
 class RedisEventStorage:
     """A ``SharedEventStorage`` on Redis (redis-py, asyncio). ``prefix`` separates deployments that
     share a Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session`` and
-    ``max_calls_per_session`` bound one session's keys. Every Redis error becomes ``StorageError``:
-    the guard then refuses, never replays on a guess."""
+    ``max_calls_per_session`` bound one session's keys. ``max_blocking_reads`` bounds the live tails waiting
+    in Redis at once, each on a connection of its own: past it a tail polls, a few at a time, holding none
+    between reads (a client resuming one stream hundreds of times at once would otherwise take Redis's every
+    connection, and every replica's events with them). Every Redis error becomes ``StorageError``: the guard
+    then refuses, never replays on a guess."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "mcp-stream", ttl_s: float = 3600.0,
                  max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
-                 heartbeat_s: float = 5.0) -> None:
+                 heartbeat_s: float = 5.0, max_blocking_reads: int = 64) -> None:
         self._redis = client
         self._prefix = prefix
         self._ttl_ms = int(ttl_s * 1000)
@@ -114,16 +118,24 @@ class RedisEventStorage:
         self._heartbeat_s = heartbeat_s
         self._instance = uuid.uuid4().hex
         self._beating: asyncio.Task[None] | None = None
+        self._blocking = asyncio.Semaphore(max_blocking_reads)
+        self._polling = asyncio.Semaphore(_POLLING_READS)
         self._require = client.register_script(_REQUIRE)
         self._append = client.register_script(_APPEND)
         self.evictions = 0
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 2.0, **options: Any) -> RedisEventStorage:
+    def from_url(cls, url: str, *, timeout_s: float = 2.0, max_connections: int = 128,
+                 **options: Any) -> RedisEventStorage:
         """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included. ``timeout_s``
-        bounds every operation, so an unreachable Redis refuses a resume instead of hanging it."""
-        return cls(aioredis.Redis.from_url(url, socket_timeout=timeout_s + _TAIL_BLOCK_S,
-                                           socket_connect_timeout=timeout_s), **options)
+        bounds every operation, so an unreachable Redis refuses a resume instead of hanging it.
+        ``max_connections`` bounds this process's connections: a burst of requests waits for one (up to
+        ``timeout_s``) rather than open Redis's last (redis-py's own pool has no bound)."""
+        options.setdefault("max_blocking_reads", max(1, max_connections // 2))  # half left for the rest
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s,
+            socket_timeout=timeout_s + _TAIL_BLOCK_S, socket_connect_timeout=timeout_s)
+        return cls(aioredis.Redis.from_pool(pool), **options)
 
     async def aclose(self) -> None:
         if self._beating is not None:
@@ -206,11 +218,21 @@ class RedisEventStorage:
             return bool(await self._redis.exists(self._keys(session_id)[0]))
 
     async def wait_after(self, session_id: str, event_id: str, timeout_s: float) -> list[StoredEvent]:
+        wait_s = min(timeout_s, _TAIL_BLOCK_S)
+        polled = self._blocking.locked()  # every blocking read taken: read now, wait with no connection held
         async with self._op("wait_after"):
-            found: Any = await self._redis.xread({self._keys(session_id)[2]: event_id}, count=100,
-                                                 block=max(1, int(min(timeout_s, _TAIL_BLOCK_S) * 1000)))
+            if polled:
+                async with self._polling:  # waited for with no connection held: the polls take a few at most
+                    found: Any = await self._redis.xread({self._keys(session_id)[2]: event_id}, count=100)
+            else:
+                async with self._blocking:
+                    found = await self._redis.xread({self._keys(session_id)[2]: event_id}, count=100,
+                                                    block=max(1, int(wait_s * 1000)))
             streams = found.values() if isinstance(found, dict) else (entries for _, entries in found or [])
-            return [event for entries in streams for event in _events(entries)]
+            events = [event for entries in streams for event in _events(entries)]
+        if polled and not events:
+            await asyncio.sleep(wait_s)
+        return events
 
     async def owner_alive(self, session_id: str) -> bool:
         async with self._op("owner_alive"):

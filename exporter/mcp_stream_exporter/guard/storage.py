@@ -96,9 +96,10 @@ class SharedEventStorage(TailableEventStorage, Protocol):
 
 @dataclass(slots=True)
 class _Session:
-    events: OrderedDict[str, tuple[int, StoredEvent]] = field(default_factory=OrderedDict)
+    events: OrderedDict[str, tuple[int, StoredEvent, int]] = field(default_factory=OrderedDict)  # seq, event, size
     requirements: dict[str, Requirement] = field(default_factory=dict)
     touched: float = 0.0
+    size: int = 0  # its events' bytes, as JSON
     # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
     # however many wait, made only when one does
     changed: anyio.Event | None = None
@@ -111,25 +112,32 @@ class _Session:
     def newer(self, seq: int) -> list[StoredEvent]:
         """Its events after sequence number ``seq``, in order (read from the newest end: a tail is near it)."""
         newer = itertools.takewhile(lambda item: item[0] > seq, reversed(self.events.values()))
-        return [event for _, event in reversed(list(newer))]
+        return [event for _, event, _ in reversed(list(newer))]
+
+    def drop_oldest(self) -> None:
+        self.size -= self.events.popitem(last=False)[1][2]
 
 
 class InMemoryEventStorage:
-    """Bounded in-process storage: at most ``max_events_per_session`` events a session (oldest go
-    first), ``max_calls_per_session`` stream requirements a session (later ones are not recorded),
-    ``max_sessions`` sessions (least recently used go first), and a session untouched for ``ttl``
-    seconds is dropped. Everything dropped is counted in ``evictions``: an evicted event's id reads
-    as an unknown cursor, and an event without a recorded requirement is never replayed.
+    """Bounded in-process storage: at most ``max_events_per_session`` events and ``max_bytes_per_session``
+    bytes of them (as JSON) a session (oldest go first), ``max_calls_per_session`` stream requirements a
+    session (later ones are not recorded), ``max_sessions`` sessions and ``max_bytes`` bytes of events in all
+    (least recently used sessions go first), and a session untouched for ``ttl`` seconds is dropped. Everything
+    dropped is counted in ``evictions``: an evicted event's id reads as an unknown cursor, and an event without a
+    recorded requirement is never replayed.
 
     A ``TailableEventStorage`` (the guard serves live tails from it), not a ``SharedEventStorage``: no
     other process sees it."""
 
     def __init__(self, *, max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
-                 max_sessions: int = 10_000, ttl: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_sessions: int = 10_000, ttl: float = 3600.0, max_bytes_per_session: int = 16 << 20,
+                 max_bytes: int = 256 << 20, clock: Callable[[], float] = time.monotonic) -> None:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._seq = itertools.count(1)
         self._max_events = max_events_per_session
+        self._max_session_bytes = max_bytes_per_session
+        self._max_bytes = max_bytes
+        self._bytes = 0  # every session's events'
         self._max_calls = max_calls_per_session
         self._max_sessions = max_sessions
         self._ttl = ttl
@@ -139,11 +147,11 @@ class InMemoryEventStorage:
     def _expire(self, now: float) -> None:
         while self._sessions:
             key, oldest = next(iter(self._sessions.items()))
-            if now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions:
+            if (now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions
+                    and self._bytes <= self._max_bytes):
                 return
             self.evictions += len(oldest.events) + len(oldest.requirements)
-            del self._sessions[key]
-            oldest.wake()
+            self._drop(key)
 
     def _touch(self, session_id: str | None) -> _Session | None:
         now = self._clock()
@@ -160,8 +168,12 @@ class InMemoryEventStorage:
             self._expire(self._clock())
 
     async def close(self, session_id: str) -> None:
+        self._drop(session_id)
+
+    def _drop(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            self._bytes -= session.size
             session.wake()
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
@@ -172,11 +184,18 @@ class InMemoryEventStorage:
             return None
         seq = next(self._seq)
         event = StoredEvent(str(seq), stream_id, message, session.requirements.get(stream_id), subject)
-        session.events[event.event_id] = (seq, event)
-        while len(session.events) > self._max_events:
-            session.events.popitem(last=False)
+        size = len(message.model_dump_json(by_alias=True, exclude_unset=True)) if message is not None else 0
+        session.events[event.event_id] = (seq, event, size)
+        session.size += size
+        self._bytes += size
+        before = session.size
+        while len(session.events) > 1 and (len(session.events) > self._max_events
+                                           or session.size > self._max_session_bytes):
+            session.drop_oldest()
             self.evictions += 1
+        self._bytes -= before - session.size
         session.wake()
+        self._expire(self._clock())  # past ``max_bytes``: the least recently used sessions go
         return event.event_id
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
@@ -190,7 +209,7 @@ class InMemoryEventStorage:
         cursor = session.events.get(event.event_id) if session is not None else None
         if session is None or cursor is None:
             return []
-        return [e for seq, e in session.events.values() if seq > cursor[0]]
+        return [e for seq, e, _ in session.events.values() if seq > cursor[0]]
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         session = self._touch(session_id)

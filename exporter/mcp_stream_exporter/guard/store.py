@@ -101,7 +101,7 @@ from mcp_stream_exporter.guard.posts import (
     Asked,
     as_the_sdk_reads,
     read_post,
-    refuse_post,
+    refuse_request,
     replaying,
 )
 from mcp_stream_exporter.guard.storage import (
@@ -403,6 +403,9 @@ class GuardedEventStore(EventStore):
                 return
             raw_headers = scope.get("headers", ())
             request = self._request(raw_headers)
+            if request.ambiguous and self.mode == "enforce":  # which session, whose token, would the SDK take?
+                await refuse_request(send, 400, "more than one Mcp-Session-Id or Authorization header")
+                return
             cursors = values(raw_headers, LAST_EVENT_ID)
             # the SDK's 404 for a session it does not hold is also its answer to a credential not the session's;
             # answered from the storage only for a token that names its principal, which the events are bound to
@@ -427,7 +430,7 @@ class GuardedEventStore(EventStore):
                 refusal = self._admit(request, body, asked)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
-                    await refuse_post(send, *refusal)
+                    await refuse_request(send, *refusal)
                     return
                 if refusal is None and request.session_id is not None:
                     posted = [msg.id for msg in requests if msg.id is not None]
@@ -440,7 +443,7 @@ class GuardedEventStore(EventStore):
                 refusal = self._may_end(request.auth, request.session_id)
                 if refusal is not None and self.mode == "enforce":
                     _current.reset(token)
-                    await refuse_post(send, *refusal)
+                    await refuse_request(send, *refusal)
                     return
 
             async def guarded_send(message: Message) -> None:
@@ -465,7 +468,9 @@ class GuardedEventStore(EventStore):
                     await self._flush(request)  # the SDK took it: now what it asks counts
                     self._in_flight.accepted(request.session_id, [self._owner(request, msg) for msg in asked.requests
                                                                   if msg.id is not None], asked.answers)
-                elif message["type"] == "http.response.start" and request.session_id is None:
+                elif (message["type"] == "http.response.start" and request.session_id is None
+                      and scope.get("method") == "POST" and message["status"] < 400):
+                    # the SDK names a session in its refusals too (the one it made for the request and dropped)
                     session_ids = values(message.get("headers", ()), SESSION_ID)
                     if len(session_ids) == 1:  # a session is born: its initialize response names it
                         request.session_id = session_ids[0]
@@ -506,14 +511,11 @@ class GuardedEventStore(EventStore):
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
     def _admit(self, request: _Request, body: bytes | None, asked: Asked) -> tuple[int, str] | None:
-        """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: repeated
-        ``Mcp-Session-Id`` or ``Authorization`` headers (which one would the SDK take?); in a session, a body
+        """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused, in a session: a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
         cancel or an answer acting on a call in flight whose events the token may not see, or a request id
         the session has in flight (``InFlight``). Synchronous: no other request runs between the check and
         the claim."""
-        if request.ambiguous:
-            return 400, "more than one Mcp-Session-Id or Authorization header"
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it
