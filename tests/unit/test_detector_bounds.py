@@ -225,6 +225,41 @@ def test_one_session_watches_a_bounded_number_of_resume_cursors():
     assert len(session["resumes"]) == LedgerLimits().max_resumes_per_session
 
 
+def _polled(rid: str, at: float) -> list[Span]:
+    """A healthy call of a tool that polls: its POST closed clean with it pending, a resume delivered it."""
+    return [stream(C, "post", "clean", session="s", ids=(rid,), pending=(rid,), last=f"p{rid}", at=at),
+            stream(C, "resume", "clean", session="s", ids=(rid,), cursor=f"p{rid}", terminal=(rid,), last=f"r{rid}",
+                   at=at + 0.1)]
+
+
+def test_a_session_past_its_cap_of_calls_forgets_delivered_ones_first_and_still_pages_its_loss():
+    """The oldest call went, whatever it was: the one loss among a hundred healthy resumed calls after it was
+    forgotten before its grace ran out (no finding), and each healthy call past the cap counted an eviction."""
+    clock = Clock()
+    config = dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=10))
+    detector = Detector(config, clock=clock)
+    detector.consume([stream(C, "resume", "clean", session="s", ids=("0",), pending=("0",), cursor="c0")])
+    for i in range(1, 100):
+        detector.consume(_polled(str(i), 1 + i / 100))
+    clock.now += 6 * S
+    detector.tick()
+    assert [(f.rule, f.request_id) for f in detector.findings] == [("clean_end_pending", "0")]
+    assert detector.ledger.evictions["capacity"] == 0
+
+
+def test_the_cursor_of_a_call_still_owed_outlasts_those_of_a_hundred_delivered_calls():
+    """A resume that no longer names its call (its caller gave up, the SDK resumes on) is told its call by the
+    cursor: one loop of them makes one finding, on its call, however many healthy calls the session makes."""
+    detector = Detector(CONFIG, clock=Clock())
+    detector.consume([stream(C, "post", "clean", session="s", ids=("0",), pending=("0",), last="c0")])
+    for i in range(1, 100):
+        detector.consume(_polled(str(i), 1 + i / 100))
+    detector.consume([stream(C, "resume", "clean", session="s", ids=(), cursor="c0", tool=None, at=3 + i / 10)
+                      for i in range(5)])
+    loops = [f for f in detector.findings if f.rule == "resume_loop"]
+    assert [(f.request_id, f.tool) for f in loops] == [("0", "fetch")]
+
+
 def test_re_ending_the_same_calls_adds_no_timers():
     detector = Detector(CONFIG, clock=Clock())
     for _ in range(50):

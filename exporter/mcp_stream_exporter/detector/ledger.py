@@ -241,10 +241,30 @@ class Ledger:
             call = CallState(session.scope, request_id)
             calls = self._add_call(session, call)
             if calls is not None and len(calls) > self.limits.max_calls_per_session:
-                self._forget(calls.pop(next(iter(calls))))
-                self.evictions["capacity"] += 1
+                self._make_room(calls)
         self._touched[id(call)] = call  # the caller fills it in
         return call
+
+    def _make_room(self, calls: dict[str, CallState]) -> None:
+        """A session past its cap of calls (the newest just added) forgets its oldest call that is delivered,
+        else the oldest that is over and judged (no timer set): nothing is left to find of either, so neither
+        counts as an eviction (a long session of healthy resumed calls would page ``LedgerEvicting``). Only
+        when every call may still be a loss does the oldest go, counted: not the one whose grace is running
+        because a hundred others came after it."""
+        gone: CallState | None = None
+        over: CallState | None = None
+        for call in itertools.islice(calls.values(), len(calls) - 1):
+            if call.terminal:
+                gone = call
+                break
+            if over is None and call.timed_out and not call.timers:
+                over = call
+        gone = gone or over
+        if gone is None:
+            gone = next(iter(calls.values()))
+            self.evictions["capacity"] += 1
+        del calls[gone.request_id]
+        self._forget(gone)
 
     def _add_call(self, session: SessionState, call: CallState) -> dict[str, CallState] | None:
         """Hold ``call`` in ``session`` and charge it; returns the session's dict of calls, once it has one."""
@@ -329,8 +349,9 @@ class Ledger:
                 cursors = cursors[:i] + cursors[i + 2:]
                 break
         if len(cursors) == 2 * _MAX_CURSORS:
-            charge -= _cursor_bytes(_id(cursors[0]), _ids(cursors[1]))
-            cursors = cursors[2:]
+            i = _spent_cursor(session, cursors)
+            charge -= _cursor_bytes(_id(cursors[i]), _ids(cursors[i + 1]))
+            cursors = cursors[:i] + cursors[i + 2:]
         session.cursors = (*cursors, event_id, request_ids)
         self._charge_session(session, charge)
 
@@ -621,6 +642,16 @@ class Ledger:
         call.charged = 0
         if call.in_flight:
             self._in_flight -= 1
+
+
+def _spent_cursor(session: SessionState, cursors: tuple[str | tuple[str, ...], ...]) -> int:
+    """Where in ``cursors`` the one to forget is: the oldest whose calls were all delivered (or are forgotten),
+    so no resume from it continues a call still owed; else the oldest. A session's healthy resumed calls note
+    two cursors each: the cursor of a call whose caller gave up, the SDK resuming on from it, must outlast them."""
+    for i in range(0, len(cursors), 2):
+        if all((call := session.get(rid)) is None or call.terminal for rid in _ids(cursors[i + 1])):
+            return i
+    return 0
 
 
 _FIELDS = frozenset(f.name for f in fields(CallState))  # a row of an older snapshot may hold others: left out
