@@ -402,13 +402,6 @@ class RuleEngine:
         """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its
         client's seen (spans come in any order): it went with the session, which nothing can deliver it from (a
         caller that gave up since was failed by that)."""
-        if call.clean_since is not None and not call.terminal and not call.told:
-            # a clean end left it pending first: that is the silent loss (critical), which the expiry joins
-            due = self._clean_end_due(call)
-            if now_ns < due:
-                self.ledger.schedule(due, _EXPIRED, call)
-                return
-            self._check_clean_end(call, now_ns)
         if not call.terminal and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
                 "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
