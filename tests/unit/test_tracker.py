@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -16,6 +17,7 @@ from mcp_stream_exporter.auth import ABSENT, TokenReader, ToolPolicy
 from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.exchange import CONTENT_SSE
+from mcp_stream_exporter.hooks import _tracking
 from mcp_stream_exporter.hooks._observer import WireObserver, _Exchange
 from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.scope import RequestScope
@@ -148,6 +150,36 @@ def test_a_clean_end_during_a_refused_or_unanswered_delete_is_still_a_clean_end_
     again = _resumed(tracker, rid=2)
     tracker.end_stream(again, sc.END_CLEAN, 200)
     assert _by(exporter, sc.SPAN_STREAM)[-1].attributes[sc.END_REASON] == sc.END_CLEAN
+
+
+def test_a_redirected_delete_ends_no_session():
+    """``DELETE /mcp/`` is Starlette's 307, from anyone: the SDK never saw it, the session lives on."""
+    tracker, exporter = _tracker()
+    tracker.deleting("s")
+    tracker.deleted("s", 307)
+    resume = _resumed(tracker)
+    tracker.end_stream(resume, sc.END_CLEAN, 200)
+    assert _resume_end(exporter).attributes[sc.END_REASON] == sc.END_CLEAN
+
+
+def test_a_delete_never_answered_holds_a_clean_end_back_only_a_moment(monkeypatch):
+    """A DELETE whose body never comes is one the SDK is not running: the streams that end meanwhile are told as
+    they ended, not held until its connection closes (a loss hidden for as long as anyone likes)."""
+    monkeypatch.setattr(_tracking, "_DELETE_WAIT_S", 0.0)
+
+    async def scenario():
+        tracker, exporter = _tracker()
+        resume = _resumed(tracker)
+        tracker.deleting("s")
+        tracker.end_stream(resume, sc.END_CLEAN, 200)
+        for _ in range(3):  # the release is the loop's next callback: no time passes
+            await asyncio.sleep(0)
+        span = _resume_end(exporter)
+        tracker.deleted("s", 200)  # answered after all: too late to change what was told
+        return span
+
+    span = asyncio.run(scenario())
+    assert (span.attributes[sc.END_REASON], span.attributes[sc.PENDING_REQUEST_IDS]) == (sc.END_CLEAN, ("1",))
 
 
 def test_a_clean_end_before_the_delete_or_in_another_session_is_a_clean_end_and_shutdown_ends_what_waits():

@@ -134,10 +134,10 @@ class RuleEngine:
         expired = e.status == 404 and not session.deleted
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         session.expired = session.expired or expired
-        if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and e.status < 400:
-            # the client ended the session: its resumes and notifications still on the way get 404 (the SDK
-            # client resumes on after its caller gave up), a call it was owed keeps its own finding, and nothing
-            # it owes can come any more
+        if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and 200 <= e.status < 300:
+            # the client ended the session (a 2xx: a redirect, 307 for ``/mcp/``, ended nothing): its resumes and
+            # notifications still on the way get 404 (the SDK client resumes on after its caller gave up), a call it
+            # was owed keeps its own finding, and nothing it owes can come any more
             session.deleted = True
             for call in self.ledger.in_session(at.scope):
                 self.ledger.given_up(call)

@@ -23,6 +23,7 @@ and lets go of it (``settle``), with no stream, no parser and no frame records.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import re
@@ -57,6 +58,11 @@ _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
 _MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that ends clean ended with them
+# how long a stream that ended clean during a DELETE of its session waits for the DELETE's answer, and how many do: the
+# SDK closes the streams as it accepts the DELETE and answers at once; one it is not running (its body never comes)
+# holds nothing back for longer
+_DELETE_WAIT_S = 1.0
+_MAX_HELD_ENDS = 256
 # Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
 # of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
 # new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
@@ -1067,10 +1073,27 @@ class Tracker:
             # ended with the session, not with its calls' answers (its client's own decision, no loss)
             if stream.session_id in self._deleted:
                 reason = sc.END_TERMINATED
-            elif (deletion := self._deletions.get(stream.session_id)) is not None:
+            elif (deletion := self._deletions.get(stream.session_id)) is not None and deletion.holds():
                 deletion.ended.append((stream, status, time.time_ns()))  # ended once the DELETE is answered
+                if len(deletion.ended) == 1:
+                    self._release_later(stream.session_id, deletion)
                 return
         self._close(stream, reason, status)
+
+    def _release_later(self, session_id: str, deletion: _Deletion) -> None:
+        """Close the streams a DELETE holds back if it is not answered within ``_DELETE_WAIT_S``: as they ended."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand (tests): the answer, or shutdown, releases them
+            return
+
+        def release() -> None:
+            if self._deletions.get(session_id) is deletion:
+                del self._deletions[session_id]  # the DELETEs still in progress hold nothing any more
+                for stream, status, end_time in deletion.ended:
+                    self._close(stream, sc.END_CLEAN, status, end_time)
+
+        loop.call_later(_DELETE_WAIT_S, release)
 
     def _close(self, stream: Stream, reason: str, status: int | None, end_time: int | None = None) -> None:
         """The span of an ended stream that is not the healthy path, and what its end means for its calls."""
@@ -1113,6 +1136,7 @@ class Tracker:
         if deletion is None:
             deletion = self._deletions[session_id] = _Deletion()
         deletion.requests += 1
+        deletion.started = time.monotonic()  # the latest: what a stream ending now waits on
 
     def deleted(self, session_id: str, status: int | None) -> None:
         """The answer to a DELETE of the session (``deleting``): its status, None if there was none. Accepted, the
@@ -1122,7 +1146,7 @@ class Tracker:
         if deletion is None:
             return
         deletion.requests -= 1
-        accepted = status is not None and status < 400
+        accepted = status is not None and 200 <= status < 300  # a redirect (``/mcp/``'s 307) ends nothing
         if accepted:
             self._deleted[session_id] = None
             self._deleted.move_to_end(session_id)
@@ -1157,11 +1181,16 @@ class Tracker:
 class _Deletion:
     """The DELETEs of a session in progress, and the streams of it that ended clean meanwhile."""
 
-    __slots__ = ("ended", "requests")
+    __slots__ = ("ended", "requests", "started")
 
     def __init__(self) -> None:
         self.requests = 0
+        self.started = time.monotonic()
         self.ended: list[tuple[Stream, int | None, int]] = []  # a stream, its status, when it ended
+
+    def holds(self) -> bool:
+        """Whether a stream that ends now waits for the answer (``_DELETE_WAIT_S``, ``_MAX_HELD_ENDS``)."""
+        return time.monotonic() - self.started < _DELETE_WAIT_S and len(self.ended) < _MAX_HELD_ENDS
 
 
 def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:
