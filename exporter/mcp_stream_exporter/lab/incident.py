@@ -106,7 +106,8 @@ class IncidentEventStore(EventStore):
             return cursor.stream_id
         requirement = self._policy.requirement(self._tool_of.get((cursor.session_id, cursor.stream_id)))
         after = False
-        for entry in self._streams.get((cursor.session_id, cursor.stream_id), ()):
+        # a copy: the call stores on while the replay awaits each send
+        for entry in list(self._streams.get((cursor.session_id, cursor.stream_id), ())):
             if entry.event_id == last_event_id:
                 after = True
                 continue
