@@ -218,6 +218,23 @@ def test_storage_bounds_the_bytes_a_session_and_all_sessions_keep_oldest_first()
     assert [run(storage.get("b", e)) is not None for e in (big, alone)] == [False, True]
 
 
+def test_past_the_storages_byte_bound_the_principal_holding_the_most_loses_its_oldest_session_not_others():
+    """One user making a tool echo megabytes across sessions of their own pushed out whoever's session was used
+    longest ago; a bound counted in characters let four-byte characters hold four times what it said."""
+    storage = InMemoryEventStorage(max_bytes_per_session=10_000, max_bytes=12_000)
+    run(storage.open("victim"))
+    kept = run(storage.append("victim", "1", _big(1, 1000), "alice"))
+    for i in range(4):  # mallory's, newer than alice's
+        run(storage.open(f"m{i}"))
+        run(storage.append(f"m{i}", "1", _big(1, 3000), "mallory"))
+    assert run(storage.get("victim", kept)) is not None
+    assert [run(storage.is_open(f"m{i}")) for i in range(4)] == [False, True, True, True]
+    run(storage.open("wide"))
+    wide = JSONRPCResponse(jsonrpc="2.0", id=1, result={"text": "\U0001f600" * 2500})  # 10 KB in UTF-8
+    run(storage.append("wide", "1", wide, "mallory"))
+    assert [run(storage.is_open(s)) for s in ("victim", "m1", "m2", "m3", "wide")] == [True, False, False, False, True]
+
+
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():
     notice = JSONRPCNotification(jsonrpc="2.0", method=REFUSAL_METHOD, params={"error": "x", "cursor": "7"})
     chunk = f"event: message\r\ndata: {notice.model_dump_json(by_alias=True, exclude_unset=True)}\r\n\r\n".encode()

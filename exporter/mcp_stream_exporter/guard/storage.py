@@ -100,6 +100,7 @@ class _Session:
     requirements: dict[str, Requirement] = field(default_factory=dict)
     touched: float = 0.0
     size: int = 0  # its events' bytes, as JSON
+    subject: str | None = None  # whose its events are (the principal's hash), charged its size
     # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
     # however many wait, made only when one does
     changed: anyio.Event | None = None
@@ -113,9 +114,6 @@ class _Session:
         """Its events after sequence number ``seq``, in order (read from the newest end: a tail is near it)."""
         newer = itertools.takewhile(lambda item: item[0] > seq, reversed(self.events.values()))
         return [event for _, event, _ in reversed(list(newer))]
-
-    def drop_oldest(self) -> None:
-        self.size -= self.events.popitem(last=False)[1][2]
 
 
 class InMemoryEventStorage:
@@ -138,6 +136,7 @@ class InMemoryEventStorage:
         self._max_session_bytes = max_bytes_per_session
         self._max_bytes = max_bytes
         self._bytes = 0  # every session's events'
+        self._subject_bytes: dict[str | None, int] = {}  # the same, by whose sessions they are in
         self._max_calls = max_calls_per_session
         self._max_sessions = max_sessions
         self._ttl = ttl
@@ -147,11 +146,20 @@ class InMemoryEventStorage:
     def _expire(self, now: float) -> None:
         while self._sessions:
             key, oldest = next(iter(self._sessions.items()))
-            if (now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions
-                    and self._bytes <= self._max_bytes):
-                return
+            if now - oldest.touched <= self._ttl and len(self._sessions) <= self._max_sessions:
+                break
             self.evictions += len(oldest.events) + len(oldest.requirements)
             self._drop(key)
+        while self._bytes > self._max_bytes:
+            self._shed()
+
+    def _shed(self) -> None:
+        """Past ``max_bytes``: the least recently used session of the principal whose sessions hold the most goes
+        (not whoever's was used longest ago: one user making a tool echo megabytes would push out everyone's)."""
+        heaviest = max(self._subject_bytes, key=self._subject_bytes.__getitem__)
+        key, session = next((k, v) for k, v in self._sessions.items() if v.subject == heaviest)
+        self.evictions += len(session.events) + len(session.requirements)
+        self._drop(key)
 
     def _touch(self, session_id: str | None) -> _Session | None:
         now = self._clock()
@@ -173,8 +181,17 @@ class InMemoryEventStorage:
     def _drop(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._bytes -= session.size
+            self._charge(session, -session.size)
             session.wake()
+
+    def _charge(self, session: _Session, size: int) -> None:
+        session.size += size
+        self._bytes += size
+        left = self._subject_bytes.get(session.subject, 0) + size
+        if left:
+            self._subject_bytes[session.subject] = left
+        else:
+            self._subject_bytes.pop(session.subject, None)
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
@@ -184,16 +201,19 @@ class InMemoryEventStorage:
             return None
         seq = next(self._seq)
         event = StoredEvent(str(seq), stream_id, message, session.requirements.get(stream_id), subject)
-        size = len(message.model_dump_json(by_alias=True, exclude_unset=True)) if message is not None else 0
+        # in UTF-8, as the SDK sends it: a character past ASCII takes up to 4 bytes here and in a str
+        size = len(message.__pydantic_serializer__.to_json(message)) if message is not None else 0
+        if session.subject is None and subject is not None:  # its first event a principal's: its bytes are theirs
+            held = session.size
+            self._charge(session, -held)
+            session.subject = subject
+            self._charge(session, held)
         session.events[event.event_id] = (seq, event, size)
-        session.size += size
-        self._bytes += size
-        before = session.size
+        self._charge(session, size)
         while len(session.events) > 1 and (len(session.events) > self._max_events
                                            or session.size > self._max_session_bytes):
-            session.drop_oldest()
+            self._charge(session, -session.events.popitem(last=False)[1][2])
             self.evictions += 1
-        self._bytes -= before - session.size
         session.wake()
         self._expire(self._clock())  # past ``max_bytes``: the least recently used sessions go
         return event.event_id
