@@ -320,3 +320,24 @@ async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connectio
     finally:
         await storage.aclose()
         await watcher.aclose()
+
+
+async def test_a_sessions_events_in_redis_are_bounded_in_bytes_oldest_first(redis_server):
+    """A count of events bounded nothing when a tool echoes the megabyte a client sent: one session filled Redis
+    (with ``noeviction``, every replica's writes then fail) and each resume read all of it into the guard."""
+    from mcp_types import JSONRPCResponse
+
+    storage = RedisEventStorage.from_url(redis_server.url, prefix="bytes", max_bytes_per_session=10_000)
+    try:
+        await storage.open("s")
+        await storage.require("s", "1", Requirement())
+        ids = [await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=i, result={"t": "x" * 3000}), None)
+               for i in range(6)]
+        kept = [await storage.get("s", event_id) is not None for event_id in ids if event_id is not None]
+        assert kept == [False, False, False, True, True, True]  # ~3 KB each: three fit
+        assert storage.evictions == 3
+        alone = await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=9, result={"t": "y" * 20_000}), None)
+        assert alone is not None and await storage.get("s", alone) is not None  # past the bound alone: kept alone
+        assert [await storage.get("s", e) is not None for e in ids[3:] if e is not None] == [False, False, False]
+    finally:
+        await storage.aclose()

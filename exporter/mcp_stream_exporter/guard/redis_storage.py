@@ -2,11 +2,12 @@
 
 Per session, under ``<prefix>:{<session id>}:`` (one hash slot on a cluster): ``open`` (the session
 exists, and which process opened it), ``req`` (a hash: stream id -> what its events require) and
-``events`` (a stream: one entry per event, its id the SSE event id). An event's requirement is
-copied into its entry by the same Lua script that appends it, so a requirement recorded later can
-never change what an event stored earlier requires, and a requirement only ever widens (the script
-takes the union). Every key of a session gets the session TTL on each write; the events stream is
-trimmed to ``max_events_per_session`` (evictions counted). Each process keeps a heartbeat key while
+``events`` (a stream: one entry per event, its id the SSE event id, and its size) and ``bytes`` (their
+total). An event's requirement is copied into its entry by the same Lua script that appends it, so a
+requirement recorded later can never change what an event stored earlier requires, and a requirement only
+ever widens (the script takes the union). Every key of a session gets the session TTL on each write; the
+events stream is trimmed to ``max_events_per_session`` and ``max_bytes_per_session``, oldest first
+(evictions counted): a tool that echoes what a client sends cannot fill Redis, nor a resume's read. Each process keeps a heartbeat key while
 it runs, so a replica answering a resume knows whether the session's owner may still finish the call.
 
 No KEYS or SCAN: every key is named from the session id. TLS and auth come with the URL
@@ -64,18 +65,32 @@ if current then
   resources, scopes = union(c.r, resources), union(c.s, scopes)
 end
 redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({r = resources, s = scopes}))
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
 return 0
 """
 
+# the oldest events go while the session holds more than ARGV[4] of them or ARGV[6] bytes (its newest always stays);
+# each entry keeps its size ('z'), the session's total is KEYS[4]
 _APPEND: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local requirement = redis.call('HGET', KEYS[2], ARGV[1]) or ''
-local before = redis.call('XLEN', KEYS[3])
-local id = redis.call('XADD', KEYS[3], 'MAXLEN', ARGV[4], '*', 's', ARGV[1], 'm', ARGV[2], 'r', requirement,
-                      'u', ARGV[3])
-local trimmed = before + 1 - redis.call('XLEN', KEYS[3])
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+local size = string.len(ARGV[2])
+local id = redis.call('XADD', KEYS[3], '*', 's', ARGV[1], 'm', ARGV[2], 'r', requirement, 'u', ARGV[3], 'z', size)
+local total = redis.call('INCRBY', KEYS[4], size)
+local count = redis.call('XLEN', KEYS[3])
+local trimmed = 0
+while count > 1 and (count > tonumber(ARGV[4]) or total > tonumber(ARGV[6])) do
+  local oldest = redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1)[1]
+  local fields, gone = oldest[2], 0
+  for i = 1, #fields, 2 do
+    if fields[i] == 'z' then gone = tonumber(fields[i + 1]) end
+  end
+  redis.call('XDEL', KEYS[3], oldest[1])
+  total = redis.call('DECRBY', KEYS[4], gone)
+  count = count - 1
+  trimmed = trimmed + 1
+end
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
 return {id, trimmed}
 """
 
@@ -100,8 +115,8 @@ for _operation in _OPERATIONS:
 
 class RedisEventStorage:
     """A ``SharedEventStorage`` on Redis (redis-py, asyncio). ``prefix`` separates deployments that
-    share a Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session`` and
-    ``max_calls_per_session`` bound one session's keys. ``max_blocking_reads`` bounds the live tails waiting
+    share a Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session``,
+    ``max_bytes_per_session`` and ``max_calls_per_session`` bound one session's keys. ``max_blocking_reads`` bounds the live tails waiting
     in Redis at once, each on a connection of its own: past it a tail polls, a few at a time, holding none
     between reads (a client resuming one stream hundreds of times at once would otherwise take Redis's every
     connection, and every replica's events with them). Every Redis error becomes ``StorageError``: the guard
@@ -109,12 +124,14 @@ class RedisEventStorage:
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "mcp-stream", ttl_s: float = 3600.0,
                  max_events_per_session: int = 1000, max_calls_per_session: int = 1000,
-                 heartbeat_s: float = 5.0, max_blocking_reads: int = 64) -> None:
+                 max_bytes_per_session: int = 16 << 20, heartbeat_s: float = 5.0,
+                 max_blocking_reads: int = 64) -> None:
         self._redis = client
         self._prefix = prefix
         self._ttl_ms = int(ttl_s * 1000)
         self._max_events = max_events_per_session
         self._max_calls = max_calls_per_session
+        self._max_bytes = max_bytes_per_session
         self._heartbeat_s = heartbeat_s
         self._instance = uuid.uuid4().hex
         self._beating: asyncio.Task[None] | None = None
@@ -146,7 +163,7 @@ class RedisEventStorage:
 
     def _keys(self, session_id: str) -> list[str]:
         base = f"{self._prefix}:{{{session_id}}}"
-        return [f"{base}:open", f"{base}:req", f"{base}:events"]
+        return [f"{base}:open", f"{base}:req", f"{base}:events", f"{base}:bytes"]
 
     def _owner_key(self, instance: str) -> str:
         return f"{self._prefix}:owner:{instance}"
@@ -175,7 +192,8 @@ class RedisEventStorage:
         body = _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""
         async with self._op("append"):
             stored = await self._append(keys=self._keys(session_id),
-                                        args=[stream_id, body, subject or "", self._max_events, self._ttl_ms])
+                                        args=[stream_id, body, subject or "", self._max_events, self._ttl_ms,
+                                              self._max_bytes])
         if not stored:
             self._evicted(1)
             return None
