@@ -1,14 +1,14 @@
 """The guard's events on Redis: one store for every server replica, that survives their restarts.
 
-Per session, under ``<prefix>:{<session id>}:`` (one hash slot on a cluster): ``open`` (the session
-exists, and which process opened it), ``req`` (a hash: stream id -> what its events require) and
-``events`` (a stream: one entry per event, its id the SSE event id, and its size) and ``bytes`` (their
-total). An event's requirement is copied into its entry by the same Lua script that appends it, so a
-requirement recorded later can never change what an event stored earlier requires, and a requirement only
-ever widens (the script takes the union). Every key of a session gets the session TTL on each write; the
-events stream is trimmed to ``max_events_per_session`` and ``max_bytes_per_session``, oldest first
-(evictions counted): a tool that echoes what a client sends cannot fill Redis, nor a resume's read. Each process keeps a heartbeat key while
-it runs, so a replica answering a resume knows whether the session's owner may still finish the call.
+Per session, under ``<prefix>:{<session id>}:`` (one hash slot on a cluster): ``open`` (the session exists,
+and which process opened it), ``req`` (a hash: stream id -> what its events require), ``events`` (a stream:
+one entry per event, its id the SSE event id, and its size) and ``bytes`` (their total). An event's
+requirement is copied into its entry by the same Lua script that appends it, so a requirement recorded later
+can never change what an event stored earlier requires, and a requirement only ever widens (the script takes
+the union). Every key of a session gets the session TTL on each write; the events stream is trimmed to
+``max_events_per_session`` and ``max_bytes_per_session``, oldest first (evictions counted): a tool that echoes
+what a client sends cannot fill Redis, nor a resume's read. Each process keeps a heartbeat key while it runs,
+so a replica answering a resume knows whether the session's owner may still finish the call.
 
 No KEYS or SCAN: every key is named from the session id. TLS and auth come with the URL
 (``rediss://user:password@host:6380/0``).
@@ -114,9 +114,9 @@ for _operation in _OPERATIONS:
 
 
 class RedisEventStorage:
-    """A ``SharedEventStorage`` on Redis (redis-py, asyncio). ``prefix`` separates deployments that
-    share a Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session``,
-    ``max_bytes_per_session`` and ``max_calls_per_session`` bound one session's keys. ``max_blocking_reads`` bounds the live tails waiting
+    """A ``SharedEventStorage`` on Redis (redis-py, asyncio). ``prefix`` separates deployments that share a
+    Redis; ``ttl_s`` bounds an idle session's life; ``max_events_per_session``, ``max_bytes_per_session`` and
+    ``max_calls_per_session`` bound one session's keys. ``max_blocking_reads`` bounds the live tails waiting
     in Redis at once, each on a connection of its own: past it a tail polls, a few at a time, holding none
     between reads (a client resuming one stream hundreds of times at once would otherwise take Redis's every
     connection, and every replica's events with them). Every Redis error becomes ``StorageError``: the guard
