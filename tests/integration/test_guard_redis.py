@@ -339,5 +339,9 @@ async def test_a_sessions_events_in_redis_are_bounded_in_bytes_oldest_first(redi
         alone = await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=9, result={"t": "y" * 20_000}), None)
         assert alone is not None and await storage.get("s", alone) is not None  # past the bound alone: kept alone
         assert [await storage.get("s", e) is not None for e in ids[3:] if e is not None] == [False, False, False]
+        await storage._redis.delete(storage._keys("s")[2])  # a maxmemory policy that evicts keys took its events
+        again = [await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=i, result={"t": "z" * 3000}), None)
+                 for i in range(3)]
+        assert [await storage.get("s", e) is not None for e in again if e is not None] == [True, True, True]
     finally:
         await storage.aclose()

@@ -211,11 +211,13 @@ def test_storage_bounds_the_bytes_a_session_and_all_sessions_keep_oldest_first()
     assert [run(storage.get("a", e)) is not None for e in kept] == [False, False, False, True, True]  # ~1 KB each
     assert storage.evictions == 3
     run(storage.open("b"))
-    big = run(storage.append("b", "9", _big(9, 2900), None))  # the total past its bound: "a", least recent, goes
-    assert run(storage.get("b", big)) is not None
-    assert not run(storage.is_open("a"))
-    alone = run(storage.append("b", "10", _big(10, 4500), None))  # past the session's bound, kept alone
-    assert [run(storage.get("b", e)) is not None for e in (big, alone)] == [False, True]
+    run(storage.append("b", "9", _big(9, 3500), None))  # the total past its bound: the heavier session goes
+    assert [run(storage.is_open(s)) for s in ("a", "b")] == [True, False]
+    roomy = InMemoryEventStorage(max_bytes_per_session=3000)
+    run(roomy.open("c"))
+    first = run(roomy.append("c", "9", _big(9, 1000), None))
+    alone = run(roomy.append("c", "10", _big(10, 4500), None))  # past the session's bound, kept alone
+    assert [run(roomy.get("c", e)) is not None for e in (first, alone)] == [False, True]
 
 
 def test_past_the_storages_byte_bound_the_principal_holding_the_most_loses_its_oldest_session_not_others():
@@ -233,6 +235,12 @@ def test_past_the_storages_byte_bound_the_principal_holding_the_most_loses_its_o
     wide = JSONRPCResponse(jsonrpc="2.0", id=1, result={"text": "\U0001f600" * 2500})  # 10 KB in UTF-8
     run(storage.append("wide", "1", wide, "mallory"))
     assert [run(storage.is_open(s)) for s in ("victim", "m1", "m2", "m3", "wide")] == [True, False, False, False, True]
+    run(storage.open("opaque"))  # naming no principal, a session is its own: not charged with other such ones
+    run(storage.append("opaque", "1", _big(1, 500), None))
+    for i in range(3):
+        run(storage.open(f"o{i}"))
+        run(storage.append(f"o{i}", "1", _big(1, 4000), None))
+    assert run(storage.is_open("opaque")) and run(storage.is_open("victim"))
 
 
 def test_refusal_notice_is_rewritten_into_an_error_frame_without_an_id():

@@ -73,6 +73,7 @@ return 0
 # each entry keeps its size ('z'), the session's total is KEYS[4]
 _APPEND: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('DEL', KEYS[4]) end  -- its events evicted, its total with them
 local requirement = redis.call('HGET', KEYS[2], ARGV[1]) or ''
 local size = string.len(ARGV[2])
 local id = redis.call('XADD', KEYS[3], '*', 's', ARGV[1], 'm', ARGV[2], 'r', requirement, 'u', ARGV[3], 'z', size)

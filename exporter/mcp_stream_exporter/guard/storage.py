@@ -101,6 +101,12 @@ class _Session:
     touched: float = 0.0
     size: int = 0  # its events' bytes, as JSON
     subject: str | None = None  # whose its events are (the principal's hash), charged its size
+    key: str = ""  # its session id: what it is charged to while its events name no principal
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        """Who its bytes are charged to: its principal, or, naming none (an opaque token), itself alone."""
+        return ("principal", self.subject) if self.subject is not None else ("session", self.key)
     # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
     # however many wait, made only when one does
     changed: anyio.Event | None = None
@@ -136,7 +142,7 @@ class InMemoryEventStorage:
         self._max_session_bytes = max_bytes_per_session
         self._max_bytes = max_bytes
         self._bytes = 0  # every session's events'
-        self._subject_bytes: dict[str | None, int] = {}  # the same, by whose sessions they are in
+        self._owner_bytes: dict[tuple[str, str], int] = {}  # the same, by whose sessions they are in (``owner``)
         self._max_calls = max_calls_per_session
         self._max_sessions = max_sessions
         self._ttl = ttl
@@ -155,9 +161,10 @@ class InMemoryEventStorage:
 
     def _shed(self) -> None:
         """Past ``max_bytes``: the least recently used session of the principal whose sessions hold the most goes
-        (not whoever's was used longest ago: one user making a tool echo megabytes would push out everyone's)."""
-        heaviest = max(self._subject_bytes, key=self._subject_bytes.__getitem__)
-        key, session = next((k, v) for k, v in self._sessions.items() if v.subject == heaviest)
+        (not whoever's was used longest ago: one user making a tool echo megabytes would push out everyone's); a
+        session whose events name no principal is one of its own (opaque tokens are not one user)."""
+        heaviest = max(self._owner_bytes, key=self._owner_bytes.__getitem__)
+        key, session = next((k, v) for k, v in self._sessions.items() if v.owner == heaviest)
         self.evictions += len(session.events) + len(session.requirements)
         self._drop(key)
 
@@ -172,7 +179,7 @@ class InMemoryEventStorage:
 
     async def open(self, session_id: str) -> None:
         if session_id not in self._sessions:
-            self._sessions[session_id] = _Session(touched=self._clock())
+            self._sessions[session_id] = _Session(touched=self._clock(), key=session_id)
             self._expire(self._clock())
 
     async def close(self, session_id: str) -> None:
@@ -187,11 +194,12 @@ class InMemoryEventStorage:
     def _charge(self, session: _Session, size: int) -> None:
         session.size += size
         self._bytes += size
-        left = self._subject_bytes.get(session.subject, 0) + size
+        owner = session.owner
+        left = self._owner_bytes.get(owner, 0) + size
         if left:
-            self._subject_bytes[session.subject] = left
+            self._owner_bytes[owner] = left
         else:
-            self._subject_bytes.pop(session.subject, None)
+            self._owner_bytes.pop(owner, None)
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
                      subject: str | None) -> str | None:
