@@ -102,14 +102,14 @@ class _Session:
     size: int = 0  # its events' bytes, as JSON
     subject: str | None = None  # whose its events are (the principal's hash), charged its size
     key: str = ""  # its session id: what it is charged to while its events name no principal
+    # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
+    # however many wait, made only when one does
+    changed: anyio.Event | None = None
 
     @property
     def owner(self) -> tuple[str, str]:
         """Who its bytes are charged to: its principal, or, naming none (an opaque token), itself alone."""
         return ("principal", self.subject) if self.subject is not None else ("session", self.key)
-    # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
-    # however many wait, made only when one does
-    changed: anyio.Event | None = None
 
     def wake(self) -> None:
         if self.changed is not None:
@@ -125,8 +125,9 @@ class _Session:
 class InMemoryEventStorage:
     """Bounded in-process storage: at most ``max_events_per_session`` events and ``max_bytes_per_session``
     bytes of them (as JSON) a session (oldest go first), ``max_calls_per_session`` stream requirements a
-    session (later ones are not recorded), ``max_sessions`` sessions and ``max_bytes`` bytes of events in all
-    (least recently used sessions go first), and a session untouched for ``ttl`` seconds is dropped. Everything
+    session (later ones are not recorded), ``max_sessions`` sessions (least recently used go first) and
+    ``max_bytes`` bytes of events in all (the heaviest principal's sessions go first, ``_shed``), and a session
+    untouched for ``ttl`` seconds is dropped. Everything
     dropped is counted in ``evictions``: an evicted event's id reads as an unknown cursor, and an event without a
     recorded requirement is never replayed.
 
@@ -223,7 +224,7 @@ class InMemoryEventStorage:
             self._charge(session, -session.events.popitem(last=False)[1][2])
             self.evictions += 1
         session.wake()
-        self._expire(self._clock())  # past ``max_bytes``: the least recently used sessions go
+        self._expire(self._clock())  # past ``max_bytes``: the heaviest principal's oldest sessions go
         return event.event_id
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
