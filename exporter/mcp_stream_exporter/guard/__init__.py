@@ -1,7 +1,8 @@
 """The guard enforces: the replay guard, a session-scoped ``EventStore`` that enforces the
-superset-audience invariant (``store``) over a storage seam with an in-process and a Redis
-implementation; the call guard, a ``ServerMiddleware`` that refuses a ``tools/call`` whose token lacks
-what the tool requires (``calls``); and on the client, refused resumes resolved at once (``refusals``)."""
+superset-audience invariant (``store``; its refusal frame in ``error_frame``, the POSTs it reads first in
+``posts``) over a storage seam with an in-process and a Redis implementation; the call guard, a
+``ServerMiddleware`` that refuses a ``tools/call`` whose token lacks what the tool requires (``calls``); and
+on the client, refused resumes resolved at once (``refusals``)."""
 
 from mcp_stream_exporter.guard.calls import CallGuard
 from mcp_stream_exporter.guard.error_frame import REFUSAL_METHOD
