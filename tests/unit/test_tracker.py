@@ -120,11 +120,11 @@ def test_a_stream_that_ends_clean_while_its_sessions_delete_is_accepted_ended_wi
     leaves behind as it exits is no silent loss. The span waits for the answer, and keeps when the stream ended."""
     tracker, exporter = _tracker()
     resume = _resumed(tracker)
-    tracker.deleting("s")
+    delete = tracker.deleting("s")
     before = time.time_ns()
     tracker.end_stream(resume, sc.END_CLEAN, 200)
     assert _by(exporter, sc.SPAN_STREAM)[1:] == []  # the POST's only: the resume's waits for the DELETE's answer
-    tracker.deleted("s", status)
+    tracker.deleted("s", delete, status)
     span = _resume_end(exporter)
     assert span.attributes[sc.END_REASON] == sc.END_TERMINATED
     assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
@@ -138,12 +138,11 @@ def test_a_stream_that_ends_clean_while_its_sessions_delete_is_accepted_ended_wi
 def test_a_clean_end_during_a_refused_or_unanswered_delete_is_still_a_clean_end_with_its_call_pending(status):
     tracker, exporter = _tracker()
     resume = _resumed(tracker)
-    tracker.deleting("s")
-    tracker.deleting("s")  # two at once: the stream waits for both
+    first, second = tracker.deleting("s"), tracker.deleting("s")  # two at once: the stream waits for both
     tracker.end_stream(resume, sc.END_CLEAN, 200)
-    tracker.deleted("s", status)
+    tracker.deleted("s", first, status)
     assert _by(exporter, sc.SPAN_STREAM)[1:] == []
-    tracker.deleted("s", 401)
+    tracker.deleted("s", second, 401)
     span = _resume_end(exporter)
     assert span.attributes[sc.END_REASON] == sc.END_CLEAN
     assert span.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
@@ -152,11 +151,26 @@ def test_a_clean_end_during_a_refused_or_unanswered_delete_is_still_a_clean_end_
     assert _by(exporter, sc.SPAN_STREAM)[-1].attributes[sc.END_REASON] == sc.END_CLEAN
 
 
+def test_a_delete_accepted_after_a_stream_ended_did_not_end_it_whoever_kept_another_delete_open():
+    """Anyone may send a DELETE naming a session and never finish it: the client's own DELETE at exit, begun after
+    its narrowed resume ended clean, made that loss ``terminated`` while the other kept the session's ends held."""
+    tracker, exporter = _tracker()
+    resume = _resumed(tracker)
+    other = tracker.deleting("s")  # its body never comes
+    tracker.end_stream(resume, sc.END_CLEAN, 200)  # the loss
+    tracker.cancel(("s", "1"))  # its caller gives up meanwhile: the stream still left it pending as it ended
+    own = tracker.deleting("s")
+    tracker.deleted("s", own, 200)
+    assert [s.attributes[sc.SPAN] for s in _by(exporter, sc.SPAN_STREAM)[1:]] == []  # waits on the one it ended in
+    tracker.deleted("s", other, 404)
+    span = _resume_end(exporter)
+    assert (span.attributes[sc.END_REASON], span.attributes[sc.PENDING_REQUEST_IDS]) == (sc.END_CLEAN, ("1",))
+
+
 def test_a_redirected_delete_ends_no_session():
     """``DELETE /mcp/`` is Starlette's 307, from anyone: the SDK never saw it, the session lives on."""
     tracker, exporter = _tracker()
-    tracker.deleting("s")
-    tracker.deleted("s", 307)
+    tracker.deleted("s", tracker.deleting("s"), 307)
     resume = _resumed(tracker)
     tracker.end_stream(resume, sc.END_CLEAN, 200)
     assert _resume_end(exporter).attributes[sc.END_REASON] == sc.END_CLEAN
@@ -170,12 +184,12 @@ def test_a_delete_never_answered_holds_a_clean_end_back_only_a_moment(monkeypatc
     async def scenario():
         tracker, exporter = _tracker()
         resume = _resumed(tracker)
-        tracker.deleting("s")
+        delete = tracker.deleting("s")
         tracker.end_stream(resume, sc.END_CLEAN, 200)
         for _ in range(3):  # the release is the loop's next callback: no time passes
             await asyncio.sleep(0)
         span = _resume_end(exporter)
-        tracker.deleted("s", 200)  # answered after all: too late to change what was told
+        tracker.deleted("s", delete, 200)  # answered after all: too late to change what was told
         return span
 
     span = asyncio.run(scenario())
@@ -189,11 +203,11 @@ def test_a_clean_end_before_the_delete_or_in_another_session_is_a_clean_end_and_
     tracker.end_stream(lost, sc.END_CLEAN, 200)
     other = _resumed(tracker, session="t", rid=2)
     waiting = _resumed(tracker, session="u", rid=3)
-    tracker.deleting("s")
+    delete = tracker.deleting("s")
     tracker.deleting("u")
     tracker.end_stream(other, sc.END_CLEAN, 200)
     tracker.end_stream(waiting, sc.END_CLEAN, 200)
-    tracker.deleted("s", 200)
+    tracker.deleted("s", delete, 200)
     tracker.shutdown()
     resumes = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes[sc.STREAM_KIND] == sc.STREAM_KIND_RESUME]
     assert [(s.attributes[sc.PENDING_REQUEST_IDS], s.attributes[sc.END_REASON]) for s in resumes] == [

@@ -478,7 +478,9 @@ class GuardedEventStore(EventStore):
                 elif (message["type"] == "http.response.start" and scope.get("method") == "DELETE"
                       and message["status"] < 300 and request.session_id is not None):
                     self._in_flight.end(request.session_id)
+                    await send(message)  # answered first: the client waits on no storage round trip of ours
                     await self._ended(request.session_id)  # the SDK ended the session its client deleted
+                    return
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": rewrite_refusal(message["body"])}
                 await send(message)

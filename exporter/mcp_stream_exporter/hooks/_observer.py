@@ -228,9 +228,9 @@ class WireObserver:
                            headers.get(PROTOCOL_VERSION))
             token = request_scope.bind(rs)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
-            deleting = rs.session_id if ex.method == "DELETE" else None
-            if deleting is not None:
-                tracker.deleting(deleting)
+            deleting = None
+            if ex.method == "DELETE" and rs.session_id is not None:
+                deleting = (rs.session_id, tracker.deleting(rs.session_id))
 
             async def observed_receive() -> Message:
                 message = await receive()
@@ -257,7 +257,7 @@ class WireObserver:
                 await app(scope, observed_receive, observed_send)
             finally:
                 if deleting is not None:  # told now, not at its answer's start: the app may have sent none
-                    tracker.deleted(deleting, ex.status or None)
+                    tracker.deleted(*deleting, ex.status or None)
                 request_scope.unbind(token)
                 del scope[_EXCHANGE]
                 if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them

@@ -61,7 +61,7 @@ _MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that e
 # how long a stream that ended clean during a DELETE of its session waits for the DELETE's answer, and how many do: the
 # SDK closes the streams as it accepts the DELETE and answers at once; one it is not running (its body never comes)
 # holds nothing back for longer
-_DELETE_WAIT_S = 1.0
+_DELETE_WAIT_S = 5.0
 _MAX_HELD_ENDS = 256
 # Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
 # of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
@@ -643,7 +643,8 @@ class Tracker:
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
-        self._deletions: dict[str, _Deletion] = {}  # DELETEs of a session in progress (``deleting``)
+        self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
+        self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
 
     # --- calls ---
@@ -1073,31 +1074,35 @@ class Tracker:
             # ended with the session, not with its calls' answers (its client's own decision, no loss)
             if stream.session_id in self._deleted:
                 reason = sc.END_TERMINATED
-            elif (deletion := self._deletions.get(stream.session_id)) is not None and deletion.holds():
-                deletion.ended.append((stream, status, time.time_ns()))  # ended once the DELETE is answered
-                if len(deletion.ended) == 1:
-                    self._release_later(stream.session_id, deletion)
-                return
+            elif (deletions := self._deletions.get(stream.session_id)) is not None:
+                held = deletions.hold(stream, status)
+                if held is not None:  # ended once one of the DELETEs it waits on is answered, or as it ended
+                    self._release_later(deletions, held)
+                    return
         self._close(stream, reason, status)
 
-    def _release_later(self, session_id: str, deletion: _Deletion) -> None:
-        """Close the streams a DELETE holds back if it is not answered within ``_DELETE_WAIT_S``: as they ended."""
+    def _release_later(self, deletions: _Deletions, held: _Held) -> None:
+        """Close a stream held back for DELETEs not answered within ``_DELETE_WAIT_S``: as it ended."""
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven by hand (tests): the answer, or shutdown, releases them
+        except RuntimeError:  # driven by hand (tests): an answer, or shutdown, releases it
             return
 
         def release() -> None:
-            if self._deletions.get(session_id) is deletion:
-                del self._deletions[session_id]  # the DELETEs still in progress hold nothing any more
-                for stream, status, end_time in deletion.ended:
-                    self._close(stream, sc.END_CLEAN, status, end_time)
+            if deletions.release(held):
+                self._close_held(held, sc.END_CLEAN)
 
         loop.call_later(_DELETE_WAIT_S, release)
 
-    def _close(self, stream: Stream, reason: str, status: int | None, end_time: int | None = None) -> None:
-        """The span of an ended stream that is not the healthy path, and what its end means for its calls."""
-        pending = stream.pending()
+    def _close_held(self, held: _Held, reason: str) -> None:
+        self._close(held.stream, reason, held.status, held.end_time, held.pending)
+
+    def _close(self, stream: Stream, reason: str, status: int | None, end_time: int | None = None,
+               pending: list[Call] | None = None) -> None:
+        """The span of an ended stream that is not the healthy path, and what its end means for its calls.
+        ``end_time`` and ``pending``: when it ended and what it left pending then, for a stream closed later."""
+        if pending is None:
+            pending = stream.pending()
         terminal_ids = stream.terminal_ids
         span = self._create(stream)
         attrs: dict[str, AttributeValue] = {sc.END_REASON: reason, sc.EVENTS_COUNT: stream.events,
@@ -1130,36 +1135,35 @@ class Tracker:
             if call.stateless or no_cursor:
                 self._finish(call, outcome)
 
-    def deleting(self, session_id: str) -> None:
-        """A DELETE of the session is sent (client) or received (server); ``deleted`` once its answer is known."""
-        deletion = self._deletions.get(session_id)
-        if deletion is None:
-            deletion = self._deletions[session_id] = _Deletion()
-        deletion.requests += 1
-        deletion.started = time.monotonic()  # the latest: what a stream ending now waits on
+    def deleting(self, session_id: str) -> int:
+        """A DELETE of the session is sent (client) or received (server); ``deleted`` with what this returns once
+        its answer is known."""
+        deletions = self._deletions.get(session_id)
+        if deletions is None:
+            deletions = self._deletions[session_id] = _Deletions()
+        self._delete_seq += 1
+        deletions.requests[self._delete_seq] = time.monotonic()
+        return self._delete_seq
 
-    def deleted(self, session_id: str, status: int | None) -> None:
-        """The answer to a DELETE of the session (``deleting``): its status, None if there was none. Accepted, the
-        streams that ended clean meanwhile ended with the session (the DELETEs still in progress change nothing
-        more); once every DELETE is refused, with their own."""
-        deletion = self._deletions.get(session_id)
-        if deletion is None:
+    def deleted(self, session_id: str, request: int, status: int | None) -> None:
+        """The answer to a DELETE of the session (``request``, from ``deleting``): its status, None if there was
+        none. Accepted (2xx: a redirect, ``/mcp/``'s 307, ends nothing), the streams that ended clean while it
+        was in progress ended with the session; refused, they wait on the other DELETEs they ended during, if any.
+        A stream that ended before this DELETE began is not its doing, whoever sent the DELETEs around it."""
+        deletions = self._deletions.get(session_id)
+        if deletions is None:
             return
-        deletion.requests -= 1
-        accepted = status is not None and 200 <= status < 300  # a redirect (``/mcp/``'s 307) ends nothing
+        deletions.requests.pop(request, None)
+        accepted = status is not None and 200 <= status < 300
         if accepted:
             self._deleted[session_id] = None
             self._deleted.move_to_end(session_id)
             if len(self._deleted) > _MAX_DELETED:
                 self._deleted.popitem(last=False)
-        elif deletion.requests > 0:
-            return
-        self._ended_with(session_id, accepted)
-
-    def _ended_with(self, session_id: str, deleted: bool) -> None:
-        """Close the streams that ended clean while the session's DELETEs were in progress."""
-        for stream, status, end_time in self._deletions.pop(session_id).ended:
-            self._close(stream, sc.END_TERMINATED if deleted else sc.END_CLEAN, status, end_time)
+        for held in deletions.answered(request, accepted):
+            self._close_held(held, sc.END_TERMINATED if accepted else sc.END_CLEAN)
+        if not deletions.requests and not deletions.held:
+            del self._deletions[session_id]
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
         self._event_index[(session_id, _indexed(event_id))] = request_ids
@@ -1172,25 +1176,65 @@ class Tracker:
         for bodies in list(self._unread.values()):
             for body in list(bodies):
                 body.read_unread()
-        for session_id in list(self._deletions):  # DELETEs never answered: their streams ended their own way
-            self._ended_with(session_id, False)
+        for deletions in self._deletions.values():  # DELETEs never answered: their streams ended their own way
+            for held in deletions.held:
+                self._close_held(held, sc.END_CLEAN)
+        self._deletions.clear()
         for call in list(self._calls.values()):
             self._evict(call)
 
 
-class _Deletion:
-    """The DELETEs of a session in progress, and the streams of it that ended clean meanwhile."""
+class _Held:
+    """A stream that ended clean during DELETEs of its session, held until one of them is answered."""
 
-    __slots__ = ("ended", "requests", "started")
+    __slots__ = ("end_time", "pending", "status", "stream", "waiting")
+
+    def __init__(self, stream: Stream, status: int | None, waiting: set[int]) -> None:
+        self.stream = stream
+        self.status = status
+        self.end_time = time.time_ns()
+        self.pending = stream.pending()  # as it ended: a caller that gives up meanwhile changes nothing of it
+        self.waiting = waiting  # the DELETEs in progress when it ended
+
+
+class _Deletions:
+    """A session's DELETEs in progress, each by when it began, and the streams of it held for their answers."""
+
+    __slots__ = ("held", "requests")
 
     def __init__(self) -> None:
-        self.requests = 0
-        self.started = time.monotonic()
-        self.ended: list[tuple[Stream, int | None, int]] = []  # a stream, its status, when it ended
+        self.requests: dict[int, float] = {}
+        self.held: list[_Held] = []
 
-    def holds(self) -> bool:
-        """Whether a stream that ends now waits for the answer (``_DELETE_WAIT_S``, ``_MAX_HELD_ENDS``)."""
-        return time.monotonic() - self.started < _DELETE_WAIT_S and len(self.ended) < _MAX_HELD_ENDS
+    def hold(self, stream: Stream, status: int | None) -> _Held | None:
+        """Hold a stream that ends now, on the DELETEs begun in the last ``_DELETE_WAIT_S``; None if none were (one
+        the SDK is not running, its body never sent, holds nothing), or too many streams are held already."""
+        now = time.monotonic()
+        waiting = {request for request, began in self.requests.items() if now - began < _DELETE_WAIT_S}
+        if not waiting or len(self.held) >= _MAX_HELD_ENDS:
+            return None
+        held = _Held(stream, status, waiting)
+        self.held.append(held)
+        return held
+
+    def answered(self, request: int, accepted: bool) -> list[_Held]:
+        """The held streams ``request``'s answer closes: all it was waited on by when accepted; refused, those
+        that wait on nothing else."""
+        done = []
+        for held in self.held:
+            if request in held.waiting:
+                held.waiting.discard(request)
+                if accepted or not held.waiting:
+                    done.append(held)
+        self.held = [held for held in self.held if held not in done]
+        return done
+
+    def release(self, held: _Held) -> bool:
+        """Let ``held`` go unanswered: False if an answer closed it already."""
+        if held not in self.held:
+            return False
+        self.held.remove(held)
+        return True
 
 
 def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:

@@ -169,14 +169,14 @@ class ClientInstrumentation:
                 pending = None
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
         # the client's DELETE of its session: the streams the server closes as it accepts it end with the session
-        deleting = session_id if request.method == "DELETE" else None
-        if deleting is not None:
-            self.tracker.deleting(deleting)
+        deleting = None
+        if request.method == "DELETE" and session_id is not None:
+            deleting = (session_id, self.tracker.deleting(session_id))
         try:
             response = await inner.handle_async_request(request)
         except BaseException as failed:
             if deleting is not None:
-                self.tracker.deleted(deleting, None)
+                self.tracker.deleted(*deleting, None)
             if pending is not None:
                 calls.append(self._start_late(pending, session_id, protocol_version, view, start))
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
@@ -184,7 +184,7 @@ class ClientInstrumentation:
                 self.tracker.end_stream(stream, sc.END_DROPPED if isinstance(failed, Exception) else sc.END_CLOSED)
             raise
         if deleting is not None:
-            self.tracker.deleted(deleting, response.status_code)
+            self.tracker.deleted(*deleting, response.status_code)
         response_headers = _picked(response.headers, RESPONSE_HEADERS)
         asked_in = session_id  # a pending call is its request's, whatever session the answer names
         if session_id is None:
