@@ -384,3 +384,21 @@ async def test_requests_the_sdk_refuses_open_no_session_in_the_guards_storage():
     assert {r.status_code for r in refused} == {400}
     for answer in refused:
         assert not await store.storage.is_open(answer.headers["mcp-session-id"])
+
+
+async def test_a_request_whose_id_is_the_standalone_streams_key_is_refused():
+    """The SDK keys a request's stream by its id: a narrow token's call with id ``_GET_stream`` became the session's
+    standalone stream, and read (and answered) the sampling request a broad call sent there."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    async with guarded_server(issuer, store) as server, honest_client(server, broad):
+        (session_id,) = server.session_ids()
+        call = {"jsonrpc": "2.0", "id": "_GET_stream", "method": "tools/call",
+                "params": {"name": "search", "arguments": {"query": "q"}}}
+        async with httpx.AsyncClient(timeout=5) as http:
+            refused = await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(call))
+    assert refused.status_code == 400
+    assert "_GET_stream" in refused.json()["error"]["message"]

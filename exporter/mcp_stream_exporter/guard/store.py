@@ -478,9 +478,9 @@ class GuardedEventStore(EventStore):
                 elif (message["type"] == "http.response.start" and scope.get("method") == "DELETE"
                       and message["status"] < 300 and request.session_id is not None):
                     self._in_flight.end(request.session_id)
-                    await send(message)  # answered first: the client waits on no storage round trip of ours
+                    # dropped before the answer goes (a resume the client sends after it is the SDK's 404 everywhere);
+                    # the storage's timeout bounds the wait, well within the hooks' hold of the streams it ended
                     await self._ended(request.session_id)  # the SDK ended the session its client deleted
-                    return
                 elif message["type"] == "http.response.body" and REFUSAL_METHOD.encode() in message.get("body", b""):
                     message = {**message, "body": rewrite_refusal(message["body"])}
                 await send(message)
@@ -513,11 +513,16 @@ class GuardedEventStore(EventStore):
         return _Request(session_ids[0] if len(session_ids) == 1 else None, auth, ambiguous)
 
     def _admit(self, request: _Request, body: bytes | None, asked: Asked) -> tuple[int, str] | None:
-        """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused, in a session: a body
+        """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: a request whose id is
+        the key the SDK gives the standalone stream; in a session, a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
         cancel or an answer acting on a call in flight whose events the token may not see, or a request id
         the session has in flight (``InFlight``). Synchronous: no other request runs between the check and
         the claim."""
+        if any(msg.id == STANDALONE_STREAM_ID for msg in asked.requests):
+            # the SDK keys a request's stream by its id: this one's would be the standalone stream, every message
+            # the server sends outside a call going to whoever posted it, checked by nothing
+            return 400, f"request id {STANDALONE_STREAM_ID!r} is the session's standalone stream's"
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it

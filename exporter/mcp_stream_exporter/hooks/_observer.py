@@ -228,16 +228,20 @@ class WireObserver:
                            headers.get(PROTOCOL_VERSION))
             token = request_scope.bind(rs)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
-            deleting = None
-            if ex.method == "DELETE" and rs.session_id is not None:
-                deleting = (rs.session_id, tracker.deleting(rs.session_id))
+            deleting: tuple[str, int] | None = None  # a DELETE of the session the SDK may act on (``deleting``)
 
             async def observed_receive() -> Message:
+                nonlocal deleting
                 message = await receive()
                 kind = message["type"]
                 if kind == "http.request":
                     if ex.method == "POST" and not ex.oversized:
                         self._on_body(ex, message)
+                    elif (ex.method == "DELETE" and rs.session_id is not None and deleting is None
+                          and not message.get("more_body", False)):
+                        # read whole: the SDK acts on none before (its body limit reads every body first), so one
+                        # whose body is held back ends nothing, and no stream waits on it
+                        deleting = (rs.session_id, tracker.deleting(rs.session_id))
                 elif kind == "http.disconnect":
                     ex.disconnected = True
                     stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
@@ -246,18 +250,22 @@ class WireObserver:
                 return message
 
             def observed_send(message: Message) -> Awaitable[None]:  # send's own awaitable: no coroutine of ours
+                nonlocal deleting
                 kind = message["type"]
                 if kind == "http.response.body":
                     self._on_response_body(ex, message)
                 elif kind == "http.response.start":
                     self._on_response_start(ex, message)
+                    if deleting is not None:
+                        tracker.deleted(*deleting, ex.status)
+                        deleting = None
                 return send(message)
 
             try:
                 await app(scope, observed_receive, observed_send)
             finally:
-                if deleting is not None:  # told now, not at its answer's start: the app may have sent none
-                    tracker.deleted(*deleting, ex.status or None)
+                if deleting is not None:  # never answered
+                    tracker.deleted(*deleting, None)
                 request_scope.unbind(token)
                 del scope[_EXCHANGE]
                 if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them

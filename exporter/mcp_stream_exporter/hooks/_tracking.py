@@ -62,7 +62,7 @@ _MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that e
 # SDK closes the streams as it accepts the DELETE and answers at once; one it is not running (its body never comes)
 # holds nothing back for longer
 _DELETE_WAIT_S = 5.0
-_MAX_HELD_ENDS = 256
+_MAX_HELD_ENDS = 10_000  # a session: each held a moment, and one session seldom has this many streams open
 # Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
 # of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
 # new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
@@ -1054,6 +1054,8 @@ class Tracker:
         nothing else, is the healthy path and leaves no span."""
         if stream.ended:
             return
+        if self._deletions:
+            self._release_due()
         if stream.holder is not None:
             frames = self._release(stream)
             if self._settled(stream, frames, status):
@@ -1081,11 +1083,20 @@ class Tracker:
                     return
         self._close(stream, reason, status)
 
+    def _release_due(self) -> None:
+        """Close the streams held past ``_DELETE_WAIT_S``, as they ended: what a timer does where there is an
+        asyncio loop (``_release_later``), done at the next stream's end where there is none (trio)."""
+        due = time.time_ns() - int(_DELETE_WAIT_S * 1e9)
+        for deletions in list(self._deletions.values()):
+            for held in [held for held in deletions.held if held.end_time <= due]:
+                if deletions.release(held):
+                    self._close_held(held, sc.END_CLEAN)
+
     def _release_later(self, deletions: _Deletions, held: _Held) -> None:
         """Close a stream held back for DELETEs not answered within ``_DELETE_WAIT_S``: as it ended."""
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven by hand (tests): an answer, or shutdown, releases it
+        except RuntimeError:  # no asyncio loop: an answer, the next stream's end (``_release_due``) or shutdown
             return
 
         def release() -> None:
