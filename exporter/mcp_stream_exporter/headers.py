@@ -12,18 +12,19 @@ from collections.abc import Iterable, Mapping
 
 def pick(raw: Iterable[tuple[bytes, bytes]], names: Mapping[bytes, str], lowered: bool = False) -> dict[str, str]:
     """The values of the headers in ``names`` (lower-case bytes, to the name each is keyed by: no name
-    decoded on every request); HTTP/1.1 headers are latin-1. A repeated header keeps its last value.
+    decoded on every request); HTTP/1.1 headers are latin-1. A repeated header keeps its first value, the one
+    Starlette, so the MCP SDK, acts on (a DELETE naming two sessions ends the first).
     ``lowered``: the names in ``raw`` are lower-case already, as ASGI requires of a server (and
     Starlette, so the MCP SDK, relies on)."""
     found: dict[str, str] = {}
     if lowered:
         for key, value in raw:
-            if key in names:
+            if key in names and names[key] not in found:
                 found[names[key]] = value.decode("latin-1")
         return found
     for key, value in raw:
         key = key.lower()
-        if key in names:
+        if key in names and names[key] not in found:
             found[names[key]] = value.decode("latin-1")
     return found
 

@@ -188,10 +188,12 @@ def test_a_body_in_the_sdks_form_or_one_edit_from_it_reads_as_its_full_parse(rid
         assert fast is None or [fast] == classify(body), body
 
 
-def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_case_a_repeat_keeping_its_last():
+def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_case_a_repeat_keeping_its_first():
+    """The first, as Starlette reads it, so the SDK acts on it: the last made a DELETE naming two sessions end one
+    in the SDK and the other in the hooks (whose every clean end then read ``terminated``)."""
     raw = [(b"Host", b"h"), (b"MCP-Session-Id", b"s1"), (b"Authorization", b"Bearer a"),
-           (b"authorization", b"Bearer b"), (b"last-event-id", b"\xe9")]
-    assert pick(raw, REQUEST_HEADERS) == {SESSION_ID: "s1", AUTHORIZATION: "Bearer b", LAST_EVENT_ID: "\xe9"}
+           (b"authorization", b"Bearer b"), (b"last-event-id", b"\xe9"), (b"mcp-session-id", b"s2")]
+    assert pick(raw, REQUEST_HEADERS) == {SESSION_ID: "s1", AUTHORIZATION: "Bearer a", LAST_EVENT_ID: "\xe9"}
     lowered = [(k.lower(), v) for k, v in raw]  # as an ASGI server hands them over
     assert pick(lowered, REQUEST_HEADERS, lowered=True) == pick(raw, REQUEST_HEADERS)
     assert pick([(b"content-type", b"text/event-stream")], RESPONSE_HEADERS, lowered=True) == {

@@ -182,6 +182,37 @@ def test_with_no_asyncio_loop_a_held_end_is_released_by_the_next_stream_that_end
     assert ends == [("s", sc.END_CLEAN), ("t", sc.END_CLEAN)]
 
 
+@pytest.mark.parametrize("rest", [{"type": "http.request", "body": b"c", "more_body": False},
+                                  {"type": "http.disconnect"}])
+def test_the_server_counts_a_delete_once_the_sdk_can_act_on_it_its_body_read_whole_or_its_client_gone(rest):
+    """The SDK reads a DELETE's body whole before it ends the session (or acts on what it has when its client
+    leaves): a stream that ends before then is not the DELETE's doing, one that ends after is."""
+    tracker, exporter = _tracker()
+    early, late = _resumed(tracker), _resumed(tracker, rid=2)
+    observer = WireObserver(tracker, Requirements(100), ToolPolicy(), TokenReader(), "/mcp")
+    messages = iter([{"type": "http.request", "body": b"ab", "more_body": True}, rest])
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        return None
+
+    async def sdk(scope, receive, send):
+        await receive()
+        tracker.end_stream(early, sc.END_CLEAN, 200)  # the body not yet whole: the SDK has not acted
+        await receive()
+        tracker.end_stream(late, sc.END_CLEAN, 200)  # closed as the SDK ends the session
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    scope = {"type": "http", "path": "/mcp", "method": "DELETE", "headers": [(b"mcp-session-id", b"s")]}
+    asyncio.run(observer.asgi(sdk)(scope, receive, send))
+    ends = {s.attributes[sc.PENDING_REQUEST_IDS]: s.attributes[sc.END_REASON] for s in _by(exporter, sc.SPAN_STREAM)
+            if s.attributes[sc.STREAM_KIND] == sc.STREAM_KIND_RESUME}
+    assert ends == {("1",): sc.END_CLEAN, ("2",): sc.END_TERMINATED}
+
+
 def test_a_redirected_delete_ends_no_session():
     """``DELETE /mcp/`` is Starlette's 307, from anyone: the SDK never saw it, the session lives on."""
     tracker, exporter = _tracker()

@@ -243,6 +243,8 @@ class WireObserver:
                         # whose body is held back ends nothing, and no stream waits on it
                         deleting = (rs.session_id, tracker.deleting(rs.session_id))
                 elif kind == "http.disconnect":
+                    if ex.method == "DELETE" and rs.session_id is not None and deleting is None:
+                        deleting = (rs.session_id, tracker.deleting(rs.session_id))  # the SDK acts on it as it is
                     ex.disconnected = True
                     stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
                     if stream is not None:
