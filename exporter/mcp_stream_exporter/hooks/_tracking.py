@@ -1079,7 +1079,7 @@ class Tracker:
             elif (deletions := self._deletions.get(stream.session_id)) is not None:
                 held = deletions.hold(stream, status)
                 if held is not None:  # ended once one of the DELETEs it waits on is answered, or as it ended
-                    self._release_later(deletions, held)
+                    self._release_later(stream.session_id, held)
                     return
         self._close(stream, reason, status)
 
@@ -1087,23 +1087,26 @@ class Tracker:
         """Close the streams held past ``_DELETE_WAIT_S``, as they ended: what a timer does where there is an
         asyncio loop (``_release_later``), done at the next stream's end where there is none (trio)."""
         due = time.time_ns() - int(_DELETE_WAIT_S * 1e9)
-        for deletions in list(self._deletions.values()):
+        for session_id, deletions in list(self._deletions.items()):
             for held in [held for held in deletions.held if held.end_time <= due]:
-                if deletions.release(held):
-                    self._close_held(held, sc.END_CLEAN)
+                self._let_go(session_id, held)
 
-    def _release_later(self, deletions: _Deletions, held: _Held) -> None:
+    def _release_later(self, session_id: str, held: _Held) -> None:
         """Close a stream held back for DELETEs not answered within ``_DELETE_WAIT_S``: as it ended."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no asyncio loop: an answer, the next stream's end (``_release_due``) or shutdown
             return
+        loop.call_later(_DELETE_WAIT_S, self._let_go, session_id, held)
 
-        def release() -> None:
-            if deletions.release(held):
-                self._close_held(held, sc.END_CLEAN)
-
-        loop.call_later(_DELETE_WAIT_S, release)
+    def _let_go(self, session_id: str, held: _Held) -> None:
+        """Let a held stream go as it ended, unless an answer closed it already."""
+        deletions = self._deletions.get(session_id)
+        if deletions is None or deletions.held.pop(held, False) is False:
+            return
+        self._close_held(held, sc.END_CLEAN)
+        if not deletions.requests and not deletions.held:
+            del self._deletions[session_id]
 
     def _close_held(self, held: _Held, reason: str) -> None:
         self._close(held.stream, reason, held.status, held.end_time, held.pending)
@@ -1215,7 +1218,7 @@ class _Deletions:
 
     def __init__(self) -> None:
         self.requests: dict[int, float] = {}
-        self.held: list[_Held] = []
+        self.held: dict[_Held, None] = {}  # in the order they ended
 
     def hold(self, stream: Stream, status: int | None) -> _Held | None:
         """Hold a stream that ends now, on the DELETEs begun in the last ``_DELETE_WAIT_S``; None if none were (one
@@ -1225,27 +1228,21 @@ class _Deletions:
         if not waiting or len(self.held) >= _MAX_HELD_ENDS:
             return None
         held = _Held(stream, status, waiting)
-        self.held.append(held)
+        self.held[held] = None
         return held
 
     def answered(self, request: int, accepted: bool) -> list[_Held]:
-        """The held streams ``request``'s answer closes: all it was waited on by when accepted; refused, those
-        that wait on nothing else."""
+        """The held streams ``request``'s answer closes, no longer held: all it was waited on by when accepted;
+        refused, those that wait on nothing else."""
         done = []
         for held in self.held:
             if request in held.waiting:
                 held.waiting.discard(request)
                 if accepted or not held.waiting:
                     done.append(held)
-        self.held = [held for held in self.held if held not in done]
+        for held in done:
+            del self.held[held]
         return done
-
-    def release(self, held: _Held) -> bool:
-        """Let ``held`` go unanswered: False if an answer closed it already."""
-        if held not in self.held:
-            return False
-        self.held.remove(held)
-        return True
 
 
 def _error_type(reason: str, status: int | None, error_frames: int) -> str | None:
