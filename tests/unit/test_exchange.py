@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx2
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,6 +30,7 @@ from mcp_stream_exporter.exchange import (
     stream_attributes,
 )
 from mcp_stream_exporter.headers import pick
+from mcp_stream_exporter.hooks.client import _picked
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_call
 
 FETCH = "https://mcp.example.com/tools/fetch"
@@ -196,5 +198,6 @@ def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_ca
     assert pick(raw, REQUEST_HEADERS) == {SESSION_ID: "s1", AUTHORIZATION: "Bearer a", LAST_EVENT_ID: "\xe9"}
     lowered = [(k.lower(), v) for k, v in raw]  # as an ASGI server hands them over
     assert pick(lowered, REQUEST_HEADERS, lowered=True) == pick(raw, REQUEST_HEADERS)
+    assert _picked(httpx2.Headers(raw), REQUEST_HEADERS) == pick(raw, REQUEST_HEADERS)  # the client's tap alike
     assert pick([(b"content-type", b"text/event-stream")], RESPONSE_HEADERS, lowered=True) == {
         CONTENT_TYPE: "text/event-stream"}

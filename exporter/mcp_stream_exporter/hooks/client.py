@@ -499,9 +499,9 @@ def _picked(headers: httpx2.Headers, names: Mapping[bytes, str]) -> dict[str, st
     """``headers.pick`` of httpx2's headers, read off the lower-cased names it keeps beside the raw ones
     (``Headers._list``, pinned by tests/integration/test_sdk_contract.py): no list of pairs built, no
     name lowered and hashed again, on every request and response."""
-    picked = {}
+    picked: dict[str, str] = {}
     for _, key, value in headers._list:  # a loop, not a comprehension: that would be one more call
-        if key in names:
+        if key in names and names[key] not in picked:  # the first, as the server reads it
             picked[names[key]] = value.decode("latin-1")
     return picked
 
