@@ -402,3 +402,23 @@ async def test_a_request_whose_id_is_the_standalone_streams_key_is_refused():
             refused = await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(call))
     assert refused.status_code == 400
     assert "_GET_stream" in refused.json()["error"]["message"]
+
+
+async def test_an_initialize_inside_a_live_session_is_refused_and_changes_no_running_call():
+    """The SDK takes an ``initialize`` that names its session: a narrow token's turned the session's sampling
+    capability off under a broad call running in it (the same effect as the cancel it may not send)."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    store = GuardedEventStore(incident_policy())
+    async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
+        fetch = await fetch_in_flight(c, p, steps=10)
+        (session_id,) = server.session_ids()
+        again = {"jsonrpc": "2.0", "id": 9, "method": "initialize", "params": {
+            "protocolVersion": PROTOCOL, "capabilities": {}, "clientInfo": {"name": "x", "version": "1"}}}
+        async with httpx.AsyncClient(timeout=5) as http:
+            refused = await http.post(server.url, headers=headers(session_id, narrow), content=json.dumps(again))
+        result = await asyncio.wait_for(fetch, 20)
+    assert refused.status_code == 400 and "initialize" in refused.json()["error"]["message"]
+    assert SECRET in str(result)

@@ -114,7 +114,7 @@ from mcp_stream_exporter.guard.storage import (
 )
 from mcp_stream_exporter.headers import values
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage
+from mcp_stream_exporter.wire import INITIALIZE, MAX_PARSED_BODY, WireMessage
 
 Mode = Literal["enforce", "observe"]
 Policy = Literal["all_or_nothing", "prefix"]
@@ -514,7 +514,7 @@ class GuardedEventStore(EventStore):
 
     def _admit(self, request: _Request, body: bytes | None, asked: Asked) -> tuple[int, str] | None:
         """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: a request whose id is
-        the key the SDK gives the standalone stream; in a session, a body
+        the key the SDK gives the standalone stream; in a session, an ``initialize``, a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
         cancel or an answer acting on a call in flight whose events the token may not see, or a request id
         the session has in flight (``InFlight``). Synchronous: no other request runs between the check and
@@ -526,6 +526,10 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it
+        if any(msg.method == INITIALIZE for msg in asked.requests):
+            # the SDK takes it, and every call running in the session then sees its capabilities (a narrower token
+            # could turn another call's sampling off, or on for a client that never answers it)
+            return 400, "initialize inside a session: open a new session (no Mcp-Session-Id) instead"
         if body is None:
             return 413, f"request body over {MAX_PARSED_BODY} bytes: the replay guard cannot read its request ids"
         if asked.too_many or len(asked.requests) + len(asked.cancelled) + len(asked.answers) > MAX_REQUESTS:
