@@ -247,6 +247,24 @@ def test_a_session_past_its_cap_of_calls_forgets_delivered_ones_first_and_still_
     assert detector.ledger.evictions["capacity"] == 0
 
 
+def test_a_late_span_of_a_delivered_call_the_session_forgot_pages_nothing_before_or_after_a_restart():
+    """Forgotten to make room, a delivered call came back fresh with the late span of its clean end (the client's
+    exporter batching behind the server's), and paged a silent loss with no eviction counted to explain it."""
+    clock = Clock()
+    config = dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=10))
+    detector = Detector(config, clock=clock)
+    detector.consume(_polled("1", 1.0)[1:])  # the server's view: its resume delivered call 1
+    for i in range(2, 30):
+        detector.consume(_polled(str(i), 1 + i / 100))
+    again = Detector(config, clock=clock)
+    again.ledger.load(detector.ledger.dump())  # as a snapshot carries it across a restart
+    for judged in (detector, again):
+        judged.consume(_polled("1", 1.0)[:1])  # the client's POST span, late: clean, call 1 pending
+        clock.now += 6 * S
+        judged.tick()
+        assert [(f.rule, f.request_id) for f in judged.findings] == [] and judged.ledger.evictions["capacity"] == 0
+
+
 def test_the_cursor_of_a_call_still_owed_outlasts_those_of_a_hundred_delivered_calls():
     """A resume that no longer names its call (its caller gave up, the SDK resumes on) is told its call by the
     cursor: one loop of them makes one finding, on its call, however many healthy calls the session makes."""

@@ -38,6 +38,8 @@ _CALLS_BYTES = 200  # a session's dict of calls, once it has two (most have one)
 _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
 _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
+_DONE_BYTES = 100  # one forgotten call's id's place in its session's dict (the id counted besides)
+_DONE_PER_CALL = 4  # forgotten calls' ids a session keeps, per call it may hold: a span this late is rare
 _INDEX_BYTES = 250  # one look-up entry
 _SEEN_BYTES = 100  # one span taken (``first_sight``): its int, its place in a set and in a deque
 _NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
@@ -169,6 +171,9 @@ class SessionState:
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
     deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
     expired: bool = False  # a request on it got 404 while it was not deleted: what it owes goes with it
+    # the ids of calls it forgot delivered or judged (``Ledger._make_room``), oldest first: a late span of one is
+    # no new call to judge (its late clean end would page a loss it is not)
+    done: dict[str, None] | None = None
 
     def get(self, request_id: str) -> CallState | None:
         calls = self.calls
@@ -239,13 +244,15 @@ class Ledger:
             call = calls if calls is not None and calls.request_id == request_id else None
         if call is None:
             call = CallState(session.scope, request_id)
+            if session.done is not None and request_id in session.done:
+                call.terminal = True  # forgotten once over: nothing to judge of it again
             calls = self._add_call(session, call)
             if calls is not None and len(calls) > self.limits.max_calls_per_session:
-                self._make_room(calls)
+                self._make_room(session, calls)
         self._touched[id(call)] = call  # the caller fills it in
         return call
 
-    def _make_room(self, calls: dict[str, CallState]) -> None:
+    def _make_room(self, session: SessionState, calls: dict[str, CallState]) -> None:
         """A session past its cap of calls (the newest just added) forgets its oldest call that is delivered,
         else the oldest that is over and judged (no timer set): nothing is left to find of either, so neither
         counts as an eviction (a long session of healthy resumed calls would page ``LedgerEvicting``). Only
@@ -263,6 +270,16 @@ class Ledger:
         if gone is None:
             gone = next(iter(calls.values()))
             self.evictions["capacity"] += 1
+        else:  # its id kept, so that a late span of it makes no new call
+            if session.done is None:
+                session.done = {}
+            session.done[gone.request_id] = None
+            charge = _DONE_BYTES + _size(gone.request_id)
+            if len(session.done) > _DONE_PER_CALL * self.limits.max_calls_per_session:
+                oldest = next(iter(session.done))
+                del session.done[oldest]
+                charge -= _DONE_BYTES + _size(oldest)
+            self._charge_session(session, charge)
         del calls[gone.request_id]
         self._forget(gone)
 
@@ -584,7 +601,7 @@ class Ledger:
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
                 "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)],
-                "deleted": s.deleted, "expired": s.expired}
+                "deleted": s.deleted, "expired": s.expired, "done": list(s.done or ())}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
@@ -603,6 +620,9 @@ class Ledger:
             self._charge_session(session, sum(_window_bytes(k, w.maxlen or 0) for k, w in session.resumes.items()))
         for cursor, ids in s.get("cursors", ()):
             self.note_cursor(session, cursor, tuple(ids))
+        if s.get("done"):
+            session.done = dict.fromkeys(s["done"])
+            self._charge_session(session, sum(_DONE_BYTES + _size(rid) for rid in session.done))
 
     def dump_rest(self) -> dict[str, Any]:
         """Everything but the sessions (a snapshot row)."""
