@@ -265,6 +265,22 @@ def test_a_late_span_of_a_delivered_call_the_session_forgot_pages_nothing_before
         assert [(f.rule, f.request_id) for f in judged.findings] == [] and judged.ledger.evictions["capacity"] == 0
 
 
+def test_a_late_span_showing_a_forgotten_given_up_calls_result_stored_and_never_delivered_still_pages():
+    """Only a delivered call is remembered as done: one its caller gave up on may yet show its loss."""
+    clock = Clock()
+    detector = Detector(dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=10)), clock=clock)
+    for rid in map(str, range(1, 30)):  # an outage: each call's POST drops, its caller gives up
+        detector.consume([stream(C, "post", "dropped", session="s", ids=(rid,), pending=(rid,), last=f"e{rid}"),
+                          call(C, sc.OUTCOME_CANCELLED, session="s", request_id=rid)])
+    clock.now += 6 * S
+    detector.tick()
+    detector.consume([call(SV, sc.OUTCOME_RESULT, session="s", request_id="1", stream_kind=None,
+                           terminal_event_id="e9")])  # the server's exporter was behind: call 1's result was stored
+    clock.now += 6 * S
+    detector.tick()
+    assert ("stored_not_delivered", "1") in [(f.rule, f.request_id) for f in detector.findings]
+
+
 def test_the_cursor_of_a_call_still_owed_outlasts_those_of_a_hundred_delivered_calls():
     """A resume that no longer names its call (its caller gave up, the SDK resumes on) is told its call by the
     cursor: one loop of them makes one finding, on its call, however many healthy calls the session makes."""

@@ -171,8 +171,8 @@ class SessionState:
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
     deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
     expired: bool = False  # a request on it got 404 while it was not deleted: what it owes goes with it
-    # the ids of calls it forgot delivered or judged (``Ledger._make_room``), oldest first: a late span of one is
-    # no new call to judge (its late clean end would page a loss it is not)
+    # the ids of calls it forgot delivered (``Ledger._make_room``), oldest first: a late span of one is no new call
+    # to judge (its late clean end would page a loss it is not)
     done: dict[str, None] | None = None
 
     def get(self, request_id: str) -> CallState | None:
@@ -245,7 +245,7 @@ class Ledger:
         if call is None:
             call = CallState(session.scope, request_id)
             if session.done is not None and request_id in session.done:
-                call.terminal = True  # forgotten once over: nothing to judge of it again
+                call.terminal = True  # forgotten once delivered: nothing to judge of it again
             calls = self._add_call(session, call)
             if calls is not None and len(calls) > self.limits.max_calls_per_session:
                 self._make_room(session, calls)
@@ -266,22 +266,28 @@ class Ledger:
                 break
             if over is None and call.timed_out and not call.timers:
                 over = call
-        gone = gone or over
+        if gone is not None:  # delivered: its id kept, so that a late span of it makes no new call to judge
+            self._done(session, gone.request_id)
+        else:  # over and judged: a late span of it (its result stored, never delivered) is judged anew
+            gone = over
         if gone is None:
             gone = next(iter(calls.values()))
             self.evictions["capacity"] += 1
-        else:  # its id kept, so that a late span of it makes no new call
-            if session.done is None:
-                session.done = {}
-            session.done[gone.request_id] = None
-            charge = _DONE_BYTES + _size(gone.request_id)
-            if len(session.done) > _DONE_PER_CALL * self.limits.max_calls_per_session:
-                oldest = next(iter(session.done))
-                del session.done[oldest]
-                charge -= _DONE_BYTES + _size(oldest)
-            self._charge_session(session, charge)
         del calls[gone.request_id]
         self._forget(gone)
+
+    def _done(self, session: SessionState, request_id: str) -> None:
+        if session.done is None:
+            session.done = {}
+        elif request_id in session.done:
+            return
+        session.done[request_id] = None
+        charge = _DONE_BYTES + _size(request_id)
+        while len(session.done) > _DONE_PER_CALL * self.limits.max_calls_per_session:
+            oldest = next(iter(session.done))
+            del session.done[oldest]
+            charge -= _DONE_BYTES + _size(oldest)
+        self._charge_session(session, charge)
 
     def _add_call(self, session: SessionState, call: CallState) -> dict[str, CallState] | None:
         """Hold ``call`` in ``session`` and charge it; returns the session's dict of calls, once it has one."""
@@ -620,9 +626,8 @@ class Ledger:
             self._charge_session(session, sum(_window_bytes(k, w.maxlen or 0) for k, w in session.resumes.items()))
         for cursor, ids in s.get("cursors", ()):
             self.note_cursor(session, cursor, tuple(ids))
-        if s.get("done"):
-            session.done = dict.fromkeys(s["done"])
-            self._charge_session(session, sum(_DONE_BYTES + _size(rid) for rid in session.done))
+        for request_id in s.get("done", ()):
+            self._done(session, request_id)
 
     def dump_rest(self) -> dict[str, Any]:
         """Everything but the sessions (a snapshot row)."""
