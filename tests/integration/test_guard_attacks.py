@@ -81,6 +81,15 @@ async def honest_client(server: Server, token: str | None) -> AsyncIterator[tupl
         yield client, progress
 
 
+def _broad_and_narrow() -> tuple[TokenIssuer, str, str]:
+    """An issuer and two tokens of one principal (the incident's client): every resource, and search's alone."""
+    issuer = TokenIssuer()
+    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    narrow = issuer.mint([SEARCH_RESOURCE])
+    TOKENS_USED.extend((broad, narrow))
+    return issuer, broad, narrow
+
+
 async def fetch_in_flight(client: Client, progress: list[str], steps: int = 30) -> asyncio.Task[Any]:
     """Start a slow ``fetch`` and return once its first progress event has arrived."""
     async def on_progress(p: float, total: float | None, message: str | None) -> None:
@@ -230,10 +239,7 @@ async def fetch_id_of(store: GuardedEventStore, session_id: str) -> int:
 
 
 async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetch_nor_end_its_session():
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])  # alice's too, as the incident's client would hold it
-    TOKENS_USED.extend((broad, narrow))
+    issuer, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
         fetch = await fetch_in_flight(c, p)
@@ -255,10 +261,7 @@ async def test_a_narrow_token_of_the_same_principal_cannot_cancel_a_pending_fetc
 async def test_a_narrow_token_cannot_answer_what_the_server_asked_on_a_broader_calls_stream():
     """An elicitation sent on fetch's stream is fetch's: a narrow token that answers it first (the SDK's
     request ids are small integers, easy to guess) would decide what fetch does."""
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])
-    TOKENS_USED.extend((broad, narrow))
+    _, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     mcp = MCPServer("elicits")
 
@@ -305,10 +308,7 @@ async def test_a_sampling_request_a_tool_sends_on_the_standalone_stream_is_its_c
     """The SDK sends a tool's ``create_message`` (sampling) and ``list_roots`` on the session's standalone stream,
     tied to no call: what they carry (here the document fetch read) is still fetch's. A narrow token resuming
     that stream is refused at it, and its answer to it is refused; the user's answer decides."""
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])
-    TOKENS_USED.extend((broad, narrow))
+    _, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     mcp = MCPServer("samples")
 
@@ -356,10 +356,7 @@ async def test_a_sampling_request_a_tool_sends_on_the_standalone_stream_is_its_c
 async def test_a_session_header_sent_twice_gets_no_stream_and_deletes_nothing_whatever_the_method():
     """Which session would the SDK take? Its first: a GET or DELETE naming the victim's session twice was read by
     the guard as naming none, and so was neither checked against its calls in flight nor refused."""
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])
-    TOKENS_USED.extend((broad, narrow))
+    issuer, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
         fetch = await fetch_in_flight(c, p)
@@ -389,10 +386,7 @@ async def test_requests_the_sdk_refuses_open_no_session_in_the_guards_storage():
 async def test_a_request_whose_id_is_the_standalone_streams_key_is_refused():
     """The SDK keys a request's stream by its id: a narrow token's call with id ``_GET_stream`` became the session's
     standalone stream, and read (and answered) the sampling request a broad call sent there."""
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])
-    TOKENS_USED.extend((broad, narrow))
+    issuer, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     async with guarded_server(issuer, store) as server, honest_client(server, broad):
         (session_id,) = server.session_ids()
@@ -407,10 +401,7 @@ async def test_a_request_whose_id_is_the_standalone_streams_key_is_refused():
 async def test_an_initialize_inside_a_live_session_is_refused_and_changes_no_running_call():
     """The SDK takes an ``initialize`` that names its session: a narrow token's turned the session's sampling
     capability off under a broad call running in it (the same effect as the cancel it may not send)."""
-    issuer = TokenIssuer()
-    broad = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
-    narrow = issuer.mint([SEARCH_RESOURCE])
-    TOKENS_USED.extend((broad, narrow))
+    issuer, broad, narrow = _broad_and_narrow()
     store = GuardedEventStore(incident_policy())
     async with guarded_server(issuer, store) as server, honest_client(server, broad) as (c, p):
         fetch = await fetch_in_flight(c, p, steps=10)
