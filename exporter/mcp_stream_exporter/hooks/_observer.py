@@ -40,6 +40,7 @@ from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
     Call,
+    CallKey,
     HeldFrame,
     Requirements,
     Stream,
@@ -91,9 +92,11 @@ class _Exchange:
         self.context: Context | None = None
         self.calls: list[Call] = []
         self.cancelled: tuple[str, ...] = ()  # the calls the body cancels: cancelled once the server accepts it
-        # a stateless exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until
-        # something other than its result comes (``start_pending``): the healthy path never starts it
-        self.pending: tuple[WireMessage, Judged, Context] | None = None
+        # the exchange's one call, handed over by the SDK's middleware, not started as a ``Call`` until something
+        # other than its result comes (``start_pending``): the healthy path never starts it. A stateless call's
+        # JSON answer is read at its end; a resumable session's, held SSE, is registered for look-ups by its key
+        # (``Tracker.pend``), None for a stateless call
+        self.pending: tuple[WireMessage, Judged, Context, CallKey | None] | None = None
         self.stream: Stream | None = None
         # the content of an answer whose stream is opened only if it deviates (``open``): a stateless call's
         # JSON answer, a POST's SSE stream (held)
@@ -111,6 +114,8 @@ class _Exchange:
         """The exchange is over: let go of its calls, stream and parser. The app's objects that hold our
         ``receive`` and ``send`` (and the scope) are often in reference cycles, which only the garbage
         collector frees: what they reach would otherwise wait for it, and make its passes more frequent."""
+        if self.pending is not None and self.pending[3] is not None:  # a resumable session's: tracked, as any other
+            self.start_pending()
         for call in self.calls:
             if not call.done:
                 call.exchange_over()
@@ -134,11 +139,16 @@ class _Exchange:
         return call
 
     def start_pending(self) -> None:
-        """Start the call left pending (``pending``) exactly as it would have been when it was handed over."""
+        """Start the call left pending (``pending``) exactly as it would have been when it was handed over,
+        with its result's store if that came meanwhile (``Tracker.keep_stored``)."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            msg, judged, context = pending
-            self.start(msg, judged, self.asked_in, True).in_sdk_request(context)  # only a stateless call is left
+            msg, judged, context, key = pending
+            kept = None if key is None else self.tracker.unpend(key)
+            call = self.start(msg, judged, self.asked_in, key is None)
+            call.in_sdk_request(context)
+            if kept is not None:
+                call.event(sc.EVENT_STORED, *kept)
 
     def read_unread(self) -> None:
         """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""
@@ -284,13 +294,14 @@ class WireObserver:
         own span for it is current), as a call of the exchange the observer left in its request's ASGI
         scope (the SDK's ``ctx.request``): the one already read from the body, or one taken here from the
         SDK's own parse of a body left unread. A stateless body's one call that the policy has nothing against
-        is left pending (``_Exchange.pending``): started only if its exchange shows anything but its result."""
+        is left pending (``_Exchange.pending``), as is a resumable session's whose SSE answer is held already:
+        started only if its exchange shows anything but its result."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
         if not isinstance(ex, _Exchange):
             return
-        key = str(request_id)
+        wire_id = str(request_id)
         for call in ex.calls:
-            if call.key[1] == key:
+            if call.key[1] == wire_id:
                 call.in_sdk_request(context)
                 return
         body = ex.unread
@@ -304,9 +315,16 @@ class WireObserver:
         taken = len(ex.calls) + 1
         if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read
             ex.take_unread()
-            if taken == 1 and stateless and not deviates and ex.held is None:
-                ex.pending = (msg, judged, context)
-                return
+            if taken == 1 and not deviates:
+                if stateless:  # its answer most likely JSON, read at its end
+                    if ex.held is None:
+                        ex.pending = (msg, judged, context, None)
+                        return
+                elif ex.held is not None:  # its SSE answer held already, read at its end: a look-up starts it
+                    key = (ex.asked_in, msg.id)
+                    if self.tracker.pend(key, ex):
+                        ex.pending = (msg, judged, context, key)
+                        return
         self._start_call(ex, msg, judged, deviates, stateless).in_sdk_request(context)
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
@@ -495,8 +513,8 @@ class WireObserver:
         frames split or joined, a refusal) is left to ``end_stream`` to read in full."""
         if ex.unread is not None:  # calls the SDK's middleware never handed over (an app without it)
             self.read_unread(ex)
-        held, calls = ex.held, ex.calls
-        if not held or ex.status >= 400 or len(calls) != 1:
+        held, calls, pending = ex.held, ex.calls, ex.pending
+        if not held or ex.status >= 400 or len(calls) + (pending is not None) != 1:
             return False
         for chunk, _ in held[:-1]:
             if empty_frames(chunk) == len(chunk):  # a priming event: no message in it
@@ -507,7 +525,15 @@ class WireObserver:
             for msg in classify_frame(frame.data) if frame.data else ():
                 if msg.is_terminal:
                     return False
-        if not self._answered_by(calls, held[-1][0]):
+        last = held[-1][0]
+        if pending is not None:  # a call never started: its result by the frame's head alone, or it starts
+            head = message_frame(last)
+            key = pending[3]
+            if head is None or key is None or result_id(last, head[1]) != key[1]:
+                return False
+            ex.pending = None
+            self.tracker.unpend(key)
+        elif not self._answered_by(calls, last):
             return False
         self.tracker.settle(ex, calls, ex.scope.session_id)
         ex.deferred = None

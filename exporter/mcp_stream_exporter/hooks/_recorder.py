@@ -86,9 +86,15 @@ class StoreRecorder:
         if kind not in _TERMINAL_KINDS or stream_id == STANDALONE_STREAM_ID:  # a request's stream: ``request_id_of``
             return
         request_id = cast(JSONRPCResponse | JSONRPCError, message).id
-        call = self.tracker.call((session_id, stream_id)) if request_id is not None else None
+        if request_id is None:
+            return
+        key = (session_id, stream_id)
+        fields = (kind, event_id, None, None, None)
+        if self.tracker.keep_stored(key, fields):  # its call not started: kept for it, carried by its held answer
+            return
+        call = self.tracker.call(key)
         if call is not None:
-            call.event(sc.EVENT_STORED, (kind, event_id, None, None, None))  # attributes built if it is a span
+            call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
             if str(request_id) == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
                 self.tracker.stored(call, event_id, _outcome(message))
 

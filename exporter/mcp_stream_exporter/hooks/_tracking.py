@@ -194,6 +194,15 @@ class Holder(Protocol):
         ...
 
 
+class Pending(Protocol):
+    """(server) An exchange holding a call it has not started (``Tracker.pend``): its answer shows the healthy
+    path so far, on which the call never starts."""
+
+    def start_pending(self) -> None:
+        """Start it now, as it would have been when its request came: something needs it."""
+        ...
+
+
 class Unread(Protocol):
     """(server) A request body left for the SDK's own parse (``Tracker.unread``)."""
 
@@ -643,6 +652,8 @@ class Tracker:
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
+        self._pending: dict[CallKey, Pending] = {}  # the server's calls not started (``pend``)
+        self._kept: dict[CallKey, tuple[FrameFields, int]] = {}  # their terminal events stored (``keep_stored``)
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
@@ -661,6 +672,8 @@ class Tracker:
         request went out, when none had broken: ``reissues_possible``). The hooks pass every argument by
         position: a keyword takes CPython 3.11's unspecialised call path, on every call a side sees."""
         assert msg.id is not None
+        if self._pending and (session_id, msg.id) in self._pending:  # an id reused: the first call keeps it
+            self._pending[session_id, msg.id].start_pending()
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
                     start_time or time.time_ns(), msg.traceparent, identify,
                     None if identify is None else msg.arguments)
@@ -702,11 +715,40 @@ class Tracker:
         """The call of ``key``. One not found may be in a body of its session not read yet (``unread``):
         those are read first, so a look-up finds what it would have had they been read as they came."""
         call = self._calls.get(key)
-        if call is None and key[0] in self._unread:
-            for body in list(self._unread[key[0]]):
-                body.read_unread()
+        if call is None:
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.start_pending()
+            elif key[0] in self._unread:
+                for body in list(self._unread[key[0]]):
+                    body.read_unread()
+            else:
+                return None
             call = self._calls.get(key)
         return call
+
+    def pend(self, key: CallKey, pending: Pending) -> bool:
+        """(server) A resumable session's call that ``pending`` leaves unstarted while its answer shows the
+        healthy path, on which it never starts; a look-up of it (``call``) starts it. False when a call of
+        its id is tracked already (an id reused): it is then started as any other."""
+        if key in self._calls or key in self._pending:
+            return False
+        self._pending[key] = pending
+        return True
+
+    def unpend(self, key: CallKey) -> tuple[FrameFields, int] | None:
+        """(server) The call left pending (``pend``) starts, or ended on the healthy path: its terminal event's
+        store, if that came meanwhile (``keep_stored``), for its span."""
+        del self._pending[key]
+        return self._kept.pop(key, None) if self._kept else None
+
+    def keep_stored(self, key: CallKey, fields: FrameFields) -> bool:
+        """(server) Whether the call of ``key`` is pending (``pend``): its terminal event's store is then kept,
+        with its time, for the call's span should it start, and the call is not started for it."""
+        if key not in self._pending:
+            return False
+        self._kept[key] = (fields, time.time_ns())
+        return True
 
     def unread(self, body: Unread, session_id: str | None) -> None:
         """(server) A resumable session's request body left for the SDK's own parse: its call starts when the
@@ -1186,7 +1228,9 @@ class Tracker:
 
     def shutdown(self) -> None:
         """End every pending call span (as evicted) so nothing is left open at exit: those in bodies left
-        unread (``unread``) too."""
+        unread (``unread``) and those not started (``pend``) too."""
+        for pending in list(self._pending.values()):
+            pending.start_pending()
         for bodies in list(self._unread.values()):
             for body in list(bodies):
                 body.read_unread()
