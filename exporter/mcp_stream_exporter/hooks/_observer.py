@@ -144,11 +144,11 @@ class _Exchange:
         pending, self.pending = self.pending, None
         if pending is not None:
             msg, judged, context, key = pending
-            kept = None if key is None else self.tracker.unpend(key)
+            kept = () if key is None else self.tracker.unpend(key)
             call = self.start(msg, judged, self.asked_in, key is None)
             call.in_sdk_request(context)
-            if kept is not None:
-                call.event(sc.EVENT_STORED, *kept)
+            for fields, timestamp in kept:
+                call.event(sc.EVENT_STORED, fields, timestamp)
 
     def read_unread(self) -> None:
         """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""

@@ -195,8 +195,8 @@ class Holder(Protocol):
 
 
 class Pending(Protocol):
-    """(server) An exchange holding a call it has not started (``Tracker.pend``): its answer shows the healthy
-    path so far, on which the call never starts."""
+    """A side's call not started (``Tracker.pend``): its answer shows the healthy path so far, on which the call
+    never starts."""
 
     def start_pending(self) -> None:
         """Start it now, as it would have been when its request came: something needs it."""
@@ -652,8 +652,8 @@ class Tracker:
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
-        self._pending: dict[CallKey, Pending] = {}  # the server's calls not started (``pend``)
-        self._kept: dict[CallKey, tuple[FrameFields, int]] = {}  # their terminal events stored (``keep_stored``)
+        self._pending: dict[CallKey, Pending] = {}  # calls not started (``pend``)
+        self._kept: dict[CallKey, list[tuple[FrameFields, int]]] = {}  # their stream's terminal events stored
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
@@ -728,26 +728,33 @@ class Tracker:
         return call
 
     def pend(self, key: CallKey, pending: Pending) -> bool:
-        """(server) A resumable session's call that ``pending`` leaves unstarted while its answer shows the
-        healthy path, on which it never starts; a look-up of it (``call``) starts it. False when a call of
-        its id is tracked already (an id reused): it is then started as any other."""
+        """A resumable session's call that ``pending`` leaves unstarted while its answer shows the healthy path,
+        on which it never starts; a look-up of it (``call``) starts it. False when a call of its id is tracked
+        already (an id reused): it is then started as any other. Not counted against ``max_calls``: one a request
+        in progress, each a dictionary entry; one started late is tracked from then on, the newest."""
         if key in self._calls or key in self._pending:
             return False
         self._pending[key] = pending
         return True
 
-    def unpend(self, key: CallKey) -> tuple[FrameFields, int] | None:
-        """(server) The call left pending (``pend``) starts, or ended on the healthy path: its terminal event's
-        store, if that came meanwhile (``keep_stored``), for its span."""
+    def unpend(self, key: CallKey) -> Sequence[tuple[FrameFields, int]]:
+        """The call left pending (``pend``) starts, or ended on the healthy path: (server) the stores of terminal
+        events on its stream that came meanwhile (``keep_stored``), for its span."""
         del self._pending[key]
-        return self._kept.pop(key, None) if self._kept else None
+        return self._kept.pop(key, ()) if self._kept else ()
 
     def keep_stored(self, key: CallKey, fields: FrameFields) -> bool:
-        """(server) Whether the call of ``key`` is pending (``pend``): its terminal event's store is then kept,
-        with its time, for the call's span should it start, and the call is not started for it."""
+        """(server) Whether the call of ``key`` is pending (``pend``): the store of a terminal event on its stream
+        is then kept, with its time, for the call's span should it start, and the call is not started for it."""
         if key not in self._pending:
             return False
-        self._kept[key] = (fields, time.time_ns())
+        kept = self._kept.get(key)
+        if kept is None:
+            self._kept[key] = [(fields, time.time_ns())]
+        else:  # more than its own result (a response to a request reusing its id): bounded as a span's events are
+            if len(kept) >= _MAX_DEFERRED_EVENTS:
+                del kept[0]
+            kept.append((fields, time.time_ns()))
         return True
 
     def unread(self, body: Unread, session_id: str | None) -> None:

@@ -46,11 +46,13 @@ from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
     Call,
+    CallKey,
     DeviationTracer,
     HeldFrame,
     Identify,
     SdkSpans,
     Stream,
+    Terminal,
     Tracker,
     annotate,
     lacks,
@@ -60,6 +62,8 @@ from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body
 
 _FINGERPRINT_CHARS = 16
 _POST_TERMINAL = (sc.STREAM_KIND_POST, None)  # where a call answered by a JSON body had its terminal event
+# A pending call's answer (``ClientInstrumentation._answer``): where its result came, or None to start it
+PendingAnswer = Callable[[Terminal | None], Call | None]
 
 
 class ClientInstrumentation:
@@ -83,9 +87,9 @@ class ClientInstrumentation:
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
                        protocol_version: str | None, view: AuthView, start: int) -> list[Call] | WireMessage:
-        """The calls a request carries, started; or, for a stateless request of one call that nothing deviates
-        in yet, the call's request, left pending: started only if its answer is anything but its result
-        (``_answer``), so the healthy path never starts it."""
+        """The calls a request carries, started; or, for a request of one call that nothing deviates in yet, the
+        call's request, left pending: started only if its answer is anything but its result, or something looks
+        it up (``_TapStream.leave_pending``), so the healthy path never starts it."""
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -99,7 +103,7 @@ class ClientInstrumentation:
         pending = None
         if asked.calls:
             stateless = era_of(protocol_version) == sc.ERA_STATELESS
-            if (stateless and len(asked.calls) == 1 and not self.tracker.reissues_possible()
+            if (len(asked.calls) == 1 and not (stateless and self.tracker.reissues_possible())
                     and not self._deviates(asked.calls[0], view)):
                 pending = asked.calls[0]
             else:
@@ -132,23 +136,22 @@ class ClientInstrumentation:
         return lacks(view, self.policy.gap(msg.tool, view)[1])
 
     def _answer(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
-                start: int, body: bytes | bytearray | None) -> Call | None:
-        """A pending call's JSON answer, read by its head (``wire.result_id``): its result ends it on the healthy
-        path, never started (where it came goes on the SDK's span, as ``Tracker.answered_by`` does); anything
-        else, or no answer (``body`` None), starts it as it would have been when its request went out."""
-        if body is not None and result_id(body) == msg.id:
+                start: int, stateless: bool, terminal: Terminal | None) -> Call | None:
+        """A pending call's answer: ``terminal``, where its result came, ends it on the healthy path, never
+        started (where it came goes on the SDK's span, as ``Tracker.answered_by`` does); None starts it."""
+        if terminal is not None:
             if self._sdk_spans is not None:
                 sdk = self._sdk_spans.get(msg.traceparent)
                 if sdk is not None:
-                    annotate(sdk, _POST_TERMINAL)
+                    annotate(sdk, terminal)
             return None
-        return self._start_late(msg, session_id, protocol_version, view, start)
+        return self._start_late(msg, session_id, protocol_version, view, start, stateless)
 
     def _start_late(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
-                    start: int) -> Call:
+                    start: int, stateless: bool) -> Call:
         """A pending call, started as of its request: not as the re-issue of a call that broke since (none
         had when it went out, or it would not have been left pending)."""
-        return self._start_call(msg, session_id, protocol_version, view, start, True, False)
+        return self._start_call(msg, session_id, protocol_version, view, start, stateless, False)
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         start = time.time_ns()
@@ -157,15 +160,29 @@ class ClientInstrumentation:
         protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
         view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
         requested = self._request_calls(request, session_id, protocol_version, view, start)
-        pending: WireMessage | None = None
+        pending: PendingAnswer | None = None
+        early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
         if isinstance(requested, list):
             calls = requested
         else:
-            calls, pending = [], requested
+            calls = []
+            stateless = era_of(protocol_version) == sc.ERA_STATELESS
+            answer = functools.partial(self._answer, requested, session_id, protocol_version, view, start, stateless)
+            if stateless:
+                pending = answer
+            else:
+                assert requested.id is not None  # a call's
+                key = (session_id, requested.id)
+                early = _Pending(answer, self.tracker, key)
+                if self.tracker.pend(key, early):
+                    pending = early
+                else:  # its id taken by a call pending still (MCP forbids it): started as any other
+                    early = None
+                    calls.append(_started(answer, None))
         cursor = headers.get(LAST_EVENT_ID)
         if cursor:
             if pending is not None:
-                calls.append(self._start_late(pending, session_id, protocol_version, view, start))
+                calls.append(_started(pending, early))
                 pending = None
             calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
         # the client's DELETE of its session: the streams the server closes as it accepts it end with the session
@@ -178,7 +195,7 @@ class ClientInstrumentation:
             if deleting is not None:
                 self.tracker.deleted(*deleting, None)
             if pending is not None:
-                calls.append(self._start_late(pending, session_id, protocol_version, view, start))
+                calls.append(_started(pending, early))
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
             if stream is not None:  # cancelled before the answer began (a timeout): the client gave up, as below
                 self.tracker.end_stream(stream, sc.END_DROPPED if isinstance(failed, Exception) else sc.END_CLOSED)
@@ -186,21 +203,30 @@ class ClientInstrumentation:
         if deleting is not None:
             self.tracker.deleted(*deleting, response.status_code)
         response_headers = _picked(response.headers, RESPONSE_HEADERS)
-        asked_in = session_id  # a pending call is its request's, whatever session the answer names
         if session_id is None:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
         if pending is not None:
-            if status < 400 and request.method == "POST" and content == CONTENT_JSON:  # most likely its result
+            # most likely its result and no more: a JSON body; a resumable session's SSE answer, held. Unless a
+            # look-up started it already
+            if (early is None or early.call is None) and status < 400 and request.method == "POST" and (
+                    content == CONTENT_JSON or (early is not None and content == CONTENT_SSE)):
                 assert isinstance(response.stream, httpx2.AsyncByteStream)
+                assert isinstance(requested, WireMessage)
                 opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
                                            start, status, content)
-                tap = _TapStream(response.stream, self.tracker, None, False, status, calls, opener)
-                tap.pending = functools.partial(self._answer, pending, asked_in, protocol_version, view, start)
+                sse = content == CONTENT_SSE
+                tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
+                tap.pending, tap.pending_id = pending, requested.id
+                if sse:  # its chunks known by their heads while they show the healthy path
+                    tap.held, tap.unparsed = [], []
+                if early is not None:  # counted as a stream carrying it once it starts (``_TapStream.started``)
+                    early.tap = tap
+                    tap.hold(session_id)
                 response.stream = tap
                 return response
-            calls.append(self._start_late(pending, asked_in, protocol_version, view, start))
+            calls.append(_started(pending, early))
         single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
         if status < 400 and request.method == "POST" and (
                 (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
@@ -273,8 +299,11 @@ class _TapStream(httpx2.AsyncByteStream):
     # a deferred SSE answer's chunks, each of whole frames that keep it on the healthy path, and when each was
     # seen: parsed only if it leaves that path (``_healthy``)
     unparsed: list[tuple[bytes, int]] | None = None
-    # a pending call's answer (``ClientInstrumentation._answer``): read when it ends, or it starts the call
-    pending: Callable[[bytes | bytearray | None], Call | None] | None = None
+    # a pending call's answer (``ClientInstrumentation._answer``): its result, known by its head (``pending_id``
+    # its request's id) as it passes or at its end, ends it unstarted; anything else starts it (``started``)
+    pending: PendingAnswer | None = None
+    pending_id: str | None = None
+    _answered_early: _Pending | None = None  # a resumable session's pending call its result ended as it passed
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, sse: bool,
                  status: int, calls: list[Call] | None = None,
@@ -386,7 +415,16 @@ class _TapStream(httpx2.AsyncByteStream):
         if at == len(chunk):
             return True
         head = message_frame(chunk, at)
-        if head is None or not self._tracker.answered_by(self._calls, result_id(chunk, head[1]), head[0]):
+        if head is None:
+            return False
+        request_id = result_id(chunk, head[1])
+        if self.pending is not None:
+            if request_id != self.pending_id:
+                return False
+            if isinstance(self.pending, _Pending):
+                self._answered_early = self.pending
+            self._take_pending((sc.STREAM_KIND_POST, head[0]))
+        elif not self._tracker.answered_by(self._calls, request_id, head[0]):
             return False
         self._answered = True
         return True
@@ -412,7 +450,21 @@ class _TapStream(httpx2.AsyncByteStream):
     def hold(self, session_id: str | None) -> None:
         """Held for its calls (``Tracker.hold``): what needs them first opens it and reads what it kept."""
         self._holding, self._session_id = True, session_id
-        self._tracker.hold(self, self._calls, session_id, False)  # not resumable
+        if self._calls:  # else its pending call, once it starts (``started``)
+            self._tracker.hold(self, self._calls, session_id, False)  # not resumable
+
+    def started(self, call: Call) -> None:
+        """Its pending call started (something looked it up, or its answer is not its result): one it carries."""
+        self.pending = None
+        self._calls.append(call)
+        if self._holding:
+            self._tracker.hold(self, (call,), self._session_id, False)
+
+    def _take_pending(self, terminal: Terminal | None) -> None:
+        """Its pending call's answer: where its result came (``terminal``), or None: it starts."""
+        pending, self.pending = self.pending, None
+        if pending is not None and (call := pending(terminal)) is not None:
+            self.started(call)
 
     def held_stream(self) -> Stream:
         """The held stream, opened now if it was deferred (``Holder``)."""
@@ -422,12 +474,14 @@ class _TapStream(httpx2.AsyncByteStream):
 
     def _followed(self) -> Stream | None:
         """The stream, opened now if it was deferred: None once a deferred answer was the call's result."""
-        pending = self.pending
-        if pending is not None:  # no answer, or one cut short: the call starts, and its stream opens
-            self.pending = None
-            call = pending(None)
-            assert call is not None
-            self._calls.append(call)
+        if self.pending is not None:  # no answer, or one cut short: the call starts, and its stream opens
+            self._take_pending(None)
+        elif self._answered_early is not None and self._opener is not None:  # it deviates after its result
+            answered, self._answered_early = self._answered_early, None
+            assert answered.answered is not None
+            call = answered.answered_late()
+            self.started(call)
+            self._tracker.answered_by(self._calls, call.key[1], answered.answered[1])
         if self._opener is not None:
             self._stream, self._opener = self._opener(self if self._holding else None), None
         return self._stream
@@ -441,14 +495,12 @@ class _TapStream(httpx2.AsyncByteStream):
             elif self._stream is not None and not self._stream.ended:
                 self._follow(self._stream, last)
         body, messages = self._json, None
-        pending = self.pending
-        if pending is not None:
-            self.pending = None
-            call = pending(body)
-            if call is None:  # its result: the healthy path, the call never started
+        if self.pending is not None:
+            if body and result_id(body) == self.pending_id:  # its result: the healthy path, the call never started
+                self._take_pending(_POST_TERMINAL)
                 self._opener = None
                 return
-            self._calls.append(call)
+            self._take_pending(None)
         if self._opener is not None:
             if body and not self._answered:  # its call's result? By its head alone where that ends the call
                 if self._tracker.answered_by(self._calls, result_id(body)):
@@ -471,7 +523,7 @@ class _TapStream(httpx2.AsyncByteStream):
     def _settle(self) -> None:
         """A deferred answer that carried its call's result and nothing else ends unopened (``Tracker.settle``)."""
         self._opener = None
-        if self._holding:
+        if self._holding and self._calls:  # none when its pending call never started
             self._tracker.settle(self, self._calls, self._session_id)
 
     def _end(self, reason: str) -> None:
@@ -493,6 +545,60 @@ class _TapStream(httpx2.AsyncByteStream):
     async def _close(self, chunks: types.AsyncGeneratorType[bytes, None]) -> None:
         await chunks.aclose()
         await self._inner.aclose()
+
+
+class _Pending:
+    """A resumable session's call left pending (``ClientInstrumentation._request_calls``), registered for its
+    session's look-ups (``Tracker.pend``): a cancel, a re-used id, shutdown start it as of its request, before
+    or after its answer came (then its tap carries it: ``_TapStream.started``)."""
+
+    __slots__ = ("_answer", "_key", "_tracker", "answered", "call", "tap")
+
+    def __init__(self, answer: PendingAnswer, tracker: Tracker, key: CallKey) -> None:
+        self._answer: PendingAnswer | None = answer
+        self._tracker = tracker
+        self._key = key
+        self.call: Call | None = None  # started by a look-up before its answer came
+        self.answered: Terminal | None = None  # where its result came: it ended on the healthy path, never started
+        self.tap: _TapStream | None = None  # its answer's, once that came
+
+    def __call__(self, terminal: Terminal | None) -> Call | None:
+        """``ClientInstrumentation._answer``, once: None if a look-up started it already. Its result (``terminal``)
+        leaves it startable (``answered_late``) for a stream that deviates after it."""
+        answer = self._answer
+        if answer is None:
+            return None
+        self._tracker.unpend(self._key)
+        if terminal is None:
+            self._answer = None
+            return answer(None)
+        self.answered = terminal
+        return answer(terminal)
+
+    def answered_late(self) -> Call:
+        """The call its result ended on the healthy path (``answered``), started now for a stream that deviated
+        after that result: ended as it was by the caller (``Tracker.answered_by``), once it counts the stream."""
+        answer, self._answer = self._answer, None
+        assert answer is not None
+        return _started(answer, None)
+
+    def start_pending(self) -> None:
+        call = self(None)
+        if call is None:
+            return
+        if self.tap is not None:
+            self.tap.started(call)
+        else:
+            self.call = call
+
+
+def _started(pending: PendingAnswer, early: _Pending | None) -> Call:
+    """A pending call, started now (its answer is no result, or there is none); or the one a look-up started."""
+    if early is not None and early.call is not None:
+        return early.call
+    call = pending(None)
+    assert call is not None
+    return call
 
 
 def _picked(headers: httpx2.Headers, names: Mapping[bytes, str]) -> dict[str, str]:
