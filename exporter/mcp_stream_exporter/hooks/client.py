@@ -89,7 +89,7 @@ class ClientInstrumentation:
                        protocol_version: str | None, view: AuthView, start: int) -> list[Call] | WireMessage:
         """The calls a request carries, started; or, for a request of one call that nothing deviates in yet, the
         call's request, left pending: started only if its answer is anything but its result, or something looks
-        it up (``_TapStream.leave_pending``), so the healthy path never starts it."""
+        it up (``_Pending``, ``_TapStream.started``), so the healthy path never starts it."""
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -566,13 +566,13 @@ class _Pending:
         """``ClientInstrumentation._answer``, once: None if a look-up started it already. Its result (``terminal``)
         leaves it startable (``answered_late``) for a stream that deviates after it."""
         answer = self._answer
-        if answer is None:
+        if answer is None or self.answered is not None:
             return None
         self._tracker.unpend(self._key)
         if terminal is None:
             self._answer = None
-            return answer(None)
-        self.answered = terminal
+        else:
+            self.answered = terminal
         return answer(terminal)
 
     def answered_late(self) -> Call:
