@@ -712,8 +712,9 @@ class Tracker:
         self._finish(call, sc.OUTCOME_EVICTED)
 
     def call(self, key: CallKey) -> Call | None:
-        """The call of ``key``. One not found may be in a body of its session not read yet (``unread``):
-        those are read first, so a look-up finds what it would have had they been read as they came."""
+        """The call of ``key``. One not found may be left pending (``pend``) or in a body of its session not read
+        yet (``unread``): it is started, or those are read, first, so a look-up finds what it would have had every
+        call been started as it came."""
         call = self._calls.get(key)
         if call is None:
             pending = self._pending.get(key)
