@@ -44,10 +44,18 @@ _INDEX_BYTES = 250  # one look-up entry
 _SEEN_BYTES = 100  # one span taken (``first_sight``): its int, its place in a set and in a deque
 _NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
 _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every call never resumed
+# a pair of times set apart from ``_NEVER``: its tuple and two ints past the ones CPython shares (a session's latest
+# answered starts)
+_PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+
+def _firsts(clean_seen: tuple[str, int, str | None] | tuple[str, int, str | None, int, int]) -> tuple[int, int]:
+    """The earliest clean ends ``clean_seen`` keeps beside the one the clock stands for (``CallState.clean_seen``)."""
+    return (clean_seen[3], clean_seen[4]) if len(clean_seen) == 5 else _NEVER
 
 
 @dataclass(slots=True)
@@ -66,7 +74,11 @@ class CallState:
     # whose clock clean_since is (that side's later progress stops it), when the detector learned of it (the grace
     # runs from then, on its own clock), and the event that stream stopped at (either side's resume from it that
     # moved it stops it too: it came after, whatever the clocks)
-    clean_seen: tuple[str, int, str | None] | None = None
+    # ... and, once a clean end it does not stand for came (the other side's, or an earlier one whose span came
+    # later) with no progress of it seen since on that side, the earliest such by each side's clock, client then
+    # server (0: none), what a stream of its session answered after is compared with (``ended_before``): kept in
+    # this tuple, not a field of its own, so a call whose spans come in order costs what it did
+    clean_seen: tuple[str, int, str | None] | tuple[str, int, str | None, int, int] | None = None
     progress: tuple[int, int] = _NEVER  # the latest end of a resume that moved it without its result: client, server
     # by each side's clock, client then server: the latest end of a resume of it refused explicitly (an error frame,
     # the guard), and the latest start of one that was not
@@ -105,16 +117,43 @@ class CallState:
         if clean_since is not None and clean_seen is not None and (
                 (clean_seen[0] == role and end_ns > clean_since) or (cursor is not None and cursor == clean_seen[2])):
             self.clean_since = self.clean_seen = None
+        elif clean_seen is not None and len(clean_seen) == 5:  # that side's earlier clean ends: past if it moved after
+            client, server = clean_seen[3], clean_seen[4]
+            if role == "client" and 0 < client < end_ns:
+                self.clean_seen = (*clean_seen[:3], 0, server)
+            elif role != "client" and 0 < server < end_ns:
+                self.clean_seen = (*clean_seen[:3], client, 0)
 
     def ended_clean(self, role: str, end_ns: int, now_ns: int, stopped_at: str | None) -> bool:
         """A stream ``role`` saw ended cleanly with it pending, at event ``stopped_at``: the silent-loss clock
         starts, unless it runs already or that side saw it move after this end (spans come in any order);
         whether it runs."""
-        if self.clean_since is None:
-            if end_ns < self.progress[0 if role == "client" else 1]:
-                return False  # it moved after this end (a tie: not after)
+        side = 0 if role == "client" else 1
+        if end_ns < self.progress[side]:
+            return self.clean_since is not None  # it moved after this end (a tie: not after)
+        clean_since, clean_seen = self.clean_since, self.clean_seen
+        if clean_since is None:
             self.clean_since, self.clean_seen = end_ns, (role, now_ns, stopped_at)
+        elif clean_seen is not None and (clean_seen[0] != role or end_ns < clean_since):
+            # an end the running clock does not stand for (the other side's, or an earlier one come later)
+            client, server = _firsts(clean_seen)
+            first = client if side == 0 else server
+            if not first or end_ns < first:
+                client, server = (end_ns, server) if side == 0 else (client, end_ns)
+                self.clean_seen = (clean_seen[0], clean_seen[1], clean_seen[2], client, server)
         return True
+
+    def ended_before(self, answered: tuple[int, int]) -> bool:
+        """Whether a clean end that left it pending came before a resume of its session started that was answered
+        (``answered``: the latest such starts, client then server), by the same side's clock: its session was
+        alive after that end, which was then no session going away (a restart, an idle expiry)."""
+        clean_since, clean_seen = self.clean_since, self.clean_seen
+        if clean_since is None or clean_seen is None:
+            return False
+        if clean_since < answered[0 if clean_seen[0] == "client" else 1]:
+            return True
+        client, server = _firsts(clean_seen)
+        return 0 < client < answered[0] or 0 < server < answered[1]
 
     def resume_refused(self, role: str, end_ns: int) -> None:
         self._resumed(role, 0, end_ns)
@@ -171,6 +210,9 @@ class SessionState:
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
     deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
     expired: bool = False  # a request on it got 404 while it was not deleted: what it owes goes with it
+    # by each side's clock, client then server: the latest start of a resume of it that was answered (2xx; 0: none):
+    # it still existed then (``CallState.ended_before``)
+    answered: tuple[int, int] = _NEVER
     # the ids of calls it forgot delivered (``Ledger._make_room``), oldest first: a late span of one is no new call
     # to judge (its late clean end would page a loss it is not)
     done: dict[str, None] | None = None
@@ -332,6 +374,25 @@ class Ledger:
         was = call.in_flight
         call.timed_out = True
         self._in_flight -= was
+
+    def answered(self, session: SessionState, role: str, start_ns: int) -> None:
+        """A resume of ``session`` that ``role`` saw start at ``start_ns`` (its clock) was answered (2xx)."""
+        answered = session.answered
+        if role == "client":
+            if start_ns > answered[0]:
+                self._answered(session, (start_ns, answered[1]))
+        elif start_ns > answered[1]:
+            self._answered(session, (answered[0], start_ns))
+
+    def _answered(self, session: SessionState, answered: tuple[int, int]) -> None:
+        if session.answered == _NEVER:
+            self._charge_session(session, _PAIR_BYTES)
+        session.answered = answered
+
+    def answered_at(self, scope: str) -> tuple[int, int]:
+        """The latest starts of resumes of the session that were answered (2xx), client then server (0: none)."""
+        session = self._sessions.get(scope)
+        return session.answered if session is not None else _NEVER
 
     def deleted(self, scope: str) -> bool:
         """Whether the session's client deleted it (a DELETE the server accepted)."""
@@ -607,7 +668,7 @@ class Ledger:
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
                 "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)],
-                "deleted": s.deleted, "expired": s.expired, "done": list(s.done or ())}
+                "deleted": s.deleted, "expired": s.expired, "answered": list(s.answered), "done": list(s.done or ())}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
@@ -628,6 +689,9 @@ class Ledger:
             self.note_cursor(session, cursor, tuple(ids))
         for request_id in s.get("done", ()):
             self._done(session, request_id)
+        client, server = s.get("answered", _NEVER)  # a row of before: none seen
+        if client or server:
+            self._answered(session, (int(client), int(server)))
 
     def dump_rest(self) -> dict[str, Any]:
         """Everything but the sessions (a snapshot row)."""
@@ -763,4 +827,5 @@ def _call_bytes(call: CallState) -> int:
         held += findings.values()
     items = len(call.required) + len(call.roles) + len(call.span_ids)
     return (_CALL_BYTES + sizes.strings(held) + 3 * sizes.TUPLE + sizes.ITEM * items
-            + (sys.getsizeof(findings) if findings else 0))
+            + (sys.getsizeof(findings) if findings else 0)
+            + (2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS) if call.clean_seen and len(call.clean_seen) == 5 else 0))

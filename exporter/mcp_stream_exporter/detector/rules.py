@@ -134,6 +134,8 @@ class RuleEngine:
         expired = e.status == 404 and not session.deleted
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         session.expired = session.expired or expired
+        if e.kind == sc.STREAM_KIND_RESUME and e.status is not None and 200 <= e.status < 300:
+            self.ledger.answered(session, at.role, at.start_ns)  # the session still existed as this resume started
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and 200 <= e.status < 300:
             # the client ended the session (a 2xx: a redirect, 307 for ``/mcp/``, ended nothing): its resumes and
             # notifications still on the way get 404 (the SDK client resumes on after its caller gave up), a call it
@@ -363,8 +365,8 @@ class RuleEngine:
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
-        if self.ledger.waiting(call, _EXPIRED):  # its session went first: that judges it (``_check_expired``)
-            return
+        if self.ledger.waiting(call, _EXPIRED) and not self._alive_after_clean_end(call):
+            return  # its session went first: that judges it (``_check_expired``)
         if call.era == sc.ERA_STATELESS and call.broken_since is not None:
             return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
         due = self._clean_end_due(call)
@@ -401,12 +403,27 @@ class RuleEngine:
     def _check_expired(self, call: CallState, now_ns: int) -> None:
         """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its
         client's seen (spans come in any order): it went with the session, which nothing can deliver it from (a
-        caller that gave up since was failed by that)."""
+        caller that gave up since was failed by that). Unless a clean end lost it while the session lived: a resume
+        of it answered after that end (``_alive_after_clean_end``) makes the clean end the finding, judged first
+        (this one joins it)."""
+        if not call.terminal and call.clean_since is not None and self._alive_after_clean_end(call):
+            due = self._clean_end_due(call)
+            if now_ns < due:  # the expiry's grace ran out first: both are judged once the clean end's does
+                self.ledger.schedule(due, _EXPIRED, call)
+                return
+            self._check_clean_end(call, now_ns)
         if not call.terminal and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
                 "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
             self.ledger.given_up(call)
         self._check_clean_end(call, now_ns)  # held back for this judgement (its caller told: no silent loss then)
+
+    def _alive_after_clean_end(self, call: CallState) -> bool:
+        """Whether a resume of its session that started after the clean end that left it pending was answered
+        (2xx), by that end's side's clock (spans in any order: judged when a grace runs out): the session still
+        existed, so that end was no session going away (a restart, an idle expiry ends its streams cleanly first),
+        and a 404 after is no reason its result was lost."""
+        return call.ended_before(self.ledger.answered_at(call.scope))
 
     def _check_reissue(self, call: CallState, now_ns: int) -> None:
         """Only a call span of the same client process with the same tool and arguments fingerprint is
