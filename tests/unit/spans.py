@@ -15,6 +15,16 @@ S = 1_000_000_000
 _ids = itertools.count(1)
 
 
+class Clock:
+    """The detector's clock, moved by hand (``now``, in nanoseconds)."""
+
+    def __init__(self) -> None:
+        self.now = 100 * S
+
+    def __call__(self) -> int:
+        return self.now
+
+
 def _span(name: str, kind: str, attrs: dict[str, Any], at: float, *, trace: str = "t1", parent: str | None = None,
           exceptions: tuple[str, ...] = (), origin: str = "client-app") -> Span:
     return Span(trace_id=trace.ljust(32, "0"), span_id=format(next(_ids), "016x"), parent_span_id=parent,

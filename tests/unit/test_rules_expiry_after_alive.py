@@ -20,19 +20,11 @@ from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, S
 from mcp_stream_exporter.detector.ledger import _PAIR_BYTES, _call_bytes
 from mcp_stream_exporter.detector.snapshot import Snapshots
 
-from spans import S, stream
+from spans import Clock, S, stream
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 CONFIG = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5, resume_loop_count=3,
                                          resume_loop_window_s=10))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100 * S
-
-    def __call__(self) -> int:
-        return self.now
 
 
 def _feed(detector: Detector, clock: Clock, spans: Sequence[Span]) -> None:
