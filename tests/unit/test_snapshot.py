@@ -99,6 +99,17 @@ def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
     assert restarted.registry.get_sample_value("mcp_stream_detector_snapshot_timestamp_seconds") == clock.now / 1e9
 
 
+def test_a_restored_ledgers_look_ups_and_retry_window_are_charged_what_they_were(tmp_path):
+    clock = Clock()
+    before = _fed(clock, _incident_so_far() * 2)
+    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
+    restarted = Detector(CONFIG, clock=clock)
+    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    before.ledger.account()
+    restarted.ledger.account()
+    assert restarted.ledger._seen and restarted.ledger._index_bytes == before.ledger._index_bytes  # its look-ups
+
+
 def test_no_snapshot_means_a_fresh_start(tmp_path):
     fresh = Detector(CONFIG)
     assert not Snapshots(fresh, tmp_path / "ledger.db").restore()

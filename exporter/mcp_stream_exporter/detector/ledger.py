@@ -647,10 +647,10 @@ class Ledger:
         self._issued = OrderedDict(((origin, key), _issues(issues)) for origin, key, issues in data["issued"])
         while self._seen:
             self._forget_seen()
-        for key in data.get("seen", ()):  # a batch whose answer the shutdown lost comes again after the restart
-            self._sight(key)
         self._index_bytes = sum(_entry_bytes(k, v) for k, v in self._sdk_spans.items()) + sum(
             _entry_bytes(k, v) for k, v in self._issued.items())
+        for key in data.get("seen", ()):  # a batch whose answer the shutdown lost comes again after the restart
+            self._sight(key)  # charged: after the look-ups' sum, not overwritten by it
         self._timers = [(due, seq, what, scope, rid) for due, seq, what, scope, rid in data["timers"]]
         self._compact_timers()
         for _, _, what, scope, rid in self._timers:
