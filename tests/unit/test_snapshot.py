@@ -44,6 +44,14 @@ def _fed(clock: Clock, spans: list) -> Detector:
     return detector
 
 
+def _restarted(before: Detector, clock: Clock, path: Path) -> Detector:
+    """``before`` saved to ``path`` (closing lets the next one take the file), and a fresh detector restored from it."""
+    Snapshots(before, path).close()
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, path).restore()
+    return restarted
+
+
 def _judged(detector: Detector, clock: Clock) -> set[tuple[str, str | None, tuple[str, ...]]]:
     clock.now += 6 * S
     detector.tick()
@@ -54,10 +62,7 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
     clock = Clock()
     before = _fed(clock, _incident_so_far())
     assert "clean_end_pending" not in {f.rule for f in before.findings}
-    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
-
-    restarted = Detector(CONFIG, clock=clock)
-    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
     assert restarted.ledger.in_flight == before.ledger.in_flight == 1
     assert {f.id for f in restarted.findings} == {f.id for f in before.findings}
     assert _judged(restarted, clock) == _judged(before, clock)
@@ -67,9 +72,7 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
 def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_finding(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far())
-    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
-    restarted = Detector(CONFIG, clock=clock)
-    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
     restarted.consume([stream(SV, "resume", "clean", pending=("3",), cursor="41")])
     clock.now += 6 * S
     restarted.tick()
@@ -80,9 +83,7 @@ def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_fi
 def test_a_session_its_client_deleted_stays_deleted_across_a_restart(tmp_path):
     clock = Clock()
     before = _fed(clock, [*_incident_so_far(), stream(C, "delete", "clean", ids=(), tool=None, at=1000.0)])
-    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
-    restarted = Detector(CONFIG, clock=clock)
-    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
     restarted.consume([stream(C, "resume", "http_error", ids=(), cursor="41", status=404, tool=None)])
     assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
     assert "session_expired_in_flight" not in {f.rule for f in restarted.findings}
@@ -91,9 +92,7 @@ def test_a_session_its_client_deleted_stays_deleted_across_a_restart(tmp_path):
 def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far() * 2)
-    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
-    restarted = Detector(CONFIG, clock=clock)
-    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
     assert restarted.ledger.dump() == before.ledger.dump()
     assert restarted.findings.dump() == before.findings.dump()
     assert restarted.registry.get_sample_value("mcp_stream_detector_snapshot_timestamp_seconds") == clock.now / 1e9
@@ -102,9 +101,7 @@ def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
 def test_a_restored_ledgers_look_ups_and_retry_window_are_charged_what_they_were(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far() * 2)
-    Snapshots(before, tmp_path / "ledger.db").close()  # saves, and lets the next one take the file
-    restarted = Detector(CONFIG, clock=clock)
-    Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
     before.ledger.account()
     restarted.ledger.account()
     assert restarted.ledger._seen and restarted.ledger._index_bytes == before.ledger._index_bytes  # its look-ups

@@ -86,10 +86,11 @@ class ClientInstrumentation:
         self._identify: Identify = self._fingerprint  # bound once, not per call
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
-                       protocol_version: str | None, view: AuthView, start: int) -> list[Call] | WireMessage:
+                       protocol_version: str | None, view: AuthView,
+                       start: int) -> list[Call] | tuple[WireMessage, bool]:
         """The calls a request carries, started; or, for a request of one call that nothing deviates in yet, the
-        call's request, left pending: started only if its answer is anything but its result, or something looks
-        it up (``_Pending``, ``_TapStream.started``), so the healthy path never starts it."""
+        call's request and whether it is stateless, left pending: started only if its answer is anything but its
+        result, or something looks it up (``_Pending``, ``_TapStream.started``), so the healthy path never starts it."""
         try:
             body = request.content
         except httpx2.RequestNotRead:
@@ -101,6 +102,7 @@ class ClientInstrumentation:
             self._protocol_version = asked.protocol_version
         calls: list[Call] = []
         pending = None
+        stateless = False
         if asked.calls:
             stateless = era_of(protocol_version) == sc.ERA_STATELESS
             if (len(asked.calls) == 1 and not (stateless and self.tracker.reissues_possible())
@@ -111,7 +113,7 @@ class ClientInstrumentation:
                     calls.append(self._start_call(msg, session_id, protocol_version, view, start, stateless))
         for request_id in asked.cancelled:
             self.tracker.cancel((session_id, request_id))
-        return calls if pending is None else pending
+        return calls if pending is None else (pending, stateless)
 
     def _start_call(self, msg: WireMessage, session_id: str | None, protocol_version: str | None, view: AuthView,
                     start: int, stateless: bool, reissue: bool = True) -> Call:
@@ -166,13 +168,13 @@ class ClientInstrumentation:
             calls = requested
         else:
             calls = []
-            stateless = era_of(protocol_version) == sc.ERA_STATELESS
-            answer = functools.partial(self._answer, requested, session_id, protocol_version, view, start, stateless)
+            msg, stateless = requested
+            answer = functools.partial(self._answer, msg, session_id, protocol_version, view, start, stateless)
             if stateless:
                 pending = answer
             else:
-                assert requested.id is not None  # a call's
-                key = (session_id, requested.id)
+                assert msg.id is not None  # a call's
+                key = (session_id, msg.id)
                 early = _Pending(answer, self.tracker, key)
                 if self.tracker.pend(key, early):
                     pending = early
@@ -213,12 +215,12 @@ class ClientInstrumentation:
             if (early is None or early.call is None) and status < 400 and request.method == "POST" and (
                     content == CONTENT_JSON or (early is not None and content == CONTENT_SSE)):
                 assert isinstance(response.stream, httpx2.AsyncByteStream)
-                assert isinstance(requested, WireMessage)
+                assert not isinstance(requested, list)
                 opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
                                            start, status, content)
                 sse = content == CONTENT_SSE
                 tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
-                tap.pending, tap.pending_id = pending, requested.id
+                tap.pending, tap.pending_id = pending, requested[0].id
                 if sse:  # its chunks known by their heads while they show the healthy path
                     tap.held, tap.unparsed = [], []
                 if early is not None:  # counted as a stream carrying it once it starts (``_TapStream.started``)
