@@ -102,6 +102,10 @@ OUTCOME_ERROR: Final = "error"  # a JSON-RPC error response
 OUTCOME_CANCELLED: Final = "cancelled"  # the client sent notifications/cancelled
 OUTCOME_NO_TERMINAL: Final = "no_terminal"  # stateless era: its only stream ended without a terminal event
 OUTCOME_EVICTED: Final = "evicted"  # dropped from the bounded tracker while still pending
+# server, resumable era: storing an event of its session failed (``EventStore.store_event`` raised), and the SDK
+# then sends none of the session's messages again: the call's result is never sent nor stored. ``error.type``
+# names the exception's class (never its message)
+OUTCOME_STORE_FAILED: Final = "store_failed"
 # client, stateless: a call that re-issues one whose stream broke, at its start (a span of its own, ended at once:
 # the call's span ends only with the call, and a long tool would outlast the grace the detector gives a re-issue)
 OUTCOME_REISSUED: Final = "reissued"

@@ -38,6 +38,7 @@ _TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})
 # What the journal holds at most before it is indexed: 64 events of four items (session, stream, event, kind).
 _JOURNAL_ITEMS = 4 * 64
 _NO_SESSION = "\0"  # a session id is a header value, which never holds a NUL
+_ERROR_TYPE_CHARS = 128  # an exception's class name, as ``error.type`` carries it: a module path and a name
 
 
 def _key(session: str | None, name: str) -> str:
@@ -97,6 +98,18 @@ class StoreRecorder:
             call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
             if str(request_id) == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
                 self.tracker.stored(call, event_id, _outcome(message))
+
+    def store_failed(self, session_id: str, error: Exception) -> None:
+        """The author's store raised storing a message of the session (only the SDK's message router stores one):
+        the session's calls owed their result are lost (``Tracker.store_failed``). Only the exception's class is
+        kept: its message may hold a secret (a connection string, a password)."""
+        self.tracker.store_failed(session_id, _error_type(error),
+                                  lambda key: self._terminal_stored(session_id, key[1]))
+
+    def _terminal_stored(self, session_id: str, request_id: str) -> bool:
+        """Whether the store holds a response or error on the stream of request ``request_id``."""
+        self._catch_up()
+        return any(kind in _TERMINAL_KINDS for kind in self._stored.get(_key(session_id, request_id), ())[1::2])
 
     def _catch_up(self) -> None:
         """Index what the journal holds, in store order, as each event would have been when stored."""
@@ -206,6 +219,14 @@ class StoreRecorder:
         return out
 
 
+def _error_type(error: Exception) -> str:
+    """An exception's class as semconv's ``error.type`` names one (fully qualified, a builtin by its name alone),
+    bounded: never its message."""
+    cls = type(error)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    return name[:_ERROR_TYPE_CHARS]
+
+
 def _kind_of(message: JSONRPCMessage | None) -> str:
     """What a stored message is, of a class other than the SDK's own (a subclass of one; None is in ``_KINDS``)."""
     if isinstance(message, _TERMINAL):
@@ -229,7 +250,14 @@ class _ObservedEventStore(EventStore):
         self._recorder = recorder
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
-        event_id = await self._inner.store_event(stream_id, message)
+        try:
+            event_id = await self._inner.store_event(stream_id, message)
+        except Exception as error:
+            if message is not None:  # a priming event's failure fails its POST with a 500: its client is told
+                rs = request_scope.current()
+                if rs is not None and rs.session_id is not None:
+                    self._recorder.store_failed(rs.session_id, error)
+            raise
         rs = request_scope.current()
         self._recorder.on_stored(rs.session_id if rs else None, stream_id, event_id, message)
         return event_id

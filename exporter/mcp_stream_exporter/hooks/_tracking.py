@@ -58,6 +58,7 @@ _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
 _MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that ends clean ended with them
+_MAX_STORE_FAILED = 1024  # (server) sessions whose event store failed: a later call of theirs is lost too
 # how long a stream that ended clean during a DELETE of its session waits for the DELETE's answer, and how many do: the
 # SDK closes the streams as it accepts the DELETE and answers at once; one it is not running (its body never comes)
 # holds nothing back for longer
@@ -657,6 +658,8 @@ class Tracker:
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
+        # (server) sessions whose event store failed (``store_failed``), each with the exception's class
+        self._store_failed: OrderedDict[str | None, str] = OrderedDict()
 
     # --- calls ---
 
@@ -781,10 +784,48 @@ class Tracker:
         return call.create(self._tracer, context)
 
     def cancel(self, key: CallKey) -> None:
+        """``notifications/cancelled`` for the call: sent (client), or accepted (server). (server) In a session whose
+        store failed (``store_failed``), a call not stored was lost before its caller gave up (the SDK client
+        cancels at its timeout): it ends ``store_failed`` instead."""
         call = self.call(key)
         if call is not None:
             self._unhold(call)
-            self._finish(call, sc.OUTCOME_CANCELLED)
+            error_type = self._store_failed.get(key[0]) if self._store_failed else None
+            if error_type is not None and not call.closed:
+                self._end_store_failed(call, error_type)
+            else:
+                self._finish(call, sc.OUTCOME_CANCELLED)
+
+    def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
+        """(server) Storing an event of the session failed: the SDK's message router, which stores each message the
+        session's server writes before sending it, stops there and sends none of the session's messages again
+        (that one and every later one: results, progress, server requests). Every call of the session still owed
+        its result ends now (``OUTCOME_STORE_FAILED``, ``error_type`` the exception's class): none will get it.
+        Not one whose result the store holds (``stored``): routed before the failure, it is sent, or replayed to a
+        resume. A call the session starts later is lost too: it ends so when its client cancels it (``cancel``)."""
+        self._store_failed[session_id] = error_type
+        self._store_failed.move_to_end(session_id)
+        if len(self._store_failed) > _MAX_STORE_FAILED:
+            self._store_failed.popitem(last=False)
+        for key in [key for key in self._pending if key[0] == session_id]:  # not started: started as they came
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.start_pending()
+        for body in list(self._unread.get(session_id, ())):
+            body.read_unread()
+        for call in [call for call in self._calls.values() if call.key[0] == session_id]:
+            self._unhold(call)  # what its held stream carries comes first: its result, if sent already
+            if not call.closed and not stored(call.key):
+                self._end_store_failed(call, error_type)
+
+    def _end_store_failed(self, call: Call, error_type: str) -> None:
+        """End ``call`` lost to its session's failed store: ``error.type`` names the exception's class."""
+        if call.done:
+            return
+        span = self.span_of(call)
+        span.set_attribute(sc.ERROR_TYPE, error_type)
+        span.set_status(StatusCode.ERROR)
+        self._finish(call, sc.OUTCOME_STORE_FAILED)
 
     def _finish(self, call: Call, outcome: str, terminal: Terminal | None = None) -> None:
         """End a call. One answered on its only stream, never deviating, leaves no span. ``terminal``:
