@@ -24,6 +24,7 @@ PAGES = {
     "foreign_result": {"MCPToolResultSilentlyLost"},
     "not_reissued": {"MCPToolResultSilentlyLost"},
     "stored_not_delivered": {"MCPToolResultSilentlyLost"},
+    "store_failed": {"MCPToolResultSilentlyLost"},
     "narrowed_resume": {"MCPResumeAudienceNarrowerThanNeeded"},
     "replay_truncated": {"MCPReplayTruncatedWithoutError"},
     "cursor_past_undelivered": {"MCPReplayTruncatedWithoutError"},

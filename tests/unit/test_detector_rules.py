@@ -265,6 +265,61 @@ def test_a_stored_result_lost_behind_a_clean_empty_resume_is_one_finding_not_two
         assert losses == 1.0
 
 
+def _store_failed(at: float = 1.0) -> Span:
+    """The server's EventStore raised: its session's messages are never sent again, this call's result with them."""
+    return call(SV, sc.OUTCOME_STORE_FAILED, at=at)
+
+
+def test_store_failed_fires_after_the_grace_period_and_pages_as_a_loss():
+    assert rules(run([_store_failed()], after_s=1)) == []
+    detector = run([_store_failed()], after_s=6)
+    (lost,) = detector.findings
+    assert (lost.rule, lost.tool, lost.request_id, lost.severity, lost.roles) == ("store_failed", "fetch", "3",
+                                                                                  "critical", [SV])
+    assert lost.evidence == {"grace_s": 5, "timed_out": False}
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"tool": "fetch", "rule": "store_failed"}) == 1.0
+    assert detector.ledger.in_flight == 0  # nothing will send it: over, not waiting to be counted stuck
+
+
+def test_store_failed_is_silent_when_a_delivery_of_the_call_is_seen_within_the_grace_whatever_the_order():
+    delivered = stream(C, "post", "clean", terminal=("3",), last="9")
+    for spans in ([_store_failed(), delivered], [delivered, _store_failed()]):
+        assert rules(run(spans, after_s=60)) == []
+
+
+def test_store_failed_with_the_callers_timeout_is_one_loss_and_the_timeout_is_attributed_to_it():
+    for spans in ([_store_failed(), call(C, sc.OUTCOME_CANCELLED, at=3.0)],
+                  [call(C, sc.OUTCOME_CANCELLED, at=3.0), _store_failed()]):
+        detector = run(spans, after_s=6)
+        by_rule = {f.rule: f for f in detector.findings}
+        assert set(by_rule) == {"store_failed", "timeout_attributed"}
+        assert by_rule["store_failed"].evidence["timed_out"] is True
+        assert by_rule["timeout_attributed"].caused_by == by_rule["store_failed"].id
+
+
+def test_store_failed_and_a_clean_end_that_left_the_call_pending_are_one_finding_in_any_span_order():
+    clean_end = stream(C, "post", "clean", pending=("3",), last="6")
+    for spans in ([clean_end, _store_failed(at=2.0)], [_store_failed(at=2.0), clean_end]):
+        detector = run(spans, after_s=60)
+        (finding,) = detector.findings
+        assert finding.rule == "store_failed"  # the cause, whichever grace ran out first
+        assert finding.evidence["also"] == ["clean_end_pending"]
+        assert sorted(finding.roles) == [C, SV]
+        losses = sum(detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                                        {"tool": "fetch", "rule": rule}) or 0
+                     for rule in ("clean_end_pending", "store_failed"))
+        assert losses == 1.0
+
+
+def test_each_call_a_failed_store_lost_in_its_session_is_its_own_finding():
+    spans = [call(SV, sc.OUTCOME_STORE_FAILED, request_id=rid, tool=tool) for rid, tool in (("3", "fetch"),
+                                                                                            ("4", "search"))]
+    detector = run(spans, after_s=6)
+    assert sorted((f.rule, f.request_id, f.tool) for f in detector.findings) == [("store_failed", "3", "fetch"),
+                                                                                 ("store_failed", "4", "search")]
+
+
 def test_resumes_that_go_on_after_the_caller_gave_up_stay_on_the_calls_one_resume_loop_finding():
     before = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 1.2, 1.4)]
     after = [stream(C, "resume", "clean", ids=(), cursor="6", at=t) for t in (1.6, 1.8, 2.0)]  # the hooks dropped it
@@ -335,7 +390,7 @@ def test_grace_timers_of_evicted_calls_do_not_pile_up():
 
 def test_every_loss_rule_is_exported_at_zero_before_any_span_so_its_first_loss_pages():
     registry = Detector(DetectorConfig(tools=("fetch",))).registry
-    for rule in ("stored_not_delivered", "clean_end_pending", "not_reissued"):
+    for rule in ("stored_not_delivered", "clean_end_pending", "not_reissued", "store_failed"):
         assert registry.get_sample_value("mcp_stream_silent_losses_total", {"tool": "fetch", "rule": rule}) == 0.0
         assert registry.get_sample_value("mcp_stream_findings_total",
                                          {"rule": rule, "severity": "critical", "tool": "fetch"}) == 0.0

@@ -13,7 +13,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, snapshot
 from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 
-from spans import FETCH, SEARCH, S, replay, stream
+from spans import FETCH, SEARCH, S, call, replay, stream
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 CONFIG = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5, resume_loop_count=3,
@@ -87,6 +87,19 @@ def test_a_session_its_client_deleted_stays_deleted_across_a_restart(tmp_path):
     restarted.consume([stream(C, "resume", "http_error", ids=(), cursor="41", status=404, tool=None)])
     assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
     assert "session_expired_in_flight" not in {f.rule for f in restarted.findings}
+
+
+def test_a_call_lost_to_a_failed_store_across_a_restart_is_flagged_unless_its_delivery_comes_in_the_grace(tmp_path):
+    clock = Clock()
+    before = _fed(clock, [call(SV, sc.OUTCOME_STORE_FAILED)])
+    assert before.findings.dump() == []
+    restarted = _restarted(before, clock, tmp_path / "lost.db")
+    assert restarted.ledger.dump() == before.ledger.dump()
+    assert _judged(restarted, clock) == _judged(before, clock) == {("store_failed", "3", (SV,))}
+    delivered = _fed(clock, [call(SV, sc.OUTCOME_STORE_FAILED)])
+    restarted = _restarted(delivered, clock, tmp_path / "delivered.db")
+    restarted.consume([stream(C, "post", "clean", terminal=("3",), last="9")])
+    assert _judged(restarted, clock) == set()
 
 
 def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):

@@ -352,12 +352,16 @@ class Ledger:
 
     def owed(self, call: CallState, now_ns: int, role: str) -> None:
         """A stream ended with the call pending: it is in flight until delivered or given up."""
-        if role not in call.roles:
-            call.roles = _with_role(call.roles, role)
+        self.seen_owed(call, role)
         if call.owed_since is None:  # owed again, not moving (a resume that drops at once): no sign of life
             was = call.in_flight
             call.owed_since = now_ns
             self._in_flight += call.in_flight - was
+
+    def seen_owed(self, call: CallState, role: str) -> None:
+        """``role``'s spans show the call owed its result (a finding's sides)."""
+        if role not in call.roles:
+            call.roles = _with_role(call.roles, role)
 
     def alive(self, call: CallState, now_ns: int) -> None:
         """A span showed the call moving on: not stuck, for a while."""

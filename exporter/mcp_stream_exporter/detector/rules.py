@@ -45,6 +45,7 @@ class RuleId(StrEnum):
     TIMEOUT_ATTRIBUTED = "timeout_attributed"
     NOT_REISSUED = "not_reissued"
     STORED_NOT_DELIVERED = "stored_not_delivered"
+    STORE_FAILED = "store_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule(RuleId.STORED_NOT_DELIVERED, CRITICAL, _LEGACY, True,
          "The server stored a call's result with no stream open to carry it, and the client never received "
          "it within the grace period."),
+    Rule(RuleId.STORE_FAILED, CRITICAL, _LEGACY, True,
+         "The server's event store failed, so the server never sent the call's result: no terminal event "
+         "reached the client within the grace period."),
 )}
 
 
@@ -107,6 +111,7 @@ _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
 _STORED = "stored"
 _EXPIRED = "expired"
+_STORE_FAILED = "store_failed"
 
 
 class RuleEngine:
@@ -192,6 +197,8 @@ class RuleEngine:
             self._stored(call, at.end_ns, e.terminal_event_id, now_ns)
         elif e.outcome in _TERMINAL_OUTCOMES:
             self.ledger.delivered(call)
+        elif e.outcome == sc.OUTCOME_STORE_FAILED:
+            self._store_failed(call, at.role, now_ns)
         elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
             self._timed_out(call, now_ns)
         elif e.outcome in _OVER_OUTCOMES:
@@ -250,6 +257,8 @@ class RuleEngine:
                 self._check_stored(call, now_ns)
             elif what == _EXPIRED:
                 self._check_expired(call, now_ns)
+            elif what == _STORE_FAILED:
+                self._check_store_failed(call, now_ns)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -309,6 +318,13 @@ class RuleEngine:
             call.stored_event_id = event_id
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORED, call)
 
+    def _store_failed(self, call: CallState, role: str, now_ns: int) -> None:
+        """The server's store failed with the call's result unsent: nothing will send it (the SDK stops sending the
+        session's messages), so the call is over; lost unless a delivery of it shows up within the grace."""
+        self.ledger.seen_owed(call, role)
+        self.ledger.given_up(call)
+        self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORE_FAILED, call)
+
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
             call.broken_since = at_ns
@@ -367,6 +383,8 @@ class RuleEngine:
             return
         if self.ledger.waiting(call, _EXPIRED) and not self._alive_after_clean_end(call):
             return  # its session went first: that judges it (``_check_expired``)
+        if self.ledger.waiting(call, _STORE_FAILED):
+            return  # the store's failure is the cause: that judges it first (``_check_store_failed``)
         if call.era == sc.ERA_STATELESS and call.broken_since is not None:
             return  # the SDK told its caller the stream broke: whether it is lost is not_reissued's to say
         due = self._clean_end_due(call)
@@ -399,6 +417,15 @@ class RuleEngine:
         self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, lambda: {
             "stored_at": stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
+
+    def _check_store_failed(self, call: CallState, now_ns: int) -> None:
+        """The server's store failed with the call's result unsent; not delivered a grace later (another producer
+        may still send it), nor its caller told by a refused resume: lost. A clean end that left it pending too
+        is judged after (it joins this finding, ``also``)."""
+        if not call.terminal and not call.told:
+            self._emit(RuleId.STORE_FAILED, call, None, call.request_id, now_ns, lambda: {
+                "grace_s": self.config.clean_end_grace_s, "timed_out": call.cancelled})
+        self._check_clean_end(call, now_ns)  # held back for this judgement
 
     def _check_expired(self, call: CallState, now_ns: int) -> None:
         """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its

@@ -52,6 +52,7 @@ ALERTS: dict[str, str] = {
     "foreign_result": "MCPToolResultSilentlyLost",
     "not_reissued": "MCPToolResultSilentlyLost",
     "stored_not_delivered": "MCPToolResultSilentlyLost",
+    "store_failed": "MCPToolResultSilentlyLost",
     "replay_truncated": "MCPReplayTruncatedWithoutError",
     "cursor_past_undelivered": "MCPReplayTruncatedWithoutError",
     "cross_stream_replay": "MCPReplayCrossedStreams",
@@ -112,7 +113,8 @@ _ENDS = {sc.END_CLEAN: "ended cleanly", sc.END_DROPPED: "connection dropped", sc
 _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool error delivered",
              sc.OUTCOME_ERROR: "JSON-RPC error delivered", sc.OUTCOME_CANCELLED: "given up (cancelled or timed out)",
              sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending",
-             sc.OUTCOME_REISSUED: "re-issued (sent again after its stream broke)"}
+             sc.OUTCOME_REISSUED: "re-issued (sent again after its stream broke)",
+             sc.OUTCOME_STORE_FAILED: "never sent: the server's event store failed"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +399,8 @@ def _describe(e: Entry) -> tuple[list[str], str]:
         return [f"the caller gave up after {e.duration_s or 0:.1f}s ({e.error_type or 'error'})"], "bad"
     if e.step == "call":
         outcome = _OUTCOMES.get(e.outcome or "", e.outcome or "")
-        return [f"outcome: {outcome}"], "ok" if e.outcome == sc.OUTCOME_RESULT else "warn"
+        tone = "ok" if e.outcome == sc.OUTCOME_RESULT else "bad" if e.outcome == sc.OUTCOME_STORE_FAILED else "warn"
+        return [f"outcome: {outcome}"], tone
     if e.cursor is not None:
         words.append(f"from Last-Event-ID {e.cursor}" if e.step != "replay" else f"after cursor {e.cursor}")
     if e.audience or e.missing_resources:
@@ -494,6 +497,9 @@ def _gap_line(f: Finding) -> str:
         "stored_not_delivered": lambda: (f"The server stored the result (event {ev.get('stored_event_id', '?')}) while "
                                          "no stream was open to carry it, and the client never received it within "
                                          f"{ev.get('grace_s', '?')}s."),
+        "store_failed": lambda: ("The server's event store failed while the call was owed its result: the server "
+                                 "sends none of the session's messages after that, and no result reached the "
+                                 f"client within {ev.get('grace_s', '?')}s."),
         "timeout_attributed": lambda: "The caller gave up on this call after the findings below: they are the cause.",
     }
     say = sentences.get(f.rule)
