@@ -14,14 +14,22 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.streamable_http import EventId, StreamId
 from mcp.shared.exceptions import MCPError
-from mcp_types import JSONRPCError, JSONRPCMessage, JSONRPCResponse
+from mcp.shared.message import ClientMessageMetadata
+from mcp_types import (
+    CallToolRequest,
+    CallToolRequestParams,
+    CallToolResult,
+    JSONRPCError,
+    JSONRPCMessage,
+    JSONRPCResponse,
+)
 
 from mcp_stream_exporter import instrument_server
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.lab import serve
 from mcp_stream_exporter.lab.incident import IncidentEventStore, build_incident_server, incident_policy
 
-from harness import after_grace, detector, incident, ours, spans
+from harness import after_grace, detector, incident, ours, span_exporter, spans
 
 pytestmark = pytest.mark.anyio
 SECRET = "redis://:hunter2@cache:6379"
@@ -57,6 +65,7 @@ def results(stream_id: StreamId, message: JSONRPCMessage | None) -> bool:
 @contextlib.asynccontextmanager
 async def hooked_server_only() -> AsyncIterator[tuple[Client, IncidentEventStore]]:
     """The incident's tools (no auth) with the server hooks, and a client on the SDK alone (no hooks)."""
+    span_exporter().clear()  # the spans of this scenario only
     store = IncidentEventStore(incident_policy())
     server = build_incident_server(store=store, step_delay=0.05)
     app = instrument_server(server, policy=incident_policy(), event_store=store, retry_interval=200)
@@ -131,7 +140,7 @@ async def test_the_sessions_other_call_in_flight_and_a_later_call_are_each_lost_
             store_down = False
             with pytest.raises(MCPError, match="timed out"):
                 await lab.call("fetch", {"url": "later", "steps": 0}, timeout=TIMEOUT_S)
-            ended = await _server_call_spans(3)  # the later call's ends as the server accepts its cancel
+            ended = await _server_call_spans(3)  # the later call's ends as the server starts it
             assert [s.attributes[sc.CALL_OUTCOME] for s in ended] == [sc.OUTCOME_STORE_FAILED] * 3
         findings = _by_rule(after_grace(found, clock))
     lost = findings["store_failed"]
@@ -140,6 +149,32 @@ async def test_the_sessions_other_call_in_flight_and_a_later_call_are_each_lost_
     assert sorted(findings) == ["store_failed", "timeout_attributed"]
     assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
                                            {"tool": "fetch", "rule": "store_failed"}) == 2.0
+
+
+async def test_a_later_call_whose_client_sends_no_cancel_is_still_one_finding():
+    """A request with a resumption-token callback: the SDK client sends no ``notifications/cancelled`` at its
+    timeout (as a client that only drops its stream): the call ends ``store_failed`` as the server starts it."""
+    with detector() as (found, clock):
+        async with hooked_server_only() as (client, store):
+            store_down = True
+            failing(store, lambda stream_id, message: store_down and results(stream_id, message))
+            with pytest.raises(MCPError, match="timed out"):
+                await client.call_tool("fetch", {"url": "u", "steps": 0}, read_timeout_seconds=TIMEOUT_S)
+            store_down = False
+
+            async def resumption_token(token: str) -> None:
+                pass
+
+            with pytest.raises(MCPError, match="timed out"):
+                await client.session.send_request(
+                    CallToolRequest(params=CallToolRequestParams(name="fetch", arguments={"url": "later"})),
+                    CallToolResult, request_read_timeout_seconds=TIMEOUT_S,
+                    metadata=ClientMessageMetadata(on_resumption_token_update=resumption_token))
+            ended = await _server_call_spans(2)
+            assert [s.attributes[sc.CALL_OUTCOME] for s in ended] == [sc.OUTCOME_STORE_FAILED] * 2
+        findings = _by_rule(after_grace(found, clock))
+    assert [f.tool for f in findings.pop("store_failed")] == ["fetch", "fetch"]
+    assert findings == {}
 
 
 async def test_a_priming_event_that_fails_to_store_is_answered_500_at_once_and_pages_nothing():

@@ -733,3 +733,22 @@ def test_a_stream_ended_with_its_session_leaves_its_calls_over_and_pages_nothing
     for spans in ([running], [running, deleted], [deleted, running], [polled, moving], [moving, deleted, polled]):
         detector = run(spans, after_s=6)
         assert (rules(detector), detector.ledger.in_flight) == ([], 0)
+
+
+def test_store_failed_pages_whichever_comes_first_its_spans_or_a_404_on_its_session():
+    """The store's failure is the cause, the session going after it the effect: one critical finding either way,
+    the expiry under ``also`` when its grace ran out first."""
+    dropped = stream(C, "post", "dropped", pending=("3",), last="6")
+    gone = stream(C, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=2.0)
+    for spans in ([dropped, _store_failed(at=1.5), gone], [dropped, gone, _store_failed(at=1.5)]):
+        detector = run(spans, after_s=60)
+        (finding,) = detector.findings
+        assert (finding.rule, finding.severity) == ("store_failed", "critical")
+        assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                                  {"tool": "fetch", "rule": "store_failed"}) == 1.0
+
+
+def test_store_failed_is_read_only_off_a_servers_call_span_of_a_session():
+    """Only a server's store fails, and only the calls of a session end so: any other span saying it is no loss."""
+    for span in (call(C, sc.OUTCOME_STORE_FAILED), call(SV, sc.OUTCOME_STORE_FAILED, session=None)):
+        assert rules(run([span], after_s=60)) == []

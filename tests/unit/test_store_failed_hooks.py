@@ -4,7 +4,7 @@ session's messages, so the calls it owed end ``store_failed``; the exception goe
 from __future__ import annotations
 
 import pytest
-from mcp.server.streamable_http import EventCallback, EventId, EventStore, StreamId
+from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -125,16 +125,69 @@ async def test_a_priming_event_that_fails_to_store_ends_nothing_its_post_is_answ
     assert _outcomes(exporter) == {("s", "1"): (sc.OUTCOME_CANCELLED, None)}
 
 
-async def test_a_call_the_session_starts_after_its_store_failed_ends_store_failed_when_its_client_cancels_it():
+async def test_a_call_the_session_starts_after_its_store_failed_ends_store_failed_as_it_starts():
+    """The router is gone: nothing will send its result, whether its client cancels it at its timeout or only drops
+    its stream; another session's call is not touched, and a cancel of the lost call changes nothing."""
     tracker, recorder, exporter = _server()
     inner = _Store()
     store = recorder.event_store(inner)
     inner.down = True
     with pytest.raises(StoreDown):
         await _store(store, "s", "_GET_stream", JSONRPCNotification(jsonrpc="2.0", method="notifications/message"))
-    _call(tracker, "s", 7)
-    _call(tracker, "other", 7)
-    tracker.cancel(("s", "7"))  # the SDK client, at its timeout: the result never came
+    assert tracker.failed_store("s") and not tracker.failed_store("other")
+    tracker.doomed(_call(tracker, "s", 7))  # as the observer does once the SDK hands the call over
+    tracker.doomed(_call(tracker, "other", 7))
+    assert _outcomes(exporter) == {("s", "7"): (sc.OUTCOME_STORE_FAILED, f"{__name__}.StoreDown")}
+    tracker.cancel(("s", "7"))
     tracker.cancel(("other", "7"))
     assert _outcomes(exporter) == {("s", "7"): (sc.OUTCOME_STORE_FAILED, f"{__name__}.StoreDown"),
                                    ("other", "7"): (sc.OUTCOME_CANCELLED, None)}
+
+
+class _WritesThenRaises(_Store):
+    """Writes the message, then raises (a Redis timeout after the write landed): the event is there, its id unknown
+    to the hooks; a replay of its stream sends it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[StreamId, EventId]] = []
+
+    async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        self._ids += 1
+        self.written.append((stream_id, str(self._ids)))
+        if message is not None and self.down:
+            raise StoreDown(f"{SECRET} timed out")
+        return str(self._ids)
+
+    async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        stream_id = next(s for s, e in self.written if e == last_event_id)
+        after = [e for s, e in self.written if s == stream_id and int(e) > int(last_event_id)]
+        for event_id in after:
+            await send_callback(EventMessage(_result(int(stream_id)), event_id))
+        return stream_id
+
+
+async def test_a_replay_of_an_event_the_store_wrote_before_it_raised_is_no_other_streams():
+    """The one event whose id the hooks never learned is the failed session's own: no cross-stream replay (a
+    critical page for a caller that got its result)."""
+    tracker, recorder, exporter = _server()
+    inner = _WritesThenRaises()
+    store = recorder.event_store(inner)
+    _call(tracker, "s", 1)
+    await _store(store, "s", "1", None)  # the POST's priming event: the client's cursor
+    inner.down = True
+    with pytest.raises(StoreDown):
+        await _store(store, "s", "1", _result(1))
+    token = request_scope.bind(request_scope.RequestScope("s", ABSENT))
+    try:
+        sent: list[EventMessage] = []
+
+        async def send(event: EventMessage) -> None:
+            sent.append(event)
+
+        assert await store.replay_events_after("1", send) == "1"
+    finally:
+        request_scope.unbind(token)
+    assert [e.event_id for e in sent] == ["2"]
+    (replay,) = [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == sc.SPAN_REPLAY]
+    assert sc.REPLAY_FOREIGN_EVENT_IDS not in replay.attributes

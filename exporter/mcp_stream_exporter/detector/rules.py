@@ -197,8 +197,8 @@ class RuleEngine:
             self._stored(call, at.end_ns, e.terminal_event_id, now_ns)
         elif e.outcome in _TERMINAL_OUTCOMES:
             self.ledger.delivered(call)
-        elif e.outcome == sc.OUTCOME_STORE_FAILED:
-            self._store_failed(call, at.role, now_ns)
+        elif e.outcome == sc.OUTCOME_STORE_FAILED and at.role == sc.ROLE_SERVER and at.session_id is not None:
+            self._store_failed(call, at.role, now_ns)  # only a server's store fails, and only a session's
         elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
             self._timed_out(call, now_ns)
         elif e.outcome in _OVER_OUTCOMES:
@@ -433,6 +433,8 @@ class RuleEngine:
         caller that gave up since was failed by that). Unless a clean end lost it while the session lived: a resume
         of it answered after that end (``_alive_after_clean_end``) makes the clean end the finding, judged first
         (this one joins it)."""
+        if self.ledger.waiting(call, _STORE_FAILED):
+            return  # its session's store failed (spans in any order): the cause, judged by ``_check_store_failed``
         if not call.terminal and call.clean_since is not None and self._alive_after_clean_end(call):
             due = self._clean_end_due(call)
             if now_ns < due:  # the expiry's grace ran out first: both are judged once the clean end's does

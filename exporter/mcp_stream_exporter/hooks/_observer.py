@@ -303,6 +303,7 @@ class WireObserver:
         for call in ex.calls:
             if call.key[1] == wire_id:
                 call.in_sdk_request(context)
+                self.tracker.doomed(call)
                 return
         body = ex.unread
         if body is None:  # read already: a call it did not hold is none of this exchange's
@@ -325,7 +326,9 @@ class WireObserver:
                     if self.tracker.pend(key, ex):
                         ex.pending = (msg, judged, context, key)
                         return
-        self._start_call(ex, msg, judged, deviates, stateless).in_sdk_request(context)
+        call = self._start_call(ex, msg, judged, deviates, stateless)
+        call.in_sdk_request(context)
+        self.tracker.doomed(call)  # a session whose store failed: it will never be sent its result
 
     def _on_body(self, ex: _Exchange, message: Message) -> None:
         body: bytes = message.get("body", b"")

@@ -736,8 +736,8 @@ class Tracker:
         on which it never starts; a look-up of it (``call``) starts it. False when a call of its id is tracked
         already (an id reused): it is then started as any other. Not counted against ``max_calls``: one a request
         in progress, each a dictionary entry; one started late is tracked from then on, the newest."""
-        if key in self._calls or key in self._pending:
-            return False
+        if key in self._calls or key in self._pending or (self._store_failed and key[0] in self._store_failed):
+            return False  # (server) a call of a session whose store failed is started, and ends so (``doomed``)
         self._pending[key] = pending
         return True
 
@@ -784,17 +784,10 @@ class Tracker:
         return call.create(self._tracer, context)
 
     def cancel(self, key: CallKey) -> None:
-        """``notifications/cancelled`` for the call: sent (client), or accepted (server). (server) In a session whose
-        store failed (``store_failed``), a call not stored was lost before its caller gave up (the SDK client
-        cancels at its timeout): it ends ``store_failed`` instead."""
         call = self.call(key)
         if call is not None:
             self._unhold(call)
-            error_type = self._store_failed.get(key[0]) if self._store_failed else None
-            if error_type is not None and not call.closed:
-                self._end_store_failed(call, error_type)
-            else:
-                self._finish(call, sc.OUTCOME_CANCELLED)
+            self._finish(call, sc.OUTCOME_CANCELLED)
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
         """(server) Storing an event of the session failed: the SDK's message router, which stores each message the
@@ -802,11 +795,7 @@ class Tracker:
         (that one and every later one: results, progress, server requests). Every call of the session still owed
         its result ends now (``OUTCOME_STORE_FAILED``, ``error_type`` the exception's class): none will get it.
         Not one whose result the store holds (``stored``): routed before the failure, it is sent, or replayed to a
-        resume. A call the session starts later is lost too: it ends so when its client cancels it (``cancel``)."""
-        self._store_failed[session_id] = error_type
-        self._store_failed.move_to_end(session_id)
-        if len(self._store_failed) > _MAX_STORE_FAILED:
-            self._store_failed.popitem(last=False)
+        resume. A call the session starts later is lost too: it ends so as it starts (``doomed``)."""
         for key in [key for key in self._pending if key[0] == session_id]:  # not started: started as they came
             pending = self._pending.get(key)
             if pending is not None:
@@ -817,6 +806,25 @@ class Tracker:
             self._unhold(call)  # what its held stream carries comes first: its result, if sent already
             if not call.closed and not stored(call.key):
                 self._end_store_failed(call, error_type)
+        # known failed only now: the calls above started as they came, some of them stored before the failure
+        self._store_failed[session_id] = error_type
+        self._store_failed.move_to_end(session_id)
+        if len(self._store_failed) > _MAX_STORE_FAILED:
+            self._store_failed.popitem(last=False)
+
+    def failed_store(self, session_id: str | None) -> bool:
+        """(server) Whether the session's store failed (``store_failed``): the SDK sends none of its messages again."""
+        return session_id in self._store_failed
+
+    def doomed(self, call: Call) -> None:
+        """(server) A call started in a session whose store failed (``store_failed``): with the SDK's message router
+        gone, nothing will send its result, so it ends so now, whatever its client does next (cancel it at its
+        timeout, its user's cancel, or only drop its stream). Not ``cancel``: a cancel of a call lost already is
+        no give-up that lost it."""
+        error_type = self._store_failed.get(call.key[0]) if self._store_failed else None
+        if error_type is not None:
+            self._unhold(call)
+            self._end_store_failed(call, error_type)
 
     def _end_store_failed(self, call: Call, error_type: str) -> None:
         """End ``call`` lost to its session's failed store: ``error.type`` names the exception's class."""
