@@ -46,13 +46,15 @@ class _Store(EventStore):
         return None
 
 
-def _server() -> tuple[Tracker, StoreRecorder, InMemorySpanExporter]:
+def _server(inner: _Store | None = None) -> tuple[Tracker, _Store, EventStore, InMemorySpanExporter]:
+    """The server's tracker, the author's store (``inner``) and the hooks' store around it, and what they export."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = DeviationTracer(provider)
     tracker = Tracker(tracer, sc.ROLE_SERVER)
-    return tracker, StoreRecorder(tracker, tracer, Requirements(10)), exporter
+    inner = inner or _Store()
+    return tracker, inner, StoreRecorder(tracker, tracer, Requirements(10)).event_store(inner), exporter
 
 
 def _call(tracker: Tracker, session: str, rid: int) -> Call:
@@ -83,9 +85,7 @@ async def _store(store: EventStore, session: str, stream_id: str, message: JSONR
 
 
 async def test_the_stores_exception_goes_on_unchanged_and_every_call_the_session_owed_ends_store_failed():
-    tracker, recorder, exporter = _server()
-    inner = _Store()
-    store = recorder.event_store(inner)
+    tracker, inner, store, exporter = _server()
     for session, rid in (("s", 1), ("s", 2), ("other", 1)):
         _call(tracker, session, rid)
     answered = _call(tracker, "s", 3)
@@ -103,9 +103,7 @@ async def test_the_stores_exception_goes_on_unchanged_and_every_call_the_session
 
 
 async def test_a_failure_on_the_standalone_stream_loses_the_sessions_calls_too():
-    tracker, recorder, exporter = _server()
-    inner = _Store()
-    store = recorder.event_store(inner)
+    tracker, inner, store, exporter = _server()
     _call(tracker, "s", 1)
     inner.down = True
     with pytest.raises(StoreDown):
@@ -114,9 +112,7 @@ async def test_a_failure_on_the_standalone_stream_loses_the_sessions_calls_too()
 
 
 async def test_a_priming_event_that_fails_to_store_ends_nothing_its_post_is_answered_500():
-    tracker, recorder, exporter = _server()
-    inner = _Store()
-    store = recorder.event_store(inner)
+    tracker, inner, store, exporter = _server()
     _call(tracker, "s", 1)
     inner.down = True
     with pytest.raises(StoreDown):
@@ -128,9 +124,7 @@ async def test_a_priming_event_that_fails_to_store_ends_nothing_its_post_is_answ
 async def test_a_call_the_session_starts_after_its_store_failed_ends_store_failed_as_it_starts():
     """The router is gone: nothing will send its result, whether its client cancels it at its timeout or only drops
     its stream; another session's call is not touched, and a cancel of the lost call changes nothing."""
-    tracker, recorder, exporter = _server()
-    inner = _Store()
-    store = recorder.event_store(inner)
+    tracker, inner, store, exporter = _server()
     inner.down = True
     with pytest.raises(StoreDown):
         await _store(store, "s", "_GET_stream", JSONRPCNotification(jsonrpc="2.0", method="notifications/message"))
@@ -170,9 +164,7 @@ class _WritesThenRaises(_Store):
 async def test_a_replay_of_an_event_the_store_wrote_before_it_raised_is_no_other_streams():
     """The one event whose id the hooks never learned is the failed session's own: no cross-stream replay (a
     critical page for a caller that got its result)."""
-    tracker, recorder, exporter = _server()
-    inner = _WritesThenRaises()
-    store = recorder.event_store(inner)
+    tracker, inner, store, exporter = _server(_WritesThenRaises())
     _call(tracker, "s", 1)
     await _store(store, "s", "1", None)  # the POST's priming event: the client's cursor
     inner.down = True
