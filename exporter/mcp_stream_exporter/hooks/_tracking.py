@@ -818,9 +818,8 @@ class Tracker:
 
     def doomed(self, call: Call) -> None:
         """(server) A call started in a session whose store failed (``store_failed``): with the SDK's message router
-        gone, nothing will send its result, so it ends so now, whatever its client does next (cancel it at its
-        timeout, its user's cancel, or only drop its stream). Not ``cancel``: a cancel of a call lost already is
-        no give-up that lost it."""
+        gone, nothing will send its result, so it ends so now, not at whatever its client does next (a cancel at
+        its timeout, its user's cancel, or none: a client that only drops its stream)."""
         error_type = self._store_failed.get(call.key[0]) if self._store_failed else None
         if error_type is not None:
             self._unhold(call)
