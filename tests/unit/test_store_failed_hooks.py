@@ -128,7 +128,7 @@ async def test_a_call_the_session_starts_after_its_store_failed_ends_store_faile
     inner.down = True
     with pytest.raises(StoreDown):
         await _store(store, "s", "_GET_stream", JSONRPCNotification(jsonrpc="2.0", method="notifications/message"))
-    assert tracker.failed_store("s") and not tracker.failed_store("other")
+    assert tracker.store_failed_in("s") and not tracker.store_failed_in("other")
     tracker.doomed(_call(tracker, "s", 7))  # as the observer does once the SDK hands the call over
     tracker.doomed(_call(tracker, "other", 7))
     assert _outcomes(exporter) == {("s", "7"): (sc.OUTCOME_STORE_FAILED, f"{__name__}.StoreDown")}

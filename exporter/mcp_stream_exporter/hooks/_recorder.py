@@ -280,7 +280,8 @@ class _ObservedEventStore(EventStore):
                 sent.append(event.event_id)
                 stored_on = recorder.stream_of(session_id, event.event_id)
                 # an event the store wrote and then raised on has no id known here: no other stream's
-                if stored_on != stream_id and (stored_on is not None or not recorder.tracker.failed_store(session_id)):
+                if stored_on != stream_id and (
+                        stored_on is not None or not recorder.tracker.store_failed_in(session_id)):
                     foreign.append(event.event_id)
             await send_callback(event)
 

@@ -812,7 +812,7 @@ class Tracker:
         if len(self._store_failed) > _MAX_STORE_FAILED:
             self._store_failed.popitem(last=False)
 
-    def failed_store(self, session_id: str | None) -> bool:
+    def store_failed_in(self, session_id: str | None) -> bool:
         """(server) Whether the session's store failed (``store_failed``): the SDK sends none of its messages again."""
         return session_id in self._store_failed
 
