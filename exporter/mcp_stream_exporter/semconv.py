@@ -106,6 +106,10 @@ OUTCOME_EVICTED: Final = "evicted"  # dropped from the bounded tracker while sti
 # then sends none of the session's messages again: the call's result is never sent nor stored. ``error.type``
 # names the exception's class (never its message)
 OUTCOME_STORE_FAILED: Final = "store_failed"
+# server, resumable era: the client cancelled the call after its terminal event went out on a stream, so it never got
+# it (a connection its side lost while the server's stayed open: a proxy, a NAT). A span of its own, from that event's
+# send to the cancel, with ``TERMINAL_EVENT_ID``: the call's own span, if it had one, ended when the event went out
+OUTCOME_CANCELLED_LATE: Final = "cancelled_late"
 # client, stateless: a call that re-issues one whose stream broke, at its start (a span of its own, ended at once:
 # the call's span ends only with the call, and a long tool would outlast the grace the detector gives a re-issue)
 OUTCOME_REISSUED: Final = "reissued"

@@ -17,7 +17,7 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE, BearerAuth, Incident, incident_policy
 
-from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, spans
+from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, span_exporter, spans
 
 pytestmark = pytest.mark.anyio
 
@@ -295,3 +295,48 @@ async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing
     ended = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__end__reason=sc.END_TERMINATED)
     carried = [sp for sp in ended if sp.attributes.get(sc.STREAM_REQUEST_IDS)]  # not the standalone GET
     assert carried and all(sp.attributes.get(sc.PENDING_REQUEST_IDS) for sp in carried)
+
+
+async def _lose_a_result_on_a_half_open_connection() -> None:
+    """fetch's connection is lost on the client's side after its first progress event while the server's stays
+    open (a load balancer or NAT): the server writes the result into it and sees nothing wrong. The SDK client would
+    resume after the SSE retry (30 s), past its caller's timeout, whose cancel then reaches the server: 2.5 s after the
+    call started, some 2 s after the result went out, past the 1 s in which a cancel may cross it on the wire."""
+    span_exporter().clear()
+    async with incident("legacy", retry_interval=30_000) as lab:
+        lab.proxy.arm(b"fetch step 1", half_open=True)
+        with pytest.raises(MCPError):
+            await lab.call("fetch", {"url": "u", "steps": 2}, timeout=2.5)
+        for _ in range(100):  # bounded: 5 s for the cancel to reach the server
+            if ours(spans(), sc.SPAN_CALL, sc.ROLE_SERVER, mcp_stream__call__outcome=sc.OUTCOME_CANCELLED_LATE):
+                break
+            await asyncio.sleep(0.05)
+
+
+async def test_a_result_sent_into_a_connection_the_client_lost_is_one_loss_and_the_timeout_is_attributed_to_it():
+    with detector() as (found, clock):
+        await _lose_a_result_on_a_half_open_connection()
+        findings = _by_rule(after_grace(found, clock))
+    assert set(findings) == {"sent_not_received", "timeout_attributed"}
+    (lost,) = findings["sent_not_received"]
+    assert (lost.tool, lost.severity, sorted(lost.roles)) == ("fetch", "critical", [sc.ROLE_CLIENT, sc.ROLE_SERVER])
+    assert lost.evidence["sent_event_id"]
+    assert findings["timeout_attributed"][0].caused_by == lost.id
+    assert found.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                           {"tool": "fetch", "rule": "sent_not_received"}) == 1.0
+
+
+async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_spans_alone_not_the_clients():
+    """Only the server knows the result went out: the client's spans alone show a stream that dropped and a caller
+    that gave up before resuming, which a slow tool shows too."""
+    await _lose_a_result_on_a_half_open_connection()
+    recorded = [span_of(s) for s in spans()]
+    client_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_SERVER and s.kind != "server"]
+    server_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_CLIENT and s.kind != "client"]
+    clock = Clock()
+    for subset, expected in ((server_side, ["sent_not_received"]), (client_side, [])):
+        alone = Detector(clock=clock)
+        alone.consume(subset)
+        clock.advance(60)
+        alone.tick()
+        assert sorted(f.rule for f in alone.findings) == expected

@@ -25,6 +25,7 @@ PAGES = {
     "not_reissued": {"MCPToolResultSilentlyLost"},
     "stored_not_delivered": {"MCPToolResultSilentlyLost"},
     "store_failed": {"MCPToolResultSilentlyLost"},
+    "sent_not_received": {"MCPToolResultSilentlyLost"},
     "narrowed_resume": {"MCPResumeAudienceNarrowerThanNeeded"},
     "replay_truncated": {"MCPReplayTruncatedWithoutError"},
     "cursor_past_undelivered": {"MCPReplayTruncatedWithoutError"},

@@ -320,6 +320,63 @@ def test_each_call_a_failed_store_lost_in_its_session_is_its_own_finding():
                                                                                  ("store_failed", "4", "search")]
 
 
+def _cancelled_late(sent: float = 1.0, cancelled: float = 3.0) -> Span:
+    """The server sent the call's result (event 6) at ``sent``; its client cancelled the call at ``cancelled``."""
+    span = call(SV, sc.OUTCOME_CANCELLED_LATE, terminal_event_id="6")
+    return dataclasses.replace(span, start_ns=int(sent * S), end_ns=int(cancelled * S))
+
+
+def test_sent_not_received_fires_on_a_cancel_long_after_the_server_sent_the_result_and_pages_as_a_loss():
+    assert rules(run([_cancelled_late()], after_s=1)) == []
+    detector = run([_cancelled_late()], after_s=6)
+    (lost,) = detector.findings
+    assert (lost.rule, lost.tool, lost.request_id, lost.severity, lost.roles) == ("sent_not_received", "fetch", "3",
+                                                                                  "critical", [SV])
+    assert lost.evidence == {"sent_at": 1.0, "sent_event_id": "6", "grace_s": 5}
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"tool": "fetch", "rule": "sent_not_received"}) == 1.0
+    assert detector.ledger.in_flight == 0  # its client gave up on it: over
+
+
+def test_a_cancel_that_may_have_crossed_the_result_on_the_wire_is_no_loss_with_only_the_servers_spans():
+    assert rules(run([_cancelled_late(sent=1.0, cancelled=1.5)], after_s=60)) == []
+
+
+def test_sent_not_received_with_the_clients_dropped_stream_is_one_loss_whatever_the_cancels_delay_or_span_order():
+    dropped = stream(C, "post", "dropped", pending=("3",), last="4")
+    gave_up = call(C, sc.OUTCOME_CANCELLED, at=3.0)
+    for late in (_cancelled_late(), _cancelled_late(sent=1.0, cancelled=1.5)):
+        for spans in ([dropped, gave_up, late], [late, gave_up, dropped]):
+            detector = run(spans, after_s=6)
+            by_rule = {f.rule: f for f in detector.findings}
+            assert set(by_rule) == {"sent_not_received", "timeout_attributed"}
+            assert sorted(by_rule["sent_not_received"].roles) == [C, SV]
+            assert by_rule["timeout_attributed"].caused_by == by_rule["sent_not_received"].id
+
+
+def test_a_clients_cancel_while_its_own_stream_was_alive_is_no_loss_however_late_the_server_saw_it():
+    """Its caller gave up while the result was still coming (a large result on a slow link): the client's spans
+    show its stream alive, closed by the client itself."""
+    spans = [stream(C, "post", "closed", pending=("3",), last="4"), call(C, sc.OUTCOME_CANCELLED, at=3.0),
+             _cancelled_late(sent=1.0, cancelled=3.0)]
+    assert rules(run(spans, after_s=60)) == []
+
+
+def test_sent_not_received_is_silent_when_the_client_got_the_result():
+    delivered = stream(C, "resume", "clean", cursor="4", terminal=("3",), last="6")
+    for spans in ([_cancelled_late(), delivered], [delivered, _cancelled_late()]):
+        assert rules(run(spans, after_s=60)) == []
+
+
+def test_a_late_cancel_seen_by_a_client_or_with_no_session_is_no_loss():
+    client_view = dataclasses.replace(_cancelled_late(), attributes={
+        **_cancelled_late().attributes, sc.ROLE: C})
+    sessionless = dataclasses.replace(_cancelled_late(), attributes={
+        k: v for k, v in _cancelled_late().attributes.items() if k != sc.MCP_SESSION_ID})
+    assert rules(run([client_view], after_s=60)) == []
+    assert rules(run([sessionless], after_s=60)) == []
+
+
 def test_resumes_that_go_on_after_the_caller_gave_up_stay_on_the_calls_one_resume_loop_finding():
     before = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 1.2, 1.4)]
     after = [stream(C, "resume", "clean", ids=(), cursor="6", at=t) for t in (1.6, 1.8, 2.0)]  # the hooks dropped it

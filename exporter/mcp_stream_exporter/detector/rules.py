@@ -46,6 +46,7 @@ class RuleId(StrEnum):
     NOT_REISSUED = "not_reissued"
     STORED_NOT_DELIVERED = "stored_not_delivered"
     STORE_FAILED = "store_failed"
+    SENT_NOT_RECEIVED = "sent_not_received"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule(RuleId.STORE_FAILED, CRITICAL, _LEGACY, True,
          "The server's event store failed, so the server never sent the call's result: no terminal event "
          "reached the client within the grace period."),
+    Rule(RuleId.SENT_NOT_RECEIVED, CRITICAL, _LEGACY, True,
+         "The server sent the call's result on a stream its client had lost, and the client, which never got "
+         "it, cancelled the call."),
 )}
 
 
@@ -100,6 +104,9 @@ class RuleConfig:
     resume_loop_count: int = 5
     resume_loop_window_s: float = 60.0
     stuck_after_s: float = 900.0  # a call in flight that has not moved on this long since it was owed is stuck
+    # a cancel that comes this soon after the server sent the call's result may have crossed it on the wire (its
+    # caller gave up as it came): with only the server's spans, no loss (sent_not_received)
+    cancel_race_s: float = 1.0
 
 
 _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
@@ -112,6 +119,8 @@ _REISSUE = "reissue"
 _STORED = "stored"
 _EXPIRED = "expired"
 _STORE_FAILED = "store_failed"
+_SENT = "sent"  # the result went out and its client cancelled the call after, later than a race could explain
+_SENT_RACED = "sent_raced"  # ... soon enough that the cancel may have crossed the result on the wire
 
 
 class RuleEngine:
@@ -125,6 +134,7 @@ class RuleEngine:
         self._reissue_grace_ns = _ns(config.reissue_grace_s)
         self._resume_loop_window_ns = _ns(config.resume_loop_window_s)
         self._stuck_after_ns = _ns(config.stuck_after_s)
+        self._cancel_race_ns = _ns(config.cancel_race_s)
         self._stuck_counted_ns = 0  # when the stuck calls were last counted (every _STUCK_EVERY_NS)
 
     # --- events ---
@@ -199,6 +209,8 @@ class RuleEngine:
             self.ledger.delivered(call)
         elif e.outcome == sc.OUTCOME_STORE_FAILED and at.role == sc.ROLE_SERVER and at.session_id is not None:
             self._store_failed(call, at.role, now_ns)  # only a server's store fails, and only a session's
+        elif e.outcome == sc.OUTCOME_CANCELLED_LATE and at.role == sc.ROLE_SERVER and at.session_id is not None:
+            self._cancelled_late(call, at, e.terminal_event_id, now_ns)
         elif e.outcome == sc.OUTCOME_CANCELLED and at.role == sc.ROLE_CLIENT:
             self._timed_out(call, now_ns)
         elif e.outcome in _OVER_OUTCOMES:
@@ -259,6 +271,8 @@ class RuleEngine:
                 self._check_expired(call, now_ns)
             elif what == _STORE_FAILED:
                 self._check_store_failed(call, now_ns)
+            elif what in (_SENT, _SENT_RACED):
+                self._check_sent(call, now_ns, what == _SENT_RACED)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -324,6 +338,17 @@ class RuleEngine:
         self.ledger.seen_owed(call, role)
         self.ledger.given_up(call)
         self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORE_FAILED, call)
+
+    def _cancelled_late(self, call: CallState, at: Common, event_id: str | None, now_ns: int) -> None:
+        """The server sent the call's result (at ``at.start_ns``) and its client cancelled the call after (at
+        ``at.end_ns``): the client never got it, or its caller gave up as it came (a race, if soon after). Over
+        either way; judged a grace later, when the client's spans, if any, have come."""
+        self.ledger.seen_owed(call, at.role)
+        self.ledger.given_up(call)
+        if call.stored_since is None:
+            call.stored_since, call.stored_event_id = at.start_ns, event_id
+        raced = at.end_ns - at.start_ns < self._cancel_race_ns
+        self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT_RACED if raced else _SENT, call)
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
@@ -426,6 +451,23 @@ class RuleEngine:
             self._emit(RuleId.STORE_FAILED, call, None, call.request_id, now_ns, lambda: {
                 "grace_s": self.config.clean_end_grace_s, "timed_out": call.cancelled})
         self._check_clean_end(call, now_ns)  # held back for this judgement
+
+    def _check_sent(self, call: CallState, now_ns: int, raced: bool) -> None:
+        """A call the server sent the result of and its client cancelled after: lost unless the client got it (a
+        delivery of its, a refused resume). Where our client hooks saw the call (``origin``), their spans say
+        whether its stream was lost: one that ended, dropped or clean, with it owed. Else, with only the server's
+        spans, the cancel's delay does: one sooner than ``cancel_race_s`` may have crossed the result."""
+        if call.client_deliveries or call.told:
+            return
+        if call.origin:
+            if sc.ROLE_CLIENT not in call.roles:
+                return  # the client's own stream was alive: its caller gave up as the result came
+        elif raced:
+            return
+        stored_since = call.stored_since or 0
+        self._emit(RuleId.SENT_NOT_RECEIVED, call, None, call.request_id, now_ns, lambda: {
+            "sent_at": stored_since / 1e9, "sent_event_id": call.stored_event_id,
+            "grace_s": self.config.clean_end_grace_s})
 
     def _check_expired(self, call: CallState, now_ns: int) -> None:
         """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its

@@ -80,6 +80,8 @@ class ServiceConfig(BaseSettings):
                                                      "stream")
     resume_loop_count: Count = Field(5, description="resumes of one cursor that make a loop ...")
     resume_loop_window_s: Seconds = Field(60.0, description="... within this many seconds")
+    cancel_race_s: Grace = Field(1.0, description="with only the server's spans, a cancel this soon after the server "
+                                                  "sent the call's result may have crossed it: no loss")
     # how much it holds
     max_memory_mb: Count = Field(256, description="budget of the detector's state: 5/8 ledger, 1/8 findings, "
                                                   "1/8 timelines, 1/8 ingest queue")
@@ -165,7 +167,7 @@ class ServiceConfig(BaseSettings):
     def detector_config(self) -> DetectorConfig:
         return DetectorConfig(
             rules=RuleConfig(self.clean_end_grace_s, self.reissue_grace_s, self.resume_loop_count,
-                             self.resume_loop_window_s),
+                             self.resume_loop_window_s, cancel_race_s=self.cancel_race_s),
             ledger=LedgerLimits(self.max_sessions, self.max_calls_per_session, self.session_ttl_s,
                                 max_index=self.max_index, max_bytes=self._budget_bytes(5 / 8),
                                 max_resumes_per_session=self.max_resumes_per_session),

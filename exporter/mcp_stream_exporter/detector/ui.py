@@ -53,6 +53,7 @@ ALERTS: dict[str, str] = {
     "not_reissued": "MCPToolResultSilentlyLost",
     "stored_not_delivered": "MCPToolResultSilentlyLost",
     "store_failed": "MCPToolResultSilentlyLost",
+    "sent_not_received": "MCPToolResultSilentlyLost",
     "replay_truncated": "MCPReplayTruncatedWithoutError",
     "cursor_past_undelivered": "MCPReplayTruncatedWithoutError",
     "cross_stream_replay": "MCPReplayCrossedStreams",
@@ -114,7 +115,8 @@ _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool
              sc.OUTCOME_ERROR: "JSON-RPC error delivered", sc.OUTCOME_CANCELLED: "given up (cancelled or timed out)",
              sc.OUTCOME_NO_TERMINAL: "no result on its stream", sc.OUTCOME_EVICTED: "evicted while pending",
              sc.OUTCOME_REISSUED: "re-issued (sent again after its stream broke)",
-             sc.OUTCOME_STORE_FAILED: "never sent: the server's event store failed"}
+             sc.OUTCOME_STORE_FAILED: "never sent: the server's event store failed",
+             sc.OUTCOME_CANCELLED_LATE: "cancelled by its client after the server sent its result"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +392,8 @@ def _row(e: Entry, t0: int) -> str:
             f"<td>+{(_at(e) - t0) / 1e9:.3f}s</td><td>{_e(e.role)}</td><td>{_e(step)}</td>"
             f"<td>{' · '.join(_e(w) for w in words)}</td></tr>")
 
+_LOST_OUTCOMES = frozenset({sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE})  # the call's own span says it is lost
+
 
 def _describe(e: Entry) -> tuple[list[str], str]:
     """An entry in words, and its tone: bad (the loss), warn (a drop), ok (a delivery or an explicit error)."""
@@ -399,7 +403,7 @@ def _describe(e: Entry) -> tuple[list[str], str]:
         return [f"the caller gave up after {e.duration_s or 0:.1f}s ({e.error_type or 'error'})"], "bad"
     if e.step == "call":
         outcome = _OUTCOMES.get(e.outcome or "", e.outcome or "")
-        tone = "ok" if e.outcome == sc.OUTCOME_RESULT else "bad" if e.outcome == sc.OUTCOME_STORE_FAILED else "warn"
+        tone = "ok" if e.outcome == sc.OUTCOME_RESULT else "bad" if e.outcome in _LOST_OUTCOMES else "warn"
         return [f"outcome: {outcome}"], tone
     if e.cursor is not None:
         words.append(f"from Last-Event-ID {e.cursor}" if e.step != "replay" else f"after cursor {e.cursor}")
@@ -500,6 +504,9 @@ def _gap_line(f: Finding) -> str:
         "store_failed": lambda: ("The server's event store failed while the call was owed its result: the server "
                                  "sends none of the session's messages after that, and no result reached the "
                                  f"client within {ev.get('grace_s', '?')}s."),
+        "sent_not_received": lambda: (f"The server sent the result (event {ev.get('sent_event_id', '?')}) on a "
+                                      "connection its client had lost, and the client, which never got it, cancelled "
+                                      "the call."),
         "timeout_attributed": lambda: "The caller gave up on this call after the findings below: they are the cause.",
     }
     say = sentences.get(f.rule)

@@ -660,6 +660,10 @@ class Tracker:
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
         # (server) sessions whose event store failed (``store_failed``), each with the exception's class
         self._store_failed: OrderedDict[str | None, str] = OrderedDict()
+        # (server) the newest ``max_calls`` calls whose terminal event went out on a resumable stream: when, the
+        # tool, the event's id (``sent``); what a cancel that comes after tells the client never got
+        self._sent: OrderedDict[CallKey, tuple[int, str | None, str]] | None = (
+            OrderedDict() if role == sc.ROLE_SERVER else None)
 
     # --- calls ---
 
@@ -788,6 +792,35 @@ class Tracker:
         if call is not None:
             self._unhold(call)
             self._finish(call, sc.OUTCOME_CANCELLED)
+        elif self._sent is not None and key in self._sent:
+            self._cancelled_late(key, *self._sent.pop(key))
+
+    def sent(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int) -> None:
+        """(server) The terminal event of ``key``'s call went out at ``at_ns`` on a stream, as event ``event_id``:
+        a cancel of the call that comes after it tells its client never got it (``cancel``). Only a resumable
+        stream's (an event id, a session): a client that loses any other answer's connection is failed at once."""
+        sent = self._sent
+        if sent is None or event_id is None or key[0] is None:
+            return
+        sent[key] = (at_ns, tool, event_id)
+        if len(sent) > self._max_calls:
+            sent.popitem(last=False)
+
+    def _cancelled_late(self, key: CallKey, sent_ns: int, tool: str | None, event_id: str) -> None:
+        """(server) The client cancelled a call whose terminal event went out at ``sent_ns``: it never got it (a
+        connection its side lost while ours stayed open), or its caller gave up as it came. A span of its own from
+        that send to now (``OUTCOME_CANCELLED_LATE``): the detector tells the two apart."""
+        session_id, request_id = key
+        attrs: dict[str, AttributeValue] = {
+            sc.SPAN: sc.SPAN_CALL, sc.ROLE: sc.ROLE_SERVER, sc.MCP_METHOD_NAME: "tools/call",
+            sc.JSONRPC_REQUEST_ID: request_id, sc.ERA: sc.ERA_RESUMABLE, sc.CALL_OUTCOME: sc.OUTCOME_CANCELLED_LATE,
+            sc.TERMINAL_EVENT_ID: event_id}
+        if session_id is not None:
+            attrs[sc.MCP_SESSION_ID] = session_id
+        if tool is not None:
+            attrs[sc.GEN_AI_TOOL_NAME] = tool
+        name = f"{sc.SPAN_NAME_CALL} tools/call" + (f" {tool}" if tool else "")
+        self._tracer.start_span(name, kind=SpanKind.INTERNAL, attributes=attrs, start_time=sent_ns).end()
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
         """(server) Storing an event of the session failed: the SDK's message router, which stores each message the
@@ -851,6 +884,8 @@ class Tracker:
             self._broken.move_to_end(fingerprint)
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
+        if terminal is not None and self._sent is not None:
+            self.sent(call.key, call.tool, terminal[1], time.time_ns())
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
         self.span_of(call)
@@ -865,8 +900,11 @@ class Tracker:
         call.done = True
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
-        if call.sdk_span is not None and terminal is not None:
-            annotate(call.sdk_span, terminal)
+        if terminal is not None:
+            if call.sdk_span is not None:
+                annotate(call.sdk_span, terminal)
+            if self._sent is not None:
+                self.sent(call.key, call.tool, terminal[1], time.time_ns())
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 class CutProxy:
     """Forwards bytes both ways; once armed, aborts every live connection after the server sends
-    ``pattern``. The abort is a TCP reset to both peers, not a clean close."""
+    ``pattern``. The abort is a TCP reset to both peers, not a clean close; or, armed ``half_open``, to the
+    client alone."""
 
     def __init__(self, upstream_port: int, *, host: str = "127.0.0.1") -> None:
         self.upstream_port = upstream_port
@@ -18,7 +19,10 @@ class CutProxy:
         self.cuts = 0
         self._pattern: bytes | None = None
         self._on_cut: Callable[[], None] | None = None
+        self._half_open = False
         self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        # connections whose client side was reset while the server's stays open (``arm(half_open=True)``)
+        self._client_gone: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._server: asyncio.Server | None = None
         self._open = asyncio.Event()
         self._open.set()
@@ -33,10 +37,13 @@ class CutProxy:
             self._cut_all()
             await self._server.wait_closed()
 
-    def arm(self, pattern: bytes, on_cut: Callable[[], None] | None = None) -> None:
-        """Cut everything right after the first server->client chunk containing ``pattern``."""
+    def arm(self, pattern: bytes, on_cut: Callable[[], None] | None = None, *, half_open: bool = False) -> None:
+        """Cut everything right after the first server->client chunk containing ``pattern``. ``half_open``: reset
+        only the client's side of that chunk's connection and keep the server's open, reading and dropping what
+        it sends after (a load balancer or NAT that lost the client): the server sees no disconnect."""
         self._pattern = pattern
         self._on_cut = on_cut
+        self._half_open = half_open
 
     def hold(self) -> None:
         """New connections wait at the proxy until :meth:`release`: a test orders another client's work
@@ -62,14 +69,18 @@ class CutProxy:
         pair = (client_w, up_w)
         self._live.add(pair)
         try:
-            await asyncio.gather(self._pump(client_r, up_w, watch=False),
-                                 self._pump(up_r, client_w, watch=True))
+            await asyncio.gather(self._pump(client_r, up_w, pair, watch=False),
+                                 self._pump(up_r, client_w, pair, watch=True))
         finally:
             self._live.discard(pair)
+            self._client_gone.discard(pair)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, watch: bool) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter], *, watch: bool) -> None:
         try:
             while data := await reader.read(65536):
+                if pair in self._client_gone:
+                    continue  # the server's bytes after its client was lost: read, never delivered
                 writer.write(data)
                 await writer.drain()
                 if watch and self._pattern is not None and self._pattern in data:
@@ -77,10 +88,14 @@ class CutProxy:
                     self.cuts += 1
                     if self._on_cut is not None:
                         self._on_cut()
-                    self._cut_all()
-                    return
+                    if not self._half_open:
+                        self._cut_all()
+                        return
+                    self._client_gone.add(pair)
+                    writer.transport.abort()
         except (ConnectionError, OSError):
             pass
         finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+            if watch or pair not in self._client_gone:  # the server's side of a lost client stays open
+                with contextlib.suppress(Exception):
+                    writer.close()

@@ -1,0 +1,84 @@
+"""The server hooks when a client cancels a call whose result already went out on a stream: the client never got
+it (its side of the connection was lost while the server's stayed open), so the hooks tell the detector with a span
+of its own, from the result's send to the cancel."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, Tracker
+from mcp_stream_exporter.wire import classify
+
+
+def _tracker(role: str = sc.ROLE_SERVER, max_calls: int = 10_000) -> tuple[Tracker, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracker(DeviationTracer(provider), role, max_calls=max_calls), exporter
+
+
+def _answered(tracker: Tracker, rid: int, event_id: str | None = "7", session: str | None = "s1") -> Call:
+    """A call of ``session`` answered on its POST's SSE stream as event ``event_id``: the healthy path."""
+    request = classify(f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"fetch"}}}}')[0]
+    call = tracker.start_call(session, request, "2025-11-25", ABSENT, stateless=False)
+    result = classify(f'{{"jsonrpc":"2.0","id":{rid},"result":{{"content":[]}}}}')
+    assert tracker.answered([call], result, event_id)
+    return call
+
+
+def test_a_cancel_of_a_call_whose_result_went_out_is_a_span_of_its_own_from_the_send_to_the_cancel():
+    tracker, exporter = _tracker()
+    _answered(tracker, 3)
+    assert exporter.get_finished_spans() == ()  # the healthy path: no span
+    tracker.cancel(("s1", "3"))
+    (late,) = exporter.get_finished_spans()
+    assert late.name == "MCP call tools/call fetch"
+    assert {k: late.attributes[k] for k in (sc.SPAN, sc.ROLE, sc.CALL_OUTCOME, sc.JSONRPC_REQUEST_ID, sc.MCP_SESSION_ID,
+                                            sc.GEN_AI_TOOL_NAME, sc.TERMINAL_EVENT_ID, sc.ERA)} == {
+        sc.SPAN: sc.SPAN_CALL, sc.ROLE: sc.ROLE_SERVER, sc.CALL_OUTCOME: sc.OUTCOME_CANCELLED_LATE,
+        sc.JSONRPC_REQUEST_ID: "3", sc.MCP_SESSION_ID: "s1", sc.GEN_AI_TOOL_NAME: "fetch", sc.TERMINAL_EVENT_ID: "7",
+        sc.ERA: sc.ERA_RESUMABLE}
+    assert late.start_time is not None and late.end_time is not None and late.start_time <= late.end_time
+    tracker.cancel(("s1", "3"))  # told once
+    assert len(exporter.get_finished_spans()) == 1
+
+
+def test_a_cancel_of_a_call_with_a_span_that_ended_on_its_result_is_told_too():
+    tracker, exporter = _tracker()
+    request = classify('{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"name":"fetch"}}')[0]
+    call = tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    tracker.span_of(call)  # it deviated (a resume, say): it has a span
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s1", [call], {}, ABSENT, 200)
+    assert stream is not None
+    tracker.deliver(stream, classify('{"jsonrpc":"2.0","id":4,"result":{"content":[]}}')[0], "9")
+    tracker.cancel(("s1", "4"))
+    outcomes = [s.attributes[sc.CALL_OUTCOME] for s in exporter.get_finished_spans()
+                if s.attributes[sc.SPAN] == sc.SPAN_CALL]
+    assert outcomes == [sc.OUTCOME_RESULT, sc.OUTCOME_CANCELLED_LATE]
+
+
+def test_no_span_for_a_cancel_of_a_call_never_seen_answered_without_an_event_id_or_on_the_client():
+    tracker, exporter = _tracker()
+    tracker.cancel(("s1", "3"))  # never seen
+    _answered(tracker, 4, event_id=None)  # a JSON answer: its client is failed at once if it loses the connection
+    tracker.cancel(("s1", "4"))
+    _answered(tracker, 5, session=None)  # no session: nothing to resume
+    tracker.cancel((None, "5"))
+    client, client_exporter = _tracker(sc.ROLE_CLIENT)
+    _answered(client, 6)
+    client.cancel(("s1", "6"))
+    assert exporter.get_finished_spans() == () and client_exporter.get_finished_spans() == ()
+
+
+def test_the_server_remembers_its_newest_answered_calls_only():
+    tracker, exporter = _tracker(max_calls=2)
+    for rid in (1, 2, 3):
+        _answered(tracker, rid)
+    tracker.cancel(("s1", "1"))  # forgotten: the oldest
+    tracker.cancel(("s1", "3"))
+    (late,) = exporter.get_finished_spans()
+    assert late.attributes[sc.JSONRPC_REQUEST_ID] == "3"
