@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -61,6 +62,13 @@ def call(role: str, outcome: str, *, at: float = 1.0, session: str | None = "s1"
         sc.REQUIRED_RESOURCES: (FETCH,) if tool == "fetch" else (SEARCH,), sc.CALL_ARGUMENTS_HASH: fingerprint,
         sc.TERMINAL_STREAM_KIND: stream_kind if terminal else None, sc.TERMINAL_EVENT_ID: terminal_event_id,
     }, at, trace=trace, parent=parent, origin=origin)
+
+
+def cancelled_late(sent: float = 1.0, cancelled: float = 3.0) -> Span:
+    """The server's span of a cancel that came after it sent the call's result (event 6): from ``sent`` to
+    ``cancelled``."""
+    span = call(sc.ROLE_SERVER, sc.OUTCOME_CANCELLED_LATE, terminal_event_id="6")
+    return dataclasses.replace(span, start_ns=int(sent * S), end_ns=int(cancelled * S))
 
 
 def replay(decision: str, *, at: float = 1.0, session: str = "s1", request_id: str | None = "3", cursor: str = "6",

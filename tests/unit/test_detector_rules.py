@@ -13,7 +13,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import RULES, Detector, DetectorConfig, LedgerLimits, RuleConfig, RuleId, Span
 from mcp_stream_exporter.detector.snapshot import Snapshots
 
-from spans import FETCH, SEARCH, S, call, replay, sdk_call, stream
+from spans import FETCH, SEARCH, S, call, cancelled_late, replay, sdk_call, stream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -320,15 +320,9 @@ def test_each_call_a_failed_store_lost_in_its_session_is_its_own_finding():
                                                                                  ("store_failed", "4", "search")]
 
 
-def _cancelled_late(sent: float = 1.0, cancelled: float = 3.0) -> Span:
-    """The server sent the call's result (event 6) at ``sent``; its client cancelled the call at ``cancelled``."""
-    span = call(SV, sc.OUTCOME_CANCELLED_LATE, terminal_event_id="6")
-    return dataclasses.replace(span, start_ns=int(sent * S), end_ns=int(cancelled * S))
-
-
 def test_sent_not_received_fires_on_a_cancel_long_after_the_server_sent_the_result_and_pages_as_a_loss():
-    assert rules(run([_cancelled_late()], after_s=1)) == []
-    detector = run([_cancelled_late()], after_s=6)
+    assert rules(run([cancelled_late()], after_s=1)) == []
+    detector = run([cancelled_late()], after_s=6)
     (lost,) = detector.findings
     assert (lost.rule, lost.tool, lost.request_id, lost.severity, lost.roles) == ("sent_not_received", "fetch", "3",
                                                                                   "critical", [SV])
@@ -339,13 +333,13 @@ def test_sent_not_received_fires_on_a_cancel_long_after_the_server_sent_the_resu
 
 
 def test_a_cancel_that_may_have_crossed_the_result_on_the_wire_is_no_loss_with_only_the_servers_spans():
-    assert rules(run([_cancelled_late(sent=1.0, cancelled=1.5)], after_s=60)) == []
+    assert rules(run([cancelled_late(sent=1.0, cancelled=1.5)], after_s=60)) == []
 
 
 def test_sent_not_received_with_the_clients_dropped_stream_is_one_loss_whatever_the_cancels_delay_or_span_order():
     dropped = stream(C, "post", "dropped", pending=("3",), last="4")
     gave_up = call(C, sc.OUTCOME_CANCELLED, at=3.0)
-    for late in (_cancelled_late(), _cancelled_late(sent=1.0, cancelled=1.5)):
+    for late in (cancelled_late(), cancelled_late(sent=1.0, cancelled=1.5)):
         for spans in ([dropped, gave_up, late], [late, gave_up, dropped]):
             detector = run(spans, after_s=6)
             by_rule = {f.rule: f for f in detector.findings}
@@ -358,21 +352,21 @@ def test_a_clients_cancel_while_its_own_stream_was_alive_is_no_loss_however_late
     """Its caller gave up while the result was still coming (a large result on a slow link): the client's spans
     show its stream alive, closed by the client itself."""
     spans = [stream(C, "post", "closed", pending=("3",), last="4"), call(C, sc.OUTCOME_CANCELLED, at=3.0),
-             _cancelled_late(sent=1.0, cancelled=3.0)]
+             cancelled_late(sent=1.0, cancelled=3.0)]
     assert rules(run(spans, after_s=60)) == []
 
 
 def test_sent_not_received_is_silent_when_the_client_got_the_result():
     delivered = stream(C, "resume", "clean", cursor="4", terminal=("3",), last="6")
-    for spans in ([_cancelled_late(), delivered], [delivered, _cancelled_late()]):
+    for spans in ([cancelled_late(), delivered], [delivered, cancelled_late()]):
         assert rules(run(spans, after_s=60)) == []
 
 
 def test_a_late_cancel_seen_by_a_client_or_with_no_session_is_no_loss():
-    client_view = dataclasses.replace(_cancelled_late(), attributes={
-        **_cancelled_late().attributes, sc.ROLE: C})
-    sessionless = dataclasses.replace(_cancelled_late(), attributes={
-        k: v for k, v in _cancelled_late().attributes.items() if k != sc.MCP_SESSION_ID})
+    client_view = dataclasses.replace(cancelled_late(), attributes={
+        **cancelled_late().attributes, sc.ROLE: C})
+    sessionless = dataclasses.replace(cancelled_late(), attributes={
+        k: v for k, v in cancelled_late().attributes.items() if k != sc.MCP_SESSION_ID})
     assert rules(run([client_view], after_s=60)) == []
     assert rules(run([sessionless], after_s=60)) == []
 

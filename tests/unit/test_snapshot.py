@@ -13,7 +13,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, snapshot
 from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 
-from spans import FETCH, SEARCH, S, call, replay, stream
+from spans import FETCH, SEARCH, S, call, cancelled_late, replay, stream
 
 C, SV = sc.ROLE_CLIENT, sc.ROLE_SERVER
 CONFIG = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5, resume_loop_count=3,
@@ -100,6 +100,17 @@ def test_a_call_lost_to_a_failed_store_across_a_restart_is_flagged_unless_its_de
     restarted = _restarted(delivered, clock, tmp_path / "delivered.db")
     restarted.consume([stream(C, "post", "clean", terminal=("3",), last="9")])
     assert _judged(restarted, clock) == set()
+
+
+def test_a_result_sent_on_a_lost_connection_is_judged_across_a_restart_as_before_it(tmp_path):
+    """Whether the cancel came late enough to be no race is kept too: with only the server's spans, one that may
+    have crossed the result stays quiet after a restart as before it."""
+    for cancelled, expected in ((3.0, {("sent_not_received", "3", (SV,))}), (1.5, set())):
+        clock = Clock()
+        before = _fed(clock, [cancelled_late(sent=1.0, cancelled=cancelled)])
+        restarted = _restarted(before, clock, tmp_path / f"{cancelled}.db")
+        assert restarted.ledger.dump() == before.ledger.dump()
+        assert _judged(restarted, clock) == _judged(before, clock) == expected
 
 
 def test_a_snapshot_round_trips_the_whole_ledger(tmp_path):
