@@ -82,3 +82,20 @@ def test_the_server_remembers_its_newest_answered_calls_only():
     tracker.cancel(("s1", "3"))
     (late,) = exporter.get_finished_spans()
     assert late.attributes[sc.JSONRPC_REQUEST_ID] == "3"
+
+
+def test_what_the_server_remembers_of_an_answered_call_is_bounded_in_bytes_whatever_its_request_holds():
+    """A hostile request's id or tool name can be megabytes: such an id is not remembered, such a name is not kept."""
+    tracker, exporter = _tracker()
+    long = "x" * (sc.MAX_CHARS + 1)
+    request = classify(f'{{"jsonrpc":"2.0","id":"{long}","method":"tools/call","params":{{"name":"fetch"}}}}')[0]
+    call = tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    assert tracker.answered([call], classify(f'{{"jsonrpc":"2.0","id":"{long}","result":{{}}}}'), "7")
+    request = classify(f'{{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{{"name":"{long}"}}}}')[0]
+    call = tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    assert tracker.answered([call], classify('{"jsonrpc":"2.0","id":4,"result":{}}'), "8")
+    tracker.cancel(("s1", long))
+    tracker.cancel(("s1", "4"))
+    (late,) = exporter.get_finished_spans()
+    assert late.attributes[sc.JSONRPC_REQUEST_ID] == "4" and sc.GEN_AI_TOOL_NAME not in late.attributes
+    assert late.name == "MCP call tools/call"
