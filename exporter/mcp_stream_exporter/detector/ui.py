@@ -117,6 +117,7 @@ _OUTCOMES = {sc.OUTCOME_RESULT: "result delivered", sc.OUTCOME_TOOL_ERROR: "tool
              sc.OUTCOME_REISSUED: "re-issued (sent again after its stream broke)",
              sc.OUTCOME_STORE_FAILED: "never sent: the server's event store failed",
              sc.OUTCOME_CANCELLED_LATE: "cancelled by its client after the server sent its result"}
+_LOST_OUTCOMES = frozenset({sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE})  # the call's own span says it is lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,8 +392,6 @@ def _row(e: Entry, t0: int) -> str:
     return (f"<tr class='{tone}' data-step='{_e(e.step)}' title='span {_e(e.span_id)}'>"
             f"<td>+{(_at(e) - t0) / 1e9:.3f}s</td><td>{_e(e.role)}</td><td>{_e(step)}</td>"
             f"<td>{' · '.join(_e(w) for w in words)}</td></tr>")
-
-_LOST_OUTCOMES = frozenset({sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE})  # the call's own span says it is lost
 
 
 def _describe(e: Entry) -> tuple[list[str], str]:

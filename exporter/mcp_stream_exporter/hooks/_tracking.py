@@ -801,7 +801,7 @@ class Tracker:
         stream's (an event id, a session): a client that loses any other answer's connection is failed at once."""
         sent = self._sent
         if sent is None or event_id is None or key[0] is None or len(key[1]) > sc.MAX_CHARS:
-            return  # an id past the span model's bound (a hostile one): kept, 10,000 of them could hold gigabytes
+            return  # not an id past the span model's bound (a hostile one): 10,000 of them could hold gigabytes
         sent[key] = (at_ns, tool if tool is None or len(tool) <= sc.MAX_CHARS else None, event_id)
         if len(sent) > self._max_calls:
             sent.popitem(last=False)
