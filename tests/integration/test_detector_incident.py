@@ -340,3 +340,29 @@ async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_sp
         clock.advance(60)
         alone.tick()
         assert sorted(f.rule for f in alone.findings) == expected
+
+
+@pytest.mark.parametrize("half_open", [False, True], ids=["reset", "half_open"])
+async def test_a_result_the_sdk_resumes_for_after_its_caller_gave_up_reaches_no_caller_and_is_a_loss(half_open):
+    """The SSE retry (3 s) is longer than the caller's timeout (1.5 s): the SDK client resumes on after its caller
+    gave up and gets the stored result from the replay, then drops it. That delivery reached no caller."""
+    span_exporter().clear()
+    with detector() as (found, clock):
+        async with incident("legacy", retry_interval=3_000) as lab:
+            lab.proxy.arm(b"fetch step 1", half_open=half_open)
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 2}, timeout=1.5)
+
+            def resumed_on() -> list[object]:  # the SDK's resume after the timeout, tied to no call by the hooks
+                return [s for s in ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="resume")
+                        if s.attributes.get(sc.TERMINAL_REQUEST_IDS)]
+
+            for _ in range(100):  # bounded: 10 s
+                if resumed_on():
+                    break
+                await asyncio.sleep(0.1)
+            assert resumed_on(), "the SDK resumes after the retry interval and gets the result"
+        findings = _by_rule(after_grace(found, clock))
+    (lost,) = findings["sent_not_received" if half_open else "stored_not_delivered"]
+    assert (lost.tool, lost.severity) == ("fetch", "critical")
+    assert set(findings) == {lost.rule, "timeout_attributed"}

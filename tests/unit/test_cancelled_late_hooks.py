@@ -99,3 +99,27 @@ def test_what_the_server_remembers_of_an_answered_call_is_bounded_in_bytes_whate
     (late,) = exporter.get_finished_spans()
     assert late.attributes[sc.JSONRPC_REQUEST_ID] == "4" and sc.GEN_AI_TOOL_NAME not in late.attributes
     assert late.name == "MCP call tools/call"
+
+
+def test_a_cancel_of_a_call_whose_result_was_stored_with_no_stream_open_is_told_too():
+    """Its POST dropped, its result was stored for a resume that did not come before its caller gave up."""
+    tracker, exporter = _tracker()
+    request = classify('{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"fetch"}}')[0]
+    call = tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    tracker.stored(call, "12", sc.OUTCOME_RESULT)
+    tracker.cancel(("s1", "5"))
+    stored, late = exporter.get_finished_spans()
+    assert (stored.attributes[sc.CALL_OUTCOME], late.attributes[sc.CALL_OUTCOME]) == (sc.OUTCOME_RESULT,
+                                                                                    sc.OUTCOME_CANCELLED_LATE)
+    assert late.attributes[sc.TERMINAL_EVENT_ID] == "12"
+    assert stored.end_time is not None and late.start_time is not None and late.end_time is not None
+    assert stored.end_time <= late.start_time <= late.end_time  # from its store to the cancel
+
+
+def test_a_cancel_of_a_call_in_flight_that_reuses_an_answered_calls_id_is_that_calls_cancel_only():
+    tracker, exporter = _tracker()
+    _answered(tracker, 3)
+    request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch"}}')[0]
+    tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)  # MCP forbids it; a client may
+    tracker.cancel(("s1", "3"))
+    assert [s.attributes[sc.CALL_OUTCOME] for s in exporter.get_finished_spans()] == [sc.OUTCOME_CANCELLED]

@@ -362,6 +362,25 @@ def test_sent_not_received_is_silent_when_the_client_got_the_result():
         assert rules(run(spans, after_s=60)) == []
 
 
+def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller_and_is_still_lost():
+    """The POST dropped and the client resumed only after its caller's timeout (an SSE retry longer than it): the
+    SDK resumes on for no caller, and the result it then gets from the store is dropped. Neither side's hooks tie
+    that resume to the call; the server's, once its client cancelled it, no longer track it."""
+    dropped = [stream(C, "post", "dropped", pending=("3",), last="6"),
+               stream(SV, "post", "dropped", pending=("3",), last="6"),
+               call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15")]
+    gave_up = [call(C, sc.OUTCOME_CANCELLED, at=3.0), cancelled_late(sent=1.0, cancelled=3.0)]
+    resumed_on = [stream(C, "resume", "closed", ids=(), cursor="6", terminal=("3",), last="15", at=4.0),
+                  stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)]
+    both = run([*dropped, *gave_up, *resumed_on], after_s=6)
+    assert rules(both) == ["stored_not_delivered", "timeout_attributed"]
+    assert {f.rule: f for f in both.findings}["stored_not_delivered"].evidence["also"] == ["sent_not_received"]
+    server_only = [dropped[1], dropped[2], gave_up[1], resumed_on[1]]
+    assert rules(run(server_only, after_s=6)) == ["stored_not_delivered"]
+    client_resume_first = [dropped[0], resumed_on[0], gave_up[0], dropped[2], dropped[1]]  # any order, on its side
+    assert "stored_not_delivered" in rules(run(client_resume_first, after_s=6))
+
+
 def test_a_late_cancel_seen_by_a_client_or_with_no_session_is_no_loss():
     client_view = dataclasses.replace(cancelled_late(), attributes={
         **cancelled_late().attributes, sc.ROLE: C})
@@ -609,7 +628,7 @@ def test_findings_raised_off_a_replay_that_came_first_name_the_tool_once_a_span_
 
 def test_a_resume_another_replica_answered_from_shared_storage_delivers_what_it_lists_as_terminal():
     """That replica never saw the call: its resume span lists no request ids, only the result it delivered."""
-    server_only = [stream(SV, "post", "dropped", pending=("3",)),
+    server_only = [stream(SV, "post", "dropped", pending=("3",), last="6"),
                    call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15"),
                    stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=2.0)]
     assert rules(run(server_only, after_s=60)) == []

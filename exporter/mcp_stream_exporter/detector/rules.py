@@ -165,8 +165,10 @@ class RuleEngine:
             if rid not in calls:  # most streams list their pending calls among their request ids
                 calls[rid] = self._call(session, at, rid, now_ns, single_tool, own_required)
         for rid in e.terminal_ids:
-            if rid not in calls and not e.request_ids:  # a resume that knew not what it carried (another replica
-                calls[rid] = self._call(session, at, rid, now_ns, None, ())  # answered it from shared storage)
+            if rid not in calls and not e.request_ids:  # a stream its hooks tie to no call: what it carries may
+                if not self._awaited(at, rid):         # reach no caller
+                    continue
+                calls[rid] = self._call(session, at, rid, now_ns, None, ())
             if rid in calls:
                 self._delivered(calls[rid], at.role, e, now_ns)
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
@@ -295,6 +297,17 @@ class RuleEngine:
         call.origin = call.origin or (at.origin if at.role == sc.ROLE_CLIENT else "")
         call.note_span(at.trace_id, at.span_id)
         return call
+
+    def _awaited(self, at: Common, request_id: str) -> bool:
+        """Whether a caller may still await the call a stream tied to no call delivers. Not on a client: its hooks
+        tie a resume to every call still awaited there, so one tied to none is the SDK resuming on after its caller
+        gave up (a result it gets then is dropped: failure-modes' "response for an unknown id"). On a server, one
+        that knew not what it carried (another replica answered it from shared storage) unless the call is over (its
+        client gave up: the SDK resuming on; the server then no longer tracks it)."""
+        if at.role == sc.ROLE_CLIENT:
+            return False
+        known = self.ledger.find(at.scope, request_id)
+        return known is None or not known.timed_out
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
         deliveries = call.delivered_to(role)

@@ -660,9 +660,10 @@ class Tracker:
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
         # (server) sessions whose event store failed (``store_failed``), each with the exception's class
         self._store_failed: OrderedDict[str | None, str] = OrderedDict()
-        # (server) the newest ``max_calls`` calls whose terminal event went out on a resumable stream: when, the
-        # tool, the event's id (``sent``); what a cancel that comes after tells the client never got
-        self._sent: OrderedDict[CallKey, tuple[int, str | None, str]] | None = (
+        # (server) the newest ``max_calls`` calls of a session whose terminal event is out of the server's hands (sent,
+        # or stored with no stream open): when, the tool, the event's id (``result_out``); what a cancel that comes
+        # after tells the client never got
+        self._results_out: OrderedDict[CallKey, tuple[int, str | None, str]] | None = (
             OrderedDict() if role == sc.ROLE_SERVER else None)
 
     # --- calls ---
@@ -789,27 +790,31 @@ class Tracker:
 
     def cancel(self, key: CallKey) -> None:
         call = self.call(key)
+        late = call is None or call.closed  # not in flight: over, or its span ended as its result was stored
         if call is not None:
             self._unhold(call)
             self._finish(call, sc.OUTCOME_CANCELLED)
-        elif self._sent is not None and key in self._sent:
-            self._cancelled_late(key, *self._sent.pop(key))
+        out = self._results_out.pop(key, None) if self._results_out else None
+        if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
+            self._cancelled_late(key, *out)
 
-    def sent(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int) -> None:
-        """(server) The terminal event of ``key``'s call went out at ``at_ns`` on a stream, as event ``event_id``:
-        a cancel of the call that comes after it tells its client never got it (``cancel``). Only a resumable
-        stream's (an event id, a session): a client that loses any other answer's connection is failed at once."""
-        sent = self._sent
-        if sent is None or event_id is None or key[0] is None or len(key[1]) > sc.MAX_CHARS:
+    def result_out(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int) -> None:
+        """(server) The terminal event of ``key``'s call, event ``event_id``, left the server's hands at ``at_ns``:
+        sent on a stream, or stored with none open to carry it. A cancel of the call that comes after tells its
+        client never got it (``cancel``). Only a resumable session's (an event id, a session): a client that loses
+        any other answer's connection is failed at once."""
+        out = self._results_out
+        if out is None or event_id is None or key[0] is None or len(key[1]) > sc.MAX_CHARS:
             return  # not an id past the span model's bound (a hostile one): 10,000 of them could hold gigabytes
-        sent[key] = (at_ns, tool if tool is None or len(tool) <= sc.MAX_CHARS else None, event_id)
-        if len(sent) > self._max_calls:
-            sent.popitem(last=False)
+        out[key] = (at_ns, tool if tool is None or len(tool) <= sc.MAX_CHARS else None, event_id)
+        if len(out) > self._max_calls:
+            out.popitem(last=False)
 
-    def _cancelled_late(self, key: CallKey, sent_ns: int, tool: str | None, event_id: str) -> None:
-        """(server) The client cancelled a call whose terminal event went out at ``sent_ns``: it never got it (a
-        connection its side lost while ours stayed open), or its caller gave up as it came. A span of its own from
-        that send to now (``OUTCOME_CANCELLED_LATE``): the detector tells the two apart."""
+    def _cancelled_late(self, key: CallKey, out_ns: int, tool: str | None, event_id: str) -> None:
+        """(server) The client cancelled a call whose terminal event left our hands at ``out_ns``: it never got it (a
+        connection its side lost while ours stayed open; a POST that dropped, and no resume before its caller gave
+        up), or its caller gave up as it came. A span of its own from then to now (``OUTCOME_CANCELLED_LATE``): the
+        detector tells them apart."""
         session_id, request_id = key
         attrs: dict[str, AttributeValue] = {
             sc.SPAN: sc.SPAN_CALL, sc.ROLE: sc.ROLE_SERVER, sc.MCP_METHOD_NAME: "tools/call",
@@ -820,7 +825,7 @@ class Tracker:
         if tool is not None:
             attrs[sc.GEN_AI_TOOL_NAME] = tool
         name = f"{sc.SPAN_NAME_CALL} tools/call" + (f" {tool}" if tool else "")
-        self._tracer.start_span(name, kind=SpanKind.INTERNAL, attributes=attrs, start_time=sent_ns).end()
+        self._tracer.start_span(name, kind=SpanKind.INTERNAL, attributes=attrs, start_time=out_ns).end()
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
         """(server) Storing an event of the session failed: the SDK's message router, which stores each message the
@@ -884,8 +889,8 @@ class Tracker:
             self._broken.move_to_end(fingerprint)
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
-        if terminal is not None and self._sent is not None:
-            self.sent(call.key, call.tool, terminal[1], time.time_ns())
+        if terminal is not None and self._results_out is not None:
+            self.result_out(call.key, call.tool, terminal[1], time.time_ns())
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
         self.span_of(call)
@@ -903,8 +908,8 @@ class Tracker:
         if terminal is not None:
             if call.sdk_span is not None:
                 annotate(call.sdk_span, terminal)
-            if self._sent is not None:
-                self.sent(call.key, call.tool, terminal[1], time.time_ns())
+            if self._results_out is not None:
+                self.result_out(call.key, call.tool, terminal[1], time.time_ns())
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing
@@ -918,6 +923,7 @@ class Tracker:
             return
         self.span_of(call)
         call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams})
+        self.result_out(call.key, call.tool, event_id, time.time_ns())
 
     # --- streams ---
 
