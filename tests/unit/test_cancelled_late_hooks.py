@@ -123,3 +123,17 @@ def test_a_cancel_of_a_call_in_flight_that_reuses_an_answered_calls_id_is_that_c
     tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)  # MCP forbids it; a client may
     tracker.cancel(("s1", "3"))
     assert [s.attributes[sc.CALL_OUTCOME] for s in exporter.get_finished_spans()] == [sc.OUTCOME_CANCELLED]
+
+
+def test_the_late_cancels_span_sits_in_the_calls_trace_under_the_sdks_request_span():
+    tracker, exporter = _tracker()
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
+                       f'"_meta":{{"traceparent":"{traceparent}"}}}}}}')[0]
+    call = tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    assert tracker.answered([call], classify('{"jsonrpc":"2.0","id":3,"result":{}}'), "7")
+    tracker.cancel(("s1", "3"))
+    (late,) = exporter.get_finished_spans()
+    assert late.parent is not None
+    assert (format(late.context.trace_id, "032x"), format(late.parent.span_id, "016x")) == (
+        "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")

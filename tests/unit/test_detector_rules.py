@@ -332,28 +332,27 @@ def test_sent_not_received_fires_on_a_cancel_long_after_the_server_sent_the_resu
     assert detector.ledger.in_flight == 0  # its client gave up on it: over
 
 
-def test_a_cancel_that_may_have_crossed_the_result_on_the_wire_is_no_loss_with_only_the_servers_spans():
-    assert rules(run([cancelled_late(sent=1.0, cancelled=1.5)], after_s=60)) == []
+def test_a_cancel_that_may_have_crossed_the_result_on_the_wire_is_no_loss_whatever_the_clients_spans_show():
+    """Within ``cancel_race_s`` of the send, the caller may have given up as the result came: its stream between a
+    clean end and the resume (a server that closes streams on purpose), or the result still on a slow link."""
+    raced = cancelled_late(sent=1.0, cancelled=1.5)
+    assert rules(run([raced], after_s=60)) == []
+    between_streams = [stream(C, "post", "clean", pending=("3",), last="4"), call(C, sc.OUTCOME_CANCELLED, at=1.4)]
+    for spans in ([*between_streams, raced], [raced, *between_streams]):
+        assert "sent_not_received" not in rules(run(spans, after_s=60))
 
 
-def test_sent_not_received_with_the_clients_dropped_stream_is_one_loss_whatever_the_cancels_delay_or_span_order():
-    dropped = stream(C, "post", "dropped", pending=("3",), last="4")
+def test_sent_not_received_with_the_clients_view_is_one_loss_in_any_span_order_and_explains_the_timeout():
+    """A connection reset on the client's side (its stream dropped), or one that died silently (a NAT that drops
+    packets: the client's stream stays open, stalled, and its caller gives up): either way the result went out
+    long before the cancel."""
     gave_up = call(C, sc.OUTCOME_CANCELLED, at=3.0)
-    for late in (cancelled_late(), cancelled_late(sent=1.0, cancelled=1.5)):
-        for spans in ([dropped, gave_up, late], [late, gave_up, dropped]):
+    for client_view in ([stream(C, "post", "dropped", pending=("3",), last="4"), gave_up], [gave_up]):
+        for spans in ([*client_view, cancelled_late()], [cancelled_late(), *client_view[::-1]]):
             detector = run(spans, after_s=6)
             by_rule = {f.rule: f for f in detector.findings}
             assert set(by_rule) == {"sent_not_received", "timeout_attributed"}
-            assert sorted(by_rule["sent_not_received"].roles) == [C, SV]
             assert by_rule["timeout_attributed"].caused_by == by_rule["sent_not_received"].id
-
-
-def test_a_clients_cancel_while_its_own_stream_was_alive_is_no_loss_however_late_the_server_saw_it():
-    """Its caller gave up while the result was still coming (a large result on a slow link): the client's spans
-    show its stream alive, closed by the client itself."""
-    spans = [stream(C, "post", "closed", pending=("3",), last="4"), call(C, sc.OUTCOME_CANCELLED, at=3.0),
-             cancelled_late(sent=1.0, cancelled=3.0)]
-    assert rules(run(spans, after_s=60)) == []
 
 
 def test_sent_not_received_is_silent_when_the_client_got_the_result():

@@ -105,7 +105,7 @@ class RuleConfig:
     resume_loop_window_s: float = 60.0
     stuck_after_s: float = 900.0  # a call in flight that has not moved on this long since it was owed is stuck
     # a cancel that comes this soon after the server sent the call's result may have crossed it on the wire (its
-    # caller gave up as it came): with only the server's spans, no loss (sent_not_received)
+    # caller gave up as it came): no loss (sent_not_received)
     cancel_race_s: float = 1.0
 
 
@@ -120,7 +120,6 @@ _STORED = "stored"
 _EXPIRED = "expired"
 _STORE_FAILED = "store_failed"
 _SENT = "sent"  # the result went out and its client cancelled the call after, later than a race could explain
-_SENT_RACED = "sent_raced"  # ... soon enough that the cancel may have crossed the result on the wire
 
 
 class RuleEngine:
@@ -273,8 +272,8 @@ class RuleEngine:
                 self._check_expired(call, now_ns)
             elif what == _STORE_FAILED:
                 self._check_store_failed(call, now_ns)
-            elif what in (_SENT, _SENT_RACED):
-                self._check_sent(call, now_ns, what == _SENT_RACED)
+            elif what == _SENT:
+                self._check_sent(call, now_ns)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -354,14 +353,16 @@ class RuleEngine:
 
     def _cancelled_late(self, call: CallState, at: Common, event_id: str | None, now_ns: int) -> None:
         """The server sent the call's result (at ``at.start_ns``) and its client cancelled the call after (at
-        ``at.end_ns``): the client never got it, or its caller gave up as it came (a race, if soon after). Over
-        either way; judged a grace later, when the client's spans, if any, have come."""
+        ``at.end_ns``): the client never got it; or, sooner than ``cancel_race_s`` after (more than a round trip
+        between them takes), its caller gave up as the result came (a tool that ran about as long as its caller
+        waits): a cancel that crossed the result on the wire. Over either way; a loss judged a grace later, when a
+        delivery the client's spans show, if any, has come."""
         self.ledger.seen_owed(call, at.role)
         self.ledger.given_up(call)
         if call.stored_since is None:
             call.stored_since, call.stored_event_id = at.start_ns, event_id
-        raced = at.end_ns - at.start_ns < self._cancel_race_ns
-        self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT_RACED if raced else _SENT, call)
+        if at.end_ns - at.start_ns >= self._cancel_race_ns:
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT, call)
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
@@ -465,17 +466,10 @@ class RuleEngine:
                 "grace_s": self.config.clean_end_grace_s, "timed_out": call.cancelled})
         self._check_clean_end(call, now_ns)  # held back for this judgement
 
-    def _check_sent(self, call: CallState, now_ns: int, raced: bool) -> None:
-        """A call the server sent the result of and its client cancelled after: lost unless the client got it (a
-        delivery of its, a refused resume). Where our client hooks saw the call (``origin``), their spans say
-        whether its stream was lost: one that ended, dropped or clean, with it owed. Else, with only the server's
-        spans, the cancel's delay does: one sooner than ``cancel_race_s`` may have crossed the result."""
+    def _check_sent(self, call: CallState, now_ns: int) -> None:
+        """A call the server sent the result of and its client cancelled well after: lost unless the client's spans
+        show it got it, or its caller was told (a refused resume)."""
         if call.client_deliveries or call.told:
-            return
-        if call.origin:
-            if sc.ROLE_CLIENT not in call.roles:
-                return  # the client's own stream was alive: its caller gave up as the result came
-        elif raced:
             return
         stored_since = call.stored_since or 0
         self._emit(RuleId.SENT_NOT_RECEIVED, call, None, call.request_id, now_ns, lambda: {

@@ -80,8 +80,8 @@ class ServiceConfig(BaseSettings):
                                                      "stream")
     resume_loop_count: Count = Field(5, description="resumes of one cursor that make a loop ...")
     resume_loop_window_s: Seconds = Field(60.0, description="... within this many seconds")
-    cancel_race_s: Grace = Field(1.0, description="with only the server's spans, a cancel this soon after the server "
-                                                  "sent the call's result may have crossed it: no loss")
+    cancel_race_s: Grace = Field(1.0, description="a cancel this soon after the server sent the call's result may "
+                                                  "have crossed it on the wire: no loss")
     # how much it holds
     max_memory_mb: Count = Field(256, description="budget of the detector's state: 5/8 ledger, 1/8 findings, "
                                                   "1/8 timelines, 1/8 ingest queue")

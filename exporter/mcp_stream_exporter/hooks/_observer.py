@@ -536,7 +536,7 @@ class WireObserver:
                 return False
             ex.pending = None
             self.tracker.unpend(key)
-            self.tracker.result_out(key, pending[0].tool, head[0], held[-1][1])
+            self.tracker.result_out(key, pending[0].tool, head[0], held[-1][1], pending[0].traceparent)
         elif not self._answered_by(calls, last):
             return False
         self.tracker.settle(ex, calls, ex.scope.session_id)

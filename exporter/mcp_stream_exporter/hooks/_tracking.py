@@ -661,9 +661,9 @@ class Tracker:
         # (server) sessions whose event store failed (``store_failed``), each with the exception's class
         self._store_failed: OrderedDict[str | None, str] = OrderedDict()
         # (server) the newest ``max_calls`` calls of a session whose terminal event is out of the server's hands (sent,
-        # or stored with no stream open): when, the tool, the event's id (``result_out``); what a cancel that comes
-        # after tells the client never got
-        self._results_out: OrderedDict[CallKey, tuple[int, str | None, str]] | None = (
+        # or stored with no stream open): when, the tool, the event's id, the request's traceparent (``result_out``);
+        # what a cancel that comes after tells the client never got
+        self._results_out: OrderedDict[CallKey, tuple[int, str | None, str, str | None]] | None = (
             OrderedDict() if role == sc.ROLE_SERVER else None)
 
     # --- calls ---
@@ -798,7 +798,8 @@ class Tracker:
         if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
             self._cancelled_late(key, *out)
 
-    def result_out(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int) -> None:
+    def result_out(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int,
+                   traceparent: str | None) -> None:
         """(server) The terminal event of ``key``'s call, event ``event_id``, left the server's hands at ``at_ns``:
         sent on a stream, or stored with none open to carry it. A cancel of the call that comes after tells its
         client never got it (``cancel``). Only a resumable session's (an event id, a session): a client that loses
@@ -806,15 +807,17 @@ class Tracker:
         out = self._results_out
         if out is None or event_id is None or key[0] is None or len(key[1]) > sc.MAX_CHARS:
             return  # not an id past the span model's bound (a hostile one): 10,000 of them could hold gigabytes
-        out[key] = (at_ns, tool if tool is None or len(tool) <= sc.MAX_CHARS else None, event_id)
+        out[key] = (at_ns, tool if tool is None or len(tool) <= sc.MAX_CHARS else None, event_id,
+                    traceparent if traceparent is None or len(traceparent) <= sc.MAX_CHARS else None)
         if len(out) > self._max_calls:
             out.popitem(last=False)
 
-    def _cancelled_late(self, key: CallKey, out_ns: int, tool: str | None, event_id: str) -> None:
+    def _cancelled_late(self, key: CallKey, out_ns: int, tool: str | None, event_id: str,
+                        traceparent: str | None) -> None:
         """(server) The client cancelled a call whose terminal event left our hands at ``out_ns``: it never got it (a
         connection its side lost while ours stayed open; a POST that dropped, and no resume before its caller gave
-        up), or its caller gave up as it came. A span of its own from then to now (``OUTCOME_CANCELLED_LATE``): the
-        detector tells them apart."""
+        up), or its caller gave up as it came. A span of its own from then to now (``OUTCOME_CANCELLED_LATE``), in
+        the call's trace (the SDK's request span its parent): the detector tells them apart."""
         session_id, request_id = key
         attrs: dict[str, AttributeValue] = {
             sc.SPAN: sc.SPAN_CALL, sc.ROLE: sc.ROLE_SERVER, sc.MCP_METHOD_NAME: "tools/call",
@@ -825,7 +828,8 @@ class Tracker:
         if tool is not None:
             attrs[sc.GEN_AI_TOOL_NAME] = tool
         name = f"{sc.SPAN_NAME_CALL} tools/call" + (f" {tool}" if tool else "")
-        self._tracer.start_span(name, kind=SpanKind.INTERNAL, attributes=attrs, start_time=out_ns).end()
+        self._tracer.start_span(name, context=_sdk_parent(traceparent), kind=SpanKind.INTERNAL, attributes=attrs,
+                                start_time=out_ns).end()
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
         """(server) Storing an event of the session failed: the SDK's message router, which stores each message the
@@ -890,7 +894,7 @@ class Tracker:
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
         if terminal is not None and self._results_out is not None:
-            self.result_out(call.key, call.tool, terminal[1], time.time_ns())
+            self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
         if call.closed:  # its span ended when its result was stored (``stored``)
             return
         self.span_of(call)
@@ -909,7 +913,7 @@ class Tracker:
             if call.sdk_span is not None:
                 annotate(call.sdk_span, terminal)
             if self._results_out is not None:
-                self.result_out(call.key, call.tool, terminal[1], time.time_ns())
+                self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
 
     def stored(self, call: Call, event_id: str, outcome: str) -> None:
         """(server) The call's terminal event was stored. With no stream open to carry it, nothing
@@ -923,7 +927,7 @@ class Tracker:
             return
         self.span_of(call)
         call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams})
-        self.result_out(call.key, call.tool, event_id, time.time_ns())
+        self.result_out(call.key, call.tool, event_id, time.time_ns(), call.traceparent)
 
     # --- streams ---
 
