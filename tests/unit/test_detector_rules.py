@@ -376,8 +376,17 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller
     assert {f.rule: f for f in both.findings}["stored_not_delivered"].evidence["also"] == ["sent_not_received"]
     server_only = [dropped[1], dropped[2], gave_up[1], resumed_on[1]]
     assert rules(run(server_only, after_s=6)) == ["stored_not_delivered"]
-    client_resume_first = [dropped[0], resumed_on[0], gave_up[0], dropped[2], dropped[1]]  # any order, on its side
-    assert "stored_not_delivered" in rules(run(client_resume_first, after_s=6))
+    client_only_then_server = [dropped[0], gave_up[0], resumed_on[0], dropped[2], dropped[1]]
+    assert "stored_not_delivered" in rules(run(client_only_then_server, after_s=6))
+
+
+def test_a_resume_from_a_saved_cursor_by_a_client_that_knew_not_the_call_delivers_it():
+    """A client process that resumes, from a cursor its predecessor saved, a stream whose call it never sent: its
+    hooks tie the resume to no call, and its caller awaits the result."""
+    dropped = [stream(C, "post", "dropped", pending=("3",), last="6"),
+               call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15")]
+    resumed = stream(C, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)
+    assert rules(run([*dropped, resumed], after_s=60)) == []
 
 
 def test_a_late_cancel_seen_by_a_client_or_with_no_session_is_no_loss():

@@ -165,7 +165,7 @@ class RuleEngine:
                 calls[rid] = self._call(session, at, rid, now_ns, single_tool, own_required)
         for rid in e.terminal_ids:
             if rid not in calls and not e.request_ids:  # a stream its hooks tie to no call: what it carries may
-                if not self._awaited(at, rid):         # reach no caller
+                if not self._awaited(at.scope, rid):   # reach no caller
                     continue
                 calls[rid] = self._call(session, at, rid, now_ns, None, ())
             if rid in calls:
@@ -297,15 +297,12 @@ class RuleEngine:
         call.note_span(at.trace_id, at.span_id)
         return call
 
-    def _awaited(self, at: Common, request_id: str) -> bool:
-        """Whether a caller may still await the call a stream tied to no call delivers. Not on a client: its hooks
-        tie a resume to every call still awaited there, so one tied to none is the SDK resuming on after its caller
-        gave up (a result it gets then is dropped: failure-modes' "response for an unknown id"). On a server, one
-        that knew not what it carried (another replica answered it from shared storage) unless the call is over (its
-        client gave up: the SDK resuming on; the server then no longer tracks it)."""
-        if at.role == sc.ROLE_CLIENT:
-            return False
-        known = self.ledger.find(at.scope, request_id)
+    def _awaited(self, scope: str, request_id: str) -> bool:
+        """Whether a caller may still await the call a stream its hooks tie to no call delivers: one that knew not
+        what it carried (another replica answered it from shared storage; a client process resuming a stream its
+        predecessor opened, from a saved cursor). Not once the call is over: its client gave up, and this is the SDK
+        resuming on for no caller, which drops what it gets (its hooks no longer tie the resume to the call)."""
+        known = self.ledger.find(scope, request_id)
         return known is None or not known.timed_out
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
