@@ -366,3 +366,35 @@ async def test_a_result_the_sdk_resumes_for_after_its_caller_gave_up_reaches_no_
     (lost,) = findings["sent_not_received" if half_open else "stored_not_delivered"]
     assert (lost.tool, lost.severity) == ("fetch", "critical")
     assert set(findings) == {lost.rule, "timeout_attributed"}
+
+
+async def test_a_caller_with_resumption_hints_that_times_out_is_told_by_the_sdks_span_and_its_loss_is_found():
+    """With resumption hints (``on_resumption_token_update``) the SDK sends no cancel at its caller's timeout and
+    resumes on for no caller, which the server, with no cancel, still takes for the call's: the SDK's span ending in
+    the timeout is what the client's hooks end the call by, and what the result then reaches is no caller."""
+    from mcp.shared.message import ClientMessageMetadata
+    from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+
+    async def keep(token: str) -> None:
+        pass
+
+    async def progressed(progress: float, total: float | None, message: str | None) -> None:
+        pass  # asked for: the server then sends progress events, the first of which the proxy cuts after
+
+    span_exporter().clear()
+    with detector() as (found, clock):
+        async with incident("legacy", retry_interval=3_000) as lab:
+            lab.proxy.arm(b"fetch step 1")
+            with pytest.raises(MCPError):
+                await lab.client.session.send_request(
+                    CallToolRequest(params=CallToolRequestParams(name="fetch", arguments={"url": "u", "steps": 2})),
+                    CallToolResult, request_read_timeout_seconds=1.5, progress_callback=progressed,
+                    metadata=ClientMessageMetadata(on_resumption_token_update=keep))
+            for _ in range(100):  # bounded: 10 s for the SDK's resume after the retry interval
+                if ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__stream__kind="resume"):
+                    break
+                await asyncio.sleep(0.1)
+        findings = _by_rule(after_grace(found, clock))
+    (gave_up,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
+    assert gave_up.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+    assert set(findings) == {"stored_not_delivered", "timeout_attributed"}

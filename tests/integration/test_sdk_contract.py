@@ -126,6 +126,31 @@ def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index
     assert seen == [("start", True, True), ("end", True, True)]
 
 
+def test_otel_sdk_spans_keep_status_events_and_attributes_where_a_timed_out_call_is_read():
+    """hooks._tracking.SdkSpans reads a span's status code off ``_status._status_code`` on every span ended, and a
+    failed call's exception events and request id off ``_events`` and ``_attributes``, as the SDK records them when
+    its caller's timeout runs out."""
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+    from opentelemetry.trace import StatusCode
+
+    ended: list[ReadableSpan] = []
+
+    class Probe(SpanProcessor):
+        def on_end(self, span: ReadableSpan) -> None:
+            ended.append(span)
+
+    provider = TracerProvider()
+    provider.add_span_processor(Probe())
+    with pytest.raises(TimeoutError), provider.get_tracer("app").start_as_current_span(
+            "MCP send tools/call search", attributes={"jsonrpc.request.id": "3"}):
+        raise TimeoutError
+    (span,) = ended
+    assert span._status._status_code is span.status.status_code is StatusCode.ERROR
+    assert [(e.name, dict(e.attributes or {}).get("exception.type")) for e in span._events] == [
+        ("exception", "TimeoutError")]
+    assert span._attributes is not None and span._attributes.get("jsonrpc.request.id") == "3"
+
+
 def test_otel_sdk_spans_keep_attributes_end_time_and_lock_where_the_terminal_annotation_writes():
     """hooks._tracking.annotate writes a healthy call's terminal into the SDK span's ``_attributes``
     (a ``BoundedAttributes``: ``_dict``, ``maxlen``, ``max_value_len``) under ``_lock``, while ``_end_time``

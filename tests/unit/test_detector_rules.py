@@ -380,6 +380,22 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller
     assert "stored_not_delivered" in rules(run(client_only_then_server, after_s=6))
 
 
+def test_a_delivery_only_the_server_saw_after_the_client_gave_up_reached_no_caller_in_any_span_order():
+    """A caller with the SDK's resumption hints times out with no cancel sent: the server, which still tracks the
+    call, ties the SDK's later resume to it and sees its result go out; the client's spans say its caller was gone.
+    With replicas, the server that sent it may not know the call at all (its resume span ties it to none)."""
+    dropped = [stream(C, "post", "dropped", pending=("3",), last="6"),
+               call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15")]
+    gave_up = call(C, sc.OUTCOME_CANCELLED, at=3.0)
+    for server_resume in (stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="15", at=4.0),
+                          stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)):
+        for spans in ([*dropped, gave_up, server_resume], [*dropped, server_resume, gave_up],
+                      [server_resume, *dropped, gave_up]):
+            assert "stored_not_delivered" in rules(run(spans, after_s=6))
+    waiting = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15", at=2.0)  # its caller got it
+    assert rules(run([*dropped, waiting, server_resume], after_s=6)) == []
+
+
 def test_a_resume_from_a_saved_cursor_by_a_client_that_knew_not_the_call_delivers_it():
     """A client process that resumes, from a cursor its predecessor saved, a stream whose call it never sent: its
     hooks tie the resume to no call, and its caller awaits the result."""

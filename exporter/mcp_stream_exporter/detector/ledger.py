@@ -196,6 +196,13 @@ class CallState:
     def in_flight(self) -> bool:
         return self.owed_since is not None and not self.terminal and not self.timed_out
 
+    @property
+    def reached_caller(self) -> bool:
+        """Whether its result reached its caller, as far as the spans tell: a delivery its client saw; or one only
+        the server saw (the client's spans may be missing), unless its client gave up (a cancel, the SDK's
+        timeout): then the SDK was resuming for no caller, and drops what it gets (a client that waits sees it)."""
+        return self.client_deliveries > 0 or (self.terminal and not self.cancelled)
+
 
 @dataclass(slots=True)
 class SessionState:
@@ -303,7 +310,7 @@ class Ledger:
         gone: CallState | None = None
         over: CallState | None = None
         for call in itertools.islice(calls.values(), len(calls) - 1):
-            if call.terminal:
+            if call.reached_caller:
                 gone = call
                 break
             if over is None and call.timed_out and not call.timers:

@@ -415,7 +415,7 @@ class RuleEngine:
         self._record(finding, call)
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
+        if call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
         if self.ledger.waiting(call, _EXPIRED) and not self._alive_after_clean_end(call):
             return  # its session went first: that judges it (``_check_expired``)
@@ -440,7 +440,7 @@ class RuleEngine:
         return seen + self._clean_end_grace_ns
 
     def _check_stored(self, call: CallState, now_ns: int) -> None:
-        if call.terminal or call.stored_since is None or call.told:
+        if call.reached_caller or call.stored_since is None or call.told:
             return
         if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
@@ -458,7 +458,7 @@ class RuleEngine:
         """The server's store failed with the call's result unsent; not delivered a grace later (another producer
         may still send it), nor its caller told by a refused resume: lost. A clean end that left it pending too
         is judged after (it joins this finding, ``also``)."""
-        if not call.terminal and not call.told:
+        if not call.reached_caller and not call.told:
             self._emit(RuleId.STORE_FAILED, call, None, call.request_id, now_ns, lambda: {
                 "grace_s": self.config.clean_end_grace_s, "timed_out": call.cancelled})
         self._check_clean_end(call, now_ns)  # held back for this judgement
@@ -466,7 +466,7 @@ class RuleEngine:
     def _check_sent(self, call: CallState, now_ns: int) -> None:
         """A call the server sent the result of and its client cancelled well after: lost unless the client's spans
         show it got it, or its caller was told (a refused resume)."""
-        if call.client_deliveries or call.told:
+        if call.client_deliveries or call.told:  # not what the server saw delivered: its client gave up on it
             return
         stored_since = call.stored_since or 0
         self._emit(RuleId.SENT_NOT_RECEIVED, call, None, call.request_id, now_ns, lambda: {
@@ -481,13 +481,13 @@ class RuleEngine:
         (this one joins it)."""
         if self.ledger.waiting(call, _STORE_FAILED):
             return  # its session's store failed (spans in any order): the cause, judged by ``_check_store_failed``
-        if not call.terminal and call.clean_since is not None and self._alive_after_clean_end(call):
+        if not call.reached_caller and call.clean_since is not None and self._alive_after_clean_end(call):
             due = self._clean_end_due(call)
             if now_ns < due:  # the expiry's grace ran out first: both are judged once the clean end's does
                 self.ledger.schedule(due, _EXPIRED, call)
                 return
             self._check_clean_end(call, now_ns)
-        if not call.terminal and not self.ledger.deleted(call.scope):
+        if not call.reached_caller and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
                 "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
             self.ledger.given_up(call)

@@ -482,10 +482,17 @@ _SPAN_ID: Final = 1  # where a SpanContext, a tuple, keeps its span id (``SpanCo
 class SdkSpans(SpanProcessor):
     """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
     recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start
-    another) instead of on a span of ours."""
+    another) instead of on a span of ours; and tells the clients' trackers of one that timed out (``watch``)."""
 
     def __init__(self) -> None:
         self._open: dict[int, SdkSpan] = {}
+        self._trackers: weakref.WeakSet[Tracker] = weakref.WeakSet()
+
+    def watch(self, tracker: Tracker) -> None:
+        """``tracker`` (a client's) learns of each of the SDK's calls whose caller's timeout ran out (``abandoned``):
+        the SDK sends no cancel then when its request asked to be resumable (its resumption hints), so its span is
+        the only sign that the caller is gone."""
+        self._trackers.add(tracker)
 
     # Both run on every span the application starts and ends: they read the span's name and context off
     # its fields, and the span id off the context's tuple, not through the properties and the method
@@ -498,6 +505,19 @@ class SdkSpans(SpanProcessor):
         context = span._context
         if context is not None:
             self._open.pop(context[_SPAN_ID], None)
+            if span._status._status_code is StatusCode.ERROR and span._name.startswith(sc.SDK_CLIENT_CALL_SPAN):
+                self._failed(span, context[_SPAN_ID])
+
+    def _failed(self, span: ReadableSpan, span_id: int) -> None:
+        """The SDK's span of a call ended in error: if by its caller's timeout (``TimeoutError``), the call is
+        abandoned in every client tracker that has it."""
+        if not any(event.name == "exception" and (event.attributes or {}).get("exception.type") == "TimeoutError"
+                   for event in span._events):
+            return
+        request_id = (span._attributes or {}).get(sc.JSONRPC_REQUEST_ID)
+        if request_id is not None:
+            for tracker in list(self._trackers):
+                tracker.abandoned(str(request_id), span_id)
 
     def get(self, traceparent: str | None) -> SdkSpan | None:
         if traceparent is None or len(traceparent) < 55:
@@ -830,6 +850,18 @@ class Tracker:
         name = f"{sc.SPAN_NAME_CALL} tools/call" + (f" {tool}" if tool else "")
         self._tracer.start_span(name, context=_sdk_parent(traceparent), kind=SpanKind.INTERNAL, attributes=attrs,
                                 start_time=out_ns).end()
+
+    def abandoned(self, request_id: str, sdk_span_id: int) -> None:
+        """(client) The caller of the call the SDK's span ``sdk_span_id`` stands for gave up (its timeout ran out):
+        the call ends so, as at a cancel, whether the SDK sent one or not (a request with resumption hints sends
+        none, and the SDK resumes on for no caller). Told by the span only (``SdkSpans``), it is found by its
+        request id and the span its request names as its parent (``traceparent``): a walk of the calls, once a
+        timeout."""
+        span_hex = format(sdk_span_id, "016x")
+        for key in [key for key in (*self._pending, *self._calls) if key[1] == request_id]:
+            call = self.call(key)
+            if call is not None and not call.done and call.traceparent and call.traceparent[36:52] == span_hex:
+                self.cancel(key)
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:
         """(server) Storing an event of the session failed: the SDK's message router, which stores each message the

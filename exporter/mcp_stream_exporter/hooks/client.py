@@ -82,6 +82,8 @@ class ClientInstrumentation:
         self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls,
                                broken=BROKEN_IN_PROCESS)
         self._sdk_spans = SdkSpans.of_global_provider()
+        if self._sdk_spans is not None:
+            self._sdk_spans.watch(self.tracker)
         self._protocol_version: str | None = None
         self._identify: Identify = self._fingerprint  # bound once, not per call
 

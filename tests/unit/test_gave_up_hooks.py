@@ -1,12 +1,15 @@
-"""The server hooks when a client cancels a call whose result already went out on a stream: the client never got
-it (its side of the connection was lost while the server's stayed open), so the hooks tell the detector with a span
-of its own, from the result's send to the cancel."""
+"""How the hooks learn that a caller gave up on a call. The server, when a client cancels a call whose result
+already went out on a stream (or was stored with none open): the client never got it (its side of the connection
+was lost while the server's stayed open, or it did not resume before its caller gave up), told by a span of its own
+from the result's send to the cancel. The client, when the SDK's span of a call ends in its caller's timeout: with
+resumption hints the SDK sends no cancel, and resumes on for no caller."""
 
 from __future__ import annotations
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
@@ -137,3 +140,52 @@ def test_the_late_cancels_span_sits_in_the_calls_trace_under_the_sdks_request_sp
     assert late.parent is not None
     assert (format(late.context.trace_id, "032x"), format(late.parent.span_id, "016x")) == (
         "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
+
+
+def test_a_client_call_whose_sdk_span_ends_in_its_timeout_ends_cancelled_even_with_no_cancel_sent():
+    """A request with resumption hints: at its caller's timeout the SDK sends no cancel and resumes on for no
+    caller. Its span ending with ``TimeoutError`` is the client's only sign of the give-up."""
+    from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+
+    from mcp_stream_exporter.hooks._tracking import SdkSpans
+
+    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+    index = SdkSpans()
+    index.watch(tracker)
+    app = SdkProvider()
+    app.add_span_processor(index)
+    sdk_span = app.get_tracer("mcp").start_span(f"{sc.SDK_CLIENT_CALL_SPAN} fetch",
+                                                attributes={sc.JSONRPC_REQUEST_ID: "3"})
+    context = sdk_span.get_span_context()
+    traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
+    for session, parent in (("s1", traceparent), ("s2", f"00-{context.trace_id:032x}-{1:016x}-01")):
+        request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
+                           f'"_meta":{{"traceparent":"{parent}"}}}}}}')[0]
+        tracker.start_call(session, request, "2025-11-25", ABSENT, stateless=False)
+    sdk_span.record_exception(TimeoutError())
+    sdk_span.set_status(StatusCode.ERROR)
+    sdk_span.end()
+    (ended,) = exporter.get_finished_spans()  # only the call of the timed-out span: another session's stays
+    assert (ended.attributes[sc.MCP_SESSION_ID], ended.attributes[sc.CALL_OUTCOME]) == ("s1", sc.OUTCOME_CANCELLED)
+    assert tracker.call(("s2", "3")) is not None and tracker.call(("s1", "3")) is None
+
+
+def test_a_client_call_whose_sdk_span_ends_in_another_error_is_left_to_its_answer():
+    from opentelemetry.sdk.trace import TracerProvider as SdkProvider
+
+    from mcp_stream_exporter.hooks._tracking import SdkSpans
+
+    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+    index = SdkSpans()
+    index.watch(tracker)
+    app = SdkProvider()
+    app.add_span_processor(index)
+    sdk_span = app.get_tracer("mcp").start_span(f"{sc.SDK_CLIENT_CALL_SPAN} fetch",
+                                                attributes={sc.JSONRPC_REQUEST_ID: "3"})
+    context = sdk_span.get_span_context()
+    request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
+                       f'"_meta":{{"traceparent":"00-{context.trace_id:032x}-{context.span_id:016x}-01"}}}}}}')[0]
+    tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    sdk_span.set_status(StatusCode.ERROR, "a JSON-RPC error")
+    sdk_span.end()
+    assert exporter.get_finished_spans() == () and tracker.call(("s1", "3")) is not None
