@@ -9,11 +9,11 @@ from __future__ import annotations
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import Span, StatusCode
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, Tracker
+from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Tracker
 from mcp_stream_exporter.wire import classify
 
 
@@ -142,26 +142,30 @@ def test_the_late_cancels_span_sits_in_the_calls_trace_under_the_sdks_request_sp
         "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
 
 
-def test_a_client_call_whose_sdk_span_ends_in_its_timeout_ends_cancelled_even_with_no_cancel_sent():
-    """A request with resumption hints: at its caller's timeout the SDK sends no cancel and resumes on for no
-    caller. Its span ending with ``TimeoutError`` is the client's only sign of the give-up."""
-    from opentelemetry.sdk.trace import TracerProvider as SdkProvider
-
-    from mcp_stream_exporter.hooks._tracking import SdkSpans
-
-    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+def _sdk_call(tracker: Tracker, sessions: tuple[str, ...] = ("s1",)) -> Span:
+    """The SDK's span of request 3, as the client's index of the SDK's spans sees it start, watched by ``tracker``;
+    and that request's call, started in each of ``sessions`` (only the first names the span as its parent)."""
     index = SdkSpans()
     index.watch(tracker)
-    app = SdkProvider()
+    app = TracerProvider()
     app.add_span_processor(index)
     sdk_span = app.get_tracer("mcp").start_span(f"{sc.SDK_CLIENT_CALL_SPAN} fetch",
                                                 attributes={sc.JSONRPC_REQUEST_ID: "3"})
     context = sdk_span.get_span_context()
     traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
-    for session, parent in (("s1", traceparent), ("s2", f"00-{context.trace_id:032x}-{1:016x}-01")):
+    for session in sessions:
         request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
-                           f'"_meta":{{"traceparent":"{parent}"}}}}}}')[0]
+                           f'"_meta":{{"traceparent":"{traceparent}"}}}}}}')[0]
         tracker.start_call(session, request, "2025-11-25", ABSENT, stateless=False)
+        traceparent = f"00-{context.trace_id:032x}-{1:016x}-01"  # another request's span
+    return sdk_span
+
+
+def test_a_client_call_whose_sdk_span_ends_in_its_timeout_ends_cancelled_even_with_no_cancel_sent():
+    """A request with resumption hints: at its caller's timeout the SDK sends no cancel and resumes on for no
+    caller. Its span ending with ``TimeoutError`` is the client's only sign of the give-up."""
+    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+    sdk_span = _sdk_call(tracker, ("s1", "s2"))
     sdk_span.record_exception(TimeoutError())
     sdk_span.set_status(StatusCode.ERROR)
     sdk_span.end()
@@ -171,21 +175,8 @@ def test_a_client_call_whose_sdk_span_ends_in_its_timeout_ends_cancelled_even_wi
 
 
 def test_a_client_call_whose_sdk_span_ends_in_another_error_is_left_to_its_answer():
-    from opentelemetry.sdk.trace import TracerProvider as SdkProvider
-
-    from mcp_stream_exporter.hooks._tracking import SdkSpans
-
     tracker, exporter = _tracker(sc.ROLE_CLIENT)
-    index = SdkSpans()
-    index.watch(tracker)
-    app = SdkProvider()
-    app.add_span_processor(index)
-    sdk_span = app.get_tracer("mcp").start_span(f"{sc.SDK_CLIENT_CALL_SPAN} fetch",
-                                                attributes={sc.JSONRPC_REQUEST_ID: "3"})
-    context = sdk_span.get_span_context()
-    request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
-                       f'"_meta":{{"traceparent":"00-{context.trace_id:032x}-{context.span_id:016x}-01"}}}}}}')[0]
-    tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    sdk_span = _sdk_call(tracker)
     sdk_span.set_status(StatusCode.ERROR, "a JSON-RPC error")
     sdk_span.end()
     assert exporter.get_finished_spans() == () and tracker.call(("s1", "3")) is not None
