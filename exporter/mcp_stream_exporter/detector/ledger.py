@@ -84,7 +84,9 @@ class CallState:
     # the guard), and the latest start of one that was not
     resumed: tuple[int, int, int, int] = _NEVER_RESUMED
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
-    stored_since: int | None = None  # the server stored its terminal event with no stream open to carry it
+    # the server stored its terminal event with no stream open to carry it; or sent it, and its client cancelled the
+    # call after (a ``cancelled_late`` span): when, and which event
+    stored_since: int | None = None
     stored_event_id: str | None = None
     fingerprint: str | None = None  # client: salted hash of tool and arguments, what a re-issue repeats
     terminal: bool = False

@@ -350,8 +350,8 @@ class RuleEngine:
 
     def _cancelled_late(self, call: CallState, at: Common, event_id: str | None, now_ns: int) -> None:
         """The server sent the call's result (at ``at.start_ns``) and its client cancelled the call after (at
-        ``at.end_ns``): the client never got it; or, sooner than ``cancel_race_s`` after (more than a round trip
-        between them takes), its caller gave up as the result came (a tool that ran about as long as its caller
+        ``at.end_ns``): the client never got it; or, when sooner than ``cancel_race_s`` after (a setting above the
+        round trip between them), its caller gave up as the result came (a tool that ran about as long as its caller
         waits): a cancel that crossed the result on the wire. Over either way; a loss judged a grace later, when a
         delivery the client's spans show, if any, has come."""
         self.ledger.seen_owed(call, at.role)
