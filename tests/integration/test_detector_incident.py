@@ -398,3 +398,23 @@ async def test_a_caller_with_resumption_hints_that_times_out_is_told_by_the_sdks
     (gave_up,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)
     assert gave_up.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
     assert set(findings) == {"stored_not_delivered", "timeout_attributed"}
+
+
+async def test_a_user_cancel_between_a_polling_servers_stream_end_and_the_resume_pages_nothing():
+    """``poll`` closes its POST after its first step (SEP-1699); the user cancels before the SDK resumes. The server
+    answers the cancel (no result yet), and the SDK, resuming for no caller, gets that answer: the call's end."""
+    span_exporter().clear()
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            running = asyncio.create_task(lab.call("poll", {"steps": 40}))
+            for _ in range(200):  # bounded: 10 s, until the POST ended and before the resume (200 ms later)
+                if ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="post"):
+                    break
+                await asyncio.sleep(0.01)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            for _ in range(100):  # bounded: 5 s for the SDK's resume after the cancel
+                if ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="resume"):
+                    break
+                await asyncio.sleep(0.05)
+        assert after_grace(found, clock) == []

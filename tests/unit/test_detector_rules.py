@@ -376,8 +376,19 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller
     assert {f.rule: f for f in both.findings}["stored_not_delivered"].evidence["also"] == ["sent_not_received"]
     server_only = [dropped[1], dropped[2], gave_up[1], resumed_on[1]]
     assert rules(run(server_only, after_s=6)) == ["stored_not_delivered"]
-    client_only_then_server = [dropped[0], gave_up[0], resumed_on[0], dropped[2], dropped[1]]
-    assert "stored_not_delivered" in rules(run(client_only_then_server, after_s=6))
+    stored_first = [dropped[2], dropped[0], gave_up[0], resumed_on[0], dropped[1]]  # the client's in its own order
+    assert "stored_not_delivered" in rules(run(stored_first, after_s=6))
+
+
+def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_the_call_is_its_end():
+    """A server that closes its stream on purpose (polling); its client's caller cancels before resuming, and the
+    server, which has no result yet, answers the cancel (a -32800 error): the SDK's resume for no caller gets that."""
+    polled = [stream(C, "post", "clean", pending=("3",), last="3"),
+              stream(SV, "post", "clean", pending=("3",), last="3")]
+    withdrawn = [call(C, sc.OUTCOME_CANCELLED, at=1.1), call(SV, sc.OUTCOME_CANCELLED, at=1.1)]
+    resumed_on = [stream(C, "resume", "closed", ids=(), cursor="3", terminal=("3",), last="5", at=1.3),
+                  stream(SV, "resume", "dropped", ids=(), cursor="3", terminal=("3",), last="6", at=1.3)]
+    assert rules(run([*polled, *withdrawn, *resumed_on], after_s=60)) == []
 
 
 def test_a_delivery_only_the_server_saw_after_the_client_gave_up_reached_no_caller_in_any_span_order():

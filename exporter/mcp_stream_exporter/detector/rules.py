@@ -298,12 +298,14 @@ class RuleEngine:
         return call
 
     def _awaited(self, scope: str, request_id: str) -> bool:
-        """Whether a caller may still await the call a stream its hooks tie to no call delivers: one that knew not
-        what it carried (another replica answered it from shared storage; a client process resuming a stream its
-        predecessor opened, from a saved cursor). Not once the call is over: its client gave up, and this is the SDK
-        resuming on for no caller, which drops what it gets (its hooks no longer tie the resume to the call)."""
+        """Whether what a stream its hooks tie to no call delivers is the call's end: one that knew not what it
+        carried (another replica answered it from shared storage; a client process resuming a stream its
+        predecessor opened, from a saved cursor). Not once the call is over with its result out before (stored with
+        no stream open, or sent: ``stored_since``): its client gave up, and this is the SDK resuming on for no
+        caller, which drops the result (its hooks no longer tie the resume to the call). A call its client withdrew
+        before any result gets the server's answer to the cancel that way (a -32800 error): that is its end."""
         known = self.ledger.find(scope, request_id)
-        return known is None or not known.timed_out
+        return known is None or not known.timed_out or known.stored_since is None
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
         deliveries = call.delivered_to(role)
