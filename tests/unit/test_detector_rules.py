@@ -376,8 +376,10 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller
     assert {f.rule: f for f in both.findings}["stored_not_delivered"].evidence["also"] == ["sent_not_received"]
     server_only = [dropped[1], dropped[2], gave_up[1], resumed_on[1]]
     assert rules(run(server_only, after_s=6)) == ["stored_not_delivered"]
-    stored_first = [dropped[2], dropped[0], gave_up[0], resumed_on[0], dropped[1]]  # the client's in its own order
-    assert "stored_not_delivered" in rules(run(stored_first, after_s=6))
+    server_first = [dropped[2], gave_up[1], dropped[0], gave_up[0], resumed_on[0], dropped[1]]
+    assert "stored_not_delivered" in rules(run(server_first, after_s=6))
+    no_cancel_seen = [*dropped, gave_up[0], *resumed_on]  # its client sent none (resumption hints): no telling
+    assert rules(run(no_cancel_seen, after_s=6)) == []
 
 
 def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_the_call_is_its_end():
@@ -391,20 +393,29 @@ def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_th
     assert rules(run([*polled, *withdrawn, *resumed_on], after_s=60)) == []
 
 
-def test_a_delivery_only_the_server_saw_after_the_client_gave_up_reached_no_caller_in_any_span_order():
-    """A caller with the SDK's resumption hints times out with no cancel sent: the server, which still tracks the
-    call, ties the SDK's later resume to it and sees its result go out; the client's spans say its caller was gone.
-    With replicas, the server that sent it may not know the call at all (its resume span ties it to none)."""
+def test_a_delivery_only_the_server_saw_after_its_client_cancelled_well_after_the_result_reached_no_caller():
+    """The server saw the client cancel the call 2 s after its result was stored; a resume it then ties to the call
+    (it still tracked it), or another replica's that ties it to none, sends the result: the SDK resuming for no
+    caller. Without that cancel (a client with resumption hints sends none), the result may have come after its
+    caller gave up (a slow tool): nothing tells, and no page."""
     dropped = [stream(C, "post", "dropped", pending=("3",), last="6"),
                call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15")]
-    gave_up = call(C, sc.OUTCOME_CANCELLED, at=3.0)
-    for server_resume in (stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="15", at=4.0),
-                          stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)):
-        for spans in ([*dropped, gave_up, server_resume], [*dropped, server_resume, gave_up],
-                      [server_resume, *dropped, gave_up]):
-            assert "stored_not_delivered" in rules(run(spans, after_s=6))
+    gave_up = [call(C, sc.OUTCOME_CANCELLED, at=3.0), cancelled_late(sent=1.0, cancelled=3.0)]
+    tied = stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="15", at=4.0)
+    untied = stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)
+    for spans in ([*dropped, *gave_up, tied], [tied, *dropped, *gave_up], [*dropped, *gave_up, untied]):
+        assert "stored_not_delivered" in rules(run(spans, after_s=6))
+    assert rules(run([*dropped, gave_up[0], tied], after_s=6)) == []
     waiting = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15", at=2.0)  # its caller got it
-    assert rules(run([*dropped, waiting, server_resume], after_s=6)) == []
+    assert rules(run([*dropped, waiting, tied, *gave_up], after_s=6)) == []
+
+
+def test_a_cancel_that_crossed_a_result_stored_with_no_stream_open_is_no_loss():
+    """The caller gave up just as the result was stored (its POST had dropped, its resume not yet come)."""
+    dropped = [stream(C, "post", "dropped", pending=("3",), last="6"),
+               call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15")]
+    raced = [call(C, sc.OUTCOME_CANCELLED, at=1.0), cancelled_late(sent=1.0, cancelled=1.004)]
+    assert rules(run([*dropped, *raced], after_s=60)) == []
 
 
 def test_a_resume_from_a_saved_cursor_by_a_client_that_knew_not_the_call_delivers_it():

@@ -48,6 +48,8 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
+CANCEL_RACED = 1  # ``CallState.late_cancel``
+CANCEL_LATE = 2
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -92,6 +94,9 @@ class CallState:
     terminal: bool = False
     timed_out: bool = False  # over undelivered: its caller gave up or was told it failed, or nothing can deliver it
     cancelled: bool = False  # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain
+    # the server saw its client's cancel come after its result was out (a ``cancelled_late`` span): CANCEL_RACED sooner
+    # than ``cancel_race_s`` after (its caller gave up as the result came), CANCEL_LATE later (it gave up without it)
+    late_cancel: int = 0
     roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
     client_deliveries: int = 0  # terminal deliveries seen, per side
     server_deliveries: int = 0
@@ -201,9 +206,10 @@ class CallState:
     @property
     def reached_caller(self) -> bool:
         """Whether its result reached its caller, as far as the spans tell: a delivery its client saw; or one only
-        the server saw (the client's spans may be missing), unless its client gave up (a cancel, the SDK's
-        timeout): then the SDK was resuming for no caller, and drops what it gets (a client that waits sees it)."""
-        return self.client_deliveries > 0 or (self.terminal and not self.cancelled)
+        the server saw (the client's spans may be missing), unless the server saw the client give up well after
+        the result was out (``CANCEL_LATE``): then that was the SDK resuming for no caller, which drops it (a
+        client that waits sees it)."""
+        return self.client_deliveries > 0 or (self.terminal and self.late_cancel != CANCEL_LATE)
 
 
 @dataclass(slots=True)

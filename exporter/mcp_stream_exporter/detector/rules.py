@@ -19,7 +19,7 @@ from typing import Any
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import CallEnd, Common, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding, finding_id
-from mcp_stream_exporter.detector.ledger import CallState, Ledger, SessionState
+from mcp_stream_exporter.detector.ledger import CANCEL_LATE, CANCEL_RACED, CallState, Ledger, SessionState
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -300,12 +300,13 @@ class RuleEngine:
     def _awaited(self, scope: str, request_id: str) -> bool:
         """Whether what a stream its hooks tie to no call delivers is the call's end: one that knew not what it
         carried (another replica answered it from shared storage; a client process resuming a stream its
-        predecessor opened, from a saved cursor). Not once the call is over with its result out before (stored with
-        no stream open, or sent: ``stored_since``): its client gave up, and this is the SDK resuming on for no
-        caller, which drops the result (its hooks no longer tie the resume to the call). A call its client withdrew
-        before any result gets the server's answer to the cancel that way (a -32800 error): that is its end."""
+        predecessor opened, from a saved cursor). Not once the server saw the client cancel the call well after its
+        result was out (``CANCEL_LATE``): this is the SDK resuming on for no caller, which drops the result (its hooks
+        no longer tie the resume to the call). Told by nothing else, which it may be (a result that came after its
+        caller gave up, to a client that sends no cancel; a call withdrawn before any result, whose answer to the
+        cancel, a -32800 error, comes so), it is the call's end."""
         known = self.ledger.find(scope, request_id)
-        return known is None or not known.timed_out or known.stored_since is None
+        return known is None or known.late_cancel != CANCEL_LATE
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
         deliveries = call.delivered_to(role)
@@ -361,7 +362,10 @@ class RuleEngine:
         if call.stored_since is None:
             call.stored_since, call.stored_event_id = at.start_ns, event_id
         if at.end_ns - at.start_ns >= self._cancel_race_ns:
+            call.late_cancel = CANCEL_LATE
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT, call)
+        elif not call.late_cancel:
+            call.late_cancel = CANCEL_RACED
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
@@ -442,7 +446,7 @@ class RuleEngine:
         return seen + self._clean_end_grace_ns
 
     def _check_stored(self, call: CallState, now_ns: int) -> None:
-        if call.reached_caller or call.stored_since is None or call.told:
+        if call.reached_caller or call.stored_since is None or call.told or call.late_cancel == CANCEL_RACED:
             return
         if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
