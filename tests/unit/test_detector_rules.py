@@ -791,19 +791,21 @@ def test_a_stateless_call_whose_server_stream_ended_without_its_response_is_over
 
 
 def test_a_give_up_in_a_snapshot_of_before_still_explains_the_finding_its_call_gets_after_the_restart():
-    clock = Clock()
-    config = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5))
-    before = Detector(config, clock=clock)
-    before.consume([stream(C, "resume", "clean", pending=("3",), cursor="6"), call(C, sc.OUTCOME_CANCELLED)])
-    rows = before.ledger.dump()
-    for session in rows["sessions"]:
-        for row in session["calls"]:
-            del row["cancelled"]  # every give-up it held was its client's
-    restarted = Detector(config, clock=clock)
-    restarted.ledger.load(rows)
-    clock.now += 6 * S
-    restarted.tick()
-    assert rules(restarted) == ["clean_end_pending", "timeout_attributed"]
+    for older in ({"cancelled": True}, {}):  # its client's give-up kept alone; before that, every give-up was one
+        clock = Clock()
+        config = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5))
+        before = Detector(config, clock=clock)
+        before.consume([stream(C, "resume", "clean", pending=("3",), cursor="6"), call(C, sc.OUTCOME_CANCELLED)])
+        rows = before.ledger.dump()
+        for session in rows["sessions"]:
+            for row in session["calls"]:
+                del row["gave_up"]
+                row.update(older)
+        restarted = Detector(config, clock=clock)
+        restarted.ledger.load(rows)
+        clock.now += 6 * S
+        restarted.tick()
+        assert rules(restarted) == ["clean_end_pending", "timeout_attributed"]
 
 
 def test_a_reissue_dated_past_what_64_signed_bits_hold_is_still_taken_for_one():

@@ -48,8 +48,9 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
-CANCEL_RACED = 1  # ``CallState.late_cancel``
-CANCEL_LATE = 2
+_CLIENT_GAVE_UP = 1  # bits of ``CallState.gave_up``: ``cancelled``, then ``late_cancel``'s values
+CANCEL_RACED = 2
+CANCEL_LATE = 4
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -93,10 +94,10 @@ class CallState:
     fingerprint: str | None = None  # client: salted hash of tool and arguments, what a re-issue repeats
     terminal: bool = False
     timed_out: bool = False  # over undelivered: its caller gave up or was told it failed, or nothing can deliver it
-    cancelled: bool = False  # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain
-    # the server saw its client's cancel come after its result was out (a ``cancelled_late`` span): CANCEL_RACED sooner
-    # than ``cancel_race_s`` after (its caller gave up as the result came), CANCEL_LATE later (it gave up without it)
-    late_cancel: int = 0
+    # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain (``cancelled``); and
+    # whether the server saw that cancel come after its result was out (``late_cancel``): bits of one field, for a
+    # tracked call is held to 1 KiB
+    gave_up: int = 0
     roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
     client_deliveries: int = 0  # terminal deliveries seen, per side
     server_deliveries: int = 0
@@ -202,6 +203,25 @@ class CallState:
     @property
     def in_flight(self) -> bool:
         return self.owed_since is not None and not self.terminal and not self.timed_out
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self.gave_up & _CLIENT_GAVE_UP)
+
+    @cancelled.setter
+    def cancelled(self, value: bool) -> None:
+        self.gave_up = self.gave_up | _CLIENT_GAVE_UP if value else self.gave_up & ~_CLIENT_GAVE_UP
+
+    @property
+    def late_cancel(self) -> int:
+        """The server saw its client's cancel come after its result was out (a ``cancelled_late`` span):
+        ``CANCEL_RACED`` sooner than ``cancel_race_s`` after (its caller gave up as the result came), ``CANCEL_LATE``
+        later (it gave up without it); 0: not seen."""
+        return self.gave_up & (CANCEL_RACED | CANCEL_LATE)
+
+    @late_cancel.setter
+    def late_cancel(self, value: int) -> None:
+        self.gave_up = self.gave_up & _CLIENT_GAVE_UP | value
 
     @property
     def reached_caller(self) -> bool:
@@ -697,8 +717,8 @@ class Ledger:
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v
                                       for k, v in row.items() if k in _FIELDS}
-            if "cancelled" not in row:  # a row of before: every give-up then was its client's
-                values["cancelled"] = row.get("timed_out", False)
+            if "gave_up" not in row:  # a row of before: its client's give-up kept alone, or, before that, every one
+                values["gave_up"] = _CLIENT_GAVE_UP if row.get("cancelled", row.get("timed_out", False)) else 0
             self._add_call(session, CallState(**values))
         if s["resumes"]:
             session.resumes = {(role, cursor): deque(times, maxlen=maxlen)
