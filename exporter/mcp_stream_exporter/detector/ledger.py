@@ -208,9 +208,9 @@ class CallState:
     def cancelled(self) -> bool:
         return bool(self.gave_up & _CLIENT_GAVE_UP)
 
-    @cancelled.setter
-    def cancelled(self, value: bool) -> None:
-        self.gave_up = self.gave_up | _CLIENT_GAVE_UP if value else self.gave_up & ~_CLIENT_GAVE_UP
+    def client_gave_up(self) -> None:
+        """Its client gave up on it (a cancel, the SDK's timeout): ``cancelled``."""
+        self.gave_up |= _CLIENT_GAVE_UP
 
     @property
     def late_cancel(self) -> int:
@@ -219,9 +219,13 @@ class CallState:
         later (it gave up without it); 0: not seen."""
         return self.gave_up & (CANCEL_RACED | CANCEL_LATE)
 
-    @late_cancel.setter
-    def late_cancel(self, value: int) -> None:
-        self.gave_up = self.gave_up & _CLIENT_GAVE_UP | value
+    def cancel_seen_late(self, raced: bool) -> None:
+        """The server saw its client's cancel come after its result was out: ``late_cancel``. A cancel well after
+        the send says more than one that raced it, and is kept over it."""
+        if not raced:
+            self.gave_up = self.gave_up & _CLIENT_GAVE_UP | CANCEL_LATE
+        elif not self.late_cancel:
+            self.gave_up |= CANCEL_RACED
 
     @property
     def reached_caller(self) -> bool:

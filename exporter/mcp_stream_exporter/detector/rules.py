@@ -361,11 +361,10 @@ class RuleEngine:
         self.ledger.given_up(call)
         if call.stored_since is None:
             call.stored_since, call.stored_event_id = at.start_ns, event_id
-        if at.end_ns - at.start_ns >= self._cancel_race_ns:
-            call.late_cancel = CANCEL_LATE
+        raced = at.end_ns - at.start_ns < self._cancel_race_ns
+        call.cancel_seen_late(raced)
+        if not raced:
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT, call)
-        elif not call.late_cancel:
-            call.late_cancel = CANCEL_RACED
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         if call.broken_since is None and not call.terminal:
@@ -404,7 +403,7 @@ class RuleEngine:
                     "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
-        call.cancelled = True
+        call.client_gave_up()
         self.ledger.given_up(call)
         self._attribute(call, now_ns)
 
