@@ -418,3 +418,23 @@ async def test_a_user_cancel_between_a_polling_servers_stream_end_and_the_resume
                     break
                 await asyncio.sleep(0.05)
         assert after_grace(found, clock) == []
+
+
+async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_loss():
+    """``poll`` closes its POST after its first step; the SDK resumes. The store's replay returns a second after it
+    read what it replays (a remote store), and the tool stores its result meanwhile: the SDK, which takes the resume
+    for the call's stream only once the replay returns, drops it. The resume stays open without it until its
+    caller's timeout: the server stored a result that no stream carried."""
+    span_exporter().clear()
+    with detector() as (found, clock):
+        async with incident("legacy", replay_latency_s=1.0, step_delay=0.1) as lab:
+            with pytest.raises(MCPError):
+                await lab.call("poll", {"steps": 5}, timeout=3)
+        findings = _by_rule(after_grace(found, clock))
+    (stored,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_SERVER, mcp_stream__call__outcome=sc.OUTCOME_RESULT)
+    assert sc.TERMINAL_STREAM_KIND not in stored.attributes  # no stream carried it
+    (lost,) = findings["stored_not_delivered"]
+    assert (lost.tool, lost.severity) == ("poll", "critical")
+    assert lost.evidence["stored_event_id"] == stored.attributes[sc.TERMINAL_EVENT_ID]
+    assert set(findings) == {"stored_not_delivered", "timeout_attributed"}
+    assert findings["timeout_attributed"][0].caused_by == lost.id

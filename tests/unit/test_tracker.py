@@ -25,11 +25,11 @@ from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
 from mcp_stream_exporter.wire import TOOLS_CALL, classify, classify_body, request_message, result_id
 
 
-def _tracker(**kw):
+def _tracker(role=sc.ROLE_CLIENT, **kw):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return Tracker(provider.get_tracer("t"), sc.ROLE_CLIENT, **kw), exporter
+    return Tracker(provider.get_tracer("t"), role, **kw), exporter
 
 
 def _request(rid, tool="fetch"):
@@ -423,10 +423,8 @@ def test_a_result_stored_with_no_stream_open_ends_the_call_span_then_and_a_resum
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(post, SSEFrame("", id="e1"), [])
-    tracker.stored(call, "e0", sc.OUTCOME_RESULT)  # its POST is open: the POST will carry it
-    assert _by(exporter, sc.SPAN_CALL) == []
     tracker.end_stream(post, sc.END_DROPPED)
-    tracker.stored(call, "e2", sc.OUTCOME_RESULT)  # nothing open carries it now
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT)  # nothing open carries it
     (span,) = _by(exporter, sc.SPAN_CALL)
     assert (span.attributes[sc.CALL_OUTCOME], span.attributes[sc.TERMINAL_EVENT_ID]) == (sc.OUTCOME_RESULT, "e2")
     assert sc.TERMINAL_STREAM_KIND not in span.attributes
@@ -436,6 +434,38 @@ def test_a_result_stored_with_no_stream_open_ends_the_call_span_then_and_a_resum
     assert call.done and len(_by(exporter, sc.SPAN_CALL)) == 1  # its span is not touched again
     (resumed,) = [s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes.get(sc.TERMINAL_REQUEST_IDS)]
     assert resumed.attributes[sc.TERMINAL_REQUEST_IDS] == ("1",)
+
+
+def test_a_result_stored_while_a_stream_is_open_that_ends_without_it_ends_the_call_span_as_of_its_store():
+    tracker, exporter = _tracker()
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=1_000)  # its POST is open: the POST may carry it
+    assert _by(exporter, sc.SPAN_CALL) == []
+    tracker.end_stream(post, sc.END_DROPPED)  # it did not: the client must resume for it
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert (span.attributes[sc.CALL_OUTCOME], span.attributes[sc.TERMINAL_EVENT_ID]) == (sc.OUTCOME_RESULT, "e2")
+    assert sc.TERMINAL_STREAM_KIND not in span.attributes and span.end_time == 1_000
+
+
+def test_a_result_stored_while_a_resume_is_open_that_never_sends_it_is_unsent_when_its_client_cancels():
+    """The SDK drops a result stored while a resume's replay runs, before it takes the resume for the call's
+    stream: the resume stays open without it, and the client's cancel at its timeout tells it never got it."""
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.end_stream(post, sc.END_CLEAN)
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=time.time_ns() - 5 * 10**9)
+    assert [s for s in _by(exporter, sc.SPAN_CALL)] == []  # the resume may still carry it
+    tracker.cancel(("s", "1"))
+    stored, late = sorted(_by(exporter, sc.SPAN_CALL), key=lambda s: s.attributes[sc.CALL_OUTCOME] != "result")
+    assert stored.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT and sc.TERMINAL_STREAM_KIND not in stored.attributes
+    assert late.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED_LATE
+    assert late.attributes[sc.TERMINAL_EVENT_ID] == "e2" and late.start_time == stored.end_time
+    tracker.end_stream(resume, sc.END_DROPPED)
 
 
 def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_call_does_not():

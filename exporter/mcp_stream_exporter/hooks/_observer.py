@@ -36,6 +36,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
+from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
@@ -119,8 +120,8 @@ class _Exchange:
         for call in self.calls:
             if not call.done:
                 call.exchange_over()
-                if call.stored_early is not None:  # stored, and its exchange ended without carrying it
-                    self.tracker.stored(call, *call.stored_early)
+                if not call.open_streams:  # stored, and its exchange ended without carrying it
+                    self.tracker.unsent(call)
         self.calls.clear()
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None
@@ -147,8 +148,10 @@ class _Exchange:
             kept = () if key is None else self.tracker.unpend(key)
             call = self.start(msg, judged, self.asked_in, key is None)
             call.in_sdk_request(context)
-            for fields, timestamp in kept:
+            for fields, timestamp, result in kept:
                 call.event(sc.EVENT_STORED, fields, timestamp)
+                if result is not None:
+                    call.stored_result = (fields[1] or "", outcome_of(result), timestamp)
 
     def read_unread(self) -> None:
         """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""

@@ -91,13 +91,14 @@ class StoreRecorder:
             return
         key = (session_id, stream_id)
         fields = (kind, event_id, None, None, None)
-        if self.tracker.keep_stored(key, fields):  # its call not started: kept for it, carried by its held answer
-            return
+        own = str(request_id) == stream_id  # the call's result, not a response to a request reusing its id
+        if self.tracker.keep_stored(key, fields, message if own else None):
+            return  # its call not started: kept for it, carried by its held answer
         call = self.tracker.call(key)
         if call is not None:
             call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
-            if str(request_id) == stream_id and not call.open_streams:  # else a stream open carries it: ``stored``
-                self.tracker.stored(call, event_id, _outcome(message))
+            if own:
+                self.tracker.stored(call, event_id, outcome_of(message))
 
     def store_failed(self, session_id: str, error: Exception) -> None:
         """The author's store raised storing a message of the session (only the SDK's message router stores one):
@@ -234,7 +235,7 @@ def _kind_of(message: JSONRPCMessage | None) -> str:
     return sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
 
 
-def _outcome(message: JSONRPCMessage | None) -> str:
+def outcome_of(message: object) -> str:
     """A stored terminal event's outcome, as the call span records it."""
     if isinstance(message, JSONRPCError):
         return sc.OUTCOME_ERROR

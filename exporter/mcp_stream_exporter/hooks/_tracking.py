@@ -170,6 +170,9 @@ Opening = tuple[str, str, str | None, str | None]
 # A frame event's content, as seen: frame kind, event id, event type, request id, method. A deferred
 # stream keeps this tuple per frame and builds the event's attributes only if it becomes a span.
 FrameFields = tuple[str, str | None, str | None, str | None, str | None]
+# (server) a terminal event stored on a pending call's stream (``Tracker.keep_stored``): its fields, when, and the
+# message if it is the call's own result (its outcome read only should the call start)
+KeptStore = tuple[FrameFields, int, object]
 
 
 # What a side holds of one stream at most (bytes, and chunks or frames, each with its time): past either, it
@@ -275,12 +278,12 @@ class _Deferred:
         else:
             self._links.append((ctx, attrs))
 
-    def close(self, attributes: Mapping[str, AttributeValue]) -> None:
-        """End the span (it must exist) with its last attributes."""
+    def close(self, attributes: Mapping[str, AttributeValue], end_time: int | None = None) -> None:
+        """End the span (it must exist) with its last attributes, now or at ``end_time``."""
         if self.span is not None and not self.closed:
             self.closed = True
             self.span.set_attributes(attributes)
-            self.span.end()
+            self.span.end(end_time)
 
     def create(self, tracer: SpanStarter, context: Context | None = None) -> Span:
         if self.span is None:
@@ -305,7 +308,7 @@ class Call(_Deferred):
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
                  "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "requirement", "role",
-                 "sdk_span", "stateless", "stored_early", "streams", "tool")
+                 "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
@@ -336,9 +339,9 @@ class Call(_Deferred):
         self.held_on: Holder | None = None  # who holds a stream carrying it: read before anything else judges it
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
         self.on_exchange = False  # (server) the exchange that carried its request still lasts
-        # (server) its terminal event, stored while that exchange lasted with no stream open yet (its answer's
-        # response not started: a JSON answer is stored before it is sent): ``stored`` once the exchange is over
-        self.stored_early: tuple[str, str] | None = None
+        # (server) its terminal event's store: event id, outcome, when. Sent on a stream, it ends the call; until
+        # then a stream open, or its exchange, may still carry it: ``Tracker.unsent`` once none is left to
+        self.stored_result: tuple[str, str, int] | None = None
 
     @property
     def fingerprint(self) -> str | None:
@@ -674,7 +677,7 @@ class Tracker:
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
         self._pending: dict[CallKey, Pending] = {}  # calls not started (``pend``)
-        self._kept: dict[CallKey, list[tuple[FrameFields, int]]] = {}  # their stream's terminal events stored
+        self._kept: dict[CallKey, list[KeptStore]] = {}  # their stream's terminal events stored
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
@@ -766,24 +769,25 @@ class Tracker:
         self._pending[key] = pending
         return True
 
-    def unpend(self, key: CallKey) -> Sequence[tuple[FrameFields, int]]:
+    def unpend(self, key: CallKey) -> Sequence[KeptStore]:
         """The call left pending (``pend``) starts, or ended on the healthy path: (server) the stores of terminal
         events on its stream that came meanwhile (``keep_stored``), for its span."""
         del self._pending[key]
         return self._kept.pop(key, ()) if self._kept else ()
 
-    def keep_stored(self, key: CallKey, fields: FrameFields) -> bool:
+    def keep_stored(self, key: CallKey, fields: FrameFields, result: object) -> bool:
         """(server) Whether the call of ``key`` is pending (``pend``): the store of a terminal event on its stream
-        is then kept, with its time, for the call's span should it start, and the call is not started for it."""
+        is then kept, with its time and, for the call's own result, that message (``result``, else None), for the
+        call should it start (its span's events, its ``stored_result``), and the call is not started for it."""
         if key not in self._pending:
             return False
         kept = self._kept.get(key)
         if kept is None:
-            self._kept[key] = [(fields, time.time_ns())]
+            self._kept[key] = [(fields, time.time_ns(), result)]
         else:  # more than its own result (a response to a request reusing its id): bounded as a span's events are
             if len(kept) >= _MAX_DEFERRED_EVENTS:
                 del kept[0]
-            kept.append((fields, time.time_ns()))
+            kept.append((fields, time.time_ns(), result))
         return True
 
     def unread(self, body: Unread, session_id: str | None) -> None:
@@ -813,6 +817,11 @@ class Tracker:
         late = call is None or call.closed  # not in flight: over, or its span ended as its result was stored
         if call is not None:
             self._unhold(call)
+            if call.stored_result is not None and not call.done and not call.closed:
+                # stored, and the stream open for it never sent it (the SDK drops a result stored while a resume
+                # replays, before it takes the resume for the call's stream): its client gave up without it
+                self.unsent(call)
+                late = True
             self._finish(call, sc.OUTCOME_CANCELLED)
         out = self._results_out.pop(key, None) if self._results_out else None
         if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
@@ -947,19 +956,29 @@ class Tracker:
             if self._results_out is not None:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
 
-    def stored(self, call: Call, event_id: str, outcome: str) -> None:
-        """(server) The call's terminal event was stored. With no stream open to carry it, nothing
-        delivers it unless the client resumes: the call span ends now, without a terminal stream, so
-        the detector knows a result exists (and can tell whether the client ever gets it) even when
-        no stream ever carries it. The call stays tracked: a resume may still deliver it."""
-        if call.done or call.open_streams or call.stateless:
+    def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
+        """(server) The call's terminal event was stored (at ``at_ns``, else now). A stream open for it, or its
+        exchange (its answer's response yet to start: a JSON answer is stored before it is sent), may still carry
+        it; with none, nothing delivers it unless the client resumes (``unsent``)."""
+        if call.done or call.stateless:
             return
-        if call.on_exchange:  # its answer's response is yet to start: judged when the exchange is over
-            call.stored_early = (event_id, outcome)
+        if call.stored_result is None:
+            call.stored_result = (event_id, outcome, time.time_ns() if at_ns is None else at_ns)
+        if not call.open_streams and not call.on_exchange:
+            self.unsent(call)
+
+    def unsent(self, call: Call) -> None:
+        """(server) The call's terminal event was stored (``stored_result``) and no stream carried it: none was
+        open, or the last one open ended without it, or its client cancelled the call with it unsent. The call
+        span ends as of the store, without a terminal stream, so the detector knows a result exists (and can tell
+        whether the client ever gets it) even when no stream ever carries it. The call stays tracked: a resume
+        may still deliver it."""
+        if call.done or call.closed or call.stored_result is None:
             return
+        event_id, outcome, at_ns = call.stored_result
         self.span_of(call)
-        call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams})
-        self.result_out(call.key, call.tool, event_id, time.time_ns(), call.traceparent)
+        call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams}, at_ns)
+        self.result_out(call.key, call.tool, event_id, at_ns, call.traceparent)
 
     # --- streams ---
 
@@ -1245,6 +1264,8 @@ class Tracker:
         for call in stream.calls:
             call.open_streams -= 1
             answered = answered and call.done
+            if not call.open_streams and call.stored_result is not None and not call.on_exchange:
+                self.unsent(call)  # the last stream open for its stored result ended without it
         terminal_ids = stream.terminal_ids
         if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400
                 and (terminal_ids == stream.request_ids or set(terminal_ids).issubset(stream.request_ids))):

@@ -64,12 +64,17 @@ class IncidentEventStore(EventStore):
 
     Streams are kept per session where the hooks' observer tells the session (the SDK's stream ids are
     request ids and repeat across sessions), so many sessions can share one store without a replay
-    crossing sessions: the fleet (``lab.fleet``) runs hundreds."""
+    crossing sessions: the fleet (``lab.fleet``) runs hundreds.
+
+    ``replay_latency_s`` is a remote store's: a replay returns that long after it read what it replays. Whatever
+    the call stores meanwhile the SDK drops (it takes the resume for the call's stream only once the replay
+    returns), as it does in the shorter window a store in memory leaves."""
 
     def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000,
-                 session_wide_filter: bool = False) -> None:
+                 session_wide_filter: bool = False, replay_latency_s: float = 0.0) -> None:
         self._policy = policy
         self._session_wide_filter = session_wide_filter
+        self._replay_latency_s = replay_latency_s
         self._ids = itertools.count(1)
         self._streams: dict[_Key, deque[_Entry]] = {}
         self._index: dict[EventId, _Entry] = {}
@@ -94,6 +99,12 @@ class IncidentEventStore(EventStore):
         return entry.event_id
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
+        stream_id = await self._replay(last_event_id, send_callback)
+        if self._replay_latency_s:
+            await asyncio.sleep(self._replay_latency_s)
+        return stream_id
+
+    async def _replay(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
         cursor = self._index.get(last_event_id)
         if cursor is None or cursor.session_id != _session():
             return None
