@@ -34,7 +34,7 @@ unbind: Callable[[Token[RequestScope | None]], None] = _current.reset
 
 @runtime_checkable
 class ExchangeAware(Protocol):
-    """An EventStore that must also see the HTTP exchange (the guard does): ``asgi`` wraps the app.
-    ``instrument_server`` applies it, inside the hooks' observer."""
+    """An EventStore that must also see the HTTP exchange (the guard does): ``asgi`` wraps the app, whose MCP
+    endpoint is at ``path``. ``instrument_server`` applies it, inside the hooks' observer."""
 
-    def asgi(self, app: ASGIApp) -> ASGIApp: ...
+    def asgi(self, app: ASGIApp, path: str) -> ASGIApp: ...

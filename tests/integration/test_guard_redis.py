@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric import rsa
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -345,3 +347,37 @@ async def test_a_sessions_events_in_redis_are_bounded_in_bytes_oldest_first(redi
         assert [await storage.get("s", e) is not None for e in again if e is not None] == [True, True, True]
     finally:
         await storage.aclose()
+
+
+async def test_a_resume_sent_to_a_path_the_router_does_not_know_is_its_404_never_a_replay_from_redis(redis_server):
+    """The router's 404 for an unknown path is no "session held by another replica": it comes before the SDK
+    checks the token, so a replay from the storage there would answer whatever token the request carries."""
+    issuer = TokenIssuer()
+    owner = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE])
+    forged = jwt.encode({**jwt.decode(owner, options={"verify_signature": False}), "kid": "lab-1"},
+                        rsa.generate_private_key(public_exponent=65537, key_size=2048), algorithm="RS256")
+    TOKENS_USED.extend((owner, forged))
+    async with replica(issuer, redis_server.url, "paths") as a, httpx.AsyncClient(timeout=10) as http:
+        base = f"http://127.0.0.1:{a.port}"
+
+        def headers(session_id: str | None, token: str, **extra: str) -> dict[str, str]:
+            out = {"accept": "application/json, text/event-stream", "content-type": "application/json",
+                   "mcp-protocol-version": "2025-11-25", "authorization": f"Bearer {token}", **extra}
+            return {**out, "mcp-session-id": session_id} if session_id else out
+
+        init = await http.post(f"{base}/mcp", headers=headers(None, owner), json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})
+        session_id = init.headers["mcp-session-id"]
+        await http.post(f"{base}/mcp", headers=headers(session_id, owner),
+                        json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+        answer = await http.post(f"{base}/mcp", headers=headers(session_id, owner), json={
+            "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "fetch", "arguments": {"url": "victim-doc", "steps": 1}}})
+        assert "contents of victim-doc" in answer.text
+        cursor = next(line[3:].strip() for line in answer.text.splitlines() if line.startswith("id:"))
+        for path in ("/nope", "/mcp/x", "/.well-known/anything"):
+            for token in (forged, owner):
+                response = await http.get(f"{base}{path}", headers=headers(session_id, token, **{
+                    "last-event-id": cursor}))
+                assert response.status_code == 404 and "victim-doc" not in response.text, (path, response.text)

@@ -392,10 +392,12 @@ class GuardedEventStore(EventStore):
 
     # --- HTTP side ---
 
-    def asgi(self, app: ASGIApp) -> ASGIApp:
+    def asgi(self, app: ASGIApp, path: str = "/mcp") -> ASGIApp:
         """Bind the request context (session, the token as this guard reads it), record each
         request's requirement, turn the refusal notice into an ``event: error`` frame, and answer
-        from a shared storage a resume for a session this process does not hold."""
+        from a shared storage a resume for a session this process does not hold. ``path``: the MCP
+        endpoint's (``streamable_http_path``), the only one whose 404 may be the SDK's for such a session."""
+        endpoint = path.rstrip("/")
 
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
@@ -408,10 +410,12 @@ class GuardedEventStore(EventStore):
                 return
             cursors = values(raw_headers, LAST_EVENT_ID)
             # the SDK's 404 for a session it does not hold is also its answer to a credential not the session's;
-            # answered from the storage only for a token that names its principal, which the events are bound to
+            # answered from the storage only for a token that names its principal, which the events are bound to,
+            # and only on the endpoint: elsewhere the router's 404 comes before the SDK checks the token at all
             elsewhere = (isinstance(self.storage, SharedEventStorage) and scope.get("method") == "GET"
                          and len(cursors) == 1 and request.session_id is not None
-                         and request.auth.subject_hash is not None)
+                         and request.auth.subject_hash is not None
+                         and scope.get("path", "").rstrip("/") == endpoint)
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             app_receive = receive
@@ -713,7 +717,8 @@ class GuardedEventStore(EventStore):
 
     def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
         """Without the hooks: the server's Streamable HTTP app with this store, guarded."""
-        return self.asgi(server.streamable_http_app(event_store=self, **app_options))
+        return self.asgi(server.streamable_http_app(event_store=self, **app_options),
+                         app_options.get("streamable_http_path", "/mcp"))
 
 
 def _request_refusal(request: _Request | None, cursor: str) -> dict[str, Any]:

@@ -96,5 +96,6 @@ def instrument_server(
     store = instr.event_store(event_store) if event_store is not None else None
     app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
     if isinstance(event_store, request_scope.ExchangeAware):
-        app = event_store.asgi(app)  # e.g. the guard: inside the observer, so the wire we see is theirs
+        # e.g. the guard: inside the observer, so the wire we see is theirs
+        app = event_store.asgi(app, streamable_http_path)
     return instr.asgi(app)
