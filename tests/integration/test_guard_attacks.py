@@ -353,6 +353,63 @@ async def test_a_sampling_request_a_tool_sends_on_the_standalone_stream_is_its_c
     assert "summary: alice's" in str(result)
 
 
+@pytest.mark.filterwarnings("ignore:The logging capability is deprecated")
+async def test_what_a_tool_sends_on_the_standalone_stream_after_its_call_is_its_principals_alone_to_read_live():
+    """A tool's task that outlives its call sends on the session's standalone stream with no call in flight: a fresh
+    GET of that stream by another principal, by a token that does not verify, or by none gets none of it (an error
+    frame), as its replay would not; the session's own principal reads it live."""
+    issuer, alice, _ = _broad_and_narrow()
+    bob = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="bob")
+    forged = jwt.encode({**jwt.decode(alice, options={"verify_signature": False})},
+                        rsa.generate_private_key(public_exponent=65537, key_size=2048), algorithm="RS256")
+    TOKENS_USED.extend((bob, forged))
+    store = GuardedEventStore(incident_policy(), token_reader=TokenReader(key=issuer.public_key))
+    mcp = build_incident_server(None, step_delay=0.01)  # authentication by a gateway: the guard verifies
+    background: list[asyncio.Task[None]] = []
+
+    @mcp.tool()
+    async def kick(ctx: Context) -> str:
+        """Start a job that reports on the session after the call returned."""
+        session = ctx.session
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            await session.send_log_message(level="info", data=f"{SECRET} (background)", logger="job")
+
+        background.append(asyncio.create_task(later()))
+        return "started"
+
+    async def read(http: httpx.AsyncClient, session_id: str, token: str | None) -> str:
+        lines: list[str] = []
+        with contextlib.suppress(httpx.HTTPError, TimeoutError):
+            async with asyncio.timeout(1.5), http.stream("GET", url, headers=headers(session_id, token)) as response:
+                async for line in response.aiter_lines():
+                    lines.append(line)
+        return "\n".join(lines)
+
+    async with serve(store.serve(mcp, retry_interval=200)) as port, httpx.AsyncClient(timeout=10) as http:
+        url = f"http://127.0.0.1:{port}/mcp"
+        init = await http.post(url, headers=headers(None, alice), content=json.dumps({
+            "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": PROTOCOL, "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}))
+        session_id = init.headers["mcp-session-id"]
+        await http.post(url, headers=headers(session_id, alice), content=json.dumps(
+            {"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        await http.post(url, headers=headers(session_id, alice), content=json.dumps(
+            {"jsonrpc": "2.0", "id": 1, "method": "logging/setLevel", "params": {"level": "info"}}))
+        read_by = {}
+        for n, (who, token) in enumerate((("bob", bob), ("forged", forged), ("nobody", None), ("alice", alice))):
+            reader = asyncio.create_task(read(http, session_id, token))  # the fresh standalone stream
+            await asyncio.sleep(0.2)
+            kicked = await http.post(url, headers=headers(session_id, alice), content=json.dumps(
+                {"jsonrpc": "2.0", "id": 10 + n, "method": "tools/call", "params": {"name": "kick", "arguments": {}}}))
+            assert "started" in kicked.text
+            read_by[who] = await reader
+        await asyncio.gather(*background)
+    assert [who for who, body in read_by.items() if SECRET in body] == ["alice"]
+    assert "principal_mismatch" in read_by["bob"] and "token_unverified" in read_by["forged"]
+
+
 async def test_a_session_header_sent_twice_gets_no_stream_and_deletes_nothing_whatever_the_method():
     """Which session would the SDK take? Its first: a GET or DELETE naming the victim's session twice was read by
     the guard as naming none, and so was neither checked against its calls in flight nor refused."""

@@ -689,7 +689,8 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     stops there, its cursor at the last event it was sent."""
     store = GuardedEventStore(POLICY)
     session = Session(store)
-    first = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"))
+    alice = store.tokens.from_authorization(_bearer(SEARCH)[0][1].decode())  # her task's, after her call: hers
+    first = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"), alice)
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
     asked = _standalone(session, _sampling(0))
     frames = [f"event: message\r\nid: {event_id}\r\ndata: {{}}\r\n\r\n".encode() for event_id in (first, asked)]
@@ -724,3 +725,6 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     assert json.loads(unknown[1][0].data)["error"] == "requirement_unknown"  # unknown whose: refused, not let by
     empty_cursor, _ = get([*_bearer(SEARCH, FETCH), (b"last-event-id", b"")])  # the SDK: a fresh stream too
     assert json.loads(empty_cursor[1][0].data)["error"] == "requirement_unknown"
+    frames[1] = frames[0]
+    bob, _ = get(_bearer(SEARCH, FETCH, sub="bob"))  # what her task sent with no call in flight: hers alone
+    assert json.loads(bob[0][0].data)["error"] == "principal_mismatch"

@@ -86,11 +86,11 @@ def test_a_refused_post_changes_nothing_the_table_knows_of_its_session():
 
 def test_whose_calls_were_in_flight_is_kept_with_each_event_of_the_standalone_stream():
     table: InFlight[str] = InFlight(max_per_session=2)
-    table.stored_alone("s1", "1")  # nothing in flight: a list_changed notification
+    table.stored_alone("s1", "1", "storer")  # nothing in flight (a tool's task that outlived its call): its storer's
     assert table.claim("s1", [("5", "broad")]) is None
-    table.stored_alone("s1", "2")  # a sampling request the tool of call 5 sent on no call's stream
-    assert (table.alone("s1", "1"), table.alone("s1", "2"), table.alone("s1", "9")) == ((), ("broad",), None)
-    table.stored_alone("s1", "3")
+    table.stored_alone("s1", "2", "storer")  # a sampling request the tool of call 5 sent on no call's stream
+    assert (table.alone("s1", "1"), table.alone("s1", "2"), table.alone("s1", "9")) == (("storer",), ("broad",), None)
+    table.stored_alone("s1", "3", "storer")
     assert table.alone("s1", "1") is None  # past the newest max_per_session: unknown, so refused
 
 

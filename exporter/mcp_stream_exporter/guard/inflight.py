@@ -148,11 +148,12 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(of)
         return (call[1],) if call is not None else ()
 
-    def stored_alone(self, session_id: str, event_id: str) -> None:
+    def stored_alone(self, session_id: str, event_id: str, storer: Owner) -> None:
         """The server stored an event on its standalone stream (no call's): it may carry what any call in flight
-        sent there (a sampling request over a document a tool read), so it is theirs to see."""
+        sent there (a sampling request over a document a tool read), so it is theirs to see; with none in flight,
+        ``storer``'s, the owner of the request it was stored in (a tool's task that outlives its call)."""
         alone = self._known_of(session_id).alone
-        alone[event_id] = self._running(session_id)
+        alone[event_id] = self._running(session_id) or (storer,)
         if len(alone) > self._max_per_session:
             alone.popitem(last=False)
 

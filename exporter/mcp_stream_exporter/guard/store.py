@@ -238,7 +238,8 @@ class GuardedEventStore(EventStore):
                 if len(self._unkept) > _MAX_UNKEPT:
                     del self._unkept[next(iter(self._unkept))]
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
-            self._in_flight.stored_alone(request.session_id, event_id)  # the SDK sends it live, stored or not
+            # the SDK sends it live, stored or not: to the principal of the request it was stored in, at least
+            self._in_flight.stored_alone(request.session_id, event_id, (NO_REQUIREMENT, request.auth.subject_hash))
         return event_id
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
