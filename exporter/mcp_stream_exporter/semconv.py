@@ -73,6 +73,8 @@ END_TERMINATED: Final = "terminated"
 # span ends when it does, maybe long after: a tool that polls)
 END_OPEN: Final = "open"
 PENDING_REQUEST_IDS: Final = "mcp_stream.pending.request_ids"
+# (server) of those, the calls whose tool had not answered yet (no terminal event stored or sent): it still runs them
+RUNNING_REQUEST_IDS: Final = "mcp_stream.running.request_ids"
 TERMINAL_REQUEST_IDS: Final = "mcp_stream.terminal.request_ids"
 EVENTS_COUNT: Final = "mcp_stream.events.count"
 EVENT_FIRST_ID: Final = "mcp_stream.event.first_id"

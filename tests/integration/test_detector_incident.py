@@ -438,3 +438,34 @@ async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_l
     assert lost.evidence["stored_event_id"] == stored.attributes[sc.TERMINAL_EVENT_ID]
     assert set(findings) == {"stored_not_delivered", "timeout_attributed"}
     assert findings["timeout_attributed"][0].caused_by == lost.id
+
+
+async def test_a_half_open_post_of_a_tool_silent_past_the_grace_is_no_loss_while_the_server_runs_it():
+    """fetch's POST is lost on the client's side after its first progress event while the server's side stays open
+    (a load balancer or NAT). The SDK server, which still has the POST's stream, answers each resume with what is
+    stored and ends it; the client resumes every ``retry``. The tool then works silently for longer than the grace:
+    the server's resume spans say it had not answered (``running.request_ids``), so the clean ends page nothing,
+    and its result, written into the dead POST and stored, reaches the caller on the next resume."""
+    span_exporter().clear()
+    with detector() as (found, clock):
+        async with incident("legacy", step_delay=1.5) as lab:
+            lab.proxy.arm(b"fetch step 1", half_open=True)
+            call = asyncio.create_task(lab.call("fetch", {"url": "u", "steps": 2}, timeout=15))
+
+            def resumed() -> list[object]:
+                return [s for s in ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__stream__kind="resume")
+                        if s.attributes.get(sc.RUNNING_REQUEST_IDS)]
+
+            for _ in range(100):  # bounded: 5 s for resumes that ended while the tool worked on
+                if len(resumed()) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(resumed()) >= 2
+            clock.advance(6)  # the grace runs out while the tool is silent still
+            found.tick()
+            paged_while_running = [f.rule for f in found.findings if f.rule != "resume_loop"]
+            result = await call
+        findings = after_grace(found, clock)
+    assert result.content[0].text == "contents of u"
+    assert paged_while_running == []
+    assert [f.rule for f in findings if f.rule != "resume_loop"] == []

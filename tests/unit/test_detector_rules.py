@@ -791,7 +791,8 @@ def test_a_stateless_call_whose_server_stream_ended_without_its_response_is_over
 
 
 def test_a_give_up_in_a_snapshot_of_before_still_explains_the_finding_its_call_gets_after_the_restart():
-    for older in ({"cancelled": True}, {}):  # its client's give-up kept alone; before that, every give-up was one
+    # its give-ups under their own name; its client's give-up kept alone; before that, every give-up was one
+    for older in ({"gave_up": 1}, {"cancelled": True}, {}):
         clock = Clock()
         config = DetectorConfig(rules=RuleConfig(clean_end_grace_s=5))
         before = Detector(config, clock=clock)
@@ -799,7 +800,7 @@ def test_a_give_up_in_a_snapshot_of_before_still_explains_the_finding_its_call_g
         rows = before.ledger.dump()
         for session in rows["sessions"]:
             for row in session["calls"]:
-                del row["gave_up"]
+                del row["flags"]
                 row.update(older)
         restarted = Detector(config, clock=clock)
         restarted.ledger.load(rows)
@@ -870,3 +871,51 @@ def test_store_failed_is_read_only_off_a_servers_call_span_of_a_session():
     """Only a server's store fails, and only the calls of a session end so: any other span saying it is no loss."""
     for span in (call(C, sc.OUTCOME_STORE_FAILED), call(SV, sc.OUTCOME_STORE_FAILED, session=None)):
         assert rules(run([span], after_s=60)) == []
+
+
+def _half_open_resumes(times: Sequence[float]) -> list[Span]:
+    """Resumes from event 4 of a call whose POST the server still holds open (its client lost it): each replays
+    nothing new and ends clean, on both sides, the server's saying its tool had not answered yet."""
+    out: list[Span] = []
+    for at in times:
+        out.append(stream(C, "resume", "clean", at=at, pending=("3",), cursor="4", last="4"))
+        out.append(stream(SV, "resume", "clean", at=at, pending=("3",), cursor="4", last="4", running=("3",)))
+    return out
+
+
+def test_clean_ends_while_the_servers_tool_had_not_answered_page_nothing_however_long_it_runs():
+    dropped = stream(C, "post", "dropped", pending=("3",), last="4")
+    assert rules(run([dropped, *_half_open_resumes([2.0, 3.0])], after_s=60)) == []
+    client_first = [dropped, stream(C, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4")]
+    server_after = [stream(SV, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4", running=("3",))]
+    assert rules(run([*client_first, *server_after], after_s=60)) == []  # the grace ran out before it: judged again
+
+
+def test_a_result_the_server_tells_of_after_it_said_its_tool_was_running_is_judged_a_grace_from_then():
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    detector.consume([stream(C, "post", "dropped", pending=("3",), last="4"), *_half_open_resumes([2.0, 3.0])])
+    clock.now += 60 * S
+    detector.tick()
+    detector.consume([call(SV, sc.OUTCOME_RESULT, at=70.0, stream_kind=None, terminal_event_id="9")])  # stored
+    clock.now += 4 * S
+    detector.tick()
+    assert rules(detector) == []  # within the grace since the result came to be
+    clock.now += 2 * S
+    detector.tick()
+    (lost,) = detector.findings  # one loss, one finding
+    assert (lost.rule, lost.evidence["also"]) == ("clean_end_pending", ["stored_not_delivered"])
+
+
+def test_a_running_call_its_client_cancelled_before_any_result_was_no_loss():
+    spans = [stream(C, "post", "dropped", pending=("3",), last="4"), *_half_open_resumes([2.0]),
+             call(C, sc.OUTCOME_CANCELLED, at=3.0), call(SV, sc.OUTCOME_CANCELLED, at=3.0)]
+    assert rules(run(spans, after_s=60)) == []
+
+
+def test_a_running_word_that_comes_after_the_servers_result_is_not_taken():
+    spans = [stream(C, "post", "dropped", pending=("3",), last="4"),
+             stream(C, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4"),
+             call(SV, sc.OUTCOME_RESULT, at=2.5, stream_kind=None, terminal_event_id="9"),
+             stream(SV, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4", running=("3",))]
+    assert "clean_end_pending" in rules(run(spans, after_s=60))

@@ -48,9 +48,10 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
-_CLIENT_GAVE_UP = 1  # bits of ``CallState.gave_up``: ``cancelled``, then ``late_cancel``'s values
+_CLIENT_GAVE_UP = 1  # bits of ``CallState.flags``: ``cancelled``, ``late_cancel``'s values, ``running``
 CANCEL_RACED = 2
 CANCEL_LATE = 4
+_RUNNING = 8
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -94,10 +95,10 @@ class CallState:
     fingerprint: str | None = None  # client: salted hash of tool and arguments, what a re-issue repeats
     terminal: bool = False
     timed_out: bool = False  # over undelivered: its caller gave up or was told it failed, or nothing can deliver it
-    # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain (``cancelled``); and
-    # whether the server saw that cancel come after its result was out (``late_cancel``): bits of one field, for a
-    # tracked call is held to 1 KiB
-    gave_up: int = 0
+    # ... for its client gave up (a cancel, the SDK's timeout): what a finding may explain (``cancelled``); whether
+    # the server saw that cancel come after its result was out (``late_cancel``); whether the server's latest word
+    # is that its tool had not answered (``running``): bits of one field, for a tracked call is held to 1 KiB
+    flags: int = 0
     roles: tuple[str, ...] = ()  # sides that saw a stream end with it owed
     client_deliveries: int = 0  # terminal deliveries seen, per side
     server_deliveries: int = 0
@@ -206,26 +207,44 @@ class CallState:
 
     @property
     def cancelled(self) -> bool:
-        return bool(self.gave_up & _CLIENT_GAVE_UP)
+        return bool(self.flags & _CLIENT_GAVE_UP)
 
     def client_gave_up(self) -> None:
         """Its client gave up on it (a cancel, the SDK's timeout): ``cancelled``."""
-        self.gave_up |= _CLIENT_GAVE_UP
+        self.flags |= _CLIENT_GAVE_UP
 
     @property
     def late_cancel(self) -> int:
         """The server saw its client's cancel come after its result was out (a ``cancelled_late`` span):
         ``CANCEL_RACED`` sooner than ``cancel_race_s`` after (its caller gave up as the result came), ``CANCEL_LATE``
         later (it gave up without it); 0: not seen."""
-        return self.gave_up & (CANCEL_RACED | CANCEL_LATE)
+        return self.flags & (CANCEL_RACED | CANCEL_LATE)
 
     def cancel_seen_late(self, raced: bool) -> None:
         """The server saw its client's cancel come after its result was out: ``late_cancel``. A cancel well after
         the send says more than one that raced it, and is kept over it."""
         if not raced:
-            self.gave_up = self.gave_up & _CLIENT_GAVE_UP | CANCEL_LATE
+            self.flags = self.flags & ~CANCEL_RACED | CANCEL_LATE
         elif not self.late_cancel:
-            self.gave_up |= CANCEL_RACED
+            self.flags |= CANCEL_RACED
+
+    @property
+    def running(self) -> bool:
+        """The server's latest word on it: a stream of it ended while its tool had not answered yet (no result
+        stored or sent), and no span of the server's has told of a result since."""
+        return bool(self.flags & _RUNNING)
+
+    def server_running(self) -> None:
+        """A server stream ended with it pending and its tool not answered yet: ``running``, unless the server
+        told of its result already (its spans come in any order; the result came after any such end)."""
+        if not self.terminal and self.stored_since is None:
+            self.flags |= _RUNNING
+
+    def server_answered(self) -> bool:
+        """A server span told of its result, or of its end without one: no longer ``running``; whether it was."""
+        was = self.running
+        self.flags &= ~_RUNNING
+        return was
 
     @property
     def reached_caller(self) -> bool:
@@ -721,8 +740,10 @@ class Ledger:
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v
                                       for k, v in row.items() if k in _FIELDS}
-            if "gave_up" not in row:  # a row of before: its client's give-up kept alone, or, before that, every one
-                values["gave_up"] = _CLIENT_GAVE_UP if row.get("cancelled", row.get("timed_out", False)) else 0
+            if "flags" not in row:  # a row of before: its give-ups under their own name; its client's give-up kept
+                # alone; or, before that, every one
+                values["flags"] = row.get("gave_up", _CLIENT_GAVE_UP if row.get("cancelled", row.get("timed_out",
+                                                                                                      False)) else 0)
             self._add_call(session, CallState(**values))
         if s["resumes"]:
             session.resumes = {(role, cursor): deque(times, maxlen=maxlen)

@@ -186,8 +186,9 @@ class RuleEngine:
                 if not call.terminal:  # it moved: the silent-loss clock starts again at its next clean end
                     call.progressed(at.role, at.end_ns, e.cursor)
                     self.ledger.alive(call, now_ns)
+        running = e.running_ids if at.role == sc.ROLE_SERVER else ()
         for rid in e.pending_ids:
-            self._owed(calls[rid], session, e, now_ns)
+            self._owed(calls[rid], session, e, now_ns, rid in running)
         if e.kind == sc.STREAM_KIND_RESUME:
             if session.resumes is None:
                 session.resumes = {}
@@ -204,6 +205,8 @@ class RuleEngine:
             call.fingerprint = call.fingerprint or e.fingerprint
             if call.tool is not None:
                 self.ledger.issued(at.origin, _call_key(call.tool, e.fingerprint), at.start_ns)
+        if at.role == sc.ROLE_SERVER and call.server_answered():
+            self._answered_after_running(call, e.outcome, now_ns)
         if e.stored_only:
             self._stored(call, at.end_ns, e.terminal_event_id, now_ns)
         elif e.outcome in _TERMINAL_OUTCOMES:
@@ -315,14 +318,20 @@ class RuleEngine:
             self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
 
-    def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int) -> None:
+    def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int, running: bool) -> None:
         if e.reason == sc.END_TERMINATED:  # its client deleted the session: nothing can deliver it any more
             self.ledger.given_up(call)
             return
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
             return  # an HTTP error is loud; a stream the client closed was its own decision
-        silent = e.reason == sc.END_CLEAN and not e.error_frames  # an error frame is the explicit answer
+        # an error frame is the explicit answer; and nothing was lost at an end the server saw while its tool had
+        # not answered yet (``running``: the SDK ends a resume that replayed all there was while the call's POST is
+        # still open on the server, as it is when a proxy lost only the client's side of it)
+        silent = e.reason == sc.END_CLEAN and not e.error_frames and not running
         self.ledger.owed(call, now_ns, e.at.role)
+        if running:
+            call.server_running()
+            self.ledger.alive(call, now_ns)
         if session.deleted:  # its client ended the session (spans in any order): nothing can deliver it any more
             self.ledger.given_up(call)
         elif session.expired:  # its 404 came first (spans in any order): judged as gone with it
@@ -419,9 +428,23 @@ class RuleEngine:
         finding.caused_by = causes[0]
         self._record(finding, call)
 
+    def _answered_after_running(self, call: CallState, outcome: str, now_ns: int) -> None:
+        """The server, whose latest word was that the call's tool had not answered (``running``), told of its end.
+        Cancelled with no result: its caller gave up before there was one, and no clean end lost anything. Else a
+        result exists from now: a clean end still unanswered is judged a grace from now, the time the client has
+        to resume for it."""
+        if outcome == sc.OUTCOME_CANCELLED:
+            call.clean_since = call.clean_seen = None
+        elif call.clean_seen is not None and not call.terminal:
+            call.clean_seen = (call.clean_seen[0], now_ns, *call.clean_seen[2:])
+            self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
+
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
+        if call.running:
+            return  # the server's latest word: its tool had not answered, so nothing was lost yet; judged again
+            # once the server tells of its result (``_answered_after_running``)
         if self.ledger.waiting(call, _EXPIRED) and not self._alive_after_clean_end(call):
             return  # its session went first: that judges it (``_check_expired``)
         if self.ledger.waiting(call, _STORE_FAILED):

@@ -74,6 +74,7 @@ class StoreRecorder:
         self._journal: list[str] = []
 
     def event_store(self, inner: EventStore) -> EventStore:
+        self.tracker.sees_stores = True
         return _ObservedEventStore(inner, self)
 
     def on_stored(self, session_id: str | None, stream_id: str, event_id: str, message: JSONRPCMessage | None) -> None:

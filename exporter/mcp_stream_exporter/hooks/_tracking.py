@@ -688,6 +688,9 @@ class Tracker:
         # what a cancel that comes after tells the client never got
         self._results_out: OrderedDict[CallKey, tuple[int, str | None, str, str | None]] | None = (
             OrderedDict() if role == sc.ROLE_SERVER else None)
+        # (server) whether the server's event store tells it what is stored (``StoreRecorder``): only then does a call
+        # with no result stored say its tool has not answered yet (``RUNNING_REQUEST_IDS``)
+        self.sees_stores = False
 
     # --- calls ---
 
@@ -1336,6 +1339,10 @@ class Tracker:
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
             attrs.update(_owed(stream, pending))
+            if self.sees_stores:  # no result stored yet: its tool had not answered, so this end loses nothing yet
+                running = [c.key[1] for c in pending[:sc.MAX_ITEMS] if c.stored_result is None and not c.closed]
+                if running:
+                    attrs[sc.RUNNING_REQUEST_IDS] = running
         span.set_attributes(attrs)
         span.end(end_time)
         # no resumption in this era, nor, on the client, after a POST that brought no event id (no cursor to resume
