@@ -481,6 +481,18 @@ def test_a_span_that_breaks_the_model_is_refused_and_the_rest_of_its_batch_is_ke
     assert detector.ledger.calls == 1
 
 
+def test_a_value_the_model_does_not_name_for_an_enumerated_attribute_is_refused_with_its_reason_not_read_as_none():
+    """A producer's "CLEAN" end, "canceled" call or "partial" replay would otherwise miss a loss without a word."""
+    cases = [(stream(C, "post", "CLEAN", pending=("3",), last="4"), sc.END_REASON),
+             (stream(C, "poll", "clean", pending=("3",), last="4"), sc.STREAM_KIND),
+             (call(C, "canceled"), sc.CALL_OUTCOME),
+             (replay("partial"), sc.REPLAY_DECISION)]
+    for span, key in cases:
+        outcome = Detector().consume([span])
+        (reason,) = outcome.rejected
+        assert outcome.accepted == 0 and reason.startswith(f"{key} must be one of ")
+
+
 def test_the_ledger_is_bounded_and_counts_what_it_evicts():
     clock = Clock()
     detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=2, max_calls_per_session=2,

@@ -249,6 +249,25 @@ def _present(value: str | None, key: str) -> str:
     return value
 
 
+# the values the span model names for its enumerated attributes: any other is refused with its reason, not read as
+# nothing in particular (a "CLEAN" end or a "canceled" call would otherwise miss a loss without a word)
+_STREAM_KINDS = frozenset({sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE})
+_END_REASONS = frozenset({sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR, sc.END_TERMINATED,
+                          sc.END_OPEN})
+_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR, sc.OUTCOME_CANCELLED,
+                       sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_EVICTED, sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE,
+                       sc.OUTCOME_REISSUED})
+_DECISIONS = frozenset({sc.REPLAY_COMPLETE, sc.REPLAY_TRUNCATED, sc.REPLAY_REFUSED, sc.REPLAY_UNKNOWN_CURSOR})
+
+
+def _one_of(value: str | None, key: str, values: frozenset[str]) -> str:
+    if value not in values:
+        if value is None:
+            raise Rejected(f"missing {key}")
+        raise Rejected(f"{key} must be one of {', '.join(sorted(values))}")
+    return value
+
+
 def _str(a: Mapping[str, Any], key: str) -> str | None:
     value = a.get(key)
     if value is None:
@@ -372,8 +391,8 @@ def _token(a: Mapping[str, Any], text: _Get, texts: _Get) -> Token:
 
 
 def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts: _Get) -> StreamEnd:
-    kind = _present(text(a, sc.STREAM_KIND), sc.STREAM_KIND)
-    reason = _present(text(a, sc.END_REASON), sc.END_REASON)
+    kind = _one_of(text(a, sc.STREAM_KIND), sc.STREAM_KIND, _STREAM_KINDS)
+    reason = _one_of(text(a, sc.END_REASON), sc.END_REASON, _END_REASONS)
     return StreamEnd(
         _common(a, where, text), kind, reason, number(a, sc.HTTP_RESPONSE_STATUS_CODE),
         texts(a, sc.STREAM_REQUEST_IDS) or (), texts(a, sc.PENDING_REQUEST_IDS) or (),
@@ -386,7 +405,7 @@ def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts:
 
 def _call(a: Mapping[str, Any], where: Where, text: _Get, texts: _Get) -> CallEnd:
     request_id = _present(text(a, sc.JSONRPC_REQUEST_ID), sc.JSONRPC_REQUEST_ID)
-    outcome = _present(text(a, sc.CALL_OUTCOME), sc.CALL_OUTCOME)
+    outcome = _one_of(text(a, sc.CALL_OUTCOME), sc.CALL_OUTCOME, _OUTCOMES)
     return CallEnd(_common(a, where, text), request_id, text(a, sc.GEN_AI_TOOL_NAME), outcome,
                    texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts), text(a, sc.TERMINAL_EVENT_ID),
                    where[2], text(a, sc.TERMINAL_STREAM_KIND), text(a, sc.CALL_ARGUMENTS_HASH))
@@ -394,7 +413,7 @@ def _call(a: Mapping[str, Any], where: Where, text: _Get, texts: _Get) -> CallEn
 
 def _replay(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts: _Get) -> Replay:
     cursor = _present(text(a, sc.RESUME_CURSOR), sc.RESUME_CURSOR)
-    decision = _present(text(a, sc.REPLAY_DECISION), sc.REPLAY_DECISION)
+    decision = _one_of(text(a, sc.REPLAY_DECISION), sc.REPLAY_DECISION, _DECISIONS)
     return Replay(
         _common(a, where, text), cursor, text(a, sc.JSONRPC_REQUEST_ID), decision,
         number(a, sc.REPLAY_BUFFERED) or 0, number(a, sc.REPLAY_SENT) or 0, text(a, sc.REPLAY_SENT_LAST_ID),
