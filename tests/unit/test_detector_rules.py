@@ -717,6 +717,18 @@ def _not_reissued(detector: Detector) -> list[str | None]:
     return sorted(f.request_id for f in detector.findings if f.rule == "not_reissued")
 
 
+def test_a_reissue_after_the_calls_span_ended_is_one_even_when_its_streams_span_ended_later_and_came_first():
+    """A producer may end the call's span as the error reaches its caller, who re-issues at once, and the stream's
+    span after: the break is the earliest end of the two, whichever span comes first."""
+    broken_stream, broken_call = _broken("3", 1.0)
+    late_stream = dataclasses.replace(broken_stream, end_ns=broken_call.end_ns + S // 100)  # 10 ms after the call's
+    reissue = [dataclasses.replace(span, start_ns=broken_call.end_ns + 1, end_ns=broken_call.end_ns + S // 5)
+               for span in _reissue("4", 1.0)]
+    assert _not_reissued(run([late_stream, broken_call, *reissue], after_s=6)) == []
+    assert _not_reissued(run([late_stream, *reissue, broken_call], after_s=6)) == []
+    assert _not_reissued(run([late_stream, broken_call], after_s=6)) == ["3"]
+
+
 def test_one_reissue_answers_one_broken_call_of_the_same_tool_and_arguments():
     two_broken = [*_broken("3", 1.0), *_broken("5", 1.0)]
     assert len(_not_reissued(run([*two_broken, *_reissue("7", 2.0)], after_s=6))) == 1

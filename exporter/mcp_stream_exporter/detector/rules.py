@@ -376,9 +376,16 @@ class RuleEngine:
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT, call)
 
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
-        if call.broken_since is None and not call.terminal:
+        """The client's spans show the call's only stream broke, at ``at_ns`` (its clock): the earliest such end of
+        its spans, whichever came first, is the break a re-issue comes after (a producer may end the call's span as
+        the error reaches its caller, who re-issues at once, and its stream's span after)."""
+        if call.terminal:
+            return
+        if call.broken_since is None:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + self._reissue_grace_ns, _REISSUE, call)
+        elif at_ns < call.broken_since:
+            call.broken_since = at_ns
 
     def _resume(self, e: StreamEnd, session: SessionState, calls: dict[str, CallState],
                 progressed: bool, now_ns: int) -> None:
