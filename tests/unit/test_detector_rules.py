@@ -493,6 +493,11 @@ def test_a_value_the_model_does_not_name_for_an_enumerated_attribute_is_refused_
         assert outcome.accepted == 0 and reason.startswith(f"{key} must be one of ")
 
 
+def test_a_negative_count_is_refused_not_read_as_events_skipped():
+    outcome = Detector().consume([replay(sc.REPLAY_TRUNCATED, skipped=-3)])
+    assert (outcome.accepted, outcome.rejected) == (0, {f"{sc.REPLAY_SKIPPED} must not be negative": 1})
+
+
 def test_the_ledger_is_bounded_and_counts_what_it_evicts():
     clock = Clock()
     detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=2, max_calls_per_session=2,

@@ -524,8 +524,9 @@ def test_a_json_int_that_is_no_decimal_int64_refuses_its_span_as_a_string_in_pro
     doc = {"resourceSpans": [{"scopeSpans": [{"spans": [
         _json_span(1, count), _json_span(2, ids), _json_span(3, unread), _json_span(4, {**count, "value": {
             "intValue": "-12"}}), _json_span(5, {**count, "value": {"intValue": 12}})]}]}]}
-    assert _outcome(json.dumps(doc).encode(), JSON) == (3, {f"{sc.EVENTS_COUNT} must be an integer": 1,
-                                                            f"{sc.STREAM_REQUEST_IDS} must be a list of strings": 1})
+    assert _outcome(json.dumps(doc).encode(), JSON) == (2, {f"{sc.EVENTS_COUNT} must be an integer": 1,
+                                                            f"{sc.STREAM_REQUEST_IDS} must be a list of strings": 1,
+                                                            f"{sc.EVENTS_COUNT} must not be negative": 1})
 
 
 def test_an_int_of_the_model_sent_as_a_string_is_refused_digits_or_not() -> None:

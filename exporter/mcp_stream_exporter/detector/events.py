@@ -80,7 +80,7 @@ def clean(value: object, kind: type) -> bool:
         return len(value) <= MAX_CHARS and redact(value) == value
     if type(value) is tuple:
         return len(value) <= MAX_ITEMS and all(type(v) is str and clean(v, str) for v in value)
-    return True  # an int (not a bool: its type is not int)
+    return value >= 0  # type: ignore[operator]  # an int (not a bool: its type is not int): a count or a status
 
 
 def origin_of(resource: Mapping[str, Any]) -> str:
@@ -308,6 +308,8 @@ def _int(a: Mapping[str, Any], key: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):  # a string of digits too: the span model says int
         raise Rejected(f"{key} must be an integer")
+    if value < 0:  # every int of the model is a count or a status
+        raise Rejected(f"{key} must not be negative")
     return value
 
 
