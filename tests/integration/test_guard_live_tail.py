@@ -47,7 +47,7 @@ class HeldReplay:
         self.go = asyncio.Event()
         self.answered = asyncio.Event()
 
-    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent] | None:
         read = await super().after(session_id, event)  # type: ignore[misc]
         self.go.set()
         await self.answered.wait()

@@ -182,7 +182,7 @@ async def test_a_result_stored_before_a_restart_is_delivered_after_it(redis_serv
             async def result_stored() -> bool:
                 event = await stored.get(session_id, cursor)
                 return event is not None and any(e.message is not None and "result" in e.message.model_fields_set
-                                                 for e in await stored.after(session_id, event))
+                                                 for e in await stored.after(session_id, event) or ())
 
             await until(result_stored, "fetch's result in Redis")
             # the replica restarts: its SDK sessions are gone, Redis keeps the events
@@ -345,6 +345,28 @@ async def test_a_sessions_events_in_redis_are_bounded_in_bytes_oldest_first(redi
         again = [await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=i, result={"t": "z" * 3000}), None)
                  for i in range(3)]
         assert [await storage.get("s", e) is not None for e in again if e is not None] == [True, True, True]
+    finally:
+        await storage.aclose()
+
+
+async def test_a_cursor_trimmed_between_its_look_up_and_the_read_after_it_is_no_cursor_not_a_replay_from_later(
+        redis_server):
+    """Another call of the session stores while a resume is between finding its cursor and reading what follows: at
+    the session's cap that trims the cursor and what came right after it, and a read from past the cursor would
+    start at the oldest event left, skipping those without a word."""
+    from mcp_types import JSONRPCResponse
+
+    storage = RedisEventStorage.from_url(redis_server.url, prefix="trim", max_events_per_session=3)
+    try:
+        await storage.open("s")
+        await storage.require("s", "1", Requirement())
+        ids = [await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=i, result={}), None) for i in range(3)]
+        assert ids[0] is not None
+        cursor = await storage.get("s", ids[0])
+        assert cursor is not None and [e.event_id for e in await storage.after("s", cursor) or ()] == ids[1:]
+        for i in range(2):  # the other call, meanwhile: the cursor and the event after it go
+            await storage.append("s", "1", JSONRPCResponse(jsonrpc="2.0", id=10 + i, result={}), None)
+        assert await storage.after("s", cursor) is None
     finally:
         await storage.aclose()
 

@@ -79,7 +79,7 @@ class Session:
 
         async def wait_after(session_id, event_id, timeout_s):
             last = await storage.get(session_id, event_id)
-            events = await storage.after(session_id, last) if last is not None else []
+            events = (await storage.after(session_id, last) or []) if last is not None else []
             if not events:
                 raise ClientLeft
             return events

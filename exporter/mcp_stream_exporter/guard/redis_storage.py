@@ -209,9 +209,12 @@ class RedisEventStorage:
             found = _events(await self._redis.xrange(self._keys(session_id)[2], event_id, event_id, count=1))
         return found[0] if found else None
 
-    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent] | None:
+        # from the cursor itself, in one read: a session's other calls may trim it (and what follows it) between the
+        # read that found it and this one, and a read from just past it would then start at the oldest left
         async with self._op("after"):
-            return _events(await self._redis.xrange(self._keys(session_id)[2], f"({event.event_id}", "+"))
+            found = _events(await self._redis.xrange(self._keys(session_id)[2], event.event_id, "+"))
+        return found[1:] if found and found[0].event_id == event.event_id else None
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         if len(session_id) > _MAX_SESSION_ID:

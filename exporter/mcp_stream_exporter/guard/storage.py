@@ -58,8 +58,9 @@ class EventStorage(Protocol):
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None: ...
 
-    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
-        """The session's events stored after ``event``, in order."""
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent] | None:
+        """The session's events stored after ``event``, in order; None once ``event`` itself is no longer stored
+        (evicted since it was read: what came right after it may be gone too, and a replay would skip it)."""
         ...
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
@@ -233,11 +234,11 @@ class InMemoryEventStorage:
         found = session.events.get(event_id) if session is not None else None
         return found[1] if found is not None else None
 
-    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent]:
+    async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent] | None:
         session = self._sessions.get(session_id)
         cursor = session.events.get(event.event_id) if session is not None else None
         if session is None or cursor is None:
-            return []
+            return None
         return [e for seq, e, _ in session.events.values() if seq > cursor[0]]
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:

@@ -261,12 +261,14 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         try:
             cursor = await self.storage.get(session_id, last_event_id)
-            if cursor is None:  # unknown, evicted, or another session's: never an empty 200
+            buffered = await self._buffered(session_id, cursor) if cursor is not None else None
+            if cursor is None or buffered is None:
+                # unknown, evicted (since it was found, too: what followed it may be gone with it), or another
+                # session's: never an empty 200
                 span.set_attributes(span_attributes(self.mode, sc.GUARD_UNKNOWN_CURSOR,
                                                      plain(UNKNOWN_CURSOR, last_event_id)))
                 await send_callback(refusal_notice(plain(UNKNOWN_CURSOR, last_event_id)))
                 return None
-            buffered = await self._buffered(session_id, cursor)
             live = await self.storage.requirement(session_id, cursor.stream_id)
         except StorageError:
             _log.exception("guard storage: replay refused, the storage is unavailable")
@@ -320,9 +322,10 @@ class GuardedEventStore(EventStore):
             return None
         return refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
 
-    async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent]:
-        return [self._alone(session_id, e) for e in await self.storage.after(session_id, cursor)
-                if self._carries(cursor.stream_id, e)]
+    async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent] | None:
+        after = await self.storage.after(session_id, cursor)
+        return None if after is None else [self._alone(session_id, e) for e in after
+                                           if self._carries(cursor.stream_id, e)]
 
     def _alone(self, session_id: str, event: StoredEvent) -> StoredEvent:
         """``event``, requiring what it may carry: on the standalone stream, what the calls in flight when it was
