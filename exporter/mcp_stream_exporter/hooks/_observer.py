@@ -36,7 +36,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._recorder import outcome_of
+from mcp_stream_exporter.hooks._recorder import own_outcome
 from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
@@ -148,10 +148,10 @@ class _Exchange:
             kept = () if key is None else self.tracker.unpend(key)
             call = self.start(msg, judged, self.asked_in, key is None)
             call.in_sdk_request(context)
-            for fields, timestamp, result in kept:
+            for fields, timestamp, message in kept:
                 call.event(sc.EVENT_STORED, fields, timestamp)
-                if result is not None:
-                    call.stored_result = (fields[1] or "", outcome_of(result), timestamp)
+                if (outcome := own_outcome(message, call.key[1])) is not None:
+                    call.stored_result = (fields[1] or "", outcome, timestamp)
 
     def read_unread(self) -> None:
         """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""

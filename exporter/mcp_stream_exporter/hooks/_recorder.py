@@ -92,14 +92,13 @@ class StoreRecorder:
             return
         key = (session_id, stream_id)
         fields = (kind, event_id, None, None, None)
-        own = str(request_id) == stream_id  # the call's result, not a response to a request reusing its id
-        if self.tracker.keep_stored(key, fields, message if own else None):
+        if self.tracker.keep_stored(key, fields, message):
             return  # its call not started: kept for it, carried by its held answer
         call = self.tracker.call(key)
         if call is not None:
             call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
-            if own:
-                self.tracker.stored(call, event_id, outcome_of(message))
+            if (outcome := own_outcome(message, stream_id)) is not None:
+                self.tracker.stored(call, event_id, outcome)
 
     def store_failed(self, session_id: str, error: Exception) -> None:
         """The author's store raised storing a message of the session (only the SDK's message router stores one):
@@ -236,8 +235,11 @@ def _kind_of(message: JSONRPCMessage | None) -> str:
     return sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
 
 
-def outcome_of(message: object) -> str:
-    """A stored terminal event's outcome, as the call span records it."""
+def own_outcome(message: object, request_id: str) -> str | None:
+    """A stored terminal event's outcome, as the call span of ``request_id`` records it: None unless it is that
+    call's own (not a response to a request that reuses its id on its stream)."""
+    if str(getattr(message, "id", None)) != request_id:
+        return None
     if isinstance(message, JSONRPCError):
         return sc.OUTCOME_ERROR
     result = message.result if isinstance(message, JSONRPCResponse) else None

@@ -171,7 +171,7 @@ Opening = tuple[str, str, str | None, str | None]
 # stream keeps this tuple per frame and builds the event's attributes only if it becomes a span.
 FrameFields = tuple[str, str | None, str | None, str | None, str | None]
 # (server) a terminal event stored on a pending call's stream (``Tracker.keep_stored``): its fields, when, and the
-# message if it is the call's own result (its outcome read only should the call start)
+# message (whether it is the call's own result, and its outcome, read only should the call start)
 KeptStore = tuple[FrameFields, int, object]
 
 
@@ -778,19 +778,19 @@ class Tracker:
         del self._pending[key]
         return self._kept.pop(key, ()) if self._kept else ()
 
-    def keep_stored(self, key: CallKey, fields: FrameFields, result: object) -> bool:
+    def keep_stored(self, key: CallKey, fields: FrameFields, message: object) -> bool:
         """(server) Whether the call of ``key`` is pending (``pend``): the store of a terminal event on its stream
-        is then kept, with its time and, for the call's own result, that message (``result``, else None), for the
-        call should it start (its span's events, its ``stored_result``), and the call is not started for it."""
+        is then kept, with its time and its message, for the call should it start (its span's events, its
+        ``stored_result``), and the call is not started for it."""
         if key not in self._pending:
             return False
         kept = self._kept.get(key)
         if kept is None:
-            self._kept[key] = [(fields, time.time_ns(), result)]
+            self._kept[key] = [(fields, time.time_ns(), message)]
         else:  # more than its own result (a response to a request reusing its id): bounded as a span's events are
             if len(kept) >= _MAX_DEFERRED_EVENTS:
                 del kept[0]
-            kept.append((fields, time.time_ns(), result))
+            kept.append((fields, time.time_ns(), message))
         return True
 
     def unread(self, body: Unread, session_id: str | None) -> None:
