@@ -468,6 +468,24 @@ def test_a_result_stored_while_a_resume_is_open_that_never_sends_it_is_unsent_wh
     tracker.end_stream(resume, sc.END_DROPPED)
 
 
+def test_a_server_stream_that_ends_before_its_calls_tool_answered_says_so_where_the_server_sees_its_stores():
+    def ended(sees_stores: bool, stateless: bool = False, stored: bool = False):
+        tracker, exporter = _tracker(sc.ROLE_SERVER)
+        tracker.sees_stores = sees_stores
+        call = tracker.start_call("s", _request(1), None, ABSENT, stateless=stateless)
+        stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
+        if stored:
+            tracker.stored(call, "e9", sc.OUTCOME_RESULT)
+        tracker.end_stream(stream, sc.END_CLEAN)
+        (span,) = _by(exporter, sc.SPAN_STREAM)
+        return span.attributes.get(sc.RUNNING_REQUEST_IDS)
+
+    assert ended(True) == ("1",)
+    assert ended(True, stored=True) is None  # its result exists: this end may have lost it
+    assert ended(False) is None  # no store seen: nothing says whether it answered
+    assert ended(True, stateless=True) is None  # never stored: its stream's end without it is its end
+
+
 def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_call_does_not():
     tracker, exporter = _tracker()
     computed: list[str] = []

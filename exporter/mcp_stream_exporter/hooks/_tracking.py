@@ -1340,7 +1340,9 @@ class Tracker:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
             attrs.update(_owed(stream, pending))
             if self.sees_stores:  # no result stored yet: its tool had not answered, so this end loses nothing yet
-                running = [c.key[1] for c in pending[:sc.MAX_ITEMS] if c.stored_result is None and not c.closed]
+                # (a stateless call's is never stored: its stream's end without it is its end)
+                running = [c.key[1] for c in pending[:sc.MAX_ITEMS]
+                           if c.stored_result is None and not c.closed and not c.stateless]
                 if running:
                     attrs[sc.RUNNING_REQUEST_IDS] = running
         span.set_attributes(attrs)
