@@ -420,17 +420,31 @@ async def test_a_user_cancel_between_a_polling_servers_stream_end_and_the_resume
         assert after_grace(found, clock) == []
 
 
-async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_loss():
+@pytest.mark.parametrize("hints", [False, True], ids=["cancel", "resumption_hints"])
+async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_loss(hints):
     """``poll`` closes its POST after its first step; the SDK resumes. The store's replay returns a second after it
     read what it replays (a remote store), and the tool stores its result meanwhile: the SDK, which takes the resume
-    for the call's stream only once the replay returns, drops it. The resume stays open without it until its
-    caller's timeout: the server stored a result that no stream carried."""
+    for the call's stream only once the replay returns, drops it. The resume stays open without it past its
+    caller's timeout (with resumption hints no cancel goes out, and it stays open while the client lives): the
+    server stored a result that no stream carried, and says so as it stores it."""
+    from mcp.shared.message import ClientMessageMetadata
+    from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+
+    async def keep(token: str) -> None:
+        pass
+
+    async def progressed(progress: float, total: float | None, message: str | None) -> None:
+        pass  # asked for: the server then stores progress events, which the resume replays
+
     span_exporter().clear()
     with detector() as (found, clock):
         async with incident("legacy", replay_latency_s=1.0, step_delay=0.1) as lab:
             with pytest.raises(MCPError):
-                await lab.call("poll", {"steps": 5}, timeout=3)
-        findings = _by_rule(after_grace(found, clock))
+                await lab.client.session.send_request(
+                    CallToolRequest(params=CallToolRequestParams(name="poll", arguments={"steps": 5})),
+                    CallToolResult, request_read_timeout_seconds=3, progress_callback=progressed,
+                    metadata=ClientMessageMetadata(on_resumption_token_update=keep) if hints else None)
+            findings = _by_rule(after_grace(found, clock))  # the client still lives, its resume still open
     (stored,) = ours(spans(), sc.SPAN_CALL, sc.ROLE_SERVER, mcp_stream__call__outcome=sc.OUTCOME_RESULT)
     assert sc.TERMINAL_STREAM_KIND not in stored.attributes  # no stream carried it
     (lost,) = findings["stored_not_delivered"]

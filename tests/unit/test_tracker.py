@@ -437,35 +437,54 @@ def test_a_result_stored_with_no_stream_open_ends_the_call_span_then_and_a_resum
 
 
 def test_a_result_stored_while_a_stream_is_open_that_ends_without_it_ends_the_call_span_as_of_its_store():
-    tracker, exporter = _tracker()
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(post, SSEFrame("", id="e1"), [])
     tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=1_000)  # its POST is open: the POST may carry it
     assert _by(exporter, sc.SPAN_CALL) == []
+    ended = time.time_ns()
     tracker.end_stream(post, sc.END_DROPPED)  # it did not: the client must resume for it
     (span,) = _by(exporter, sc.SPAN_CALL)
     assert (span.attributes[sc.CALL_OUTCOME], span.attributes[sc.TERMINAL_EVENT_ID]) == (sc.OUTCOME_RESULT, "e2")
     assert sc.TERMINAL_STREAM_KIND not in span.attributes and span.end_time == 1_000
+    tracker.cancel(("s", "1"))  # as its client left: out of the server's hands since the stream's end, not the store
+    (late,) = [s for s in _by(exporter, sc.SPAN_CALL) if s.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED_LATE]
+    assert late.start_time >= ended
 
 
-def test_a_result_stored_while_a_resume_is_open_that_never_sends_it_is_unsent_when_its_client_cancels():
-    """The SDK drops a result stored while a resume's replay runs, before it takes the resume for the call's
-    stream: the resume stays open without it, and the client's cancel at its timeout tells it never got it."""
+def test_a_result_stored_while_a_resume_of_its_stream_still_replays_is_unsent_at_once():
+    """The SDK takes a resume for the call's stream only once its replay returns, and drops what the call stores
+    meanwhile: the resume stays open without it."""
     tracker, exporter = _tracker(sc.ROLE_SERVER)
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
     tracker.frame(post, SSEFrame("", id="e1"), [])
     tracker.end_stream(post, sc.END_CLEAN)
     resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
-    tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=time.time_ns() - 5 * 10**9)
-    assert [s for s in _by(exporter, sc.SPAN_CALL)] == []  # the resume may still carry it
-    tracker.cancel(("s", "1"))
-    stored, late = sorted(_by(exporter, sc.SPAN_CALL), key=lambda s: s.attributes[sc.CALL_OUTCOME] != "result")
+    call.replaying += 1
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=1_000)
+    (stored,) = _by(exporter, sc.SPAN_CALL)
     assert stored.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT and sc.TERMINAL_STREAM_KIND not in stored.attributes
-    assert late.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED_LATE
-    assert late.attributes[sc.TERMINAL_EVENT_ID] == "e2" and late.start_time == stored.end_time
+    assert stored.end_time == 1_000
+    tracker.cancel(("s", "1"))  # at its caller's timeout, long after: a late cancel
+    (late,) = [s for s in _by(exporter, sc.SPAN_CALL) if s.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED_LATE]
+    assert late.attributes[sc.TERMINAL_EVENT_ID] == "e2" and late.start_time == 1_000
     tracker.end_stream(resume, sc.END_DROPPED)
+
+
+def test_a_result_queued_on_a_stream_open_for_it_is_no_late_cancel_when_its_client_cancels_first():
+    """Stored behind earlier messages on a slow stream, the result is not out yet: a cancel then is a caller that
+    gave up before it came."""
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=time.time_ns() - 5 * 10**9)
+    tracker.cancel(("s", "1"))
+    tracker.end_stream(post, sc.END_DROPPED)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
 
 
 def test_a_server_stream_that_ends_before_its_calls_tool_answered_says_so_where_the_server_sees_its_stores():

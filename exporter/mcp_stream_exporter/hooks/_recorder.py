@@ -296,8 +296,14 @@ class _ObservedEventStore(EventStore):
         parent = trace.set_span_in_context(recorder.tracker.span_of(call)) if call is not None else None
         span = recorder.tracer.start_span(sc.SPAN_NAME_REPLAY, context=parent, kind=SpanKind.INTERNAL,
                                            attributes=attrs)
-        with trace.use_span(span, end_on_exit=True):
-            result = await self._inner.replay_events_after(last_event_id, observed_send)
-            span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign, refusals,
-                                                           rs.auth))
+        if call is not None:
+            call.replaying += 1
+        try:
+            with trace.use_span(span, end_on_exit=True):
+                result = await self._inner.replay_events_after(last_event_id, observed_send)
+                span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign,
+                                                               refusals, rs.auth))
+        finally:
+            if call is not None:
+                call.replaying -= 1
         return result

@@ -307,8 +307,8 @@ class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
-                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "requirement", "role",
-                 "sdk_span", "stateless", "stored_result", "streams", "tool")
+                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "replaying",
+                 "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
@@ -342,6 +342,9 @@ class Call(_Deferred):
         # (server) its terminal event's store: event id, outcome, when. Sent on a stream, it ends the call; until
         # then a stream open, or its exchange, may still carry it: ``Tracker.unsent`` once none is left to
         self.stored_result: tuple[str, str, int] | None = None
+        # (server) resumes of its stream whose replay is under way: the SDK takes one for the call's stream only once
+        # its replay returns, and drops what the call stores meanwhile (``Tracker.stored``)
+        self.replaying = 0
 
     @property
     def fingerprint(self) -> str | None:
@@ -820,11 +823,6 @@ class Tracker:
         late = call is None or call.closed  # not in flight: over, or its span ended as its result was stored
         if call is not None:
             self._unhold(call)
-            if call.stored_result is not None and not call.done and not call.closed:
-                # stored, and the stream open for it never sent it (the SDK drops a result stored while a resume
-                # replays, before it takes the resume for the call's stream): its client gave up without it
-                self.unsent(call)
-                late = True
             self._finish(call, sc.OUTCOME_CANCELLED)
         out = self._results_out.pop(key, None) if self._results_out else None
         if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
@@ -960,28 +958,30 @@ class Tracker:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
 
     def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
-        """(server) The call's terminal event was stored (at ``at_ns``, else now). A stream open for it, or its
-        exchange (its answer's response yet to start: a JSON answer is stored before it is sent), may still carry
-        it; with none, nothing delivers it unless the client resumes (``unsent``)."""
+        """(server) The call's terminal event was stored (at ``at_ns``, else now). Its exchange (its answer's
+        response yet to start: a JSON answer is stored before it is sent), or a stream open for it, may still carry
+        it; with none, or with only resumes still replaying (the SDK drops it), nothing delivers it unless the
+        client resumes (``unsent``)."""
         if call.done or call.stateless:
             return
         if call.stored_result is None:
             call.stored_result = (event_id, outcome, time.time_ns() if at_ns is None else at_ns)
-        if not call.open_streams and not call.on_exchange:
-            self.unsent(call)
+        if not call.on_exchange and (call.replaying or not call.open_streams):
+            self.unsent(call, call.stored_result[2])
 
-    def unsent(self, call: Call) -> None:
-        """(server) The call's terminal event was stored (``stored_result``) and no stream carried it: none was
-        open, or the last one open ended without it, or its client cancelled the call with it unsent. The call
-        span ends as of the store, without a terminal stream, so the detector knows a result exists (and can tell
-        whether the client ever gets it) even when no stream ever carries it. The call stays tracked: a resume
-        may still deliver it."""
+    def unsent(self, call: Call, out_ns: int | None = None) -> None:
+        """(server) The call's terminal event was stored (``stored_result``) and nothing carries it: no stream was
+        open for it, or only resumes still replaying, or the last stream open for it ended without it (at
+        ``out_ns``, else now: from then on only a resume delivers it). The call span ends as of the store, without a
+        terminal stream, so the detector knows a result exists (and can tell whether the client ever gets it) even
+        when no stream ever carries it. The call stays tracked: a resume may still deliver it."""
         if call.done or call.closed or call.stored_result is None:
             return
         event_id, outcome, at_ns = call.stored_result
         self.span_of(call)
         call.close({sc.CALL_OUTCOME: outcome, sc.TERMINAL_EVENT_ID: event_id, sc.CALL_STREAMS: call.streams}, at_ns)
-        self.result_out(call.key, call.tool, event_id, at_ns, call.traceparent)
+        self.result_out(call.key, call.tool, event_id, time.time_ns() if out_ns is None else out_ns,
+                        call.traceparent)
 
     # --- streams ---
 
