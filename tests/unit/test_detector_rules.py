@@ -173,6 +173,18 @@ def test_duplicate_terminal_fires_when_one_side_sees_the_terminal_twice():
     both_sides = [stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12"),
                   stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="12")]
     assert rules(run(both_sides)) == []
+    sent_twice = [stream(SV, "post", "clean", terminal=("3",), last="12"),
+                  stream(SV, "post", "clean", terminal=("3",), last="13")]
+    assert rules(run(sent_twice)) == ["duplicate_terminal"]
+
+
+def test_a_server_replaying_a_result_it_sent_before_to_its_resuming_client_is_no_duplicate():
+    """Written into a connection its client had lost (a half-open one), the result is replayed to the resume: the
+    recovery. The client's spans, where there are any, show one delivery."""
+    recovered = [stream(SV, "post", "clean", terminal=("3",), last="12"),
+                 stream(SV, "resume", "clean", cursor="6", terminal=("3",), last="12"),
+                 stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12")]
+    assert rules(run(recovered)) == []
 
 
 def test_timeout_attributed_links_a_client_timeout_to_the_finding_that_caused_it():

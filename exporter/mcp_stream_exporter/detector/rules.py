@@ -312,8 +312,11 @@ class RuleEngine:
         return known is None or known.late_cancel != CANCEL_LATE
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
-        deliveries = call.delivered_to(role)
         self.ledger.delivered(call)
+        if role == sc.ROLE_SERVER and e.kind == sc.STREAM_KIND_RESUME:
+            return  # the server replaying what its client resumed for: a send that reached it not (a connection its
+            # client lost after, or only on its side), the recovery and no duplicate; its client's spans tell one
+        deliveries = call.delivered_to(role)
         if deliveries > 1:
             self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
