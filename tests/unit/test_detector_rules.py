@@ -929,7 +929,17 @@ def test_clean_ends_while_the_servers_tool_had_not_answered_page_nothing_however
     assert rules(run([dropped, *_half_open_resumes([2.0, 3.0])], after_s=60)) == []
     client_first = [dropped, stream(C, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4")]
     server_after = [stream(SV, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4", running=("3",))]
-    assert rules(run([*client_first, *server_after], after_s=60)) == []  # the grace ran out before it: judged again
+    assert rules(run([*client_first, *server_after], after_s=60)) == []  # the server's word comes after the client's
+
+
+def test_a_running_word_that_comes_after_the_servers_call_span_is_not_taken_whatever_that_span_says():
+    """The server's call span ends after every stream end of it: a running word that comes later is older."""
+    client = [stream(C, "post", "dropped", pending=("3",), last="4"),
+              stream(C, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4")]
+    running = stream(SV, "resume", "clean", at=2.0, pending=("3",), cursor="4", last="4", running=("3",))
+    evicted = call(SV, sc.OUTCOME_EVICTED, at=2.5)
+    assert "clean_end_pending" in rules(run([*client, evicted, running], after_s=60))
+    assert "clean_end_pending" in rules(run([*client, running, evicted], after_s=60))
 
 
 def test_a_result_the_server_tells_of_after_it_said_its_tool_was_running_is_judged_a_grace_from_then():

@@ -9,6 +9,7 @@ import jwt
 import pytest
 from mcp_types import JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
+from mcp_stream_exporter.asgi import route_path
 from mcp_stream_exporter.auth import AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import read_body
 from mcp_stream_exporter.guard import (
@@ -728,3 +729,11 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     frames[1] = frames[0]
     bob, _ = get(_bearer(SEARCH, FETCH, sub="bob"))  # what her task sent with no call in flight: hers alone
     assert json.loads(bob[0][0].data)["error"] == "principal_mismatch"
+
+
+def test_the_endpoint_is_the_path_the_router_routes_under_a_mount():
+    """Starlette's ``Mount`` (and a server's ``--root-path``) keeps the whole path and names its prefix in
+    ``root_path``: the guard's endpoint check, as the SDK's routes, reads the path within the app."""
+    assert route_path({"path": "/api/mcp", "root_path": "/api"}) == "/mcp"
+    assert route_path({"path": "/mcp", "root_path": "/api"}) == "/mcp"  # an older server: the prefix taken off
+    assert route_path({"path": "/mcp"}) == "/mcp"

@@ -453,9 +453,10 @@ def test_a_result_stored_while_a_stream_is_open_that_ends_without_it_ends_the_ca
     assert late.start_time >= ended
 
 
-def test_a_result_stored_while_a_resume_of_its_stream_still_replays_is_unsent_at_once():
+def test_a_result_stored_while_a_resume_of_its_stream_replays_and_unsent_when_the_replay_returns_is_unsent():
     """The SDK takes a resume for the call's stream only once its replay returns, and drops what the call stores
-    meanwhile: the resume stays open without it."""
+    meanwhile: the resume stays open without it. (A store that sends the live tail itself, the guard's, sends it
+    before its replay returns.)"""
     tracker, exporter = _tracker(sc.ROLE_SERVER)
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
@@ -464,6 +465,8 @@ def test_a_result_stored_while_a_resume_of_its_stream_still_replays_is_unsent_at
     resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
     call.replaying += 1
     tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=1_000)
+    assert _by(exporter, sc.SPAN_CALL) == []  # the store's replay may send it yet
+    tracker.replayed(call, ())
     (stored,) = _by(exporter, sc.SPAN_CALL)
     assert stored.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_RESULT and sc.TERMINAL_STREAM_KIND not in stored.attributes
     assert stored.end_time == 1_000
@@ -471,6 +474,22 @@ def test_a_result_stored_while_a_resume_of_its_stream_still_replays_is_unsent_at
     (late,) = [s for s in _by(exporter, sc.SPAN_CALL) if s.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED_LATE]
     assert late.attributes[sc.TERMINAL_EVENT_ID] == "e2" and late.start_time == 1_000
     tracker.end_stream(resume, sc.END_DROPPED)
+
+
+def test_a_result_a_resume_carries_before_its_replay_returns_ends_the_call_on_that_resume():
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
+    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
+    tracker.frame(post, SSEFrame("", id="e1"), [])
+    tracker.end_stream(post, sc.END_CLEAN)
+    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
+    call.replaying += 1
+    tracker.stored(call, "e2", sc.OUTCOME_RESULT)
+    tracker.replayed(call, ("e2",))  # the store sent it in its live tail (the guard's), yet to pass the wire
+    tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
+    tracker.end_stream(resume, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.TERMINAL_STREAM_KIND] == sc.STREAM_KIND_RESUME
 
 
 def test_a_result_queued_on_a_stream_open_for_it_is_no_late_cancel_when_its_client_cancels_first():

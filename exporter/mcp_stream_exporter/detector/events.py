@@ -80,7 +80,7 @@ def clean(value: object, kind: type) -> bool:
         return len(value) <= MAX_CHARS and redact(value) == value
     if type(value) is tuple:
         return len(value) <= MAX_ITEMS and all(type(v) is str and clean(v, str) for v in value)
-    return value >= 0  # type: ignore[operator]  # an int (not a bool: its type is not int): a count or a status
+    return isinstance(value, int) and value >= 0  # an int (not a bool: its type is not int): a count or a status
 
 
 def origin_of(resource: Mapping[str, Any]) -> str:

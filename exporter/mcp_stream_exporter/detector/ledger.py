@@ -48,10 +48,11 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
-_CLIENT_GAVE_UP = 1  # bits of ``CallState.flags``: ``cancelled``, ``late_cancel``'s values, ``running``
-CANCEL_RACED = 2
+_CLIENT_GAVE_UP = 1  # bits of ``CallState.flags``: ``cancelled``, ``late_cancel``'s values, ``running``, and
+CANCEL_RACED = 2  # whether a server call span of it came (``server_answered``)
 CANCEL_LATE = 4
 _RUNNING = 8
+_SERVER_ENDED = 16
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -235,15 +236,16 @@ class CallState:
         return bool(self.flags & _RUNNING)
 
     def server_running(self) -> None:
-        """A server stream ended with it pending and its tool not answered yet: ``running``, unless the server
-        told of its result already (its spans come in any order; the result came after any such end)."""
-        if not self.terminal and self.stored_since is None:
+        """A server stream ended with it pending and its tool not answered yet: ``running``, unless a server call
+        span of it came already (its spans come in any order: its end came after any such stream end)."""
+        if not self.flags & _SERVER_ENDED:
             self.flags |= _RUNNING
 
     def server_answered(self) -> bool:
-        """A server span told of its result, or of its end without one: no longer ``running``; whether it was."""
+        """A server call span told of its result, or of its end without one: no longer ``running``, nor ever again;
+        whether it was."""
         was = self.running
-        self.flags &= ~_RUNNING
+        self.flags = self.flags & ~_RUNNING | _SERVER_ENDED
         return was
 
     @property

@@ -35,7 +35,9 @@ from typing import Any
 from mcp_stream_exporter.detector.detector import Detector
 
 log = logging.getLogger("mcp_stream_exporter.detector")
-_FORMAT = 3  # 1: one row holding everything; 2: rows of chunks; 3: each re-issue look-up holds its issues (1, 2: read)
+# 1: one row holding everything; 2: rows of chunks; 3: each re-issue look-up holds its issues; 4: a call's give-ups
+# and the server's word on its tool under ``flags`` (1 to 3: read; a detector of before refuses a snapshot of 4)
+_FORMAT = 4
 _CHUNK_BYTES = 1024 * 1024  # a row's JSON, about
 _SESSIONS_PER_LOCK = 256  # sessions copied per hold of the detector's lock
 _FINDINGS_PER_LOCK = 512

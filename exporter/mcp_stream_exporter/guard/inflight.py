@@ -150,8 +150,8 @@ class InFlight(Generic[Owner]):
 
     def stored_alone(self, session_id: str, event_id: str, storer: Owner) -> None:
         """The server stored an event on its standalone stream (no call's): it may carry what any call in flight
-        sent there (a sampling request over a document a tool read), so it is theirs to see; with none in flight,
-        ``storer``'s, the owner of the request it was stored in (a tool's task that outlives its call)."""
+        sent there (a sampling request over a document a tool read), so it is theirs to see; with none in flight
+        (a tool's task that outlives its call), ``storer``'s: the owner of the request it was stored in."""
         alone = self._known_of(session_id).alone
         alone[event_id] = self._running(session_id) or (storer,)
         if len(alone) > self._max_per_session:

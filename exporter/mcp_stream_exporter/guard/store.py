@@ -60,7 +60,7 @@ from opentelemetry import trace
 from sse_starlette import EventSourceResponse
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, route_path
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
@@ -238,7 +238,8 @@ class GuardedEventStore(EventStore):
                 if len(self._unkept) > _MAX_UNKEPT:
                     del self._unkept[next(iter(self._unkept))]
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
-            # the SDK sends it live, stored or not: to the principal of the request it was stored in, at least
+            # the SDK sends it live, stored or not: to the session's principal at least (its message router stores
+            # in the context of the request that opened the session)
             self._in_flight.stored_alone(request.session_id, event_id, (NO_REQUIREMENT, request.auth.subject_hash))
         return event_id
 
@@ -419,7 +420,7 @@ class GuardedEventStore(EventStore):
             elsewhere = (isinstance(self.storage, SharedEventStorage) and scope.get("method") == "GET"
                          and len(cursors) == 1 and request.session_id is not None
                          and request.auth.subject_hash is not None
-                         and scope.get("path", "").rstrip("/") == endpoint)
+                         and route_path(scope).rstrip("/") == endpoint)
             held: list[Message] = []  # the SDK's 404 for a session it does not hold, until we know better
             token = _current.set(request)
             app_receive = receive

@@ -15,7 +15,7 @@ from opentelemetry.context import Context, get_current
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send
+from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, route_path
 from mcp_stream_exporter.auth import NOTHING_MISSING, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
@@ -36,7 +36,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick
-from mcp_stream_exporter.hooks._recorder import own_outcome
+from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._tracking import (
     HOLD_BYTES,
     HOLD_PIECES,
@@ -150,8 +150,7 @@ class _Exchange:
             call.in_sdk_request(context)
             for fields, timestamp, message in kept:
                 call.event(sc.EVENT_STORED, fields, timestamp)
-                if (outcome := own_outcome(message, call.key[1])) is not None:
-                    call.stored_result = (fields[1] or "", outcome, timestamp)
+                self.tracker.stored(call, fields[1] or "", outcome_of(message), timestamp)
 
     def read_unread(self) -> None:
         """Read the body left unread now (``Unread``): a look-up of a call of its session needs its calls."""
@@ -231,7 +230,7 @@ class WireObserver:
         tracker = self.tracker
 
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or scope.get("path", "").rstrip("/") != self.path:
+            if scope["type"] != "http" or route_path(scope).rstrip("/") != self.path:
                 await app(scope, receive, send)
                 return
             headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered

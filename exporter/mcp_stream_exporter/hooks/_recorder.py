@@ -97,8 +97,7 @@ class StoreRecorder:
         call = self.tracker.call(key)
         if call is not None:
             call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
-            if (outcome := own_outcome(message, stream_id)) is not None:
-                self.tracker.stored(call, event_id, outcome)
+            self.tracker.stored(call, event_id, outcome_of(message))
 
     def store_failed(self, session_id: str, error: Exception) -> None:
         """The author's store raised storing a message of the session (only the SDK's message router stores one):
@@ -235,11 +234,9 @@ def _kind_of(message: JSONRPCMessage | None) -> str:
     return sc.FRAME_NOTIFICATION if getattr(message, "id", None) is None else sc.FRAME_REQUEST
 
 
-def own_outcome(message: object, request_id: str) -> str | None:
-    """A stored terminal event's outcome, as the call span of ``request_id`` records it: None unless it is that
-    call's own (not a response to a request that reuses its id on its stream)."""
-    if str(getattr(message, "id", None)) != request_id:
-        return None
+def outcome_of(message: object) -> str:
+    """A stored terminal event's outcome, as the call span records it (the SDK stores a response on the stream its
+    id names: it is that call's)."""
     if isinstance(message, JSONRPCError):
         return sc.OUTCOME_ERROR
     result = message.result if isinstance(message, JSONRPCResponse) else None
@@ -305,5 +302,5 @@ class _ObservedEventStore(EventStore):
                                                                refusals, rs.auth))
         finally:
             if call is not None:
-                call.replaying -= 1
+                recorder.tracker.replayed(call, sent)
         return result

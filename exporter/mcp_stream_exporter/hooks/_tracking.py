@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final, Protocol
 
@@ -343,7 +343,8 @@ class Call(_Deferred):
         # then a stream open, or its exchange, may still carry it: ``Tracker.unsent`` once none is left to
         self.stored_result: tuple[str, str, int] | None = None
         # (server) resumes of its stream whose replay is under way: the SDK takes one for the call's stream only once
-        # its replay returns, and drops what the call stores meanwhile (``Tracker.stored``)
+        # its replay returns, and drops what the call stores meanwhile, unless the store sends it itself (the guard's
+        # live tail): ``Tracker.replayed``
         self.replaying = 0
 
     @property
@@ -937,7 +938,7 @@ class Tracker:
                 self._broken.popitem(last=False)
         if terminal is not None and self._results_out is not None:
             self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
-        if call.closed:  # its span ended when its result was stored (``stored``)
+        if call.closed:  # its span ended when its result was stored and nothing carried it (``unsent``)
             return
         self.span_of(call)
         attrs = _terminal_attributes(terminal) if terminal is not None else {}
@@ -958,20 +959,30 @@ class Tracker:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
 
     def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
-        """(server) The call's terminal event was stored (at ``at_ns``, else now). Its exchange (its answer's
-        response yet to start: a JSON answer is stored before it is sent), or a stream open for it, may still carry
-        it; with none, or with only resumes still replaying (the SDK drops it), nothing delivers it unless the
-        client resumes (``unsent``)."""
+        """(server) The call's terminal event was stored (at ``at_ns``, else now; the first such store is the one
+        kept). Its exchange (its answer's response yet to start: a JSON answer is stored before it is sent), a
+        stream open for it, or a resume still replaying (``replayed``) may still carry it; with none, nothing
+        delivers it unless the client resumes (``unsent``)."""
         if call.done or call.stateless:
             return
         if call.stored_result is None:
             call.stored_result = (event_id, outcome, time.time_ns() if at_ns is None else at_ns)
-        if not call.on_exchange and (call.replaying or not call.open_streams):
+        if not call.on_exchange and not call.open_streams and not call.replaying:
             self.unsent(call, call.stored_result[2])
+
+    def replayed(self, call: Call, sent: Collection[str]) -> None:
+        """(server) A resume's replay of the call's stream returned, having sent the events ``sent``. The SDK takes
+        the resume for the stream only now, and dropped what the call stored during the replay, unless the store
+        sent it (the guard sends the live tail itself): a result stored and not among them, with no POST open for
+        it, nothing will carry."""
+        call.replaying -= 1
+        stored = call.stored_result
+        if not call.replaying and not call.on_exchange and stored is not None and stored[0] not in sent:
+            self.unsent(call, stored[2])
 
     def unsent(self, call: Call, out_ns: int | None = None) -> None:
         """(server) The call's terminal event was stored (``stored_result``) and nothing carries it: no stream was
-        open for it, or only resumes still replaying, or the last stream open for it ended without it (at
+        open for it, or a resume's replay ran over its store, or the last stream open for it ended without it (at
         ``out_ns``, else now: from then on only a resume delivers it). The call span ends as of the store, without a
         terminal stream, so the detector knows a result exists (and can tell whether the client ever gets it) even
         when no stream ever carries it. The call stays tracked: a resume may still deliver it."""
