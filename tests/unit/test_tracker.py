@@ -453,10 +453,8 @@ def test_a_result_stored_while_a_stream_is_open_that_ends_without_it_ends_the_ca
     assert late.start_time >= ended
 
 
-def test_a_result_stored_while_a_resume_of_its_stream_replays_and_unsent_when_the_replay_returns_is_unsent():
-    """The SDK takes a resume for the call's stream only once its replay returns, and drops what the call stores
-    meanwhile: the resume stays open without it. (A store that sends the live tail itself, the guard's, sends it
-    before its replay returns.)"""
+def _resume_replaying():
+    """A server's call whose POST ended (a tool that polls), resumed, the resume's replay under way."""
     tracker, exporter = _tracker(sc.ROLE_SERVER)
     call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
@@ -464,6 +462,14 @@ def test_a_result_stored_while_a_resume_of_its_stream_replays_and_unsent_when_th
     tracker.end_stream(post, sc.END_CLEAN)
     resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
     call.replaying += 1
+    return tracker, exporter, call, resume
+
+
+def test_a_result_stored_while_a_resume_of_its_stream_replays_and_unsent_when_the_replay_returns_is_unsent():
+    """The SDK takes a resume for the call's stream only once its replay returns, and drops what the call stores
+    meanwhile: the resume stays open without it. (A store that sends the live tail itself, the guard's, sends it
+    before its replay returns.)"""
+    tracker, exporter, call, resume = _resume_replaying()
     tracker.stored(call, "e2", sc.OUTCOME_RESULT, at_ns=1_000)
     assert _by(exporter, sc.SPAN_CALL) == []  # the store's replay may send it yet
     tracker.replayed(call, ())
@@ -477,13 +483,7 @@ def test_a_result_stored_while_a_resume_of_its_stream_replays_and_unsent_when_th
 
 
 def test_a_result_a_resume_carries_before_its_replay_returns_ends_the_call_on_that_resume():
-    tracker, exporter = _tracker(sc.ROLE_SERVER)
-    call = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
-    post = tracker.open_stream(sc.STREAM_KIND_POST, "s", [call], {}, ABSENT, 200)
-    tracker.frame(post, SSEFrame("", id="e1"), [])
-    tracker.end_stream(post, sc.END_CLEAN)
-    resume = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", tracker.calls_of_cursor("s", "e1"), {}, ABSENT, 200)
-    call.replaying += 1
+    tracker, exporter, call, resume = _resume_replaying()
     tracker.stored(call, "e2", sc.OUTCOME_RESULT)
     tracker.replayed(call, ("e2",))  # the store sent it in its live tail (the guard's), yet to pass the wire
     tracker.frame(resume, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
