@@ -313,9 +313,10 @@ class RuleEngine:
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
         self.ledger.delivered(call)
+        # the server replaying to a resume what it had sent before is the recovery, not a duplicate: that send
+        # reached no one (a connection its client lost), or the client would not resume; the client's spans tell one
         if role == sc.ROLE_SERVER and e.kind == sc.STREAM_KIND_RESUME:
-            return  # the server replaying what its client resumed for: a send that reached it not (a connection its
-            # client lost after, or only on its side), the recovery and no duplicate; its client's spans tell one
+            return
         deliveries = call.delivered_to(role)
         if deliveries > 1:
             self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
@@ -452,9 +453,8 @@ class RuleEngine:
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
             return
-        if call.running:
-            return  # the server's latest word: its tool had not answered, so nothing was lost yet; judged again
-            # once the server tells of its result (``_answered_after_running``)
+        if call.running:  # the server's latest word: its tool had not answered, so nothing was lost yet; judged
+            return  # again once the server tells of its result (``_answered_after_running``)
         if self.ledger.waiting(call, _EXPIRED) and not self._alive_after_clean_end(call):
             return  # its session went first: that judges it (``_check_expired``)
         if self.ledger.waiting(call, _STORE_FAILED):

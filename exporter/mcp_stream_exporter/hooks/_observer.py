@@ -120,7 +120,7 @@ class _Exchange:
         for call in self.calls:
             if not call.done:
                 call.exchange_over()
-                if not call.open_streams:  # stored, and its exchange ended without carrying it
+                if not call.open_streams and not call.replaying:  # stored, its exchange ended without carrying it
                     self.tracker.unsent(call)
         self.calls.clear()
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
