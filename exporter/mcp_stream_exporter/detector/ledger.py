@@ -48,8 +48,9 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
-_CLIENT_GAVE_UP = 1  # bits of ``CallState.flags``: ``cancelled``, ``late_cancel``'s values, ``running``, and
-CANCEL_RACED = 2  # whether a server call span of it came (``server_answered``)
+# bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came
+_CLIENT_GAVE_UP = 1
+CANCEL_RACED = 2
 CANCEL_LATE = 4
 _RUNNING = 8
 _SERVER_ENDED = 16
