@@ -120,8 +120,8 @@ class _Exchange:
         for call in self.calls:
             if not call.done:
                 call.exchange_over()
-                if not call.open_streams and not call.replaying:  # stored, its exchange ended without carrying it
-                    self.tracker.unsent(call)
+                if call.stored_result is not None and not call.open_streams and not call.replaying:
+                    self.tracker.unsent(call)  # stored, and its exchange ended without carrying it
         self.calls.clear()
         self.pending = None  # a stateless call never started: its exchange ended with no stream to judge it
         self.stream = self.parser = self.held = self.json_body = self.unread = None

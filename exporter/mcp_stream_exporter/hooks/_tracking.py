@@ -1278,8 +1278,8 @@ class Tracker:
         for call in stream.calls:
             call.open_streams -= 1
             answered = answered and call.done
-            if not call.open_streams and not call.on_exchange and not call.replaying:
-                self.unsent(call)  # the last stream open for its stored result, if any, ended without it
+            if call.stored_result is not None and not call.open_streams and not call.on_exchange and not call.replaying:
+                self.unsent(call)  # the last stream open for its stored result ended without it
         terminal_ids = stream.terminal_ids
         if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400
                 and (terminal_ids == stream.request_ids or set(terminal_ids).issubset(stream.request_ids))):
