@@ -82,7 +82,7 @@ def test_an_event_without_id_is_rendered_as_an_id_less_message_frame_the_guard_c
 
 
 def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer_exports_where_it_does():
-    """hooks._tracking.DeviationTracer builds a provider with an always-on sampler around the
+    """hooks._spans.DeviationTracer builds a provider with an always-on sampler around the
     application provider's ``_active_span_processor``: our spans go to the same exporters whatever
     the application's sampler."""
     from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor, TracerProvider
@@ -90,7 +90,7 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
-    from mcp_stream_exporter.hooks._tracking import DeviationTracer
+    from mcp_stream_exporter.hooks._spans import DeviationTracer
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ALWAYS_OFF)
@@ -104,11 +104,11 @@ def test_the_otel_sdk_provider_shares_its_span_processor_so_our_always_on_tracer
 
 
 def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index_reads():
-    """hooks._tracking.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, and the
+    """hooks._sdk_spans.SdkSpans reads ``_name`` and ``_context`` off every span started and ended, and the
     span id at index ``_SPAN_ID`` of that tuple, not the properties and ``get_span_context()`` around them."""
     from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 
-    from mcp_stream_exporter.hooks._tracking import _SPAN_ID
+    from mcp_stream_exporter.hooks._sdk_spans import _SPAN_ID
 
     seen: list[tuple[str, object, object]] = []
 
@@ -127,7 +127,7 @@ def test_otel_sdk_spans_keep_their_name_and_context_in_the_fields_the_span_index
 
 
 def test_otel_sdk_spans_keep_status_events_and_attributes_where_a_timed_out_call_is_read():
-    """hooks._tracking.SdkSpans reads a span's status code off ``_status._status_code`` on every span ended, and a
+    """hooks._sdk_spans.SdkSpans reads a span's status code off ``_status._status_code`` on every span ended, and a
     failed call's exception events and request id off ``_events`` and ``_attributes``, as the SDK records them when
     its caller's timeout runs out."""
     from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
@@ -152,7 +152,7 @@ def test_otel_sdk_spans_keep_status_events_and_attributes_where_a_timed_out_call
 
 
 def test_otel_sdk_spans_keep_attributes_end_time_and_lock_where_the_terminal_annotation_writes():
-    """hooks._tracking.annotate writes a healthy call's terminal into the SDK span's ``_attributes``
+    """hooks._sdk_spans.annotate writes a healthy call's terminal into the SDK span's ``_attributes``
     (a ``BoundedAttributes``: ``_dict``, ``maxlen``, ``max_value_len``) under ``_lock``, while ``_end_time``
     is None, as ``set_attribute`` does; ``end`` sets ``_end_time`` under that lock."""
     from opentelemetry.attributes import BoundedAttributes

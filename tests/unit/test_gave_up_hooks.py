@@ -13,7 +13,9 @@ from opentelemetry.trace import Span, StatusCode
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, SdkSpans, Tracker
+from mcp_stream_exporter.hooks._sdk_spans import SdkSpans
+from mcp_stream_exporter.hooks._spans import Call, DeviationTracer
+from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.wire import classify
 
 

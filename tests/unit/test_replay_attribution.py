@@ -17,7 +17,7 @@ from mcp_stream_exporter.auth import ABSENT, ToolPolicy
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.hooks import ServerInstrumentation
-from mcp_stream_exporter.hooks._tracking import Stream
+from mcp_stream_exporter.hooks._spans import Stream
 from mcp_stream_exporter.lab import IncidentEventStore
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import classify, classify_frame

@@ -15,7 +15,8 @@ from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
-from mcp_stream_exporter.hooks._tracking import Call, DeviationTracer, Requirements, Tracker
+from mcp_stream_exporter.hooks._spans import Call, DeviationTracer
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.wire import classify
 
 pytestmark = pytest.mark.anyio

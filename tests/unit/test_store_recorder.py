@@ -8,7 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
-from mcp_stream_exporter.hooks._tracking import DeviationTracer, Requirements, Tracker
+from mcp_stream_exporter.hooks._spans import DeviationTracer
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 
 
 def _recorder(**bounds: int) -> StoreRecorder:

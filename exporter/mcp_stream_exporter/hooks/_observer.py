@@ -37,17 +37,8 @@ from mcp_stream_exporter.exchange import (
 )
 from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.hooks._recorder import outcome_of
-from mcp_stream_exporter.hooks._tracking import (
-    HOLD_BYTES,
-    HOLD_PIECES,
-    Call,
-    CallKey,
-    HeldFrame,
-    Requirements,
-    Stream,
-    Tracker,
-    lacks,
-)
+from mcp_stream_exporter.hooks._spans import Call, CallKey, Stream, lacks
+from mcp_stream_exporter.hooks._tracking import HOLD_BYTES, HOLD_PIECES, HeldFrame, Requirements, Tracker
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_frame, whole_frame
 from mcp_stream_exporter.wire import (
     MAX_PARSED_BODY,

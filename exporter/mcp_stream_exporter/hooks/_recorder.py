@@ -20,15 +20,8 @@ from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView
 from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID, request_id_of, stream_id_of
-from mcp_stream_exporter.hooks._tracking import (
-    Call,
-    Requirements,
-    SpanStarter,
-    Tracker,
-    auth_attributes,
-    known_missing,
-    requirement_attributes,
-)
+from mcp_stream_exporter.hooks._spans import Call, SpanStarter, auth_attributes, known_missing, requirement_attributes
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 
 _TERMINAL = (JSONRPCResponse, JSONRPCError)  # built once: ``A | B`` in isinstance builds a union on every call
 _KINDS: dict[type, str] = {type(None): sc.FRAME_PRIMING, JSONRPCResponse: sc.FRAME_RESPONSE,

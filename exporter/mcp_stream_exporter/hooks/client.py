@@ -41,22 +41,9 @@ from mcp_stream_exporter.exchange import (
     read_body,
     stream_kind,
 )
-from mcp_stream_exporter.hooks._tracking import (
-    BROKEN_IN_PROCESS,
-    HOLD_BYTES,
-    HOLD_PIECES,
-    Call,
-    CallKey,
-    DeviationTracer,
-    HeldFrame,
-    Identify,
-    SdkSpans,
-    Stream,
-    Terminal,
-    Tracker,
-    annotate,
-    lacks,
-)
+from mcp_stream_exporter.hooks._sdk_spans import SdkSpans, annotate
+from mcp_stream_exporter.hooks._spans import Call, CallKey, DeviationTracer, Identify, Stream, Terminal, lacks
+from mcp_stream_exporter.hooks._tracking import BROKEN_IN_PROCESS, HOLD_BYTES, HOLD_PIECES, HeldFrame, Tracker
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_frame
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 

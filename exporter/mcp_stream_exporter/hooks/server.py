@@ -26,7 +26,8 @@ from mcp_stream_exporter.asgi import ASGIApp
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy
 from mcp_stream_exporter.hooks._observer import WireObserver
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
-from mcp_stream_exporter.hooks._tracking import DeviationTracer, Requirements, Tracker
+from mcp_stream_exporter.hooks._spans import DeviationTracer
+from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.wire import TOOLS_CALL
 
 
