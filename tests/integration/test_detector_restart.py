@@ -1,6 +1,6 @@
 """Restart: the service's ledger survives a graceful restart and a SIGKILL between snapshots (losing at
 most the snapshot interval): the incident's pending fetch is still flagged when its grace period runs
-out, by the detector that came back."""
+out, by the detector that came back, which counts it and nothing its predecessor counted."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def _snapshot_time(service) -> float:
         if family.name == "mcp_stream_detector_snapshot_timestamp_seconds":
             return float(family.samples[0].value)
     raise AssertionError("no snapshot timestamp metric")
+
+
+def _counts(service) -> dict[tuple[str, str], float]:
+    """Each loss and finding counter's value by rule, for fetch."""
+    return {(sample.name, sample.labels["rule"]): sample.value
+            for family in text_string_to_metric_families(service.metrics())
+            for sample in family.samples
+            if sample.name in ("mcp_stream_findings_total", "mcp_stream_silent_losses_total")
+            and sample.labels.get("tool") == "fetch"}
 
 
 def _lost_fetch(service) -> bool:
@@ -51,6 +60,11 @@ async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
         wait_for(lambda: _lost_fetch(second), 20, "clean_end_pending for fetch after the restart")
         (narrowed,) = [f for f in second.findings() if f["rule"] == "narrowed_resume"]
         assert narrowed["evidence"]["missing_resources"]
+        # counted by the detector that found it, never again by the one that restored it: a process younger than
+        # the alerts' window pages for whatever it counts (alerts/mcp-stream-exporter.yaml)
+        counted = _counts(second)
+        assert counted.get(("mcp_stream_findings_total", "narrowed_resume"), 0) == 0
+        assert counted[("mcp_stream_silent_losses_total", "clean_end_pending")] == 1
         outputs = (tmp_path / "ledger.db").read_bytes() + (second.metrics() + str(second.findings())).encode()
     for token in TOKENS_USED:  # no raw token in the snapshot, the metrics or the findings
         assert token.encode() not in outputs and token.split(".")[2].encode() not in outputs
