@@ -58,9 +58,10 @@ def test_links_fill_the_trace_template_and_the_runbook_base():
     assert UiLinks().trace("ab") is None
 
 
-def _lost_call_detector() -> Detector:
+def _lost_call_detector(**config: object) -> Detector:
     clock = [100 * S]
-    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=lambda: clock[0])
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5), **config),  # type: ignore[arg-type]
+                        clock=lambda: clock[0])
     detector.consume([stream(C, "post", "dropped", pending=("3",), first="4", last="6", events=2),
                       stream(C, "resume", "clean", at=1.2, pending=("3",), cursor="6", audience=(SEARCH,),
                              missing=(FETCH,)),
@@ -101,3 +102,18 @@ def test_the_lost_call_s_page_says_the_gap_in_words_and_what_to_do():
     rows = client.get("/ui/", params={"rule": "narrowed_resume", "part": "rows"}).text
     assert "narrowed_resume" in rows and "clean_end_pending" not in rows and "<html" not in rows
     assert "No findings match" in client.get("/ui/", params={"session": "another-session"}).text
+
+
+def test_an_alert_s_links_for_a_tool_counted_as_other_find_its_findings():
+    """A tool outside the policy is counted under ``tool="other"``: the alert's evidence and findings links, built
+    from its labels, list its findings (by the label or by the tool's own name), never "nothing lost"."""
+    detector = _lost_call_detector(tools=("search",))
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"rule": "clean_end_pending", "tool": "other"}) == 1
+    client = TestClient(create_app(detector))
+    for tool in ("other", "fetch"):
+        listed = client.get("/api/findings", params={"rule": "clean_end_pending", "tool": tool}).json()
+        assert [f["tool"] for f in listed["findings"]] == ["fetch"]
+        page = client.get("/ui/", params={"rule": "clean_end_pending", "tool": tool}).text
+        assert "No findings match" not in page and "clean_end_pending" in page
+    assert client.get("/api/findings", params={"tool": "search"}).json()["total"] == 0

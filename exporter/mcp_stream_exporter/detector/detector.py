@@ -85,12 +85,13 @@ class Detector:
         self.clock = clock
         self.lock = threading.Lock()
         self.ledger = Ledger(self.config.ledger)
-        self.findings = FindingStore(self.config.max_findings, self.config.max_findings_bytes)
+        tools = ToolLabels(self.config.tools, self.config.max_tool_labels)
+        self.findings = FindingStore(self.config.max_findings, self.config.max_findings_bytes, tools.counted_as)
         self.timelines = Timelines(TimelineLimits(max_findings=self.config.max_findings,
                                                   max_bytes=self.config.max_timelines_bytes),
                                    self.ledger.sdk_span_call)
         self.registry = registry or CollectorRegistry()
-        self.metrics = DetectorMetrics(self.registry, ToolLabels(self.config.tools, self.config.max_tool_labels))
+        self.metrics = DetectorMetrics(self.registry, tools)
         self.registry.register(LedgerCollector(self.ledger, self.findings, (
             ("ledger", self.ledger, self.config.ledger.max_bytes),
             ("findings", self.findings, self.config.max_findings_bytes),

@@ -87,8 +87,11 @@ class Query:
     offset: int = 0
     limit: int = 50
 
-    def matches(self, f: Finding) -> bool:
-        return ((self.rule is None or f.rule == self.rule) and (self.tool is None or f.tool == self.tool)
+    def matches(self, f: Finding, tool_label: Callable[[str | None], str]) -> bool:
+        """``tool`` matches a finding's tool by its name, or by the metrics' label it was counted under (``other``
+        past the policy's or the first tools seen): an alert's link by its labels finds what it counted."""
+        return ((self.rule is None or f.rule == self.rule)
+                and (self.tool is None or f.tool == self.tool or tool_label(f.tool) == self.tool)
                 and (self.severity is None or f.severity == self.severity)
                 and (self.since_ns is None or f.detected_ns >= self.since_ns)
                 and (self.until_ns is None or f.detected_ns < self.until_ns))
@@ -132,8 +135,9 @@ class FindingStore:
     """The most recent findings, bounded in count and in estimated bytes; the oldest are dropped first
     (and counted)."""
 
-    def __init__(self, capacity: int = 10_000, max_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(self, capacity: int, max_bytes: int, tool_label: Callable[[str | None], str]) -> None:
         self._capacity = capacity
+        self._tool_label = tool_label  # the metrics' tool label of a finding's tool (``Query.matches``)
         self._max_bytes = max_bytes
         self._findings: OrderedDict[str, Finding] = OrderedDict()
         # the finding of an id, if held: the map's own look-up (the rules ask for every event that repeats one)
@@ -161,7 +165,7 @@ class FindingStore:
 
     def query(self, q: Query) -> tuple[list[Finding], int]:
         """A page, newest first, and the number of matches."""
-        matching = [f for f in reversed(self._findings.values()) if q.matches(f)]
+        matching = [f for f in reversed(self._findings.values()) if q.matches(f, self._tool_label)]
         return matching[q.offset:q.offset + q.limit], len(matching)
 
     def __iter__(self) -> Iterator[Finding]:

@@ -78,6 +78,10 @@ class ToolLabels:
             return tool
         return OTHER
 
+    def counted_as(self, tool: str | None) -> str:
+        """The label ``tool`` is counted under, learning nothing: what an alert's ``tool`` names of a finding."""
+        return tool if tool is not None and tool in self._seen else OTHER
+
     @property
     def initial(self) -> tuple[str, ...]:
         """The values known before any span: the policy's tools and ``other``, which a policy implies."""
