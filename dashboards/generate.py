@@ -160,8 +160,8 @@ def overview() -> dashboard.Dashboard:
                                                "?rule=${__field.labels.rule}")]))
             .with_panel(_stat(
                 4, "Calls in flight",
-                "Calls whose stream ended without their result and that are still owed one; held 15 minutes they "
-                "raise MCPToolCallsStuckInFlight.",
+                "Calls whose stream ended without their result and that are still owed one; one of them with no "
+                "sign of life for 15 minutes (mcp_stream_calls_stuck) raises MCPToolCallsStuckInFlight.",
                 "short", f"sum(mcp_stream_calls_in_flight{{{SEL}}})", alert="MCPToolCallsStuckInFlight",
                 steps=[(None, "green"), (1, "orange")]))
             .with_panel(_stat(
@@ -206,10 +206,12 @@ def overview() -> dashboard.Dashboard:
                 _query(f"sum by (tool) (rate(mcp_stream_audience_gaps_total{{{SEL}}}[$__rate_interval]))",
                        "{{tool}}"), span=8, alert="MCPResumeAudienceNarrowerThanNeeded", steps=QUIET_IS_GOOD))
             .with_panel(_series(
-                14, "Calls in flight",
-                "Calls owed a result after their stream ended, per detector. Held 15 minutes: "
-                "MCPToolCallsStuckInFlight.",
-                "short", _query(f"sum by (instance) (mcp_stream_calls_in_flight{{{SEL}}})", "{{instance}}"),
+                14, "Calls in flight and stuck",
+                "Calls owed a result after their stream ended, per detector, and of them those stuck: no sign of "
+                "life for 15 minutes. A stuck call fires MCPToolCallsStuckInFlight; calls in flight alone are "
+                "not stuck (a polling tool keeps some in flight).",
+                "short", _query(f"sum by (instance) (mcp_stream_calls_in_flight{{{SEL}}})", "{{instance}} in flight"),
+                _query(f"sum by (instance) (mcp_stream_calls_stuck{{{SEL}}})", "{{instance}} stuck", "B"),
                 span=8, alert="MCPToolCallsStuckInFlight", steps=[(None, "green"), (1, "orange")]))
             .with_panel(_series(
                 15, "Stream ends by reason",
