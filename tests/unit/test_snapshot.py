@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -256,3 +258,32 @@ def test_a_large_ledger_is_written_in_bounded_rows_and_never_serialised_under_th
     restarted = Detector(CONFIG, clock=clock)
     assert Snapshots(restarted, tmp_path / "ledger.db").restore()
     assert restarted.ledger.dump() == detector.ledger.dump()
+
+
+def test_spans_applied_while_a_snapshot_copies_its_sessions_are_never_restored_without_their_timers(tmp_path,
+                                                                                                      monkeypatch):
+    """Ingest goes on between the snapshot's chunks of sessions. Spans it applies then may be in a session copied
+    after them; the timers, look-ups and findings restored with it are never older, so the clean end they bring is
+    still judged after a crash (no final snapshot), and the findings they raised are still there."""
+    clock = Clock()
+    spans = _incident_so_far()
+    detector = _fed(clock, spans[:1])  # the session exists; the rest of the incident comes during the snapshot
+    snapshots = Snapshots(detector, tmp_path / "ledger.db")
+    chunks = snapshots._chunks
+
+    def chunks_after_ingest(keys: list[str], per_lock: int, read: Callable[[list[str]], list]) -> Iterator[list]:
+        for span in spans[1:]:  # as the ingest thread would, between two holds of the lock
+            detector.consume([span])
+        monkeypatch.setattr(snapshots, "_chunks", chunks)
+        return chunks(keys, per_lock, read)
+
+    monkeypatch.setattr(snapshots, "_chunks", chunks_after_ingest)
+    snapshots.save()
+    assert {f.rule for f in detector.findings} >= {"narrowed_resume", "replay_truncated"}
+    snapshots._lock_file, lock_file = None, snapshots._lock_file  # a crash: no final snapshot, the lock let go
+    os.close(lock_file)
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    assert {f.id for f in restarted.findings} == {f.id for f in detector.findings}
+    assert _judged(restarted, clock) == _judged(detector, clock)
+    assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)

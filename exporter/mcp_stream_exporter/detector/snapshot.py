@@ -7,9 +7,10 @@ the ledger (and token-shaped values are redacted at ingest), so they never reach
 
 It scales with the ledger and never stalls ingest: the state is written as many rows of at most about
 a MiB, each taken under the detector's lock for one chunk of sessions (or findings, timers, look-ups)
-and serialised outside it. All rows of a snapshot are replaced in one transaction, so a crash
-mid-write leaves the previous snapshot whole; a crash (SIGKILL) between snapshots loses at most the
-interval's spans. A failed write is logged with its cause and counted
+and serialised outside it. The sessions are taken first, the rest after them: a session is never newer
+than the timers, look-ups and findings restored with it. All rows of a snapshot are replaced in one
+transaction, so a crash mid-write leaves the previous snapshot whole; a crash (SIGKILL) between
+snapshots loses at most the interval's spans. A failed write is logged with its cause and counted
 (``mcp_stream_detector_errors_total{where="snapshot"}``), and the next interval tries again.
 
 At start: a file that is not a readable snapshot is moved aside (``<path>.corrupt-<time>``) and the
@@ -194,10 +195,7 @@ class Snapshots:
         self._hold_lock()
         detector = self.detector
         with detector.lock:  # cheap copies only; serialising happens outside the lock
-            taken_ns = detector.clock()
             scopes = detector.ledger.session_scopes()
-            finding_ids = [f.id for f in detector.findings]
-            rest = detector.ledger.dump_rest()
         size = 0
         with closing(self._connect()) as db:
             for statement in _SCHEMA:
@@ -207,6 +205,13 @@ class Snapshots:
                 db.execute("DELETE FROM rows")
                 rows = _Rows(db)
                 rows.add_all("sessions", self._chunks(scopes, _SESSIONS_PER_LOCK, self._sessions))
+                # Ingest goes on between the chunks: what a session's calls are owed (their timers), their look-ups
+                # and the findings they name are taken after the last of them, so that none of it predates a session
+                # copied with it (a clean end copied without its grace timer is never judged)
+                with detector.lock:
+                    taken_ns = detector.clock()
+                    finding_ids = [f.id for f in detector.findings]
+                    rest = detector.ledger.dump_rest()
                 rows.add_all("findings", self._chunks(finding_ids, _FINDINGS_PER_LOCK, self._findings))
                 for kind in ("sdk_spans", "issued", "timers"):
                     rows.add_all(kind, iter([rest.pop(kind)]))
