@@ -1,10 +1,16 @@
 """Scale-out: two detector processes fed by a router that hashes `mcp.session.id` as the collector's
 load-balancing exporter does (`routing_key: attributes`, key `mcp.session.id=<value>|`, spans without it
 on the key `mcp.session.id=|`) produce, summed, the same findings and counters as one process fed
-everything."""
+everything.
+
+The exporter routes each trace's share of a batch whole, by its first span's key: a span without a session
+(the SDK's own, or the application's) at its head would take a session's spans to another detector. The
+collector of helm/examples/otel-collector-loadbalancing.yaml keeps the spans that carry a session and those
+that do not in two pipelines, so that each span goes where its own key says, whatever the batches."""
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
 from collections import Counter
@@ -36,6 +42,22 @@ def backend_of(key: str, backends: int) -> int:
     return zlib.crc32(key.encode()) % backends
 
 
+def routed_by_the_collector(batches: list[list[Any]], backends: int) -> list[list[Any]]:
+    """Each batch through the example collector's two pipelines (spans with ``mcp.session.id``, spans without),
+    each pipeline's share split by trace, and each trace's share sent whole to the backend of its first span's key
+    (the load-balancing exporter: ``batchpersignal.SplitTraces``, then ``routingIdentifiersFromTraces``)."""
+    shards: list[list[Any]] = [[] for _ in range(backends)]
+    for batch in batches:
+        for with_session in (True, False):
+            by_trace: dict[int, list[Any]] = {}
+            for span in batch:
+                if ((span.attributes or {}).get(sc.MCP_SESSION_ID) is not None) == with_session:
+                    by_trace.setdefault(span.context.trace_id, []).append(span)
+            for share in by_trace.values():
+                shards[backend_of(routing_key(share[0]), backends)].extend(share)
+    return shards
+
+
 async def _scenario(kind: str) -> list[Any]:
     async with incident("legacy", guarded=kind == "guarded") as lab:
         _, fetch = await play_incident(lab, fetch_timeout=20 if kind == "guarded" else 2.5)
@@ -43,6 +65,10 @@ async def _scenario(kind: str) -> list[Any]:
             assert isinstance(fetch, MCPError)
             await lab.recover(fetch, "fetch", {"url": "u", "steps": 4})
     return spans()
+
+
+def _in_order(shard: list[Any]) -> list[Any]:
+    return sorted(shard, key=lambda span: (span.end_time, span.context.span_id))
 
 
 def _findings(*services: Any) -> Counter[tuple[str, ...]]:
@@ -83,10 +109,18 @@ async def test_two_detectors_behind_a_session_hash_router_sum_to_one_detector():
             break
     assert len({backend_of(k, 2) for k in keys}) == 2, "the sessions never split across both backends"
 
+    shards: list[list[Any]] = [[], []]
+    for span in recorded:
+        shards[backend_of(routing_key(span), 2)].append(span)
+    # batches cut anywhere (an exporter flushes by size or time): the collector's routing is each span's own
+    rng = random.Random(7)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(recorded)), rng.randint(1, 12)))
+        batches = [recorded[i:j] for i, j in zip([0, *cuts], [*cuts, len(recorded)], strict=True)]
+        assert [[id(s) for s in shard] for shard in map(_in_order, routed_by_the_collector(batches, 2))] == [
+            [id(s) for s in shard] for shard in map(_in_order, shards)]
+
     with detector_process(*GRACE) as one, detector_process(*GRACE) as a, detector_process(*GRACE) as b:
-        shards: list[list[Any]] = [[], []]
-        for span in recorded:
-            shards[backend_of(routing_key(span), 2)].append(span)
         assert one.post(encode_spans(recorded).SerializeToString()).status_code == 200
         for service, shard in zip((a, b), shards, strict=True):
             assert service.post(encode_spans(shard).SerializeToString()).status_code == 200

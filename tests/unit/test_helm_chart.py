@@ -182,7 +182,21 @@ def test_the_collector_example_routes_sessions_to_the_charts_headless_service_ov
     service, port = exporter["resolver"]["k8s"]["service"], exporter["resolver"]["k8s"]["ports"][0]
     assert service.split(".")[0] == f"{CHART.name}-headless" and port == _values()["service"]["grpcPort"]
     assert "-headless" in (TEMPLATES / "service-headless.yaml").read_text()
-    assert config["service"]["pipelines"]["traces"]["exporters"] == ["load_balancing"]
+    pipelines = config["service"]["pipelines"]
+    assert {name: pipeline["exporters"] for name, pipeline in pipelines.items()} == {
+        "traces/sessions": ["load_balancing"], "traces/no-session": ["load_balancing"]}
+
+
+def test_the_collector_example_keeps_spans_with_a_session_and_spans_without_in_pipelines_of_their_own():
+    """The exporter routes a trace's share of a batch by its first span: a span without a session must never lead
+    a session's spans (tests/integration/test_scale_out.py routes as it does)."""
+    config = yaml.safe_load((ROOT / "helm" / "examples" / "otel-collector-loadbalancing.yaml").read_text())
+    dropped = {name: config["processors"][name]["traces"]["span"] for name in config["processors"]
+               if name.startswith("filter/")}
+    pipelines = config["service"]["pipelines"]
+    kept = {name: [dropped[p] for p in pipeline["processors"] if p in dropped] for name, pipeline in pipelines.items()}
+    assert kept == {"traces/sessions": [['attributes["mcp.session.id"] == nil']],
+                    "traces/no-session": [['attributes["mcp.session.id"] != nil']]}
 
 
 def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
