@@ -33,10 +33,11 @@ AUTHORIZATION: Final = "authorization"
 PROTOCOL_VERSION: Final = "mcp-protocol-version"
 LAST_EVENT_ID: Final = "last-event-id"
 CONTENT_TYPE: Final = "content-type"
+CONTENT_ENCODING: Final = "content-encoding"
 # the headers the hooks read: their names on the wire (lower-case bytes), to the names the hooks key them by
 REQUEST_HEADERS: Final[Mapping[bytes, str]] = {n.encode(): n for n in (SESSION_ID, AUTHORIZATION, PROTOCOL_VERSION,
                                                                         LAST_EVENT_ID)}
-RESPONSE_HEADERS: Final[Mapping[bytes, str]] = {n.encode(): n for n in (SESSION_ID, CONTENT_TYPE)}
+RESPONSE_HEADERS: Final[Mapping[bytes, str]] = {n.encode(): n for n in (SESSION_ID, CONTENT_TYPE, CONTENT_ENCODING)}
 
 CONTENT_SSE: Final = "sse"
 CONTENT_JSON: Final = "json"
@@ -60,12 +61,14 @@ def request_id_of(stream_id: str) -> str | None:
 
 
 def content_of(content_type: str) -> str:
-    """What a response carries: an SSE stream, one JSON body, or neither."""
+    """What a response carries: an SSE stream, one JSON body, or neither. A media type is case-insensitive: the
+    SDK's client reads it lower-cased (a proxy may send ``Text/Event-Stream``)."""
     if content_type.startswith("text/event-stream"):
         return CONTENT_SSE
     if content_type.startswith("application/json"):
         return CONTENT_JSON
-    return CONTENT_NONE
+    lowered = content_type.lower()
+    return content_of(lowered) if lowered != content_type else CONTENT_NONE
 
 
 class Body(NamedTuple):

@@ -21,12 +21,15 @@ from mcp_stream_exporter.lab import serve
 from harness import span_exporter, spans
 
 
-def test_httpx2_async_client_keeps_its_transport_in_underscore_transport():
-    client = httpx2.AsyncClient()
+def test_httpx2_async_client_keeps_its_transport_in_underscore_transport_and_a_proxys_in_its_mounts():
+    client = httpx2.AsyncClient(mounts={"http://proxied.example": httpx2.AsyncHTTPTransport()})
     assert isinstance(client._transport, httpx2.AsyncBaseTransport)
     tapped = instrument_client(client)
     assert tapped is client
     assert type(client._transport).__name__ == "ClientTap"
+    (mounted,) = client._mounts.values()
+    assert type(mounted).__name__ == "ClientTap"
+    assert client._transport_for_url(httpx2.URL("http://proxied.example/mcp")) is mounted
 
 
 def test_httpx2_headers_keep_each_name_raw_and_lower_cased_beside_its_value():

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "exporter" / "mcp_stream_exporter"
 LAYERS = {  # top-level module or sub-package -> layer, lowest first
     "semconv": 0, "auth": 0, "redaction": 0,
-    "wire": 1, "sse": 1, "headers": 1, "scope": 1, "asgi": 1,
+    "wire": 1, "sse": 1, "coding": 1, "headers": 1, "scope": 1, "asgi": 1,
     "exchange": 2,
     "hooks": 3, "guard": 3, "detector": 3, "resume": 3,
     "instrumentation": 4, "lab": 4, "demo": 4, "cli": 4, "__init__": 4,

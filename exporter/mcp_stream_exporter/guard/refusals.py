@@ -21,6 +21,7 @@ import httpx2
 from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 
 from mcp_stream_exporter.exchange import (
+    CONTENT_ENCODING,
     CONTENT_SSE,
     CONTENT_TYPE,
     LAST_EVENT_ID,
@@ -69,7 +70,8 @@ class RefusalResolver(httpx2.AsyncBaseTransport):
             carried += self.pending(session_id, self._carried.get((session_id, cursor), ()))
         response = await self.inner.handle_async_request(request)
         response_headers = pick(response.headers.raw, RESPONSE_HEADERS)
-        if (not carried or response.status_code >= 400
+        # a compressed answer (a proxy's gzip) is left as it is: the refusals it would add are not in its coding
+        if (not carried or response.status_code >= 400 or CONTENT_ENCODING in response_headers
                 or content_of(response_headers.get(CONTENT_TYPE, "")) != CONTENT_SSE):
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)

@@ -17,8 +17,10 @@ from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, route_path
 from mcp_stream_exporter.auth import NOTHING_MISSING, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.coding import Decoder, decoder_for
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
+    CONTENT_ENCODING,
     CONTENT_JSON,
     CONTENT_SSE,
     CONTENT_TYPE,
@@ -52,6 +54,8 @@ from mcp_stream_exporter.wire import (
 )
 
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
+# what Streamable HTTP sends: a health check's HEAD or a browser's CORS preflight (OPTIONS) is no stream
+_MCP_METHODS = frozenset({"POST", "GET", "DELETE"})
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
@@ -62,9 +66,9 @@ Judged = tuple[Requirement | None, tuple[frozenset[str], frozenset[str]], str]
 class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
-    __slots__ = ("asked_in", "body", "calls", "cancelled", "complete", "context", "cursor", "deferred", "disconnected",
-                 "held", "held_bytes", "json_body", "method", "observer", "oversized", "parser", "pending",
-                 "protocol_version", "scope", "start_ns", "status", "stream", "tracker", "unread")
+    __slots__ = ("asked_in", "body", "calls", "cancelled", "complete", "context", "cursor", "decoder", "deferred",
+                 "disconnected", "held", "held_bytes", "json_body", "method", "observer", "oversized", "parser",
+                 "pending", "protocol_version", "scope", "start_ns", "status", "stream", "tracker", "unread")
 
     def __init__(self, observer: WireObserver, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
@@ -101,6 +105,16 @@ class _Exchange:
         self.status = 0
         self.disconnected = False
         self.oversized = False
+        self.decoder: Decoder | None = None  # an answer a middleware inside the observed app compressed
+
+    def decoded(self, message: Message) -> Message:
+        """A compressed answer's body message, as the app's SDK wrote it."""
+        assert self.decoder is not None
+        body = self.decoder(message.get("body", b""))
+        more = message.get("more_body", False)
+        if not more:
+            body += self.decoder.flush()
+        return {"type": "http.response.body", "body": body, "more_body": more}
 
     def release(self) -> None:
         """The exchange is over: let go of its calls, stream and parser. The app's objects that hold our
@@ -221,7 +235,8 @@ class WireObserver:
         tracker = self.tracker
 
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or route_path(scope).rstrip("/") != self.path:
+            if (scope["type"] != "http" or scope["method"] not in _MCP_METHODS
+                    or route_path(scope).rstrip("/") != self.path):
                 await app(scope, receive, send)
                 return
             headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
@@ -230,6 +245,7 @@ class WireObserver:
             ex = _Exchange(self, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
                            headers.get(PROTOCOL_VERSION))
             token = request_scope.bind(rs)
+            outer = scope.get(_EXCHANGE)  # another observer's, around this one (an app instrumented twice)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
             deleting: tuple[str, int] | None = None  # a DELETE of the session the SDK may act on (``deleting``)
 
@@ -258,7 +274,7 @@ class WireObserver:
                 nonlocal deleting
                 kind = message["type"]
                 if kind == "http.response.body":
-                    self._on_response_body(ex, message)
+                    self._on_response_body(ex, message if ex.decoder is None else ex.decoded(message))
                 elif kind == "http.response.start":
                     self._on_response_start(ex, message)
                     if deleting is not None:
@@ -272,7 +288,10 @@ class WireObserver:
                 if deleting is not None:  # never answered
                     tracker.deleted(*deleting, None)
                 request_scope.unbind(token)
-                del scope[_EXCHANGE]
+                if outer is None:
+                    del scope[_EXCHANGE]
+                else:
+                    scope[_EXCHANGE] = outer
                 if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them
                     self.read_unread(ex)
                 stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
@@ -401,6 +420,8 @@ class WireObserver:
         status = int(message.get("status", 0))
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, True)  # lowered
         content = content_of(headers.get(CONTENT_TYPE, ""))
+        if CONTENT_ENCODING in headers:  # a compressing middleware inside the observed app (gzip, deflate)
+            ex.decoder = decoder_for(headers[CONTENT_ENCODING])
         held = content == CONTENT_SSE and ex.method == "POST" and status < 400 and not ex.cursor
         if ex.unread is not None:
             if not held:  # calls the SDK's middleware did not see yet, or never will

@@ -24,8 +24,10 @@ from opentelemetry import trace
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
+from mcp_stream_exporter.coding import Decoder, decoder_for
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
+    CONTENT_ENCODING,
     CONTENT_JSON,
     CONTENT_NONE,
     CONTENT_SSE,
@@ -198,17 +200,26 @@ class ClientInstrumentation:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
+        coding = response_headers.get(CONTENT_ENCODING)
+        decoder = decoder_for(coding) if coding is not None else None  # a proxy's gzip: its frames read decoded
+        if pending is not None and (300 <= status < 400 or (coding is not None and decoder is None)):
+            # no answer to read: a redirect (httpx2 sends the request again where it points, or the SDK fails it),
+            # or one in a coding the hooks cannot undo. Its call is left to the request that follows, or unobserved
+            if early is not None:
+                early.forget()
+            if early is None or early.call is None:
+                return response
         if pending is not None:
             # most likely its result and no more: a JSON body; a resumable session's SSE answer, held. Unless a
             # look-up started it already
-            if (early is None or early.call is None) and status < 400 and request.method == "POST" and (
+            if (early is None or early.call is None) and status < 300 and request.method == "POST" and (
                     content == CONTENT_JSON or (early is not None and content == CONTENT_SSE)):
                 assert isinstance(response.stream, httpx2.AsyncByteStream)
                 assert not isinstance(requested, list)
                 opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
                                            start, status, content)
                 sse = content == CONTENT_SSE
-                tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
+                tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener, decoder)
                 tap.pending, tap.pending_id = pending, requested[0].id
                 if sse:  # its chunks known by their heads while they show the healthy path
                     tap.held, tap.unparsed = [], []
@@ -219,13 +230,13 @@ class ClientInstrumentation:
                 return response
             calls.append(_started(pending, early))
         single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
-        if status < 400 and request.method == "POST" and (
+        if status < 300 and request.method == "POST" and (
                 (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
                                        status, content)
             sse = content == CONTENT_SSE
-            tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener)
+            tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener, decoder)
             if sse:  # its frames read as they pass, and kept until it ends
                 tap.held = []
                 if single:  # its chunks known by their heads while they show the healthy path
@@ -239,12 +250,12 @@ class ClientInstrumentation:
         stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
         if stream is None:
             return response
-        if content == CONTENT_NONE or response.status_code >= 400:
-            self.tracker.end_stream(stream, sc.END_HTTP_ERROR if response.status_code >= 400 else sc.END_CLEAN,
-                                    response.status_code)
+        if content == CONTENT_NONE or status >= 300:  # a redirect delivers nothing, and is no clean end either
+            self.tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status)
+        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status,
+                                     decoder=decoder)
         return response
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
@@ -295,10 +306,12 @@ class _TapStream(httpx2.AsyncByteStream):
     pending: PendingAnswer | None = None
     pending_id: str | None = None
     _answered_early: _Pending | None = None  # a resumable session's pending call its result ended as it passed
+    _decoder: Decoder | None = None  # a compressed answer's: its chunks read decoded
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, sse: bool,
                  status: int, calls: list[Call] | None = None,
-                 opener: Callable[[_TapStream | None], Stream | None] | None = None) -> None:
+                 opener: Callable[[_TapStream | None], Stream | None] | None = None,
+                 decoder: Decoder | None = None) -> None:
         self._inner = inner
         self._tracker = tracker
         self._stream = stream
@@ -307,6 +320,8 @@ class _TapStream(httpx2.AsyncByteStream):
         if sse:
             self._parser = SSEParser()
         self._status = status
+        if decoder is not None:
+            self._decoder = decoder
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._chunks is None:  # httpx2 asks twice (``__aiter__()``, then ``async for``): one inner iterator
@@ -320,6 +335,8 @@ class _TapStream(httpx2.AsyncByteStream):
         except StopAsyncIteration:
             if not self._exhausted:
                 self._exhausted = True
+                if self._decoder is not None and (tail := self._decoder.flush()):
+                    self._take(tail)
                 self._ended()
             raise
         except Exception:
@@ -328,6 +345,11 @@ class _TapStream(httpx2.AsyncByteStream):
         except BaseException:  # cancelled while reading: the client gave up on it
             self._end(sc.END_CLOSED)
             raise
+        self._take(chunk if self._decoder is None else self._decoder(chunk))
+        return chunk
+
+    def _take(self, chunk: bytes) -> None:
+        """A chunk of the answer, as its reader will read it (decoded)."""
         held = self.held
         if held is not None:  # what ``_keep`` takes in, up to the bounds of a held stream, then followed
             unparsed = self.unparsed
@@ -349,7 +371,6 @@ class _TapStream(httpx2.AsyncByteStream):
             if type(self._json) is bytes:  # a second chunk: joined in place from now on
                 self._json = bytearray(self._json)
             self._json += chunk
-        return chunk
 
     def _feed(self, chunk: bytes) -> None:
         assert self._parser is not None
@@ -566,6 +587,13 @@ class _Pending:
             self.answered = terminal
         return answer(terminal)
 
+    def forget(self) -> None:
+        """Its request got no answer to read, which loses nothing (a redirect the client follows, an answer in a
+        coding the hooks cannot undo): no longer pending, never started, unless a look-up started it already."""
+        if self._answer is not None and self.answered is None:
+            self._answer = None
+            self._tracker.unpend(self._key)
+
     def answered_late(self) -> Call:
         """The call its result ended on the healthy path (``answered``), started now for a stream that deviated
         after that result: ended as it was by the caller (``Tracker.answered_by``), once it counts the stream."""
@@ -621,6 +649,10 @@ class ClientTap(httpx2.AsyncBaseTransport):
     def handle_async_request(self, request: httpx2.Request) -> Coroutine[Any, Any, httpx2.Response]:
         return self.instrumentation.handle(self._inner, request)  # its coroutine, not one more around it
 
+    async def __aenter__(self) -> ClientTap:
+        await self._inner.__aenter__()
+        return self
+
     async def aclose(self) -> None:
         await self._inner.aclose()
 
@@ -636,13 +668,16 @@ def instrument_client(
     """An ``httpx2.AsyncClient`` for ``streamable_http_client(url, http_client=...)``, with the tap.
 
     Without ``client``, builds one with the MCP SDK's default timeouts (``client_options`` go to
-    ``httpx2.AsyncClient``, e.g. ``auth=``). With ``client``, taps its transport in place: that
-    touches ``AsyncClient._transport``, which ``tests/integration/test_sdk_contract.py`` pins.
+    ``httpx2.AsyncClient``, e.g. ``auth=``, ``proxy=``), its transports as ``httpx2`` builds them (a proxy from the
+    environment included). Either way every transport the client routes through is tapped in place, its own and its
+    mounts' (a proxy's): that touches ``AsyncClient._transport`` and ``_mounts``, which
+    ``tests/integration/test_sdk_contract.py`` pins.
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
-    if client is not None:
-        client._transport = ClientTap(client._transport, instr)
-        return client
-    client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
-    inner = httpx2.AsyncHTTPTransport()
-    return httpx2.AsyncClient(transport=ClientTap(inner, instr), **client_options)
+    if client is None:
+        client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
+        client = httpx2.AsyncClient(**client_options)
+    client._transport = ClientTap(client._transport, instr)
+    client._mounts = {pattern: None if transport is None else ClientTap(transport, instr)
+                      for pattern, transport in client._mounts.items()}
+    return client
