@@ -1,80 +1,67 @@
-"""A body's content coding, undone on a copy: what a side reads of a compressed answer.
+"""A body's content codings, undone on a copy as the SDK's HTTP stack undoes them: what a side reads of a
+compressed answer.
 
-A proxy or a middleware may compress an MCP answer (``Content-Encoding: gzip``): the client's HTTP stack
-decodes it before the SDK reads it, and the server's middleware encodes it after the SDK wrote it. The hooks
-read the bytes on the wire, so they decode a copy, chunk by chunk, as the HTTP stack does; read as they come,
-compressed bytes would be no frame and no result, and a healthy answer would look empty. gzip and deflate are
-the codings ``httpx2`` accepts without optional packages; any other the hooks cannot read (``decoder_for``).
+A proxy or a middleware may compress an MCP answer (``Content-Encoding: gzip``): the client's ``httpx2`` decodes
+it before the SDK reads it, and the server's middleware encodes it after the SDK wrote it. The hooks read the bytes
+on the wire, so they decode a copy with ``httpx2``'s own decoders (pinned by tests/integration/test_sdk_contract.py):
+the same codings (``br`` and ``zstd`` only where their packages are installed), the same header lines joined, the
+same unknown codings passed through as they are. Read as they come, compressed bytes would be no frame and no
+result, and a healthy answer would look empty.
+
+Bounded: a raw chunk decodes to at most ``MAX_DECODED_BYTES`` (a ratio no real answer has in one network read; a
+compression bomb's rest reads as empty), so a small hostile answer cannot make the hooks hold what it inflates to.
 """
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Callable, Iterator, Sequence
 
-_GZIP = frozenset({"gzip", "x-gzip"})
-_ALL = _GZIP | {"deflate", "identity"}
+from httpx2 import DecodingError
+from httpx2._decoders import MultiDecoder
+
+MAX_DECODED_BYTES = 16 * 1024 * 1024
 
 
 class Decoder:
-    """Undoes a body's codings (gzip, deflate; several in the order they were applied), chunk by chunk. A body
-    that does not decode reads as empty from there on: the HTTP stack fails it too, and its reader is told."""
+    """Undoes an answer's codings chunk by chunk. An answer that does not decode, or inflates past the bound, reads
+    as empty from there on: the HTTP stack fails the first too, and its reader is told."""
 
-    __slots__ = ("_broken", "_layers")
+    __slots__ = ("_broken", "_codings")
 
-    def __init__(self, codings: list[str]) -> None:
-        # undone in the reverse of the order they were applied; deflate is zlib-wrapped, or raw from some servers
-        self._layers: list[_Layer] = [_Layer(coding) for coding in reversed(codings) if coding != "identity"]
+    def __init__(self, codings: MultiDecoder) -> None:
+        self._codings = codings
         self._broken = False
 
     def __call__(self, chunk: bytes) -> bytes:
-        if self._broken:
-            return b""
-        try:
-            for layer in self._layers:
-                chunk = layer.decode(chunk)
-        except zlib.error:
-            self._broken = True
-            return b""
-        return chunk
+        return self._joined(self._codings.decode, chunk)
 
     def flush(self) -> bytes:
-        """What the decoders still hold at the body's end."""
+        """What the decoders still hold at the answer's end."""
+        return self._joined(lambda _: self._codings.flush(), b"")
+
+    def _joined(self, decode: Callable[[bytes], Iterator[bytes]], chunk: bytes) -> bytes:
         if self._broken:
             return b""
-        tail = b""
+        pieces: list[bytes] = []
+        size = 0
         try:
-            for layer in self._layers:
-                tail = layer.decode(tail) + layer.flush()
-        except zlib.error:
+            for piece in decode(chunk):
+                size += len(piece)
+                if size > MAX_DECODED_BYTES:
+                    self._broken = True
+                    break
+                pieces.append(piece)
+        except DecodingError:
             self._broken = True
-            return b""
-        return tail
+        return b"".join(pieces)
 
 
-class _Layer:
-    __slots__ = ("_deflate", "_inflater", "_started")
-
-    def __init__(self, coding: str) -> None:
-        self._deflate = coding == "deflate"
-        self._inflater = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding in _GZIP else zlib.MAX_WBITS)
-        self._started = False
-
-    def decode(self, data: bytes) -> bytes:
-        if self._deflate and not self._started and data:
-            self._started = True
-            try:
-                return self._inflater.decompress(data)
-            except zlib.error:  # raw deflate, with no zlib header
-                self._inflater = zlib.decompressobj(-zlib.MAX_WBITS)
-        return self._inflater.decompress(data)
-
-    def flush(self) -> bytes:
-        return self._inflater.flush()
-
-
-def decoder_for(content_encoding: str) -> Decoder | None:
-    """The decoder of a ``Content-Encoding`` value; None for a coding the hooks cannot undo (``br``, ``zstd``)."""
-    codings = [coding.strip().lower() for coding in content_encoding.split(",") if coding.strip()]
-    if not codings or any(coding not in _ALL for coding in codings):
+def decoder_for(content_encoding: Sequence[str]) -> Decoder | None:
+    """The decoder of a response's ``Content-Encoding`` lines, as ``httpx2.Response`` builds it; None when they name
+    nothing it decodes (``identity``, or a coding whose package is missing: ``httpx2`` passes those through)."""
+    codings = [coding.strip().lower() for line in content_encoding for coding in line.split(",")]
+    try:
+        decoder = MultiDecoder([coding for coding in codings if coding and coding != "identity"])
+    except DecodingError:  # more codings than it applies: httpx2 fails the answer, which the SDK then reports
         return None
-    return Decoder(codings)
+    return Decoder(decoder) if decoder.children else None

@@ -32,6 +32,16 @@ def test_httpx2_async_client_keeps_its_transport_in_underscore_transport_and_a_p
     assert client._transport_for_url(httpx2.URL("http://proxied.example/mcp")) is mounted
 
 
+def test_httpx2_builds_a_responses_decoder_from_its_codings_with_multidecoder():
+    """coding.py decodes a compressed answer's copy with ``httpx2._decoders.MultiDecoder``, as ``Response`` does:
+    the codings in the order applied, the unknown ones left out, each decoded in pieces."""
+    from httpx2._decoders import MultiDecoder
+
+    decoder = MultiDecoder(["deflate", "no-such-coding", "gzip"])
+    assert [type(child).__name__ for child in decoder.children] == ["GZipDecoder", "DeflateDecoder"]
+    assert list(MultiDecoder(["gzip"]).decode(b"")) == []
+
+
 def test_httpx2_headers_keep_each_name_raw_and_lower_cased_beside_its_value():
     """The client hooks read request and response headers off ``Headers._list`` (raw name, lower-cased
     name, value) rather than building ``Headers.raw`` and lowering every name again."""

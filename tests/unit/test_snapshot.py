@@ -287,3 +287,29 @@ def test_spans_applied_while_a_snapshot_copies_its_sessions_are_never_restored_w
     assert {f.id for f in restarted.findings} == {f.id for f in detector.findings}
     assert _judged(restarted, clock) == _judged(detector, clock)
     assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
+
+
+def test_a_delivery_applied_while_the_sessions_are_copied_is_applied_again_when_its_batch_comes_again(tmp_path,
+                                                                                                      monkeypatch):
+    """A span the ingest thread applies once its session was copied is not in the snapshot: after a crash, the
+    exporter sends its batch again (the answer was lost with the process), and it must not be taken as seen."""
+    clock = Clock()
+    detector = _fed(clock, [stream(C, "post", "clean", pending=("3",), last="41")])  # its grace timer runs
+    delivery = [stream(C, "resume", "clean", ids=("3",), terminal=("3",), cursor="41", last="42")]
+    snapshots = Snapshots(detector, tmp_path / "ledger.db")
+    chunks = snapshots._chunks
+
+    def sessions_then_ingest(keys: list[str], per_lock: int, read: Callable[[list[str]], list]) -> Iterator[list]:
+        yield from chunks(keys, per_lock, read)
+        detector.consume(delivery)
+        monkeypatch.setattr(snapshots, "_chunks", chunks)
+
+    monkeypatch.setattr(snapshots, "_chunks", sessions_then_ingest)
+    snapshots.save()
+    assert _judged(detector, clock) == set()
+    snapshots._lock_file, lock_file = None, snapshots._lock_file  # a crash: no final snapshot, the lock let go
+    os.close(lock_file)
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted.consume(delivery)
+    assert _judged(restarted, clock) == set()

@@ -765,8 +765,11 @@ class Ledger:
         return {"evictions": dict(self.evictions),
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
                 "issued": [[origin, key, list(issues)] for (origin, key), issues in self._issued.items()],
-                "timers": list(self._timers), "seq": self._seq,
-                "seen": list(itertools.islice(reversed(self._seen_order), _SEEN_FLOOR))[::-1]}
+                "timers": list(self._timers), "seq": self._seq, "seen": self.dump_seen()}
+
+    def dump_seen(self) -> list[int]:
+        """The newest of the retry window (``first_sight``): what a batch that comes again after a restart skips."""
+        return list(itertools.islice(reversed(self._seen_order), _SEEN_FLOOR))[::-1]
 
     def session_scopes(self) -> list[str]:
         """Every session's scope, least recently active first."""

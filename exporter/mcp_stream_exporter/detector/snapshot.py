@@ -7,11 +7,12 @@ the ledger (and token-shaped values are redacted at ingest), so they never reach
 
 It scales with the ledger and never stalls ingest: the state is written as many rows of at most about
 a MiB, each taken under the detector's lock for one chunk of sessions (or findings, timers, look-ups)
-and serialised outside it. The sessions are taken first, the rest after them: a session is never newer
-than the timers, look-ups and findings restored with it. All rows of a snapshot are replaced in one
-transaction, so a crash mid-write leaves the previous snapshot whole; a crash (SIGKILL) between
-snapshots loses at most the interval's spans. A failed write is logged with its cause and counted
-(``mcp_stream_detector_errors_total{where="snapshot"}``), and the next interval tries again.
+and serialised outside it. The retry window is taken before the sessions, the rest after them: a
+session is never newer than the timers, look-ups and findings restored with it, nor older than the
+retry window. All rows of a snapshot are replaced in one transaction, so a crash mid-write leaves the
+previous snapshot whole; a crash (SIGKILL) between snapshots loses at most the interval's spans. A
+failed write is logged with its cause and counted (``mcp_stream_detector_errors_total{where="snapshot"}``),
+and the next interval tries again.
 
 At start: a file that is not a readable snapshot is moved aside (``<path>.corrupt-<time>``) and the
 detector starts empty, saying so; a file of a newer format is left untouched and never overwritten;
@@ -196,6 +197,9 @@ class Snapshots:
         detector = self.detector
         with detector.lock:  # cheap copies only; serialising happens outside the lock
             scopes = detector.ledger.session_scopes()
+            # the retry window as the sessions begin to be copied, never newer than they are: a batch that comes
+            # again after a crash, applied while they were copied, is applied again rather than taken as seen
+            seen = detector.ledger.dump_seen()
         size = 0
         with closing(self._connect()) as db:
             for statement in _SCHEMA:
@@ -211,7 +215,7 @@ class Snapshots:
                 with detector.lock:
                     taken_ns = detector.clock()
                     finding_ids = [f.id for f in detector.findings]
-                    rest = detector.ledger.dump_rest()
+                    rest = {**detector.ledger.dump_rest(), "seen": seen}
                 rows.add_all("findings", self._chunks(finding_ids, _FINDINGS_PER_LOCK, self._findings))
                 for kind in ("sdk_spans", "issued", "timers"):
                     rows.add_all(kind, iter([rest.pop(kind)]))

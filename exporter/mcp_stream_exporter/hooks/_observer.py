@@ -37,7 +37,7 @@ from mcp_stream_exporter.exchange import (
     read_body,
     stream_kind,
 )
-from mcp_stream_exporter.headers import pick
+from mcp_stream_exporter.headers import pick, values
 from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._spans import Call, CallKey, Stream, lacks
 from mcp_stream_exporter.hooks._tracking import HOLD_BYTES, HOLD_PIECES, HeldFrame, Requirements, Tracker
@@ -420,8 +420,8 @@ class WireObserver:
         status = int(message.get("status", 0))
         headers = pick(message.get("headers", ()), RESPONSE_HEADERS, True)  # lowered
         content = content_of(headers.get(CONTENT_TYPE, ""))
-        if CONTENT_ENCODING in headers:  # a compressing middleware inside the observed app (gzip, deflate)
-            ex.decoder = decoder_for(headers[CONTENT_ENCODING])
+        if CONTENT_ENCODING in headers:  # a compressing middleware inside the observed app: read as httpx2 will
+            ex.decoder = decoder_for(values(message.get("headers", ()), CONTENT_ENCODING))
         held = content == CONTENT_SSE and ex.method == "POST" and status < 400 and not ex.cursor
         if ex.unread is not None:
             if not held:  # calls the SDK's middleware did not see yet, or never will

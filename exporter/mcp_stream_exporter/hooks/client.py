@@ -200,11 +200,12 @@ class ClientInstrumentation:
             session_id = response_headers.get(SESSION_ID)
         content = content_of(response_headers.get(CONTENT_TYPE, ""))
         status = response.status_code
-        coding = response_headers.get(CONTENT_ENCODING)
-        decoder = decoder_for(coding) if coding is not None else None  # a proxy's gzip: its frames read decoded
-        if pending is not None and (300 <= status < 400 or (coding is not None and decoder is None)):
-            # no answer to read: a redirect (httpx2 sends the request again where it points, or the SDK fails it),
-            # or one in a coding the hooks cannot undo. Its call is left to the request that follows, or unobserved
+        # a proxy's gzip: the answer read decoded, every line of the header as httpx2 reads them
+        decoder = (decoder_for(response.headers.get_list(CONTENT_ENCODING)) if CONTENT_ENCODING in response_headers
+                   else None)
+        if pending is not None and 300 <= status < 400:
+            # no answer: a redirect (the SDK sends the request again where it points, or fails it); its call is left
+            # to the request that follows
             if early is not None:
                 early.forget()
             if early is None or early.call is None:
@@ -588,8 +589,8 @@ class _Pending:
         return answer(terminal)
 
     def forget(self) -> None:
-        """Its request got no answer to read, which loses nothing (a redirect the client follows, an answer in a
-        coding the hooks cannot undo): no longer pending, never started, unless a look-up started it already."""
+        """Its request was redirected, which loses nothing (the SDK sends it again where it points, or fails it): no
+        longer pending, never started, unless a look-up started it already."""
         if self._answer is not None and self.answered is None:
             self._answer = None
             self._tracker.unpend(self._key)
