@@ -14,7 +14,7 @@ compression bomb's rest reads as empty), so a small hostile answer cannot make t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from httpx2 import DecodingError
 from httpx2._decoders import MultiDecoder
@@ -33,19 +33,18 @@ class Decoder:
         self._broken = False
 
     def __call__(self, chunk: bytes) -> bytes:
-        return self._joined(self._codings.decode, chunk)
+        return b"" if self._broken else self._joined(self._codings.decode(chunk))
 
     def flush(self) -> bytes:
         """What the decoders still hold at the answer's end."""
-        return self._joined(lambda _: self._codings.flush(), b"")
+        return b"" if self._broken else self._joined(self._codings.flush())
 
-    def _joined(self, decode: Callable[[bytes], Iterator[bytes]], chunk: bytes) -> bytes:
-        if self._broken:
-            return b""
+    def _joined(self, decoded: Iterator[bytes]) -> bytes:
+        """The pieces the decoders yield (they decode as they are drawn), up to the bound."""
         pieces: list[bytes] = []
         size = 0
         try:
-            for piece in decode(chunk):
+            for piece in decoded:
                 size += len(piece)
                 if size > MAX_DECODED_BYTES:
                     self._broken = True
