@@ -1,12 +1,15 @@
 """An SSE body's end is read as the SDK's client reads it: a frame whose last line a lone CR ended is
 dispatched (httpx2 takes that CR for a line end and the blank line after it), so the hooks on both sides
-see the call answered, as the client was, rather than a clean end with the call pending."""
+see the call answered, as the client was, rather than a clean end with the call pending; and an answer its app stops
+before its end is one the client reads cut short, not ended."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
+import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -71,3 +74,35 @@ async def test_a_result_whose_frame_a_last_cr_ends_is_the_healthy_path_on_both_s
         assert after_grace(found, clock) == []
     assert ours(spans(), sc.SPAN_CALL) == []
     assert [s for s in ours(spans(), sc.SPAN_STREAM) if s.attributes.get(sc.PENDING_REQUEST_IDS)] == []
+
+
+def _stopping_server():
+    """A hand-written 2026-07-28 server whose tools/call answer sends a progress frame, then stops before its body's
+    last message: a redeploy cancelling the app, whose client reads the answer cut short."""
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        progress = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(progress).encode() + b"\r\n\r\n",
+                    "more_body": True})
+        raise asyncio.CancelledError  # the app stops here
+    return app
+
+
+async def test_an_answer_its_app_stops_before_its_end_is_cut_short_and_pages_nothing_on_the_servers_spans():
+    span_exporter().clear()
+    server = ServerInstrumentation()
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "slow", "arguments": {}}}
+    with detector() as (found, clock):
+        async with serve(server.asgi(_stopping_server())) as port, httpx2.AsyncClient() as http:
+            with contextlib.suppress(httpx2.HTTPError):
+                await http.post(f"http://127.0.0.1:{port}/mcp", json=call,
+                                headers={"mcp-protocol-version": "2026-07-28", "accept": "text/event-stream"})
+        assert after_grace(found, clock) == []
+    (post,) = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER)
+    assert post.attributes[sc.END_REASON] == sc.END_DROPPED

@@ -100,7 +100,7 @@ class _Exchange:
         self.parser: SSEParser | None = None
         self.held: list[tuple[bytes, int]] | None = None  # a POST's SSE chunks and when each was sent, unread
         self.held_bytes = 0
-        self.complete = False  # the app sent the body's last message
+        self.complete = False  # the app sent the body's last message (before ``follow``: it reads all that is held)
         self.json_body: bytearray | None = None
         self.status = 0
         self.disconnected = False
@@ -274,6 +274,8 @@ class WireObserver:
                 nonlocal deleting
                 kind = message["type"]
                 if kind == "http.response.body":
+                    if not message.get("more_body", False):
+                        ex.complete = True
                     self._on_response_body(ex, message if ex.decoder is None else ex.decoded(message))
                 elif kind == "http.response.start":
                     self._on_response_start(ex, message)
@@ -296,7 +298,10 @@ class WireObserver:
                     self.read_unread(ex)
                 stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
                 if stream is not None:
-                    tracker.end_stream(stream, sc.END_DROPPED if ex.disconnected else sc.END_CLEAN, ex.status)
+                    # an app that returned or failed (a cancel at shutdown) before its body's last message leaves
+                    # a response its client reads as cut short, not ended
+                    complete = ex.complete and not ex.disconnected
+                    tracker.end_stream(stream, sc.END_CLEAN if complete else sc.END_DROPPED, ex.status)
                 ex.release()
 
         return observed
@@ -492,7 +497,6 @@ class WireObserver:
     def _on_response_body(self, ex: _Exchange, message: Message) -> None:
         held = ex.held
         if held is not None:  # a held stream (``_on_response_start``): its chunks kept, read at its end
-            ex.complete = not message.get("more_body", False)  # before ``follow``: it may read all that is held
             chunk = message.get("body", b"")
             if chunk:
                 held.append((chunk, time.time_ns()))
