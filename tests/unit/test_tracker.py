@@ -551,6 +551,27 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     assert computed == ["a", "b", "a"]
 
 
+def test_a_re_issue_whose_broken_calls_print_was_dropped_past_the_bound_is_still_told(monkeypatch):
+    """More distinct broken calls than the bound: the oldest prints go, and for a while every stateless call is told
+    as a possible re-issue, so the detector sees the one sent again rather than paging its call ``not_reissued``."""
+    monkeypatch.setattr(_tracking, "_MAX_BROKEN", 2)
+    tracker, exporter = _tracker()
+
+    def fingerprinted(print_: str):
+        return lambda tool, arguments: print_
+
+    broken = [tracker.start_call(None, _request(n), "2026-07-28", ABSENT, stateless=True,
+                                 identify=fingerprinted(f"p{n}")) for n in (1, 2, 3)]
+    tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, broken, {}, ABSENT, 200), sc.END_DROPPED)
+    assert "p1" not in tracker._broken and tracker.reissues_possible()
+    again = tracker.start_call(None, _request(4), "2026-07-28", ABSENT, stateless=True, identify=fingerprinted("p1"))
+    assert again.span is not None
+    markers = [s for s in _by(exporter, sc.SPAN_CALL) if s.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_REISSUED]
+    assert [m.attributes[sc.CALL_ARGUMENTS_HASH] for m in markers] == ["p1"]
+    tracker._broken.clear()  # the watch ends with it
+    assert not tracker.reissues_possible()
+
+
 def test_each_of_several_broken_calls_alike_has_its_re_issue_told_and_one_more_call_alike_is_no_re_issue():
     """Two calls with the same arguments broken by one cut, each sent again by its caller: the detector matches a
     re-issue to one broken call, so each re-issue must say so, and a third call alike is a call of its own."""

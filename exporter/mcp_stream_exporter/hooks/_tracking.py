@@ -67,10 +67,31 @@ _MAX_STORE_FAILED = 1024  # (server) sessions whose event store failed: a later 
 # holds nothing back for longer
 _DELETE_WAIT_S = 5.0
 _MAX_HELD_ENDS = 10_000  # a session: each held a moment, and one session seldom has this many streams open
-# Those of every client in this process, each with how many such calls await their re-issue (one re-issue answers one
-# of them, as the detector matches them): a caller may re-issue through another client than the one that broke (a
+# how long, once a fingerprint was dropped past ``_MAX_BROKEN``, every stateless call is told as a possible re-issue
+_EVICTED_WATCH_S = 600.0
+
+
+class BrokenCalls(OrderedDict[str, int]):
+    """Fingerprints of stateless calls whose stream broke, each with how many such calls await their re-issue (one
+    re-issue answers one of them, as the detector matches them), the oldest dropped past ``_MAX_BROKEN``. A dropped
+    one's re-issue would look like any call, on the healthy path, with no span: the detector would page its call
+    ``not_reissued``. So for ``_EVICTED_WATCH_S`` after a drop, every stateless call is told as a possible re-issue
+    (``watching``): more spans in an outage that broke that many calls, never a page for a call sent again."""
+
+    evicted_until = 0.0
+
+    def watching(self) -> bool:
+        until = self.evicted_until
+        return until > 0 and until > time.monotonic()
+
+    def clear(self) -> None:
+        super().clear()
+        self.evicted_until = 0.0
+
+
+# Those of every client in this process: a caller may re-issue through another client than the one that broke (a
 # new one after an error), and the detector matches a re-issue within the client process (``issued``, by origin)
-BROKEN_IN_PROCESS: OrderedDict[str, int] = OrderedDict()
+BROKEN_IN_PROCESS = BrokenCalls()
 
 
 # (server) a terminal event stored on a pending call's stream (``Tracker.keep_stored``): its fields, when, and the
@@ -191,7 +212,7 @@ class Tracker:
     """Per-side bookkeeping of calls and streams, bounded: the oldest pending call is evicted first."""
 
     def __init__(self, tracer: SpanStarter, role: str, *, max_calls: int = 10_000,
-                 max_event_index: int = 50_000, broken: OrderedDict[str, int] | None = None) -> None:
+                 max_event_index: int = 50_000, broken: BrokenCalls | None = None) -> None:
         self._tracer = tracer
         self._role = role
         self._stream_kind = SpanKind.SERVER if role == sc.ROLE_SERVER else SpanKind.CLIENT
@@ -200,7 +221,7 @@ class Tracker:
         self._calls: OrderedDict[CallKey, Call] = OrderedDict()
         self._event_index: OrderedDict[tuple[str | None, str], tuple[str, ...]] = OrderedDict()
         # fingerprints of stateless calls whose stream broke (a client's: ``BROKEN_IN_PROCESS``)
-        self._broken: OrderedDict[str, int] = OrderedDict() if broken is None else broken
+        self._broken = BrokenCalls() if broken is None else broken
         # who holds the server's held streams, by session: what a resume reads first (``hold``)
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
@@ -239,13 +260,15 @@ class Tracker:
         call = Call((session_id, msg.id), msg.tool, msg.method or "", self._role, auth, protocol_version, stateless,
                     start_time or time.time_ns(), msg.traceparent, identify,
                     None if identify is None else msg.arguments)
-        fingerprint = call.fingerprint if reissue and self._broken else None
+        fingerprint = call.fingerprint if reissue and (self._broken or self._broken.watching()) else None
         if fingerprint is not None and fingerprint in self._broken:
             left = self._broken[fingerprint] - 1
             if left:
                 self._broken[fingerprint] = left
             else:
                 del self._broken[fingerprint]
+            self._reissued(call)
+        elif fingerprint is not None and stateless and self._broken.watching():  # perhaps one whose print was dropped
             self._reissued(call)
         # a stateless call lives and dies with its one stream: nothing to look up. An id its session reuses while
         # its call is pending (MCP forbids it, the guard refuses it) is observed on its own stream, untracked:
@@ -267,7 +290,7 @@ class Tracker:
 
     def reissues_possible(self) -> bool:
         """Whether a call starting now may be the re-issue of one whose stream broke (``start_call``)."""
-        return bool(self._broken)
+        return bool(self._broken) or self._broken.watching()
 
     def _evict(self, call: Call) -> None:
         self._unhold(call)  # its result may be held: then it ends with it, as it would have
@@ -460,6 +483,7 @@ class Tracker:
             self._broken.move_to_end(fingerprint)
             if len(self._broken) > _MAX_BROKEN:
                 self._broken.popitem(last=False)
+                self._broken.evicted_until = time.monotonic() + _EVICTED_WATCH_S
         if terminal is not None and self._results_out is not None:
             self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
         if call.closed:  # its span ended when its result was stored and nothing carried it (``unsent``)
