@@ -53,8 +53,6 @@ def annotate(sdk: SdkSpan, terminal: Terminal) -> None:
 _SPAN_ID: Final = 1  # where a SpanContext, a tuple, keeps its span id (``SpanContext.span_id`` reads it there)
 
 
-
-
 class SdkSpans(SpanProcessor):
     """Keeps the SDK's open ``MCP send tools/call`` spans by span id, so a healthy call can be
     recorded on the SDK's span (semconv: add MCP attributes to the existing span rather than start

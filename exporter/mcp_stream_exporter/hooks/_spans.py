@@ -127,7 +127,6 @@ def sdk_parent(traceparent: str | None) -> Context | None:
     return trace.set_span_in_context(NonRecordingSpan(ctx))
 
 
-
 Description = tuple[str, dict[str, AttributeValue]]  # a span's name and attributes
 Identify = Callable[[str | None, Any], str]  # a call's fingerprint, of its tool and its arguments
 # What a side saw of an exchange when its response started: HTTP method, content, protocol version,
@@ -363,7 +362,6 @@ def requirement_attributes(requirement: Requirement | None,
     return attrs
 
 
-
 class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
@@ -423,7 +421,6 @@ def _request_span(attrs: dict[str, AttributeValue], traceparent: str | None) -> 
     parsed = _TRACEPARENT.match(traceparent) if traceparent is not None else None  # as ``sdk_parent`` reads it
     if parsed is not None and parsed.group(3) != "0" * 16:
         attrs[sc.CALL_REQUEST_SPAN_ID] = parsed.group(3)
-
 
 
 Terminal = tuple[str, str | None]  # where a call's terminal event came: the stream's kind, the event's id

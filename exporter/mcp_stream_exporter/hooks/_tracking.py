@@ -139,7 +139,6 @@ class Unread(Protocol):
         ...
 
 
-
 class Requirements:
     """What each call of a session required, kept after the call ends (a resume may come later), bounded:
     the server's replay span compares the resuming token with it."""
@@ -159,8 +158,6 @@ class Requirements:
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 _TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})  # ``WireMessage.is_terminal``
-
-
 
 
 def _terminal_attributes(terminal: Terminal) -> dict[str, AttributeValue]:
