@@ -25,6 +25,7 @@ from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CreateMessageResult, ElicitResult, ListRootsResult, Root, SamplingMessage, TextContent
 from pydantic import BaseModel, FileUrl
+from starlette.middleware.gzip import GZipMiddleware
 
 from mcp_stream_exporter.auth import Requirement, TokenReader
 from mcp_stream_exporter.guard import GuardedEventStore
@@ -470,3 +471,22 @@ async def test_an_initialize_inside_a_live_session_is_refused_and_changes_no_run
         result = await asyncio.wait_for(fetch, 20)
     assert refused.status_code == 400 and "initialize" in refused.json()["error"]["message"]
     assert SECRET in str(result)
+
+
+async def test_a_stream_compressed_inside_the_guards_layer_is_refused_never_sent_unread():
+    """A compressor between the guard's ASGI layer and the SDK: the guard can read neither the events of a GET
+    stream nor write its refusal into them, so it refuses every such stream explicitly (fails closed)."""
+    issuer, broad, narrow = _broad_and_narrow()
+    store = GuardedEventStore(incident_policy())
+    mcp = build_incident_server(issuer, step_delay=0.05)
+    inner = GZipMiddleware(mcp.streamable_http_app(event_store=store, retry_interval=200), minimum_size=0,
+                           exclude_content_types=())
+    async with serve(store.asgi(inner, "/mcp")) as port:
+        server = Server(port, mcp)
+        async with honest_client(server, broad) as (client, progress):
+            fetch = await fetch_in_flight(client, progress)
+            (session_id,) = server.session_ids()
+            bodies = await resume_everywhere(server.url, session_id, narrow, upto=12)
+            fetch.cancel()
+    assert not leaked(bodies), "a narrow token read fetch's events through a compressed stream"
+    assert all('"error": "stream_encoded"' in b for b in bodies), bodies[:2]

@@ -28,6 +28,7 @@ AMBIGUOUS_REQUEST: Final = "ambiguous_request"
 STORE_UNAVAILABLE: Final = "store_unavailable"
 SESSION_OWNER_GONE: Final = "session_owner_gone"
 SESSION_ENDED: Final = "session_ended"
+STREAM_ENCODED: Final = "stream_encoded"
 
 DETAILS: Final = {
     INSUFFICIENT_AUDIENCE: "the token's aud or scopes do not cover this event's call: re-authorise for "
@@ -47,6 +48,8 @@ DETAILS: Final = {
                         "re-issue it",
     SESSION_ENDED: "the session was ended (deleted) or expired while the call was pending: start a new session "
                    "and re-issue it",
+    STREAM_ENCODED: "a middleware inside the guard compresses this stream, whose events the guard must read: the "
+                    "server's operator must compress outside the guard's ASGI layer",
 }
 
 

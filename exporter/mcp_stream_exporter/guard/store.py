@@ -64,6 +64,7 @@ from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, rou
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
+    CONTENT_ENCODING,
     CONTENT_SSE,
     CONTENT_TYPE,
     LAST_EVENT_ID,
@@ -85,6 +86,7 @@ from mcp_stream_exporter.guard.error_frame import (
     SESSION_ENDED,
     SESSION_OWNER_GONE,
     STORE_UNAVAILABLE,
+    STREAM_ENCODED,
     TOKEN_UNVERIFIED,
     UNKNOWN_CURSOR,
     plain,
@@ -143,6 +145,15 @@ class _Request:
 
 
 _current: ContextVar[_Request | None] = ContextVar("mcp_stream_guard_request", default=None)
+
+
+_CODED_BODY_HEADERS = frozenset({b"content-encoding", b"content-length"})
+
+
+def _encoded(start: Message) -> bool:
+    """Whether a response's body has a content coding (other than ``identity``)."""
+    return any(coding.strip().lower() not in ("", "identity")
+               for line in values(start.get("headers", ()), CONTENT_ENCODING) for coding in line.split(","))
 
 
 @dataclass(slots=True)
@@ -459,6 +470,17 @@ class GuardedEventStore(EventStore):
                 nonlocal answered_here
                 if held or (elsewhere and message["type"] == "http.response.start" and message["status"] == 404):
                     held.append(message)
+                    return
+                if (get is not None and message["type"] == "http.response.start" and self.mode == "enforce"
+                        and message["status"] < 300 and _encoded(message)):
+                    # compressed inside the guard: it can neither read the events it must check nor write its
+                    # refusal into them, so the stream is refused (fails closed) rather than sent unread
+                    get.stopped = True
+                    await send({**message, "headers": [(k, v) for k, v in message.get("headers", ())
+                                                       if k.lower() not in _CODED_BODY_HEADERS]})
+                    await send({"type": "http.response.body", "more_body": False, "body": render(SSEFrame(
+                        json.dumps(refusal_data(STREAM_ENCODED, None, STANDALONE_STREAM_ID, None, request.auth,
+                                                get.delivered or "")), event="error"))})
                     return
                 if get is not None and message["type"] == "http.response.body":
                     if get.stopped:  # ended with an error frame: what the SDK still writes to it goes nowhere
