@@ -35,7 +35,6 @@ from mcp_stream_exporter.hooks import (
     ClientInstrumentation,
     ClientTap,
     ServerInstrumentation,
-    instrument_client,
     instrument_server,
 )
 
@@ -101,12 +100,23 @@ class _Options:
         with: tap it in place, once; beneath the guard's ``RefusalResolver`` when it has one, so the tap
         sees the wire and not the errors the resolver adds."""
         client = args[0] if args else kwargs.get("client")
-        if isinstance(client, httpx2.AsyncClient):
-            resolver = client._transport if isinstance(client._transport, RefusalResolver) else None
-            if resolver is None and not isinstance(client._transport, ClientTap):
-                instrument_client(client, policy=self.policy, token_reader=self.token_reader,
-                                  tracer_provider=self.tracer_provider)
-            elif resolver is not None and not isinstance(resolver.inner, ClientTap):
-                resolver.inner = ClientTap(resolver.inner, ClientInstrumentation(
-                    policy=self.policy, token_reader=self.token_reader, tracer_provider=self.tracer_provider))
+        if isinstance(client, httpx2.AsyncClient) and not _tapped(client._transport):
+            instr = ClientInstrumentation(policy=self.policy, token_reader=self.token_reader,
+                                          tracer_provider=self.tracer_provider)
+            client._transport = _tap(client._transport, instr)
+            client._mounts = {pattern: None if transport is None else _tap(transport, instr)
+                              for pattern, transport in client._mounts.items()}  # a proxy's: routed through too
         return wrapped(*args, **kwargs)
+
+
+def _tapped(transport: httpx2.AsyncBaseTransport) -> bool:
+    """Whether a client's transport is tapped already (by hand, or by this instrumentor), beneath a resolver or not."""
+    return isinstance(transport.inner if isinstance(transport, RefusalResolver) else transport, ClientTap)
+
+
+def _tap(transport: httpx2.AsyncBaseTransport, instr: ClientInstrumentation) -> httpx2.AsyncBaseTransport:
+    """``transport`` tapped, beneath the guard's resolver where it has one."""
+    if isinstance(transport, RefusalResolver):
+        transport.inner = _tap(transport.inner, instr)
+        return transport
+    return transport if isinstance(transport, ClientTap) else ClientTap(transport, instr)

@@ -12,6 +12,7 @@ from importlib.metadata import entry_points, version
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -19,7 +20,8 @@ from mcp.server.mcpserver import MCPServer
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.guard import RefusalResolver, resolve_refusals
+from mcp_stream_exporter.auth import ToolPolicy
+from mcp_stream_exporter.guard import GuardedEventStore, RefusalResolver, resolve_refusals
 from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation
 from mcp_stream_exporter.instrumentation import McpStreamInstrumentor
 from mcp_stream_exporter.lab import serve
@@ -125,5 +127,53 @@ async def test_a_client_with_the_guards_refusal_resolver_is_tapped_once_beneath_
                 resolver = http._transport
                 assert isinstance(resolver, RefusalResolver) and isinstance(resolver.inner, ClientTap)
                 assert not isinstance(resolver.inner._inner, ClientTap)
+    finally:
+        instrumentor.uninstrument()
+
+
+@pytest.mark.anyio
+async def test_a_server_the_guard_serves_is_guarded_once_under_the_instrumentor():
+    """``GuardedEventStore.serve`` builds the app with ``streamable_http_app``, which the instrumentor wraps with the
+    guard's layer already (``instrument_server`` applies an event store's): one layer acts, the calls go through."""
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        server = MCPServer("probe")
+
+        @server.tool()
+        def echo(text: str) -> str:
+            return text
+
+        async with (serve(GuardedEventStore(ToolPolicy({})).serve(server)) as port,
+                    Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp"), mode="legacy") as client):
+            for text in ("one", "two"):
+                assert (await client.call_tool("echo", {"text": text})).content[0].text == text
+    finally:
+        instrumentor.uninstrument()
+
+
+@pytest.mark.anyio
+async def test_every_transport_of_a_client_with_the_resolver_is_tapped_beneath_it():
+    """A client routing through a proxy (a mount: here every 127.0.0.1 URL) is resolved and tapped on that route
+    too, once, whether tapped by hand or by the instrumentor."""
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        server = MCPServer("probe")
+
+        @server.tool()
+        def echo(text: str) -> str:
+            return text
+
+        mounted = {"http://127.0.0.1": httpx2.AsyncHTTPTransport()}
+        by_hand, bare = resolve_refusals(instrument_client(mounts=mounted)), resolve_refusals(mounts=dict(mounted))
+        async with serve(server.streamable_http_app()) as port:
+            for http in (by_hand, bare):
+                async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                                        mode="legacy") as client:
+                    assert (await client.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
+                for transport in (http._transport, *http._mounts.values()):
+                    assert isinstance(transport, RefusalResolver) and isinstance(transport.inner, ClientTap)
+                    assert not isinstance(transport.inner._inner, ClientTap)
     finally:
         instrumentor.uninstrument()

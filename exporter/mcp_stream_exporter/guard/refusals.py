@@ -166,10 +166,13 @@ def _refused(request_id: str, data: str) -> bytes:
 def resolve_refusals(client: httpx2.AsyncClient | None = None, **client_options: Any) -> httpx2.AsyncClient:
     """An ``httpx2.AsyncClient`` for ``streamable_http_client(url, http_client=...)`` whose refused resumes
     fail their pending calls at once. Without ``client``, builds one with the MCP SDK's default timeouts
-    (``client_options`` go to ``httpx2.AsyncClient``, e.g. ``auth=``); with ``client`` (e.g. one
-    ``instrument_client`` returned), wraps its transport in place."""
-    if client is not None:
-        client._transport = RefusalResolver(client._transport)
-        return client
-    client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
-    return httpx2.AsyncClient(transport=RefusalResolver(httpx2.AsyncHTTPTransport()), **client_options)
+    (``client_options`` go to ``httpx2.AsyncClient``, e.g. ``auth=``, ``proxy=``), its transports as ``httpx2``
+    builds them; with ``client`` (e.g. one ``instrument_client`` returned), wraps every transport it routes
+    through in place, its own and its mounts' (a proxy's)."""
+    if client is None:
+        client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
+        client = httpx2.AsyncClient(**client_options)
+    client._transport = RefusalResolver(client._transport)
+    client._mounts = {pattern: None if transport is None else RefusalResolver(transport)
+                      for pattern, transport in client._mounts.items()}
+    return client

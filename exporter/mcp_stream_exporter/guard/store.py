@@ -147,6 +147,7 @@ class _Request:
 _current: ContextVar[_Request | None] = ContextVar("mcp_stream_guard_request", default=None)
 
 
+_GUARDED = "mcp_stream.guard"  # the store whose ASGI layer a request went through, in its ASGI scope
 _CODED_BODY_HEADERS = frozenset({b"content-encoding", b"content-length"})
 
 
@@ -416,9 +417,10 @@ class GuardedEventStore(EventStore):
         endpoint = path.rstrip("/")
 
         async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http":
-                await app(scope, receive, send)
+            if scope["type"] != "http" or scope.get(_GUARDED) is self:  # this store's layer is in front already
+                await app(scope, receive, send)  # (``serve`` under the instrumentor, whose app applies it too)
                 return
+            scope[_GUARDED] = self
             raw_headers = scope.get("headers", ())
             request = self._request(raw_headers)
             if request.ambiguous and self.mode == "enforce":  # which session, whose token, would the SDK take?
