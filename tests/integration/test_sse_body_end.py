@@ -106,3 +106,23 @@ async def test_an_answer_its_app_stops_before_its_end_is_cut_short_and_pages_not
         assert after_grace(found, clock) == []
     (post,) = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER)
     assert post.attributes[sc.END_REASON] == sc.END_DROPPED
+
+
+async def test_a_resume_answered_with_a_redirect_ends_as_no_stream_on_the_servers_spans():
+    """A redirect carries nothing: the client sends its resume again where it points, or is told it failed."""
+    async def redirecting(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 307, "headers": [(b"location", b"/mcp/")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    span_exporter().clear()
+    async with serve(ServerInstrumentation().asgi(redirecting)) as port, httpx2.AsyncClient() as http:
+        answer = await http.get(f"http://127.0.0.1:{port}/mcp", headers={"mcp-session-id": "s1", "last-event-id": "4"})
+    assert answer.status_code == 307
+    (resume,) = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER)
+    assert resume.attributes[sc.STREAM_KIND] == sc.STREAM_KIND_RESUME
+    assert resume.attributes[sc.END_REASON] == sc.END_HTTP_ERROR

@@ -90,6 +90,14 @@ def test_narrowed_resume_records_the_audience_gap_and_is_silent_with_a_superset_
     assert rules(run([stream(C, "resume", "clean", pending=("3",), cursor="6")])) == []
 
 
+def test_a_narrowed_resume_answered_with_an_http_error_or_a_redirect_is_no_finding():
+    """No stream came (a 4xx, a redirect the client follows): its client was told, and nothing was carried."""
+    for role in (C, SV):
+        for status in (400, 307):
+            assert rules(run([stream(role, "resume", "http_error", pending=("3",), cursor="6", audience=(SEARCH,),
+                                     missing=(FETCH,), status=status)])) == []
+
+
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():
     detector = run([replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)),
                     stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])

@@ -402,7 +402,7 @@ class RuleEngine:
                 calls[rid].resume_refused(at.role, at.end_ns)
             else:
                 calls[rid].resume_retried(at.role, at.start_ns)
-        if e.token.gap and not explicit:
+        if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR:  # an HTTP error tells, carries nothing
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
                     "cursor": e.cursor,

@@ -525,7 +525,8 @@ class WireObserver:
             self._follow(ex, stream, ex.parser.close())
         if ex.json_body:
             self._frame(ex, stream, None, classify_body(ex.json_body))
-        self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 400 else sc.END_CLEAN, ex.status)
+        # a redirect delivers nothing either: its client sends the request again where it points, or fails it
+        self.tracker.end_stream(stream, sc.END_HTTP_ERROR if ex.status >= 300 else sc.END_CLEAN, ex.status)
 
     def _settled_unparsed(self, ex: _Exchange) -> bool:
         """End a held POST of one call on the healthy path from one read of each chunk, never opened as a
