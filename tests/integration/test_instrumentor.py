@@ -46,6 +46,17 @@ def _ours(outcome: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in outcome["spans"] if s["scope"] == sc.INSTRUMENTATION_NAME]
 
 
+def _echo_server() -> MCPServer:
+    """A server of one tool, built (``streamable_http_app``) after the instrumentor is on, as the tests need it."""
+    server = MCPServer("probe")
+
+    @server.tool()
+    def echo(text: str) -> str:
+        return text
+
+    return server
+
+
 def test_the_entry_point_is_the_instrumentor():
     (entry,) = [e for e in entry_points(group="opentelemetry_instrumentor") if e.name == "mcp_stream_exporter"]
     assert entry.load() is McpStreamInstrumentor
@@ -79,12 +90,7 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
     try:
         instrumentor.instrument()  # warns and does nothing: still one wrapper
         assert not hasattr(MCPServer.streamable_http_app.__wrapped__, "__wrapped__")
-        server = MCPServer("probe")
-
-        @server.tool()
-        def echo(text: str) -> str:
-            return text
-
+        server = _echo_server()
         app = instrument_server(server)  # by hand, while the instrumentor is on
         assert sum(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in server.middleware) == 1
         http = instrument_client()  # by hand too; the SDK's transport must not tap it again
@@ -112,12 +118,7 @@ async def test_a_client_with_the_guards_refusal_resolver_is_tapped_once_beneath_
     instrumentor = McpStreamInstrumentor()
     instrumentor.instrument()
     try:
-        server = MCPServer("probe")
-
-        @server.tool()
-        def echo(text: str) -> str:
-            return text
-
+        server = _echo_server()
         by_hand, bare = resolve_refusals(instrument_client()), resolve_refusals()
         async with serve(server.streamable_http_app()) as port:
             for http in (by_hand, bare):
@@ -138,12 +139,7 @@ async def test_a_server_the_guard_serves_is_guarded_once_under_the_instrumentor(
     instrumentor = McpStreamInstrumentor()
     instrumentor.instrument()
     try:
-        server = MCPServer("probe")
-
-        @server.tool()
-        def echo(text: str) -> str:
-            return text
-
+        server = _echo_server()
         async with (serve(GuardedEventStore(ToolPolicy({})).serve(server)) as port,
                     Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp"), mode="legacy") as client):
             for text in ("one", "two"):
@@ -159,12 +155,7 @@ async def test_every_transport_of_a_client_with_the_resolver_is_tapped_beneath_i
     instrumentor = McpStreamInstrumentor()
     instrumentor.instrument()
     try:
-        server = MCPServer("probe")
-
-        @server.tool()
-        def echo(text: str) -> str:
-            return text
-
+        server = _echo_server()
         mounted = {"http://127.0.0.1": httpx2.AsyncHTTPTransport()}
         by_hand, bare = resolve_refusals(instrument_client(mounts=mounted)), resolve_refusals(mounts=dict(mounted))
         async with serve(server.streamable_http_app()) as port:

@@ -25,13 +25,18 @@ _HEADERS = [(b"mcp-session-id", b"s1")]
 _RESULT = {"content": [{"type": "text", "text": "hello"}]}
 
 
+async def _lifespan(receive, send) -> None:
+    """A hand-written app's lifespan: it starts and stops at once."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 def _server(tail: bytes):
     """A hand-written MCP server (legacy era) whose tools/call answer is one SSE frame ended by ``tail``."""
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         body = b""
         while True:
@@ -81,9 +86,7 @@ def _stopping_server():
     last message: a redeploy cancelling the app, whose client reads the answer cut short."""
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         await receive()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
@@ -112,9 +115,7 @@ async def test_a_resume_answered_with_a_redirect_ends_as_no_stream_on_the_server
     """A redirect carries nothing: the client sends its resume again where it points, or is told it failed."""
     async def redirecting(scope, receive, send):
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         await send({"type": "http.response.start", "status": 307, "headers": [(b"location", b"/mcp/")]})
         await send({"type": "http.response.body", "body": b""})
