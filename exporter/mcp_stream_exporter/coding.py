@@ -14,7 +14,7 @@ compression bomb's rest reads as empty), so a small hostile answer cannot make t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 from httpx2 import DecodingError
 from httpx2._decoders import MultiDecoder
@@ -55,12 +55,17 @@ class Decoder:
         return b"".join(pieces)
 
 
-def decoder_for(content_encoding: Sequence[str]) -> Decoder | None:
+def codings(content_encoding: Iterable[str]) -> list[str]:
+    """The codings a response's ``Content-Encoding`` lines name, in the order applied, ``identity`` left out."""
+    named = (coding.strip().lower() for line in content_encoding for coding in line.split(","))
+    return [coding for coding in named if coding and coding != "identity"]
+
+
+def decoder_for(content_encoding: Iterable[str]) -> Decoder | None:
     """The decoder of a response's ``Content-Encoding`` lines, as ``httpx2.Response`` builds it; None when they name
     nothing it decodes (``identity``, or a coding whose package is missing: ``httpx2`` passes those through)."""
-    codings = [coding.strip().lower() for line in content_encoding for coding in line.split(",")]
     try:
-        decoder = MultiDecoder([coding for coding in codings if coding and coding != "identity"])
+        decoder = MultiDecoder(codings(content_encoding))
     except DecodingError:  # more codings than it applies: httpx2 fails the answer, which the SDK then reports
         return None
     return Decoder(decoder) if decoder.children else None

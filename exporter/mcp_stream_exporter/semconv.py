@@ -59,6 +59,7 @@ STREAM_KIND_POST: Final = "post"
 STREAM_KIND_GET: Final = "get"  # the standalone server->client stream
 STREAM_KIND_RESUME: Final = "resume"  # a GET with Last-Event-ID
 STREAM_KIND_DELETE: Final = "delete"
+STREAM_KINDS: Final = (STREAM_KIND_POST, STREAM_KIND_GET, STREAM_KIND_RESUME, STREAM_KIND_DELETE)
 STREAM_CONTENT: Final = "mcp_stream.stream.content"  # sse | json | none
 STREAM_REQUEST_IDS: Final = "mcp_stream.stream.request_ids"
 RESUME_CURSOR: Final = "mcp_stream.resume.cursor"
@@ -66,12 +67,14 @@ END_REASON: Final = "mcp_stream.end.reason"
 END_CLEAN: Final = "clean"  # the server ended the response body
 END_DROPPED: Final = "dropped"  # the connection broke before the server ended it
 END_CLOSED: Final = "closed"  # the client closed the response before the server ended it
-END_HTTP_ERROR: Final = "http_error"  # status >= 400, no stream
+END_HTTP_ERROR: Final = "http_error"  # status >= 400 or a redirect, no stream
 # the session was deleted (a DELETE its side saw accepted) while the stream was open: it ended with the session
 END_TERMINATED: Final = "terminated"
 # a resume still open, told as it first moves a pending call on: a span of its own, ended at once (the resume's
 # span ends when it does, maybe long after: a tool that polls)
 END_OPEN: Final = "open"
+# the ends of a stream (``open``: not yet one)
+END_REASONS: Final = (END_CLEAN, END_DROPPED, END_CLOSED, END_HTTP_ERROR, END_TERMINATED)
 PENDING_REQUEST_IDS: Final = "mcp_stream.pending.request_ids"
 # (server) of those, the calls whose tool had not answered yet (no terminal event stored or sent): it still runs them
 RUNNING_REQUEST_IDS: Final = "mcp_stream.running.request_ids"

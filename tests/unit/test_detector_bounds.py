@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
 from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
-from mcp_stream_exporter.detector.metrics import END_REASONS, OTHER, STREAM_KINDS
+from mcp_stream_exporter.detector.metrics import OTHER
 from mcp_stream_exporter.detector.settings import load
 
 from spans import FETCH, S, call, sdk_call, stream
@@ -77,8 +77,8 @@ def test_a_flood_of_new_values_in_every_attribute_that_reaches_a_label_adds_no_s
     for _, pairs in _series(large):
         for name, value in pairs:
             labels.setdefault(name, set()).add(value)
-    assert labels["kind"] <= {*STREAM_KINDS, OTHER}
-    assert labels["reason"] - {*END_REASONS, OTHER} <= {"too_large", "bad_encoding", "malformed", "unauthorized",
+    assert labels["kind"] <= {*sc.STREAM_KINDS, OTHER}
+    assert labels["reason"] - {*sc.END_REASONS, OTHER} <= {"too_large", "bad_encoding", "malformed", "unauthorized",
                                                          "too_many_spans", "queue_full", "span_model", "ttl",
                                                          "capacity", "memory", "busy", "timeout"}
     assert labels["role"] <= {C, SV}

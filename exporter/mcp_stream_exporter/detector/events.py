@@ -251,9 +251,8 @@ def _present(value: str | None, key: str) -> str:
 
 # the values the span model names for its enumerated attributes: any other is refused with its reason, not read as
 # nothing in particular (a "CLEAN" end or a "canceled" call would otherwise miss a loss without a word)
-_STREAM_KINDS = frozenset({sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE})
-_END_REASONS = frozenset({sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR, sc.END_TERMINATED,
-                          sc.END_OPEN})
+_STREAM_KINDS = frozenset(sc.STREAM_KINDS)
+_END_REASONS = frozenset((*sc.END_REASONS, sc.END_OPEN))
 _OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR, sc.OUTCOME_CANCELLED,
                        sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_EVICTED, sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE,
                        sc.OUTCOME_REISSUED})

@@ -52,8 +52,6 @@ INGEST_REJECTIONS = ("too_large", "bad_encoding", "malformed", "unauthorized", "
                      "busy", "timeout")
 SPAN_REJECTIONS = ("span_model",)
 RESUME_OUTCOMES = ("delivered", "progressed", "empty", "refused", "dropped", "closed", "http_error")
-STREAM_KINDS = (sc.STREAM_KIND_POST, sc.STREAM_KIND_GET, sc.STREAM_KIND_RESUME, sc.STREAM_KIND_DELETE)
-END_REASONS = (sc.END_CLEAN, sc.END_DROPPED, sc.END_CLOSED, sc.END_HTTP_ERROR, sc.END_TERMINATED)
 ERROR_PLACES = ("ingest", "snapshot")
 # a tool name as MCP defines it (1-128 of these characters); a dynamic tool label is shorter still
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-/]{1,64}", re.ASCII)
@@ -362,7 +360,7 @@ class DetectorMetrics:
             self._child(self.findings, rule, severity, tool).inc(n)
         self._findings.clear()
         for (role, kind, reason, resume), n in self._stream_ends.items():
-            self._child(self.stream_ends, role, _closed(kind, STREAM_KINDS), _closed(reason, END_REASONS)).inc(n)
+            self._child(self.stream_ends, role, _closed(kind, sc.STREAM_KINDS), _closed(reason, sc.END_REASONS)).inc(n)
             if resume is not None:
                 outcome, gap_tool = resume
                 self._child(self.resumes, role, outcome).inc(n)

@@ -62,6 +62,7 @@ from sse_starlette import EventSourceResponse
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, route_path
 from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.coding import codings
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
     CONTENT_ENCODING,
@@ -153,8 +154,7 @@ _CODED_BODY_HEADERS = frozenset({b"content-encoding", b"content-length"})
 
 def _encoded(start: Message) -> bool:
     """Whether a response's body has a content coding (other than ``identity``)."""
-    return any(coding.strip().lower() not in ("", "identity")
-               for line in values(start.get("headers", ()), CONTENT_ENCODING) for coding in line.split(","))
+    return bool(codings(values(start.get("headers", ()), CONTENT_ENCODING)))
 
 
 @dataclass(slots=True)
