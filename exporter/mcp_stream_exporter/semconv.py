@@ -144,6 +144,7 @@ REPLAY_COMPLETE: Final = "complete"  # every buffered event was sent
 REPLAY_TRUNCATED: Final = "truncated"  # the store sent fewer events than it held, without an error frame
 REPLAY_REFUSED: Final = "refused"  # the store answered with an `event: error` frame
 REPLAY_UNKNOWN_CURSOR: Final = "unknown_cursor"  # the cursor was never seen (or evicted)
+REPLAY_INTERRUPTED: Final = "interrupted"  # stopped before the store was done: the client left, or the server stopped
 REPLAY_OFFENDING_EVENT_ID: Final = "mcp_stream.replay.offending_event_id"
 REPLAY_SKIPPED: Final = "mcp_stream.replay.skipped"  # buffered events left out before the last one sent
 REPLAY_FOREIGN_EVENT_IDS: Final = "mcp_stream.replay.foreign_event_ids"  # sent, but stored on another stream or session

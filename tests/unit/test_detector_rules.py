@@ -121,6 +121,11 @@ def test_cursor_past_undelivered_fires_when_a_replay_skips_events_then_sends_lat
     assert rules(run([replay(sc.REPLAY_TRUNCATED, sent=2, skipped=0)])) == ["replay_truncated"]
 
 
+def test_a_replay_interrupted_by_its_client_leaving_is_no_truncation_but_what_it_skipped_still_pages():
+    assert rules(run([replay(sc.REPLAY_INTERRUPTED, sent=2)])) == []
+    assert rules(run([replay(sc.REPLAY_INTERRUPTED, sent=2, skipped=1)])) == ["cursor_past_undelivered"]
+
+
 def test_resume_loop_fires_on_repeated_resumes_without_progress_within_the_window():
     loop = [stream(C, "resume", "clean", pending=("3",), cursor="6", at=t) for t in (1.0, 1.2, 1.4)]
     assert "resume_loop" in rules(run(loop))

@@ -103,3 +103,58 @@ def test_a_resume_from_another_calls_event_is_attributed_to_the_call_whose_strea
     assert {(f.rule, f.request_id) for f in detector.findings} == {("cross_stream_replay", "2"),
                                                                    ("foreign_result", "2")}
     assert not [f for f in detector.findings if f.request_id == "1"]  # search got its result: nothing on it
+
+
+async def _replay_cut_short(session_wide: bool) -> list:
+    """fetch's POST drops after its first progress; search stores two events; fetch's resume is cancelled as it
+    sends its first event (its client left: sse-starlette cancels the replay), the store's others unsent."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instr = ServerInstrumentation(tracer_provider=provider)
+    store = instr.event_store(IncidentEventStore(ToolPolicy(), session_wide_filter=session_wide))
+    tracker = instr.tracker
+    bound = request_scope.bind(request_scope.RequestScope(SESSION, ABSENT))
+
+    async def client_leaves(event: EventMessage) -> None:
+        raise asyncio.CancelledError
+
+    try:
+        (search_msg,), (fetch_msg,) = classify(_request(1, "search")), classify(_request(2, "fetch"))
+        tracker.start_call(SESSION, search_msg, "2025-11-25", ABSENT, stateless=False)
+        fetch = tracker.start_call(SESSION, fetch_msg, "2025-11-25", ABSENT, stateless=False)
+        fetch_post = tracker.open_stream(sc.STREAM_KIND_POST, SESSION, [fetch], {}, ABSENT, 200)
+        assert fetch_post is not None
+        cursor = await store.store_event("2", _progress("fetch", 1))
+        tracker.end_stream(fetch_post, sc.END_DROPPED)
+        await store.store_event("1", _progress("search", 1))
+        await store.store_event("2", _progress("fetch", 2))
+        await store.store_event("2", _progress("fetch", 3))
+        try:
+            await store.replay_events_after(cursor, client_leaves)
+        except asyncio.CancelledError:
+            pass
+    finally:
+        request_scope.unbind(bound)
+    return list(exporter.get_finished_spans())
+
+
+def test_a_replay_its_client_left_midway_still_tells_what_it_sent_and_pages_a_foreign_event():
+    spans = asyncio.run(_replay_cut_short(session_wide=True))
+    (replay,) = [s for s in spans if s.attributes[sc.SPAN] == sc.SPAN_REPLAY]
+    assert replay.attributes[sc.REPLAY_DECISION] == sc.REPLAY_INTERRUPTED
+    assert replay.attributes[sc.REPLAY_SENT] == 1
+    assert replay.attributes[sc.REPLAY_FOREIGN_EVENT_IDS] == ("2",)  # search's progress, handed to fetch's stream
+    detector = Detector()
+    assert not detector.consume([span for span in map(span_of, spans) if span is not None]).rejected
+    assert {f.rule for f in detector.findings} == {"cross_stream_replay"}
+
+
+def test_a_replay_its_client_left_midway_is_no_truncation():
+    spans = asyncio.run(_replay_cut_short(session_wide=False))
+    (replay,) = [s for s in spans if s.attributes[sc.SPAN] == sc.SPAN_REPLAY]
+    assert replay.attributes[sc.REPLAY_DECISION] == sc.REPLAY_INTERRUPTED
+    assert sc.REPLAY_OFFENDING_EVENT_ID not in replay.attributes
+    detector = Detector()
+    detector.consume([span for span in map(span_of, spans) if span is not None])
+    assert [f.rule for f in detector.findings] == []

@@ -256,7 +256,8 @@ _END_REASONS = frozenset((*sc.END_REASONS, sc.END_OPEN))
 _OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR, sc.OUTCOME_CANCELLED,
                        sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_EVICTED, sc.OUTCOME_STORE_FAILED, sc.OUTCOME_CANCELLED_LATE,
                        sc.OUTCOME_REISSUED})
-_DECISIONS = frozenset({sc.REPLAY_COMPLETE, sc.REPLAY_TRUNCATED, sc.REPLAY_REFUSED, sc.REPLAY_UNKNOWN_CURSOR})
+_DECISIONS = frozenset({sc.REPLAY_COMPLETE, sc.REPLAY_TRUNCATED, sc.REPLAY_REFUSED, sc.REPLAY_UNKNOWN_CURSOR,
+                        sc.REPLAY_INTERRUPTED})
 
 
 def _one_of(value: str | None, key: str, values: frozenset[str]) -> str:

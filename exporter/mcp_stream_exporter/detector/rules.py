@@ -231,14 +231,13 @@ class RuleEngine:
         def evidence() -> dict[str, Any]:
             return {"cursor": e.cursor, "buffered": e.buffered, "sent": e.sent, "decision": e.decision}
 
-        if e.decision == sc.REPLAY_TRUNCATED:
-            if e.skipped:
-                self._emit(RuleId.CURSOR_PAST_UNDELIVERED, call, at, subject, now_ns, lambda: {
-                    **evidence(), "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
-                    "cursor_after": e.sent_last_id})
-            else:
-                self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, lambda: {
-                    **evidence(), "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
+        if e.skipped and e.decision in (sc.REPLAY_TRUNCATED, sc.REPLAY_INTERRUPTED):  # cut short after it skipped
+            self._emit(RuleId.CURSOR_PAST_UNDELIVERED, call, at, subject, now_ns, lambda: {
+                **evidence(), "skipped": e.skipped, "first_undelivered_event_id": e.offending_event_id,
+                "cursor_after": e.sent_last_id})
+        elif e.decision == sc.REPLAY_TRUNCATED:
+            self._emit(RuleId.REPLAY_TRUNCATED, call, at, subject, now_ns, lambda: {
+                **evidence(), "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if call is not None:
             if explicit:

@@ -176,13 +176,17 @@ class StoreRecorder:
         return stored_on, self.tracker.call((session_id, owner)) if owner else None
 
     def replay_attributes(self, session_id: str | None, stream_id: str | None, buffered: list[str], sent: list[str],
-                          foreign: list[str], refusals: int, auth: AuthView) -> dict[str, AttributeValue]:
-        """What a replay did against what was stored: the replay span's closing attributes."""
+                          foreign: list[str], refusals: int, auth: AuthView,
+                          interrupted: bool = False) -> dict[str, AttributeValue]:
+        """What a replay did against what was stored: the replay span's closing attributes. One ``interrupted``
+        before the store was done is no truncation (no one waits for the rest), but what it sent was sent."""
         unsent = [e for e in buffered if e not in sent]
         if stream_id is None:
             decision = sc.REPLAY_UNKNOWN_CURSOR
         elif refusals:
             decision = sc.REPLAY_REFUSED
+        elif interrupted:
+            decision = sc.REPLAY_INTERRUPTED
         elif unsent:
             decision = sc.REPLAY_TRUNCATED
         else:
@@ -200,10 +204,11 @@ class StoreRecorder:
         if sent:
             out[sc.REPLAY_SENT_LAST_ID] = sent[-1]
         if unsent:
-            out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
             skipped = self.skipped(session_id, buffered, sent)
             if skipped:
                 out[sc.REPLAY_SKIPPED] = skipped
+            if skipped or decision == sc.REPLAY_TRUNCATED:  # not the tail an interrupted replay never got to
+                out[sc.REPLAY_OFFENDING_EVENT_ID] = unsent[0]
         if foreign:
             out[sc.REPLAY_FOREIGN_EVENT_IDS] = foreign[:sc.MAX_ITEMS]
         requirement = self._requirements.get((session_id, owner)) if owner is not None else None
@@ -288,11 +293,15 @@ class _ObservedEventStore(EventStore):
                                            attributes=attrs)
         if call is not None:
             call.replaying += 1
+        interrupted = True  # cancelled as its client left (sse-starlette), or failed: what it sent so far still counts
         try:
             with trace.use_span(span, end_on_exit=True):
-                result = await self._inner.replay_events_after(last_event_id, observed_send)
-                span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign,
-                                                               refusals, rs.auth))
+                try:
+                    result = await self._inner.replay_events_after(last_event_id, observed_send)
+                    interrupted = False
+                finally:
+                    span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign,
+                                                                   refusals, rs.auth, interrupted))
         finally:
             if call is not None:
                 recorder.tracker.replayed(call, sent)
