@@ -657,6 +657,34 @@ def test_a_retry_one_side_saw_after_a_refusal_is_judged_again_whatever_the_other
         assert rules(run(spans, after_s=60)) in (["clean_end_pending"], ["stored_not_delivered"])
 
 
+def test_a_refusal_hides_no_loss_of_a_resume_not_refused_that_ran_beside_it_in_either_order():
+    """Two resumes of the dropped stream at once: the guard refused the one with a narrower token (another holder of
+    the session's id, or an attacker); the one with the wider token came while the POST was still open on the server
+    and ended empty. Its caller was told nothing: the stored result is lost, whichever started first."""
+    refused = [replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE, at=2.0),
+               stream(SV, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)]
+    for started in (1.9, 2.0):  # before the refusal started, or as it did; it ends after the refusal started
+        beside = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=started)
+        beside.end_ns = int(2.05 * S)
+        for spans in ([*_stored_with_no_stream(), *refused, beside], [beside, *refused, *_stored_with_no_stream()]):
+            assert rules(run(spans, after_s=60)) in (["clean_end_pending"], ["stored_not_delivered"])
+    before = stream(SV, "resume", "clean", pending=("3",), cursor="6", at=1.5)  # over before the refusal: told
+    assert rules(run([*_stored_with_no_stream(), before, *refused], after_s=60)) == []
+
+
+def test_a_call_whose_resume_was_refused_explicitly_is_not_in_flight_nor_stuck_until_a_resume_not_refused():
+    """Its caller was told why (the guard's error frame; ``resolve_refusals`` fails the call at once)."""
+    dropped = [stream(role, "post", "dropped", pending=("3",), last="6") for role in (C, SV)]
+    refused = stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)
+    assert _in_flight([*dropped]) == (1, [])
+    assert _in_flight([*dropped, refused]) == (0, [])
+    detector = run([*dropped, refused], after_s=3600)
+    detector.tick()
+    assert detector.ledger.stuck == 0
+    retried = stream(C, "resume", "clean", pending=("3",), cursor="6", at=3.0)
+    assert _in_flight([*dropped, refused, retried]) == (1, ["clean_end_pending"])
+
+
 def test_the_retry_window_outlasts_memory_pressure_and_a_restart(tmp_path):
     clock = Clock()
     tight = Detector(DetectorConfig(ledger=LedgerLimits(max_bytes=2 * 1024 * 1024)), clock=clock)

@@ -86,8 +86,8 @@ class CallState:
     # this tuple, not a field of its own, so a call whose spans come in order costs what it did
     clean_seen: tuple[str, int, str | None] | tuple[str, int, str | None, int, int] | None = None
     progress: tuple[int, int] = _NEVER  # the latest end of a resume that moved it without its result: client, server
-    # by each side's clock, client then server: the latest end of a resume of it refused explicitly (an error frame,
-    # the guard), and the latest start of one that was not
+    # by each side's clock, client then server: the latest start of a resume of it refused explicitly (an error frame,
+    # the guard), and the latest end of one that was not
     resumed: tuple[int, int, int, int] = _NEVER_RESUMED
     broken_since: int | None = None  # 2026-07-28: its only stream ended without the result
     # the server stored its terminal event with no stream open to carry it; or sent it, and its client cancelled the
@@ -166,23 +166,20 @@ class CallState:
         client, server = _firsts(clean_seen)
         return 0 < client < answered[0] or 0 < server < answered[1]
 
-    def resume_refused(self, role: str, end_ns: int) -> None:
-        self._resumed(role, 0, end_ns)
-
-    def resume_retried(self, role: str, start_ns: int) -> None:
-        self._resumed(role, 1, start_ns)
-
-    def _resumed(self, role: str, which: int, at_ns: int) -> None:
-        at = which if role == "client" else 2 + which
+    def resumed_as(self, role: str, refused: bool, start_ns: int, end_ns: int) -> None:
+        """A resume of it that ``role`` saw, refused explicitly or not (``told``)."""
+        at = (0 if refused else 1) + (0 if role == "client" else 2)
         resumed = list(self.resumed)
-        resumed[at] = max(resumed[at], at_ns)
+        resumed[at] = max(resumed[at], start_ns if refused else end_ns)
         self.resumed = (resumed[0], resumed[1], resumed[2], resumed[3])
 
     @property
     def told(self) -> bool:
         """Its last resume was refused explicitly: its caller was told why, so it is no silent loss. Each side
-        compares its own clock's times; a retry one side saw after the refusal (a gateway may answer it
-        before the server sees it) makes it judged again, whatever the other side saw."""
+        compares its own clock's times; a resume not refused that one side saw end after a refusal started (a retry,
+        which a gateway may answer before the server sees it; or another client's resume of the stream at the same
+        time, such as one with a wider token: its caller was told nothing) makes it judged again, whatever the other
+        side saw."""
         client_refused, client_retried, server_refused, server_retried = self.resumed
         return ((client_refused > client_retried or server_refused > server_retried)
                 and client_retried <= client_refused and server_retried <= server_refused)
@@ -205,7 +202,8 @@ class CallState:
 
     @property
     def in_flight(self) -> bool:
-        return self.owed_since is not None and not self.terminal and not self.timed_out
+        """Owed, and neither delivered nor given up; nor is its caller told why it will not come (``told``)."""
+        return self.owed_since is not None and not self.terminal and not self.timed_out and not self.told
 
     @property
     def cancelled(self) -> bool:
@@ -428,6 +426,12 @@ class Ledger:
         """A span showed the call moving on: not stuck, for a while."""
         if call.owed_since is not None:
             call.owed_since = now_ns
+
+    def resumed(self, call: CallState, role: str, refused: bool, start_ns: int, end_ns: int) -> None:
+        """A resume of the call, refused explicitly or not (``CallState.told``, which ends its being in flight)."""
+        was = call.in_flight
+        call.resumed_as(role, refused, start_ns, end_ns)
+        self._in_flight += call.in_flight - was
 
     def delivered(self, call: CallState) -> None:
         was = call.in_flight

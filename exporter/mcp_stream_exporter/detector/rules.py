@@ -240,10 +240,7 @@ class RuleEngine:
                 **evidence(), "offending_event_id": e.offending_event_id, **_gap(e.token, e.required)})
         explicit = e.decision == sc.REPLAY_REFUSED or e.guard_decision in (sc.GUARD_REFUSE, sc.GUARD_UNKNOWN_CURSOR)
         if call is not None:
-            if explicit:
-                call.resume_refused(at.role, at.end_ns)
-            else:
-                call.resume_retried(at.role, at.start_ns)
+            self.ledger.resumed(call, at.role, explicit, at.start_ns, at.end_ns)
         if e.token.gap and not explicit:
             self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
                        lambda: {**evidence(), **_gap(e.token, e.required)})
@@ -397,10 +394,7 @@ class RuleEngine:
         assert resumes is not None
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         for rid in e.pending_ids or e.request_ids:
-            if explicit:
-                calls[rid].resume_refused(at.role, at.end_ns)
-            else:
-                calls[rid].resume_retried(at.role, at.start_ns)
+            self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
         if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR:  # an HTTP error tells, carries nothing
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
