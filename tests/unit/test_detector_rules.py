@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sqlite3
 from collections.abc import Sequence
@@ -934,6 +935,24 @@ def test_a_stream_ended_with_its_session_leaves_its_calls_over_and_pages_nothing
     for spans in ([running], [running, deleted], [deleted, running], [polled, moving], [moving, deleted, polled]):
         detector = run(spans, after_s=6)
         assert (rules(detector), detector.ledger.in_flight) == ([], 0)
+
+
+def test_a_post_the_server_closed_as_it_accepted_another_clients_delete_is_no_silent_loss_in_any_order():
+    """Another client of the session (the same principal) deleted it: the server closed the POST (``terminated``),
+    which this client saw as a clean end; its resume got 404, and the SDK failed the call to its caller."""
+    closed = stream(SV, "post", sc.END_TERMINATED, pending=("3",), last="6", at=2.5)
+    seen_clean = stream(C, "post", "clean", pending=("3",), last="6", at=2.5)
+    gone = stream(C, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=2.6)
+    deleted = stream(SV, "delete", "clean", ids=(), tool=None, at=2.4)
+    for spans in itertools.permutations([closed, seen_clean, gone, deleted]):
+        assert rules(run(list(spans), after_s=60)) == []
+    # a POST the server ended cleanly lost it, whoever deleted the session after
+    lost = stream(SV, "post", "clean", pending=("3",), last="6", at=1.0)
+    assert rules(run([lost, seen_clean, gone, deleted], after_s=60)) == ["clean_end_pending"]
+    # the client's clean end of a resume the server closed so is judged as before (the POST was no such close)
+    dropped = stream(C, "post", "dropped", pending=("3",), last="6", at=1.0)
+    emptied = stream(C, "resume", "clean", pending=("3",), cursor="6", at=1.5)
+    assert rules(run([dropped, emptied, closed, deleted], after_s=60)) == ["clean_end_pending"]
 
 
 def test_store_failed_pages_whichever_comes_first_its_spans_or_a_404_on_its_session():

@@ -4,6 +4,7 @@ around the lab's session-wide store, driven through the SDK's EventStore API wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from mcp.server.streamable_http import EventMessage
 from mcp_types import JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
@@ -130,10 +131,8 @@ async def _replay_cut_short(session_wide: bool) -> list:
         await store.store_event("1", _progress("search", 1))
         await store.store_event("2", _progress("fetch", 2))
         await store.store_event("2", _progress("fetch", 3))
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await store.replay_events_after(cursor, client_leaves)
-        except asyncio.CancelledError:
-            pass
     finally:
         request_scope.unbind(bound)
     return list(exporter.get_finished_spans())

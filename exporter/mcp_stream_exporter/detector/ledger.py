@@ -48,12 +48,15 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 # answered starts)
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
-# bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came
+# bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came;
+# the clean-end clock stands for its client's POST; a server closed its POST as it accepted its session's DELETE
 _CLIENT_GAVE_UP = 1
 CANCEL_RACED = 2
 CANCEL_LATE = 4
 _RUNNING = 8
 _SERVER_ENDED = 16
+_CLOCK_CLIENT_POST = 32
+_POST_TERMINATED = 64
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -135,16 +138,18 @@ class CallState:
             elif role != "client" and 0 < server < end_ns:
                 self.clean_seen = (*clean_seen[:3], client, 0)
 
-    def ended_clean(self, role: str, end_ns: int, now_ns: int, stopped_at: str | None) -> bool:
+    def ended_clean(self, role: str, end_ns: int, now_ns: int, stopped_at: str | None, post: bool) -> bool:
         """A stream ``role`` saw ended cleanly with it pending, at event ``stopped_at``: the silent-loss clock
         starts, unless it runs already or that side saw it move after this end (spans come in any order);
-        whether it runs."""
+        whether it runs. ``post``: that stream was its POST."""
         side = 0 if role == "client" else 1
         if end_ns < self.progress[side]:
             return self.clean_since is not None  # it moved after this end (a tie: not after)
         clean_since, clean_seen = self.clean_since, self.clean_seen
         if clean_since is None:
             self.clean_since, self.clean_seen = end_ns, (role, now_ns, stopped_at)
+            self.flags = (self.flags | _CLOCK_CLIENT_POST if post and side == 0
+                          else self.flags & ~_CLOCK_CLIENT_POST)
         elif clean_seen is not None and (clean_seen[0] != role or end_ns < clean_since):
             # an end the running clock does not stand for (the other side's, or an earlier one come later)
             client, server = _firsts(clean_seen)
@@ -227,6 +232,16 @@ class CallState:
             self.flags = self.flags & ~CANCEL_RACED | CANCEL_LATE
         elif not self.late_cancel:
             self.flags |= CANCEL_RACED
+
+    def post_terminated(self) -> None:
+        """A side saw its POST end ``terminated``: closed as the server accepted its session's DELETE."""
+        self.flags |= _POST_TERMINATED
+
+    @property
+    def closed_by_delete(self) -> bool:
+        """The clean end its clock stands for is its client's of a POST the server closed as it accepted the
+        session's DELETE (another client's: this one saw the close as a clean end, and its resume gets 404)."""
+        return self.flags & (_CLOCK_CLIENT_POST | _POST_TERMINATED) == _CLOCK_CLIENT_POST | _POST_TERMINATED
 
     @property
     def running(self) -> bool:

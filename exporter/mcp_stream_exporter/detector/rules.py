@@ -320,6 +320,8 @@ class RuleEngine:
 
     def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int, running: bool) -> None:
         if e.reason == sc.END_TERMINATED:  # its client deleted the session: nothing can deliver it any more
+            if e.kind == sc.STREAM_KIND_POST:
+                call.post_terminated()
             self.ledger.given_up(call)
             return
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
@@ -337,7 +339,8 @@ class RuleEngine:
         elif session.expired:  # its 404 came first (spans in any order): judged as gone with it
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _EXPIRED, call)
         stopped_at = e.last_event_id if e.last_event_id is not None else e.cursor
-        if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns, stopped_at):
+        if silent and not call.terminal and call.ended_clean(e.at.role, e.at.end_ns, now_ns, stopped_at,
+                                                             e.kind == sc.STREAM_KIND_POST):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
         if e.at.era == sc.ERA_STATELESS or (e.kind == sc.STREAM_KIND_POST and e.last_event_id is None):
             # nothing can resume it: that era has no resumption, and a POST that gave no event id left the client
@@ -444,7 +447,8 @@ class RuleEngine:
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _CLEAN_END, call)
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
-        if call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told:
+        if (call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told
+                or call.closed_by_delete):
             return
         if call.running:  # the server's latest word: its tool had not answered, so nothing was lost yet; judged
             return  # again once the server tells of its result (``_answered_after_running``)
