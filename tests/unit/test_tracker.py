@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 
 import pytest
 from opentelemetry.context import Context
@@ -18,7 +19,7 @@ from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.exchange import CONTENT_SSE
 from mcp_stream_exporter.hooks import _tracking
-from mcp_stream_exporter.hooks._observer import WireObserver, _Exchange
+from mcp_stream_exporter.hooks._observer import _EXCHANGE, WireObserver, _Exchange
 from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.scope import RequestScope
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
@@ -933,6 +934,28 @@ def test_an_sdk_span_that_ended_before_its_calls_terminal_came_is_left_as_it_end
     tracker.frame(stream, SSEFrame('{"jsonrpc":"2.0","id":1,"result":{}}', id="e2"), _response(1))
     (span,) = sdk_exporter.get_finished_spans()
     assert dict(span.attributes) == {"a": "1", "b": "2"}
+
+
+def test_a_request_refused_before_the_sdk_saw_it_leaves_its_id_to_the_call_the_sdk_runs():
+    """Two POSTs of one ``tools/call`` (a retry): the guard answers the second 409 before the SDK hands the first
+    over, so the second's body is read first. The first's call, which the SDK runs and answers, is the one its id
+    finds: its result's store is no result stored with nothing to carry it (a false ``stored_not_delivered``)."""
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
+    body = b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"fetch"}}'
+    first, second = _exchange(tracker), _exchange(tracker)
+    first.unread = body  # left for the SDK's parse
+    tracker.unread(first, "s")
+    second.observer._read(second, body)  # its 409 started before the SDK ran anything
+    second.status = 409
+    refused = second.open("application/json")
+    assert refused is not None
+    tracker.end_stream(refused, sc.END_HTTP_ERROR, 409)
+    second.release()
+    first.observer.dispatched(types.SimpleNamespace(scope={_EXCHANGE: first}), 5, {"name": "fetch"}, Context())
+    (ran,) = first.calls
+    assert tracker.call(("s", "5")) is ran
+    tracker.stored(ran, "e9", sc.OUTCOME_RESULT)
+    assert not _by(exporter, sc.SPAN_CALL)  # still carried by its exchange, as the SDK sends it there
 
 
 def test_a_request_id_reused_while_its_call_is_pending_does_not_replace_the_tracked_call():

@@ -329,6 +329,8 @@ class WireObserver:
         if msg.id is None:
             return
         stateless = era_of(ex.protocol_version) == sc.ERA_STATELESS
+        if not stateless:
+            self.tracker.runs((ex.asked_in, msg.id))
         judged, deviates = self._judge(ex, msg, stateless)
         taken = len(ex.calls) + 1
         if taken >= most_calls(body):  # every call the body can hold is taken: nothing left to read

@@ -229,7 +229,7 @@ class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
-                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "replaying",
+                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran", "replaying",
                  "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
@@ -261,6 +261,7 @@ class Call(_Deferred):
         self.held_on: Holder | None = None  # who holds a stream carrying it: read before anything else judges it
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
         self.on_exchange = False  # (server) the exchange that carried its request still lasts
+        self.ran = False  # (server) the SDK ran its request (``in_sdk_request``)
         # (server) its terminal event's store: event id, outcome, when. Sent on a stream, it ends the call; until
         # then a stream open, or its exchange, may still carry it: ``Tracker.unsent`` once none is left to
         self.stored_result: tuple[str, str, int] | None = None
@@ -283,6 +284,7 @@ class Call(_Deferred):
         gets a span while its exchange lasts, or is still pending when the exchange ends
         (``exchange_over``): the healthy path never reads it (some 6k instructions a call)."""
         self._sdk_request = context
+        self.ran = True
         if self.span is not None:
             self._link_sdk_request()
 

@@ -310,6 +310,14 @@ class Tracker:
             call = self._calls.get(key)
         return call
 
+    def runs(self, key: CallKey) -> None:
+        """(server) The SDK runs the request of ``key`` now: a call of another request that holds its id but that
+        the SDK never ran (one answered before the SDK saw it, such as the guard's 409 for an id in flight, read
+        first) lets go of it, so the call the SDK runs is the one its id finds."""
+        held = self._calls.get(key)
+        if held is not None and not held.ran:
+            del self._calls[key]
+
     def pend(self, key: CallKey, pending: Pending) -> bool:
         """A resumable session's call that ``pending`` leaves unstarted while its answer shows the healthy path,
         on which it never starts; a look-up of it (``call``) starts it. False when a call of its id is tracked
