@@ -79,6 +79,8 @@ PENDING_REQUEST_IDS: Final = "mcp_stream.pending.request_ids"
 # (server) of those, the calls whose tool had not answered yet (no terminal event stored or sent): it still runs them
 RUNNING_REQUEST_IDS: Final = "mcp_stream.running.request_ids"
 TERMINAL_REQUEST_IDS: Final = "mcp_stream.terminal.request_ids"
+# of those, calls this side had seen answered before, on a stream that left no span (the healthy path): a repeat
+REPEATED_REQUEST_IDS: Final = "mcp_stream.terminal.repeated.request_ids"
 EVENTS_COUNT: Final = "mcp_stream.events.count"
 EVENT_FIRST_ID: Final = "mcp_stream.event.first_id"
 EVENT_LAST_ID: Final = "mcp_stream.event.last_id"

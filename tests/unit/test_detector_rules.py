@@ -658,6 +658,14 @@ def test_a_retry_one_side_saw_after_a_refusal_is_judged_again_whatever_the_other
         assert rules(run(spans, after_s=60)) in (["clean_end_pending"], ["stored_not_delivered"])
 
 
+def test_a_copy_of_a_result_its_side_saw_delivered_on_the_healthy_path_is_a_duplicate_delivery():
+    """The first delivery left no span (the healthy path): the copy's stream says its side saw it before."""
+    copied = stream(C, "get", "closed", ids=(), terminal=("3",), repeated=("3",), tool=None, at=2.0)
+    (finding,) = run([copied], after_s=60).findings
+    assert (finding.rule, finding.request_id, finding.evidence["deliveries"]) == ("duplicate_terminal", "3", 2)
+    assert rules(run([stream(C, "get", "closed", ids=(), terminal=("3",), tool=None)], after_s=60)) == []
+
+
 def test_a_refusal_hides_no_loss_of_a_resume_not_refused_that_ran_beside_it_in_either_order():
     """Two resumes of the dropped stream at once: the guard refused the one with a narrower token (another holder of
     the session's id, or an attacker); the one with the wider token came while the POST was still open on the server

@@ -63,6 +63,7 @@ MODEL_KEYS: dict[str, type] = {
     **dict.fromkeys((sc.HTTP_RESPONSE_STATUS_CODE, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT, sc.REPLAY_BUFFERED,
                      sc.REPLAY_SENT, sc.REPLAY_SKIPPED), int),
     **dict.fromkeys((sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.RUNNING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS,
+                     sc.REPEATED_REQUEST_IDS,
                      sc.REQUIRED_RESOURCES, sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE, sc.AUTH_MISSING_RESOURCES,
                      sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES, sc.REPLAY_FOREIGN_EVENT_IDS), tuple),
 }
@@ -143,6 +144,7 @@ class StreamEnd:
     required: tuple[str, ...]
     token: Token
     running_ids: tuple[str, ...] = ()  # (server) pending calls whose tool had not answered yet
+    repeated_ids: tuple[str, ...] = ()  # of the terminal ids, calls its side saw answered before, leaving no span
 
 
 @dataclass(slots=True)
@@ -401,7 +403,7 @@ def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts:
         texts(a, sc.TERMINAL_REQUEST_IDS) or (), number(a, sc.EVENTS_COUNT) or 0, number(a, sc.ERROR_FRAMES_COUNT) or 0,
         text(a, sc.EVENT_FIRST_ID), text(a, sc.EVENT_LAST_ID), text(a, sc.RESUME_CURSOR),
         text(a, sc.GEN_AI_TOOL_NAME), texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts),
-        texts(a, sc.RUNNING_REQUEST_IDS) or (),
+        texts(a, sc.RUNNING_REQUEST_IDS) or (), texts(a, sc.REPEATED_REQUEST_IDS) or (),
     )
 
 

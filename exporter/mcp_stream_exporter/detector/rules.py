@@ -169,6 +169,8 @@ class RuleEngine:
                     continue
                 calls[rid] = self._call(session, at, rid, now_ns, None, ())
             if rid in calls:
+                if rid in e.repeated_ids:  # its side saw it answered before, on a stream that left no span
+                    calls[rid].delivered_to(at.role)
                 self._delivered(calls[rid], at.role, e, now_ns)
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:

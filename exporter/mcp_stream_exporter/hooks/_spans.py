@@ -367,8 +367,9 @@ def requirement_attributes(requirement: Requirement | None,
 class Stream(_Deferred):
     """One HTTP response on the MCP endpoint, and the calls it carries."""
 
-    __slots__ = ("auth", "calls", "ended", "error_frames", "events", "first_event_id", "holder", "kind",
-                 "last_event_id", "moved", "opened", "request_ids", "role", "session_id", "status", "terminal_ids")
+    __slots__ = ("again", "auth", "calls", "ended", "error_frames", "events", "first_event_id", "holder", "kind",
+                 "last_event_id", "moved", "opened", "repeated_ids", "request_ids", "role", "session_id", "status",
+                 "terminal_ids")
 
     def __init__(self, session_id: str | None, kind: str, role: str, auth: AuthView,
                  opened: Mapping[str, AttributeValue] | Opening, status: int | None, calls: list[Call], *,
@@ -384,6 +385,10 @@ class Stream(_Deferred):
         # what a resume from any of its events continues (one call, the usual: no comprehension's call)
         self.request_ids = (calls[0].key[1],) if len(calls) == 1 else tuple([c.key[1] for c in calls])
         self.terminal_ids: tuple[str, ...] = ()
+        # it brought the result of a call delivered before (a duplicate: its span tells); of those, the calls whose
+        # first delivery left no span, which its span names (``Tracker.deliver``)
+        self.again = False
+        self.repeated_ids: tuple[str, ...] = ()
         self.events = 0
         self.error_frames = 0
         self.first_event_id: str | None = None

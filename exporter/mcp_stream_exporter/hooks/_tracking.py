@@ -234,6 +234,9 @@ class Tracker:
         # what a cancel that comes after tells the client never got
         self._results_out: OrderedDict[CallKey, tuple[int, str | None, str, str | None]] | None = (
             OrderedDict() if role == sc.ROLE_SERVER else None)
+        # the newest ``max_calls`` calls of a session answered on the healthy path (``answered_healthy``): a later
+        # result of one is a repeat (a copy of it on another stream), which nothing else would tell
+        self._answered: OrderedDict[CallKey, None] = OrderedDict()
         # (server) whether the server's event store tells it what is stored (``StoreRecorder``): only then does a call
         # with no result stored say its tool has not answered yet (``RUNNING_REQUEST_IDS``)
         self.sees_stores = False
@@ -510,6 +513,22 @@ class Tracker:
                 annotate(call.sdk_span, terminal)
             if self._results_out is not None:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
+            if terminal[0] == sc.STREAM_KIND_POST:  # its own POST, which leaves no span (another stream has one)
+                self.answered_healthy(call.key)
+
+    def answered_healthy(self, key: CallKey) -> None:
+        """The call of ``key`` got its result on its POST on the healthy path, which leaves no span: a later result
+        of it on another stream is a repeat (``deliver``). Only a session's: a stateless call's id is no key."""
+        if key[0] is not None:
+            answered = self._answered
+            answered[key] = None
+            if len(answered) > self._max_calls:
+                answered.popitem(last=False)
+
+    def _answered_before(self, stream: Stream, key: CallKey) -> bool:
+        """Whether this side saw the call of ``key`` answered on a stream that left no span, before ``stream`` brought
+        its result again. Not the server's replay to a resume: the recovery of a send that reached no one."""
+        return key in self._answered and not (self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME)
 
     def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
         """(server) The call's terminal event was stored (at ``at_ns``, else now; the first such store is the one
@@ -780,7 +799,13 @@ class Tracker:
             call = self.call(key)
             if call is not None:
                 self._unhold(call)  # another stream's call: what its own stream holds comes first
-        if call is None or call.done:
+        if call is None or call.done:  # delivered before: a duplicate, unless the server's replay to a resume
+            if self._answered_before(stream, key):  # on its POST, which left no span: this stream's span names it
+                stream.again = True
+                if msg.id not in stream.repeated_ids:
+                    stream.repeated_ids = (*stream.repeated_ids[:sc.MAX_ITEMS - 1], msg.id)
+            elif call is not None and not (self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME):
+                stream.again = True  # on a stream with a span, or on this one: its span tells too
             return
         if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
             call.link(stream.span.get_span_context(), {sc.LINK_TYPE: sc.LINK_TERMINAL_STREAM})
@@ -834,7 +859,7 @@ class Tracker:
             if call.stored_result is not None and not call.open_streams and not call.on_exchange and not call.replaying:
                 self.unsent(call)  # the last stream open for its stored result ended without it
         terminal_ids = stream.terminal_ids
-        if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400
+        if (answered and stream.span is None and not stream.error_frames and (status or 0) < 400 and not stream.again
                 and (terminal_ids == stream.request_ids or set(terminal_ids).issubset(stream.request_ids))):
             return
         if reason == sc.END_CLEAN and stream.kind != sc.STREAM_KIND_DELETE and stream.session_id is not None:
@@ -900,6 +925,8 @@ class Tracker:
             attrs[sc.EVENT_LAST_ID] = stream.last_event_id or stream.first_event_id
         if terminal_ids:
             attrs[sc.TERMINAL_REQUEST_IDS] = _listed(terminal_ids, stream.request_ids)
+        if stream.repeated_ids:
+            attrs[sc.REPEATED_REQUEST_IDS] = list(stream.repeated_ids)
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
             attrs.update(_owed(stream, pending))
