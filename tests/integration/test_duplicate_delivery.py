@@ -15,8 +15,8 @@ from mcp.server.mcpserver import MCPServer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcp_stream_exporter import instrument_client
-from mcp_stream_exporter.hooks import ServerInstrumentation
 from mcp_stream_exporter.auth import ToolPolicy
+from mcp_stream_exporter.hooks import ServerInstrumentation
 from mcp_stream_exporter.lab import IncidentEventStore, serve
 
 from harness import after_grace, detector
