@@ -180,6 +180,15 @@ def test_foreign_result_fires_when_a_stream_delivers_another_calls_id():
     assert rules(run([stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12")])) == []
 
 
+def test_another_calls_result_after_a_streams_own_reaches_no_caller():
+    """The SDK client takes the first response on a call's stream as its result and reads no further."""
+    for role in (C, SV):
+        after = stream(role, "resume", "clean", cursor="6", terminal=("3", "2"), last="12")
+        assert rules(run([after])) == []
+        before = stream(role, "resume", "clean", cursor="6", terminal=("2", "3"), last="12")
+        assert rules(run([before])) == ["foreign_result"]
+
+
 def test_duplicate_terminal_fires_when_one_side_sees_the_terminal_twice():
     twice = [stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12"),
              stream(C, "resume", "clean", cursor="6", terminal=("3",), last="12")]

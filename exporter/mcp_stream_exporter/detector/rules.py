@@ -173,6 +173,9 @@ class RuleEngine:
                     calls[rid].delivered_to(at.role)
                 self._delivered(calls[rid], at.role, e, now_ns)
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
+        if foreign and len(e.request_ids) == 1 and e.terminal_ids[0] == e.request_ids[0] and (
+                len(e.terminal_ids) <= sc.MAX_ITEMS):  # in the order they came: its own result came first
+            foreign = []  # the SDK client took that and read no further: another call's after it reached no caller
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
                 self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, lambda: {

@@ -979,7 +979,13 @@ class Tracker:
             del self._deletions[session_id]
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
-        self._event_index[(session_id, _indexed(event_id))] = request_ids
+        """Event ``event_id`` went out on a stream of ``request_ids``: a resume from it continues them. One sent on
+        several streams (a session-wide replay hands one stream's events to another) continues any of them."""
+        key = (session_id, _indexed(event_id))
+        known = self._event_index.get(key)
+        if known is not None and known != request_ids:
+            request_ids = (*known, *[i for i in request_ids if i not in known])[:sc.MAX_ITEMS]
+        self._event_index[key] = request_ids
         if len(self._event_index) > self._max_event_index:
             self._event_index.popitem(last=False)
 
