@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import types
@@ -18,8 +19,9 @@ from mcp_stream_exporter.auth import ABSENT, TokenReader, ToolPolicy
 from mcp_stream_exporter.detector import Detector, DetectorConfig
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.exchange import CONTENT_SSE
-from mcp_stream_exporter.hooks import _tracking
+from mcp_stream_exporter.hooks import _spans, _tracking
 from mcp_stream_exporter.hooks._observer import _EXCHANGE, WireObserver, _Exchange
+from mcp_stream_exporter.hooks._spans import DeviationTracer
 from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 from mcp_stream_exporter.scope import RequestScope
 from mcp_stream_exporter.sse import SSEFrame, SSEParser, render
@@ -965,3 +967,15 @@ def test_a_request_id_reused_while_its_call_is_pending_does_not_replace_the_trac
     reused = tracker.start_call("s1", request_message(5, TOOLS_CALL, {"name": "search"}), "2025-11-25", ABSENT, False)
     assert tracker.call(("s1", "5")) is pending and reused is not pending and not pending.done
     assert tracker.call(("s2", "5")) is None
+
+
+def test_every_tracer_of_one_application_provider_shares_one_always_on_provider_released_with_it():
+    """An SDK provider registers an at-fork hook the interpreter keeps for good: one per client would leak."""
+    provider = TracerProvider(shutdown_on_exit=False)  # else ``atexit`` holds it
+    first = DeviationTracer(provider)._resolve()
+    assert all(DeviationTracer(provider)._resolve() is first for _ in range(3))
+    assert len(_spans._OWN_TRACERS) >= 1
+    count = len(_spans._OWN_TRACERS)
+    del provider, first
+    gc.collect()
+    assert len(_spans._OWN_TRACERS) == count - 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,10 @@ _UNKNOWN_AUDIENCE = frozenset({sc.VERIFICATION_OPAQUE, sc.VERIFICATION_ABSENT}) 
 MAX_DEFERRED_EVENTS = SpanLimits().max_events or 128
 
 
+# the application provider's own-sampled tracer (``DeviationTracer``), shared by every client and server it serves
+_OWN_TRACERS: weakref.WeakKeyDictionary[TracerProvider, trace.Tracer] = weakref.WeakKeyDictionary()
+
+
 class DeviationTracer:
     """Makes this project's spans, recorded and exported whatever the application's sampler decides.
 
@@ -63,11 +68,16 @@ class DeviationTracer:
         if not isinstance(provider, TracerProvider):
             # resolved again next time: an SDK provider may be installed later
             return provider.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, schema_url=sc.SCHEMA_URL)
-        own = TracerProvider(sampler=ALWAYS_ON, resource=provider.resource, shutdown_on_exit=False,
-                             active_span_processor=provider._active_span_processor,  # pinned: test_sdk_contract
-                             id_generator=provider.id_generator)
-        self._tracer = own.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION, schema_url=sc.SCHEMA_URL)
-        return self._tracer
+        tracer = _OWN_TRACERS.get(provider)
+        if tracer is None:  # one a provider: each registers an at-fork hook the interpreter keeps for good
+            own = TracerProvider(sampler=ALWAYS_ON, resource=provider.resource, shutdown_on_exit=False,
+                                 active_span_processor=provider._active_span_processor,  # pinned: test_sdk_contract
+                                 id_generator=provider.id_generator)
+            tracer = _OWN_TRACERS[provider] = own.get_tracer(sc.INSTRUMENTATION_NAME, sc.INSTRUMENTATION_VERSION,
+                                                             schema_url=sc.SCHEMA_URL)
+        self._tracer = tracer
+        return tracer
+
 
     def start_span(self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: Attributes = None, links: Sequence[Link] | None = None,
