@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import tracemalloc
 
 import jwt
 import pytest
@@ -219,6 +221,31 @@ def test_storage_bounds_the_bytes_a_session_and_all_sessions_keep_oldest_first()
     first = run(roomy.append("c", "9", _big(9, 1000), None))
     alone = run(roomy.append("c", "10", _big(10, 4500), None))  # past the session's bound, kept alone
     assert [run(roomy.get("c", e)) is not None for e in (first, alone)] == [False, True]
+
+
+@pytest.mark.parametrize("message", [None, JSONRPCNotification(jsonrpc="2.0", method="notifications/progress", params={
+    "progressToken": 3, "progress": 1, "message": "fetch step 1"}), _big(3, 20)], ids=["priming", "progress", "result"])
+def test_what_the_storage_charges_an_event_is_what_holding_it_costs(message):
+    """``max_bytes`` is what pods are sized from: a parsed message held ten times its JSON, a priming event held
+    some 300 bytes charged none, and a storage at its bound held ten times the bound."""
+    storage = InMemoryEventStorage(max_events_per_session=10**6, max_bytes=1 << 40, max_bytes_per_session=1 << 40)
+    sessions = [f"{n:032x}" for n in range(50)]
+
+    async def store() -> int:
+        for session in sessions:
+            await storage.open(session)
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(4000):
+            await storage.append(sessions[n % 50], str(n % 7), message, "subject")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        return held
+
+    held = asyncio.run(store())
+    assert 0.85 * held <= storage._bytes <= 1.2 * held
 
 
 def test_past_the_storages_byte_bound_the_principal_holding_the_most_loses_its_oldest_session_not_others():

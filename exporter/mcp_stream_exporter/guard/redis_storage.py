@@ -28,13 +28,12 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from mcp_types import JSONRPCMessage
 from prometheus_client import Counter, Histogram
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from mcp_stream_exporter.auth import Requirement
-from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
+from mcp_stream_exporter.guard.storage import StorageError, StoredEvent, decoded, encoded
 
-_MESSAGE: Final = TypeAdapter(JSONRPCMessage)
 # a Redis stream entry id, the only event ids we hand out: two unsigned 64-bit integers, in ASCII digits (``\d``
 # would take any script's, and ``int()`` reads them)
 _STREAM_ID: Final = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
@@ -190,7 +189,7 @@ class RedisEventStorage:
         if len(session_id) > _MAX_SESSION_ID:
             self._evicted(1)
             return None
-        body = _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""
+        body = encoded(message)
         async with self._op("append"):
             stored = await self._append(keys=self._keys(session_id),
                                         args=[stream_id, body, subject or "", self._max_events, self._ttl_ms,
@@ -321,6 +320,6 @@ def _events(entries: Any) -> list[StoredEvent]:
     for entry_id, fields in entries:
         message = fields[b"m"]
         out.append(StoredEvent(_text(entry_id), _text(fields[b"s"]),
-                               _MESSAGE.validate_json(message) if message else None,
+                               decoded(message),
                                _requirement(fields[b"r"]), _text(fields[b"u"]) or None))
     return out

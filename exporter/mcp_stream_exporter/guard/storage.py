@@ -17,10 +17,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 import anyio
 from mcp_types import JSONRPCMessage
+from pydantic import TypeAdapter
 
 from mcp_stream_exporter.auth import Requirement
 
@@ -32,6 +33,19 @@ class StoredEvent:
     message: JSONRPCMessage | None  # None: a priming event
     requirement: Requirement | None  # what the stream required when the event was stored; None: unknown
     subject: str | None = None  # the subject hash of the token the session was opened with
+
+
+_MESSAGE: Final = TypeAdapter(JSONRPCMessage)
+
+
+def encoded(message: JSONRPCMessage | None) -> bytes:
+    """A message as a storage keeps it: its JSON, as the SDK sends it; nothing for a priming event."""
+    return _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""
+
+
+def decoded(data: bytes) -> JSONRPCMessage | None:
+    """A kept message read back (``encoded``)."""
+    return _MESSAGE.validate_json(data) if data else None
 
 
 class StorageError(Exception):
@@ -95,12 +109,28 @@ class SharedEventStorage(TailableEventStorage, Protocol):
         ...
 
 
+# what an event costs held in memory besides its JSON: its entry, id, sequence number and the tuple of its fields
+# (measured with tracemalloc: tests/unit/test_guard.py), charged with every event, a priming event's too
+_EVENT_BYTES: Final = 310
+# an event as a session keeps it: its sequence number, stream, JSON (``encoded``), requirement and subject; its
+# message is read back only when a resume needs it (a parsed message holds some ten times its JSON)
+_Kept = tuple[int, str, bytes, Requirement | None, str | None]
+
+
+def _stored(event_id: str, kept: _Kept) -> StoredEvent:
+    return StoredEvent(event_id, kept[1], decoded(kept[2]), kept[3], kept[4])
+
+
+def _size(kept: _Kept) -> int:
+    return len(kept[2]) + _EVENT_BYTES
+
+
 @dataclass(slots=True)
 class _Session:
-    events: OrderedDict[str, tuple[int, StoredEvent, int]] = field(default_factory=OrderedDict)  # seq, event, size
+    events: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)
     requirements: dict[str, Requirement] = field(default_factory=dict)
     touched: float = 0.0
-    size: int = 0  # its events' bytes, as JSON
+    size: int = 0  # its events' bytes (``_size``)
     subject: str | None = None  # whose its events are (the principal's hash), charged its size
     key: str = ""  # its session id: what it is charged to while its events name no principal
     # what its tails wait on: set, and replaced, by the next append or the session's end; one per session
@@ -119,18 +149,17 @@ class _Session:
 
     def newer(self, seq: int) -> list[StoredEvent]:
         """Its events after sequence number ``seq``, in order (read from the newest end: a tail is near it)."""
-        newer = itertools.takewhile(lambda item: item[0] > seq, reversed(self.events.values()))
-        return [event for _, event, _ in reversed(list(newer))]
+        newer = itertools.takewhile(lambda item: item[1][0] > seq, reversed(self.events.items()))
+        return [_stored(event_id, kept) for event_id, kept in reversed(list(newer))]
 
 
 class InMemoryEventStorage:
     """Bounded in-process storage: at most ``max_events_per_session`` events and ``max_bytes_per_session``
-    bytes of them (as JSON) a session (oldest go first), ``max_calls_per_session`` stream requirements a
-    session (later ones are not recorded), ``max_sessions`` sessions (least recently used go first) and
-    ``max_bytes`` bytes of events in all (the heaviest principal's sessions go first, ``_shed``), and a session
-    untouched for ``ttl`` seconds is dropped. Everything
-    dropped is counted in ``evictions``: an evicted event's id reads as an unknown cursor, and an event without a
-    recorded requirement is never replayed.
+    bytes of them (``_size``: what holding each costs) a session (oldest go first), ``max_calls_per_session``
+    stream requirements a session (later ones are not recorded), ``max_sessions`` sessions (least recently used
+    go first) and ``max_bytes`` bytes of events in all (the heaviest principal's sessions go first, ``_shed``),
+    and a session untouched for ``ttl`` seconds is dropped. Everything dropped is counted in ``evictions``: an
+    evicted event's id reads as an unknown cursor, and an event without a recorded requirement is never replayed.
 
     A ``TailableEventStorage`` (the guard serves live tails from it), not a ``SharedEventStorage``: no
     other process sees it."""
@@ -210,36 +239,36 @@ class InMemoryEventStorage:
             self.evictions += session_id is not None  # no session at all (initialize's priming) drops nothing
             return None
         seq = next(self._seq)
-        event = StoredEvent(str(seq), stream_id, message, session.requirements.get(stream_id), subject)
-        # in UTF-8, as the SDK sends it: a character past ASCII takes up to 4 bytes here and in a str
-        size = len(message.__pydantic_serializer__.to_json(message)) if message is not None else 0
+        event_id = str(seq)
+        kept = (seq, stream_id, encoded(message), session.requirements.get(stream_id), subject)
+        size = _size(kept)
         if session.subject is None and subject is not None:  # its first event a principal's: its bytes are theirs
             held = session.size
             self._charge(session, -held)
             session.subject = subject
             self._charge(session, held)
-        session.events[event.event_id] = (seq, event, size)
+        session.events[event_id] = kept
         self._charge(session, size)
         while len(session.events) > 1 and (len(session.events) > self._max_events
                                            or session.size > self._max_session_bytes):
-            self._charge(session, -session.events.popitem(last=False)[1][2])
+            self._charge(session, -_size(session.events.popitem(last=False)[1]))
             self.evictions += 1
         session.wake()
         self._expire(self._clock())  # past ``max_bytes``: the heaviest principal's oldest sessions go
-        return event.event_id
+        return event_id
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
         self._expire(self._clock())
         session = self._sessions.get(session_id)
         found = session.events.get(event_id) if session is not None else None
-        return found[1] if found is not None else None
+        return _stored(event_id, found) if found is not None else None
 
     async def after(self, session_id: str, event: StoredEvent) -> list[StoredEvent] | None:
         session = self._sessions.get(session_id)
         cursor = session.events.get(event.event_id) if session is not None else None
         if session is None or cursor is None:
             return None
-        return [e for seq, e, _ in session.events.values() if seq > cursor[0]]
+        return [_stored(event_id, kept) for event_id, kept in session.events.items() if kept[0] > cursor[0]]
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         session = self._touch(session_id)
