@@ -979,3 +979,24 @@ def test_every_tracer_of_one_application_provider_shares_one_always_on_provider_
     del provider, first
     gc.collect()
     assert len(_spans._OWN_TRACERS) == count - 1
+
+
+@pytest.mark.parametrize("gone_by", ["delete", "404"])
+def test_a_server_lets_go_of_a_sessions_calls_once_the_session_is_gone(gone_by):
+    """A client that left without resuming its cut call: the call was held until 10,000 newer ones pushed it out,
+    some 6 KB each, after the SDK had forgotten its session."""
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
+    call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
+    other = tracker.start_call("t", _request(1), "2025-11-25", ABSENT, stateless=False)
+    for held in (call, other):
+        stream = tracker.open_stream(sc.STREAM_KIND_POST, held.key[0], [held], {}, ABSENT, 200)
+        assert stream is not None
+        tracker.end_stream(stream, sc.END_DROPPED, 200)
+    if gone_by == "delete":
+        tracker.deleted("s", tracker.deleting("s"), 200)
+    else:
+        ex = _exchange(tracker)  # a resume of session "s" the SDK answers 404
+        ex.observer._on_response_start(ex, {"type": "http.response.start", "status": 404, "headers": []})
+    assert tracker.call(("s", "1")) is None and tracker.call(("t", "1")) is other
+    (ended,) = _by(exporter, sc.SPAN_CALL)
+    assert ended.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_EVICTED

@@ -977,6 +977,16 @@ class Tracker:
             self._close_held(held, sc.END_TERMINATED if accepted else sc.END_CLEAN)
         if not deletions.requests and not deletions.held:
             del self._deletions[session_id]
+        if accepted and self._role == sc.ROLE_SERVER:
+            self.session_gone(session_id)
+
+    def session_gone(self, session_id: str) -> None:
+        """(server) The session is gone (its DELETE accepted, or the SDK answered 404 for it): nothing can deliver
+        its calls any more. They are let go of now (their spans end ``evicted``: forgotten, no more), not when
+        ``max_calls`` newer ones push them out: a server whose clients leave without resuming holds none of theirs.
+        A walk of the calls tracked, which are only those that deviated."""
+        for call in [c for key, c in self._calls.items() if key[0] == session_id]:
+            self._evict(call)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
         """Event ``event_id`` went out on a stream of ``request_ids``: a resume from it continues them. One sent on
