@@ -203,6 +203,22 @@ def test_memory_evictions_take_the_least_recently_active_sessions_first_and_are_
     assert detector.registry.get_sample_value("mcp_stream_detector_state_bytes", {"part": "ledger"}) <= BUDGET
 
 
+def test_under_memory_pressure_sdk_span_look_ups_shrink_to_their_newest_before_any_session_goes():
+    """A session evicted hides its losses; an SDK span no longer found hides a timeout's warning at most."""
+    from mcp_stream_exporter.detector import ledger as ledger_module
+
+    ledger = ledger_module.Ledger(LedgerLimits(max_index=10**6, max_bytes=1 << 40))
+    call_ = ledger.call(ledger.session("one", 0), "1", 0)
+    ledger.account()
+    base = ledger.bytes
+    for n in range(20_000):
+        ledger.link_sdk_span(f"{n:016x}", call_)
+    entry = (ledger.bytes - base) / 20_000
+    ledger.limits = dataclasses.replace(ledger.limits, max_bytes=int(base + (ledger_module._SEEN_FLOOR + 100) * entry))
+    assert ledger.account() == 0 and ledger.sessions == 1
+    assert ledger.sdk_span_call(f"{19_999:016x}") == ("one", "1") and ledger.sdk_span_call(f"{0:016x}") is None
+
+
 def test_a_sessions_stream_ends_are_bounded_kept_newest_last_and_charged_the_same_after_a_snapshot():
     from mcp_stream_exporter.detector.ledger import Ledger
 

@@ -684,9 +684,11 @@ class Ledger:
         return self._bytes + self._index_bytes
 
     def account(self) -> int:
-        """Re-charge the calls touched since the last call, then shorten the retry window (``first_sight``),
-        evict the least recently active sessions (counted as ``memory``), then the oldest look-ups, until
-        under the budget; returns how many sessions were evicted."""
+        """Re-charge the calls touched since the last call, then shorten the retry window (``first_sight``) and the
+        SDK-span look-ups (a timeout they no longer find is a warning missed), each to its newest entries, evict
+        the least recently active sessions (counted as ``memory``: their losses would go unseen), then the oldest
+        look-ups (a re-issue no longer found pages ``not_reissued``), until under the budget; returns how many
+        sessions were evicted."""
         for call in self._touched.values():
             if call.charged:  # still held
                 self._bytes -= call.charged * _UNIT
@@ -695,6 +697,8 @@ class Ledger:
         evicted = 0
         while self.bytes > self.limits.max_bytes and len(self._seen) > _SEEN_FLOOR:  # a shorter retry window first
             self._forget_seen()
+        while self.bytes > self.limits.max_bytes and len(self._sdk_spans) > _SEEN_FLOOR:
+            self._index_bytes -= _entry_bytes(*self._sdk_spans.popitem(last=False))
         while self.bytes > self.limits.max_bytes and self._sessions:
             self._drop(self._sessions.popitem(last=False)[1], "memory")
             evicted += 1
