@@ -66,3 +66,15 @@ def test_streams_past_the_bound_go_oldest_first_when_indexed_in_a_batch():
         recorder.on_stored("s", stream, f"e{stream}", _progress())
     assert recorder.buffered_after("s", "1", "unknown-cursor") == []
     assert recorder.buffered_after("s", "3", "unknown-cursor") == ["e3"]
+
+
+def test_the_events_kept_of_all_streams_are_as_many_as_the_index_holds_oldest_streams_first():
+    """Each stream's bound times the streams' would let 10,000 long streams hold some 700 MB."""
+    recorder = _recorder(max_events_per_stream=1000, max_streams=10)  # the index: 100 events
+    for stream in range(5):
+        for n in range(60):
+            recorder.on_stored("s", str(stream), f"e{stream}-{n}", _progress())
+    recorder.buffered_after("s", "4", "unknown-cursor")  # brought up to date
+    assert sum(len(events) // 2 for events in recorder._stored.values()) <= 100
+    assert recorder.buffered_after("s", "4", "unknown-cursor") == [f"e4-{n}" for n in range(60)]
+    assert recorder.buffered_after("s", "0", "unknown-cursor") == []

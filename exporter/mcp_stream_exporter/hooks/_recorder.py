@@ -52,8 +52,10 @@ class StoreRecorder:
         self.tracker = tracker
         self.tracer = tracer
         self._requirements = requirements
-        # (session, stream) -> its events' ids and frame kinds, alternating: no tuple for each event
+        # (session, stream) -> its events' ids and frame kinds, alternating: no tuple for each event; as many events
+        # in all as the index below keeps (``_held_events``), the oldest streams going first
         self._stored: OrderedDict[str, list[str]] = OrderedDict()
+        self._held_events = 0
         # (session, event id) -> whose event it is, and where it came in store order (what came before it)
         self._stream_of_event: OrderedDict[str, str] = OrderedDict()
         self._order_of_event: dict[str, int] = {}
@@ -111,7 +113,7 @@ class StoreRecorder:
         journal, self._journal = self._journal, []
         stored, stream_of_event, order_of_event = self._stored, self._stream_of_event, self._order_of_event
         max_events, max_streams, max_indexed = 2 * self._max_events_per_stream, self._max_streams, self._max_indexed
-        order = self._store_order
+        order, held = self._store_order, self._held_events
         items = iter(journal)
         try:
             for session, stream_id, event_id, kind in zip(items, items, items, items, strict=True):
@@ -120,10 +122,14 @@ class StoreRecorder:
                 if events is None:  # a list, not a deque: a stream stores a few events, and a deque allocates 64
                     events = stored[key] = []
                     if len(stored) > max_streams:  # one added: one out
-                        stored.popitem(last=False)
+                        held -= len(stored.popitem(last=False)[1]) // 2
                 events += (event_id, kind)
+                held += 1
                 if len(events) > max_events:
                     del events[:2]
+                    held -= 1
+                while held > max_indexed:  # many long streams: 10,000 of 1,000 events would hold some 700 MB
+                    held -= len(stored.popitem(last=False)[1]) // 2
                 order += 1
                 event_key = _key(session, event_id)
                 stream_of_event[event_key] = stream_id
@@ -131,7 +137,7 @@ class StoreRecorder:
                 if len(stream_of_event) > max_indexed:
                     del order_of_event[stream_of_event.popitem(last=False)[0]]
         finally:  # what was indexed keeps its order, whatever stopped the rest
-            self._store_order = order
+            self._store_order, self._held_events = order, held
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
         self._catch_up()

@@ -227,6 +227,7 @@ class Tracker:
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
+        self._gone: OrderedDict[str, None] = OrderedDict()  # (server) sessions gone: their calls let go of
         # (server) sessions whose event store failed (``store_failed``), each with the exception's class
         self._store_failed: OrderedDict[str | None, str] = OrderedDict()
         # (server) the newest ``max_calls`` calls of a session whose terminal event is out of the server's hands (sent,
@@ -947,6 +948,8 @@ class Tracker:
         for call in pending:
             if call.stateless or no_cursor:
                 self._finish(call, outcome)
+        if self._gone and stream.session_id in self._gone:
+            self._let_go_gone(pending)
 
     def deleting(self, session_id: str) -> int:
         """A DELETE of the session is sent (client) or received (server); ``deleted`` with what this returns once
@@ -982,11 +985,20 @@ class Tracker:
 
     def session_gone(self, session_id: str) -> None:
         """(server) The session is gone (its DELETE accepted, or the SDK answered 404 for it): nothing can deliver
-        its calls any more. They are let go of now (their spans end ``evicted``: forgotten, no more), not when
-        ``max_calls`` newer ones push them out: a server whose clients leave without resuming holds none of theirs.
-        A walk of the calls tracked, which are only those that deviated."""
-        for call in [c for key, c in self._calls.items() if key[0] == session_id]:
-            self._evict(call)
+        its calls any more. They are let go of (their spans end ``evicted``: forgotten, no more) once no stream or
+        exchange of theirs is open (the SDK closes them as it accepts the DELETE, and their spans tell it, with
+        the calls they leave pending: ``_let_go_gone``), not when ``max_calls`` newer ones push them out: a server
+        whose clients leave without resuming holds none of theirs. A walk of the calls tracked, which are only
+        those that deviated."""
+        self._gone[session_id] = None
+        if len(self._gone) > _MAX_DELETED:
+            self._gone.popitem(last=False)
+        self._let_go_gone([c for key, c in self._calls.items() if key[0] == session_id])
+
+    def _let_go_gone(self, calls: Sequence[Call]) -> None:
+        for call in calls:
+            if not (call.done or call.open_streams or call.on_exchange or call.replaying):
+                self._evict(call)
 
     def _index(self, session_id: str | None, event_id: str, request_ids: tuple[str, ...]) -> None:
         """Event ``event_id`` went out on a stream of ``request_ids``: a resume from it continues them. One sent on
