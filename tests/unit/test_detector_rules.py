@@ -187,6 +187,9 @@ def test_another_calls_result_after_a_streams_own_reaches_no_caller():
         assert rules(run([after])) == []
         before = stream(role, "resume", "clean", cursor="6", terminal=("2", "3"), last="12")
         assert rules(run([before])) == ["foreign_result"]
+    # a full list has its own id first, whatever came before it: a flood of others' results then pages
+    flooded = stream(C, "resume", "clean", cursor="6", terminal=("3", *(str(n) for n in range(100, 355))), last="12")
+    assert rules(run([flooded])) == ["foreign_result"]
 
 
 def test_duplicate_terminal_fires_when_one_side_sees_the_terminal_twice():
@@ -690,6 +693,19 @@ def test_a_refusal_hides_no_loss_of_a_resume_not_refused_that_ran_beside_it_in_e
     assert rules(run([*_stored_with_no_stream(), before, *refused], after_s=60)) == []
 
 
+def test_a_refused_resume_that_sent_events_first_and_said_so_while_open_still_tells_its_caller():
+    """The guard's prefix mode, or a live tail cut by an error frame: the resume's span while open (its first
+    events) is no resume of its own."""
+    moving = stream(C, "resume", sc.END_OPEN, pending=("3",), cursor="6", last="7", at=2.0)
+    moving.end_ns = int(2.01 * S)
+    refused = stream(C, "resume", "clean", pending=("3",), cursor="6", last="7", error_frames=1, missing=(FETCH,),
+                     at=2.0)
+    refused.end_ns = int(2.05 * S)
+    for spans in ([*_stored_with_no_stream(), moving, refused], [moving, refused, *_stored_with_no_stream()]):
+        assert rules(run(spans, after_s=60)) == []
+        assert _in_flight([*spans]) == (0, [])
+
+
 def test_a_call_whose_resume_was_refused_explicitly_is_not_in_flight_nor_stuck_until_a_resume_not_refused():
     """Its caller was told why (the guard's error frame; ``resolve_refusals`` fails the call at once)."""
     dropped = [stream(role, "post", "dropped", pending=("3",), last="6") for role in (C, SV)]
@@ -966,6 +982,9 @@ def test_a_post_the_server_closed_as_it_accepted_another_clients_delete_is_no_si
     # a POST the server ended cleanly lost it, whoever deleted the session after
     lost = stream(SV, "post", "clean", pending=("3",), last="6", at=1.0)
     assert rules(run([lost, seen_clean, gone, deleted], after_s=60)) == ["clean_end_pending"]
+    # a clean end its session outlived (a resume answered after it) was no such close, whatever came later
+    answered = stream(C, "resume", "dropped", pending=("3",), cursor="6", at=2.6)
+    assert rules(run([closed, seen_clean, answered, gone, deleted], after_s=60)) == ["clean_end_pending"]
     # the client's clean end of a resume the server closed so is judged as before (the POST was no such close)
     dropped = stream(C, "post", "dropped", pending=("3",), last="6", at=1.0)
     emptied = stream(C, "resume", "clean", pending=("3",), cursor="6", at=1.5)

@@ -165,10 +165,14 @@ def test_an_event_sent_on_two_streams_continues_either_calls_stream():
     (search_msg,), (fetch_msg,) = classify(_request(1, "search")), classify(_request(2, "fetch"))
     search = tracker.start_call(SESSION, search_msg, "2025-11-25", ABSENT, stateless=False)
     fetch = tracker.start_call(SESSION, fetch_msg, "2025-11-25", ABSENT, stateless=False)
+    streams = []
     for calls, cursor in (([fetch], None), ([search], "5")):  # fetch's POST, then search's resume, send event 6
         stream = tracker.open_stream(sc.STREAM_KIND_POST if cursor is None else sc.STREAM_KIND_RESUME, SESSION,
                                      calls, {sc.RESUME_CURSOR: cursor} if cursor else {}, ABSENT, 200)
         assert stream is not None
         data = _progress("fetch", 1).model_dump_json(by_alias=True, exclude_none=True)
         tracker.frame(stream, SSEFrame(data, id="6"), classify_frame(data))
+        streams.append(stream)
     assert tracker.calls_of_cursor(SESSION, "6") == (fetch, search)
+    tracker.end_stream(streams[0], sc.END_DROPPED)  # fetch's POST stopped there: its client resumes from it
+    assert tracker.calls_of_cursor(SESSION, "6") == (fetch,)

@@ -173,9 +173,11 @@ class RuleEngine:
                     calls[rid].delivered_to(at.role)
                 self._delivered(calls[rid], at.role, e, now_ns)
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
+        # its own result came first (a list short of full is in the order they came; a full one, its own first):
+        # the SDK client took that and read no further, and another call's after it reached no caller
         if foreign and len(e.request_ids) == 1 and e.terminal_ids[0] == e.request_ids[0] and (
-                len(e.terminal_ids) <= sc.MAX_ITEMS):  # in the order they came: its own result came first
-            foreign = []  # the SDK client took that and read no further: another call's after it reached no caller
+                len(e.terminal_ids) < sc.MAX_ITEMS):
+            foreign = []
         if foreign and e.request_ids and at.era == sc.ERA_RESUMABLE:
             for rid in e.request_ids:
                 self._emit(RuleId.FOREIGN_RESULT, calls[rid], at, rid, now_ns, lambda: {
@@ -401,8 +403,9 @@ class RuleEngine:
         resumes = session.resumes
         assert resumes is not None
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
-        for rid in e.pending_ids or e.request_ids:
-            self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
+        if e.reason not in (sc.END_OPEN, sc.END_HTTP_ERROR):  # one still open ends later; an HTTP error tells
+            for rid in e.pending_ids or e.request_ids:
+                self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
         if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR:  # an HTTP error tells, carries nothing
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
@@ -453,7 +456,7 @@ class RuleEngine:
 
     def _check_clean_end(self, call: CallState, now_ns: int) -> None:
         if (call.reached_caller or call.clean_since is None or call.finding(RuleId.CLEAN_END_PENDING) or call.told
-                or call.closed_by_delete):
+                or (call.closed_by_delete and not self._alive_after_clean_end(call))):
             return
         if call.running:  # the server's latest word: its tool had not answered, so nothing was lost yet; judged
             return  # again once the server tells of its result (``_answered_after_running``)

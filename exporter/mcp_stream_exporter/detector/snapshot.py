@@ -38,7 +38,9 @@ from mcp_stream_exporter.detector.detector import Detector
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 # 1: one row holding everything; 2: rows of chunks; 3: each re-issue look-up holds its issues; 4: a call's give-ups
-# and the server's word on its tool under ``flags`` (1 to 3: read; a detector of before refuses a snapshot of 4)
+# and the server's word on its tool under ``flags`` (1 to 3: read; a detector of before refuses a snapshot of 4).
+# A call's ``resumed`` keeps its shape since, but its refusals' times are their starts and its other resumes' their
+# ends (they were the other way round): a row of before is read as it is, a close approximation of a rare case
 _FORMAT = 4
 _CHUNK_BYTES = 1024 * 1024  # a row's JSON, about
 _SESSIONS_PER_LOCK = 256  # sessions copied per hold of the detector's lock

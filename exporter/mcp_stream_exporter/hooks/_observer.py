@@ -320,6 +320,8 @@ class WireObserver:
         for call in ex.calls:
             if call.key[1] == wire_id:
                 call.in_sdk_request(context)
+                if not call.stateless:
+                    self.tracker.runs(call.key, call)
                 self.tracker.doomed(call)
                 return
         body = ex.unread
@@ -436,8 +438,6 @@ class WireObserver:
             elif ex.context is None:  # they start when it does: in this context, as if read now
                 ex.context = get_current()
         ex.status = status
-        if status == 404 and ex.asked_in is not None:  # the SDK knows the session no longer (or never did)
-            self.tracker.session_gone(ex.asked_in)
         if ex.cancelled and status < 300:  # refused (the guard's 403, the SDK's 401 or 404), it cancels nothing
             for request_id in ex.cancelled:
                 self.tracker.cancel((ex.asked_in, request_id))

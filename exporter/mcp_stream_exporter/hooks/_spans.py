@@ -78,7 +78,6 @@ class DeviationTracer:
         self._tracer = tracer
         return tracer
 
-
     def start_span(self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    attributes: Attributes = None, links: Sequence[Link] | None = None,
                    start_time: int | None = None) -> Span:
@@ -239,8 +238,8 @@ class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
-                 "key", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran", "replaying",
-                 "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
+                 "key", "last_event", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran",
+                 "replaying", "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
@@ -272,6 +271,7 @@ class Call(_Deferred):
         self._sdk_request: Context | None = None  # (server) where the SDK's own span is current (``in_sdk_request``)
         self.on_exchange = False  # (server) the exchange that carried its request still lasts
         self.ran = False  # (server) the SDK ran its request (``in_sdk_request``)
+        self.last_event: str | None = None  # where the latest stream of it to end stopped: its client resumes there
         # (server) its terminal event's store: event id, outcome, when. Sent on a stream, it ends the call; until
         # then a stream open, or its exchange, may still carry it: ``Tracker.unsent`` once none is left to
         self.stored_result: tuple[str, str, int] | None = None

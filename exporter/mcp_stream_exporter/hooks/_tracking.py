@@ -314,13 +314,16 @@ class Tracker:
             call = self._calls.get(key)
         return call
 
-    def runs(self, key: CallKey) -> None:
-        """(server) The SDK runs the request of ``key`` now: a call of another request that holds its id but that
-        the SDK never ran (one answered before the SDK saw it, such as the guard's 409 for an id in flight, read
-        first) lets go of it, so the call the SDK runs is the one its id finds."""
+    def runs(self, key: CallKey, call: Call | None = None) -> None:
+        """(server) The SDK runs the request of ``key`` now (``call``, if started already): a call of another
+        request that holds its id but that the SDK never ran (one answered before the SDK saw it, such as the
+        guard's 409 for an id in flight, read first) lets go of it (``evicted``), so the call the SDK runs is the
+        one its id finds."""
         held = self._calls.get(key)
-        if held is not None and not held.ran:
-            del self._calls[key]
+        if held is not None and held is not call and not held.ran:
+            self._evict(held)
+            if call is not None and not call.done:
+                self._calls[key] = call
 
     def pend(self, key: CallKey, pending: Pending) -> bool:
         """A resumable session's call that ``pending`` leaves unstarted while its answer shows the healthy path,
@@ -609,7 +612,10 @@ class Tracker:
             for holder in list(held):
                 self.follow(holder)
         ids = self._event_index.get((session_id, _indexed(event_id)), ())
-        return tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
+        calls = tuple(c for c in (self._calls.get((session_id, i)) for i in ids) if c is not None)
+        if len(calls) > 1:  # sent on several streams (a session-wide replay): a client resumes from where one ended
+            calls = tuple(c for c in calls if c.last_event == event_id) or calls
+        return calls
 
     # --- held streams ---
 
@@ -856,6 +862,7 @@ class Tracker:
         answered = True
         for call in stream.calls:
             call.open_streams -= 1
+            call.last_event = stream.last_event_id
             answered = answered and call.done
             if call.stored_result is not None and not call.open_streams and not call.on_exchange and not call.replaying:
                 self.unsent(call)  # the last stream open for its stored result ended without it
@@ -984,12 +991,12 @@ class Tracker:
             self.session_gone(session_id)
 
     def session_gone(self, session_id: str) -> None:
-        """(server) The session is gone (its DELETE accepted, or the SDK answered 404 for it): nothing can deliver
-        its calls any more. They are let go of (their spans end ``evicted``: forgotten, no more) once no stream or
-        exchange of theirs is open (the SDK closes them as it accepts the DELETE, and their spans tell it, with
-        the calls they leave pending: ``_let_go_gone``), not when ``max_calls`` newer ones push them out: a server
-        whose clients leave without resuming holds none of theirs. A walk of the calls tracked, which are only
-        those that deviated."""
+        """(server) The session is gone (its DELETE accepted; not a 404, which the SDK gives another principal's
+        request for a live session too): nothing can deliver its calls any more. They are let go of (their spans
+        end ``evicted``: forgotten, no more) once no stream or exchange of theirs is open (the SDK closes them as it
+        accepts the DELETE, and their spans tell it, with the calls they leave pending: ``_let_go_gone``), not when
+        ``max_calls`` newer ones push them out: a server whose clients leave without resuming holds none of theirs.
+        A walk of the calls tracked, which are only those that deviated."""
         self._gone[session_id] = None
         if len(self._gone) > _MAX_DELETED:
             self._gone.popitem(last=False)
