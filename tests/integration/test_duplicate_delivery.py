@@ -111,3 +111,21 @@ async def test_a_result_copied_onto_the_standalone_stream_is_a_duplicate_deliver
     assert {f.rule for f in findings} == {"duplicate_terminal"}
     assert len({f.request_id for f in findings}) == 3  # each call's copy, whichever of its two came first
     assert {f.evidence["deliveries"] for f in findings} == {2}
+
+
+async def test_a_result_read_once_past_the_hold_of_its_answer_is_one_delivery():
+    """A result whose frame takes the client's held answer past its bound in the read that brings it: the tap
+    follows the answer from its start, reading that frame again, which is no second delivery."""
+    mcp = MCPServer("sizes")
+
+    @mcp.tool()
+    def pad(n: int) -> str:
+        return "x" * n  # twice in its answer (text and structured content): frames around the 64 KiB hold
+
+    with detector() as (found, clock):
+        async with serve(mcp.streamable_http_app()) as port, instrument_client() as http:
+            async with Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                              mode="legacy") as client:
+                for n in range(32_600, 32_800, 8):
+                    await asyncio.wait_for(client.call_tool("pad", {"n": n}), 10)
+        assert after_grace(found, clock) == []

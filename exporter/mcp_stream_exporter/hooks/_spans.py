@@ -237,8 +237,8 @@ _SDK_REQUEST_LINK = MappingProxyType({sc.LINK_TYPE: sc.LINK_SDK_REQUEST})
 class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
-    __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "held_on",
-                 "key", "last_event", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran",
+    __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "ended_by",
+                 "held_on", "key", "last_event", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran",
                  "replaying", "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
@@ -263,6 +263,7 @@ class Call(_Deferred):
         self.streams = 0
         self.open_streams = 0  # streams carrying it that have not ended
         self.done = False
+        self.ended_by: Terminal | None = None  # where the terminal event that ended it came (``Tracker.deliver``)
         self._identify = identify  # client, stateless: computes the fingerprint, only if it is ever needed
         self._arguments = arguments  # what it computes it of, with the tool: kept until then, never exported
         self._fingerprint: str | None = None

@@ -487,6 +487,7 @@ class Tracker:
             self._end_healthy(call, terminal)
             return
         call.done = True
+        call.ended_by = terminal
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
         fingerprint = call.fingerprint if outcome == sc.OUTCOME_NO_TERMINAL else None
@@ -510,6 +511,7 @@ class Tracker:
         """End a call that has no span and was carried by one stream, which its terminal event ended: no
         span, no outcome recorded (the SDK's own span has it); where the event came goes on the SDK's span."""
         call.done = True
+        call.ended_by = terminal
         if self._calls.get(call.key) is call:
             del self._calls[call.key]
         if terminal is not None:
@@ -807,6 +809,8 @@ class Tracker:
             if call is not None:
                 self._unhold(call)  # another stream's call: what its own stream holds comes first
         if call is None or call.done:  # delivered before: a duplicate, unless the server's replay to a resume
+            if call is not None and call.ended_by == (stream.kind, event_id) and call in stream.calls:
+                return  # the frame that ended it, read again (a held stream followed from its start)
             if self._answered_before(stream, key):  # on its POST, which left no span: this stream's span names it
                 stream.again = True
                 if msg.id not in stream.repeated_ids:
