@@ -123,9 +123,8 @@ async def test_a_result_read_once_past_the_hold_of_its_answer_is_one_delivery():
         return "x" * n  # twice in its answer (text and structured content): frames around the 64 KiB hold
 
     with detector() as (found, clock):
-        async with serve(mcp.streamable_http_app()) as port, instrument_client() as http:
-            async with Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
-                              mode="legacy") as client:
-                for n in range(32_600, 32_800, 8):
-                    await asyncio.wait_for(client.call_tool("pad", {"n": n}), 10)
+        async with serve(mcp.streamable_http_app()) as port, instrument_client() as http, Client(
+                streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http), mode="legacy") as client:
+            for n in range(32_600, 32_800, 8):
+                await asyncio.wait_for(client.call_tool("pad", {"n": n}), 10)
         assert after_grace(found, clock) == []

@@ -238,8 +238,8 @@ class Call(_Deferred):
     """A ``tools/call`` as one side saw its request, until its terminal event."""
 
     __slots__ = ("_arguments", "_fingerprint", "_identify", "_sdk_request", "auth", "decision", "done", "ended_by",
-                 "held_on", "key", "last_event", "method", "missing", "on_exchange", "open_streams", "protocol_version", "ran",
-                 "replaying", "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
+                 "held_on", "key", "last_event", "method", "missing", "on_exchange", "open_streams", "protocol_version",
+                 "ran", "replaying", "requirement", "role", "sdk_span", "stateless", "stored_result", "streams", "tool")
 
     def __init__(self, key: CallKey, tool: str | None, method: str, role: str, auth: AuthView,
                  protocol_version: str | None, stateless: bool, start_time: int, traceparent: str | None,
