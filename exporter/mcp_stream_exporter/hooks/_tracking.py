@@ -227,7 +227,6 @@ class Tracker:
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
         self._deleted: OrderedDict[str, None] = OrderedDict()  # sessions whose DELETE was accepted
-        self._gone: OrderedDict[str, None] = OrderedDict()  # (server) sessions gone: their calls let go of
         # (server) sessions whose event store failed (``store_failed``), each with the exception's class
         self._store_failed: OrderedDict[str | None, str] = OrderedDict()
         # (server) the newest ``max_calls`` calls of a session whose terminal event is out of the server's hands (sent,
@@ -531,11 +530,6 @@ class Tracker:
             if len(answered) > self._max_calls:
                 answered.popitem(last=False)
 
-    def _answered_before(self, stream: Stream, key: CallKey) -> bool:
-        """Whether this side saw the call of ``key`` answered on a stream that left no span, before ``stream`` brought
-        its result again. Not the server's replay to a resume: the recovery of a send that reached no one."""
-        return key in self._answered and not (self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME)
-
     def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
         """(server) The call's terminal event was stored (at ``at_ns``, else now; the first such store is the one
         kept). Its exchange (its answer's response yet to start: a JSON answer is stored before it is sent), a
@@ -808,14 +802,17 @@ class Tracker:
             call = self.call(key)
             if call is not None:
                 self._unhold(call)  # another stream's call: what its own stream holds comes first
-        if call is None or call.done:  # delivered before: a duplicate, unless the server's replay to a resume
-            if call is not None and call.ended_by == (stream.kind, event_id) and call in stream.calls:
-                return  # the frame that ended it, read again (a held stream followed from its start)
-            if self._answered_before(stream, key):  # on its POST, which left no span: this stream's span names it
+        if call is None or call.done:  # delivered before: a duplicate, unless
+            if (call is not None and call.ended_by == (stream.kind, event_id) and call in stream.calls) or (
+                    self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME):
+                # the frame that ended it, read again (a held stream followed from its start); the server's replay
+                # to a resume, the recovery of a send that reached no one
+                return
+            if key in self._answered:  # on its POST, which left no span: this stream's span names it
                 stream.again = True
                 if msg.id not in stream.repeated_ids:
                     stream.repeated_ids = (*stream.repeated_ids[:sc.MAX_ITEMS - 1], msg.id)
-            elif call is not None and not (self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME):
+            elif call is not None:
                 stream.again = True  # on a stream with a span, or on this one: its span tells too
             return
         if stream.span is not None:  # a POST delivering its own call's terminal has no span (yet)
@@ -959,7 +956,7 @@ class Tracker:
         for call in pending:
             if call.stateless or no_cursor:
                 self._finish(call, outcome)
-        if self._gone and stream.session_id in self._gone:
+        if self._results_out is not None and stream.session_id in self._deleted:  # (server) a session gone
             self._let_go_gone(pending)
 
     def deleting(self, session_id: str) -> int:
@@ -991,22 +988,16 @@ class Tracker:
             self._close_held(held, sc.END_TERMINATED if accepted else sc.END_CLEAN)
         if not deletions.requests and not deletions.held:
             del self._deletions[session_id]
-        if accepted and self._role == sc.ROLE_SERVER:
-            self.session_gone(session_id)
-
-    def session_gone(self, session_id: str) -> None:
-        """(server) The session is gone (its DELETE accepted; not a 404, which the SDK gives another principal's
-        request for a live session too): nothing can deliver its calls any more. They are let go of (their spans
-        end ``evicted``: forgotten, no more) once no stream or exchange of theirs is open (the SDK closes them as it
-        accepts the DELETE, and their spans tell it, with the calls they leave pending: ``_let_go_gone``), not when
-        ``max_calls`` newer ones push them out: a server whose clients leave without resuming holds none of theirs.
-        A walk of the calls tracked, which are only those that deviated."""
-        self._gone[session_id] = None
-        if len(self._gone) > _MAX_DELETED:
-            self._gone.popitem(last=False)
-        self._let_go_gone([c for key, c in self._calls.items() if key[0] == session_id])
+        if accepted and self._results_out is not None:  # (server)
+            self._let_go_gone([c for key, c in self._calls.items() if key[0] == session_id])
 
     def _let_go_gone(self, calls: Sequence[Call]) -> None:
+        """(server) Calls of a session whose DELETE was accepted (not of one the SDK answered 404 for: it answers so
+        another principal's request naming a live session too): nothing can deliver them any more. Let go of (their
+        spans end ``evicted``: forgotten, no more) once no stream or exchange of theirs is open (the SDK closes them
+        as it accepts the DELETE, and their spans tell it, with the calls they leave pending), not when ``max_calls``
+        newer ones push them out: a server whose clients leave without resuming holds none of theirs. A walk of the
+        calls tracked, which are only those that deviated."""
         for call in calls:
             if not (call.done or call.open_streams or call.on_exchange or call.replaying):
                 self._evict(call)
