@@ -560,7 +560,8 @@ class WireObserver:
             ex.pending = None
             self.tracker.unpend(key)
             self.tracker.result_out(key, pending[0].tool, head[0], held[-1][1], pending[0].traceparent)
-            self.tracker.answered_healthy(key)
+            if key[0] is not None:
+                self.tracker.answered_healthy(key)
         elif not self._answered_by(calls, last):
             return False
         self.tracker.settle(ex, calls, ex.scope.session_id)

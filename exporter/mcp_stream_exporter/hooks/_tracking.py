@@ -518,17 +518,17 @@ class Tracker:
                 annotate(call.sdk_span, terminal)
             if self._results_out is not None:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
-            if terminal[0] == sc.STREAM_KIND_POST:  # its own POST, which leaves no span (another stream has one)
+            # its own POST, which leaves no span (another stream has one); a session's (a stateless id is no key)
+            if terminal[0] == sc.STREAM_KIND_POST and call.key[0] is not None:
                 self.answered_healthy(call.key)
 
     def answered_healthy(self, key: CallKey) -> None:
-        """The call of ``key`` got its result on its POST on the healthy path, which leaves no span: a later result
-        of it on another stream is a repeat (``deliver``). Only a session's: a stateless call's id is no key."""
-        if key[0] is not None:
-            answered = self._answered
-            answered[key] = None
-            if len(answered) > self._max_calls:
-                answered.popitem(last=False)
+        """The call of ``key``, a session's, got its result on its POST on the healthy path, which leaves no span: a
+        later result of it on another stream is a repeat (``deliver``)."""
+        answered = self._answered
+        answered[key] = None
+        if len(answered) > self._max_calls:
+            answered.popitem(last=False)
 
     def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
         """(server) The call's terminal event was stored (at ``at_ns``, else now; the first such store is the one

@@ -137,8 +137,9 @@ class ClientInstrumentation:
                 sdk = self._sdk_spans.get(msg.traceparent)
                 if sdk is not None:
                     annotate(sdk, terminal)
-            assert msg.id is not None  # a call's
-            self.tracker.answered_healthy((session_id, msg.id))
+            if session_id is not None:  # a stateless call's id is no key
+                assert msg.id is not None  # a call's
+                self.tracker.answered_healthy((session_id, msg.id))
             return None
         return self._start_late(msg, session_id, protocol_version, view, start, stateless)
 
