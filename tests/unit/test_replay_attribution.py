@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from mcp.server.streamable_http import EventMessage
+from mcp.server.streamable_http import EventMessage, EventStore
 from mcp_types import JSONRPCMessage, JSONRPCNotification, JSONRPCResponse
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -19,6 +19,7 @@ from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.hooks import ServerInstrumentation
 from mcp_stream_exporter.hooks._spans import Stream
+from mcp_stream_exporter.hooks._tracking import Tracker
 from mcp_stream_exporter.lab import IncidentEventStore
 from mcp_stream_exporter.sse import SSEFrame
 from mcp_stream_exporter.wire import classify, classify_frame
@@ -35,15 +36,20 @@ def _request(rid: int, tool: str) -> bytes:
     return f'{{"jsonrpc":"2.0","id":{rid},"method":"tools/call","params":{{"name":"{tool}"}}}}'.encode()
 
 
-async def _session_wide_replay_story() -> list:
-    """search and fetch; fetch's POST drops; its first resume gets search's progress from the
-    session-wide store and breaks; its second resume is from a search event, its next cursor."""
+def _recorded(session_wide: bool) -> tuple[InMemorySpanExporter, EventStore, Tracker]:
+    """The server hooks' EventStore wrapper around the lab's store, and where their spans go."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     instr = ServerInstrumentation(tracer_provider=provider)
-    store = instr.event_store(IncidentEventStore(ToolPolicy(), session_wide_filter=True))
-    tracker = instr.tracker
+    store = instr.event_store(IncidentEventStore(ToolPolicy(), session_wide_filter=session_wide))
+    return exporter, store, instr.tracker
+
+
+async def _session_wide_replay_story() -> list:
+    """search and fetch; fetch's POST drops; its first resume gets search's progress from the
+    session-wide store and breaks; its second resume is from a search event, its next cursor."""
+    exporter, store, tracker = _recorded(session_wide=True)
     bound = request_scope.bind(request_scope.RequestScope(SESSION, ABSENT))
 
     def open_stream(kind: str, calls: list, cursor: str | None = None) -> Stream:
@@ -109,12 +115,7 @@ def test_a_resume_from_another_calls_event_is_attributed_to_the_call_whose_strea
 async def _replay_cut_short(session_wide: bool) -> list:
     """fetch's POST drops after its first progress; search stores two events; fetch's resume is cancelled as it
     sends its first event (its client left: sse-starlette cancels the replay), the store's others unsent."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instr = ServerInstrumentation(tracer_provider=provider)
-    store = instr.event_store(IncidentEventStore(ToolPolicy(), session_wide_filter=session_wide))
-    tracker = instr.tracker
+    exporter, store, tracker = _recorded(session_wide)
     bound = request_scope.bind(request_scope.RequestScope(SESSION, ABSENT))
 
     async def client_leaves(event: EventMessage) -> None:

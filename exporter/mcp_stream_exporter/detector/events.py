@@ -63,9 +63,9 @@ MODEL_KEYS: dict[str, type] = {
     **dict.fromkeys((sc.HTTP_RESPONSE_STATUS_CODE, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT, sc.REPLAY_BUFFERED,
                      sc.REPLAY_SENT, sc.REPLAY_SKIPPED), int),
     **dict.fromkeys((sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.RUNNING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS,
-                     sc.REPEATED_REQUEST_IDS,
-                     sc.REQUIRED_RESOURCES, sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE, sc.AUTH_MISSING_RESOURCES,
-                     sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES, sc.REPLAY_FOREIGN_EVENT_IDS), tuple),
+                     sc.REPEATED_REQUEST_IDS, sc.REQUIRED_RESOURCES, sc.REQUIRED_SCOPES, sc.AUTH_AUDIENCE,
+                     sc.AUTH_MISSING_RESOURCES, sc.AUTH_MISSING_SCOPES, sc.AUTH_SCOPES, sc.REPLAY_FOREIGN_EVENT_IDS),
+                    tuple),
 }
 
 
