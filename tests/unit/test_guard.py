@@ -20,6 +20,7 @@ from mcp_stream_exporter.guard import (
     InMemoryEventStorage,
 )
 from mcp_stream_exporter.guard.error_frame import rewrite_refusal
+from mcp_stream_exporter.guard.storage import StorageError
 from mcp_stream_exporter.guard.store import _current as guard_request
 from mcp_stream_exporter.guard.store import _Request as GuardRequest
 from mcp_stream_exporter.sse import SSEParser
@@ -764,3 +765,15 @@ def test_the_endpoint_is_the_path_the_router_routes_under_a_mount():
     assert route_path({"path": "/api/mcp", "root_path": "/api"}) == "/mcp"
     assert route_path({"path": "/mcp", "root_path": "/api"}) == "/mcp"  # an older server: the prefix taken off
     assert route_path({"path": "/mcp"}) == "/mcp"
+
+
+def test_a_stored_message_that_does_not_read_back_is_a_storage_error_the_guard_answers_explicitly():
+    """A message built without validation is sent and stored, yet its JSON does not parse: a resume must get an error
+    frame, not end silently on an exception the guard does not catch."""
+    storage = InMemoryEventStorage()
+    run(storage.open("s"))
+    unread = JSONRPCNotification.model_construct(jsonrpc="2.0", params={"progress": 1})  # no method
+    event_id = run(storage.append("s", "7", unread, None))
+    assert event_id is not None
+    with pytest.raises(StorageError, match="does not read back"):
+        run(storage.get("s", event_id))

@@ -21,7 +21,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import anyio
 from mcp_types import JSONRPCMessage
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from mcp_stream_exporter.auth import Requirement
 
@@ -43,13 +43,17 @@ def encoded(message: JSONRPCMessage | None) -> bytes:
     return _MESSAGE.dump_json(message, by_alias=True, exclude_unset=True) if message is not None else b""
 
 
-def decoded(data: bytes) -> JSONRPCMessage | None:
-    """A kept message read back (``encoded``)."""
-    return _MESSAGE.validate_json(data) if data else None
-
-
 class StorageError(Exception):
     """The storage could not be reached or answered nonsense: the guard refuses, never guesses."""
+
+
+def decoded(data: bytes) -> JSONRPCMessage | None:
+    """A kept message read back (``encoded``). One that does not read back (a message built without validation
+    can be sent and stored, yet not parsed) is a ``StorageError``: the guard answers it with an error frame."""
+    try:
+        return _MESSAGE.validate_json(data) if data else None
+    except ValidationError as error:
+        raise StorageError(f"a stored message does not read back: {error.error_count()} errors") from None
 
 
 class EventStorage(Protocol):
