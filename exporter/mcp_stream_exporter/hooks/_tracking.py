@@ -60,6 +60,9 @@ _ERROR_FRAME_DATA_CHARS = 1024
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
+# ids an event sent on several streams stays tied to (``_index``): a session-wide replay hands one stream's events to
+# one other; a server sending each event on every stream would otherwise make each entry a tuple of its own, 256 long
+_MAX_MERGED = 8
 _MAX_DELETED = 1024  # sessions this side saw deleted: a stream of theirs that ends clean ended with them
 _MAX_STORE_FAILED = 1024  # (server) sessions whose event store failed: a later call of theirs is lost too
 # how long a stream that ended clean during a DELETE of its session waits for the DELETE's answer, and how many do: the
@@ -1007,9 +1010,9 @@ class Tracker:
         several streams (a session-wide replay hands one stream's events to another) continues any of them."""
         key = (session_id, _indexed(event_id))
         known = self._event_index.get(key)
-        if known is not None and known != request_ids:
-            request_ids = (*known, *[i for i in request_ids if i not in known])[:sc.MAX_ITEMS]
-        self._event_index[key] = request_ids
+        if known is not None and known != request_ids and len(known) + len(request_ids) <= _MAX_MERGED:
+            request_ids = (*known, *[i for i in request_ids if i not in known])
+        self._event_index[key] = request_ids  # else the newest sender's own tuple: no new one a frame
         if len(self._event_index) > self._max_event_index:
             self._event_index.popitem(last=False)
 
