@@ -63,6 +63,10 @@ STREAM_KINDS: Final = (STREAM_KIND_POST, STREAM_KIND_GET, STREAM_KIND_RESUME, ST
 STREAM_CONTENT: Final = "mcp_stream.stream.content"  # sse | json | none
 STREAM_REQUEST_IDS: Final = "mcp_stream.stream.request_ids"
 RESUME_CURSOR: Final = "mcp_stream.resume.cursor"
+# (server) on a 404 the SDK gave a request of another principal than the one that opened the session it names (it
+# answers so as if the session did not exist): the session lives; its owner's own 404 carries no such attribute
+SESSION_OWNER: Final = "mcp_stream.session.owner"
+SESSION_OWNER_OTHER: Final = "other"
 END_REASON: Final = "mcp_stream.end.reason"
 END_CLEAN: Final = "clean"  # the server ended the response body
 END_DROPPED: Final = "dropped"  # the connection broke before the server ended it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -15,7 +16,14 @@ from mcp_stream_exporter import instrument_client
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
-from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE, BearerAuth, Incident, incident_policy
+from mcp_stream_exporter.lab import (
+    BASE_RESOURCE,
+    FETCH_RESOURCE,
+    SEARCH_RESOURCE,
+    BearerAuth,
+    Incident,
+    incident_policy,
+)
 
 from harness import TOKENS_USED, Clock, after_grace, detector, incident, ours, play_incident, span_exporter, spans
 
@@ -112,6 +120,46 @@ async def test_a_session_that_expires_while_a_call_is_owed_is_flagged():
         findings = _by_rule(after_grace(found, clock))
     (expired,) = findings["session_expired_in_flight"]
     assert expired.tool == "fetch"
+
+
+async def test_the_sdks_404_to_another_principal_naming_a_live_session_is_marked_and_read_as_no_expiry():
+    """The SDK refuses another principal's request naming a live session with the 404 of a session that does not
+    exist: the server's span says so, and the detector reads no expiry from it; the owner's own 404, once the
+    session is gone, is the expiry it is."""
+    with detector() as (found, clock):
+        async with incident("legacy") as lab:
+            assert lab.server is not None
+            await lab.call("search", {"query": "q"})
+            (session_id,) = lab.server.session_manager._server_instances  # lab only: no public API
+            mallory = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="mallory")
+            url = f"http://127.0.0.1:{lab.proxy.port}/mcp"
+
+            async def resume_as(token: str) -> int:
+                headers = {"mcp-session-id": session_id, "last-event-id": "1", "accept": "text/event-stream",
+                           "mcp-protocol-version": "2025-11-25", "authorization": f"Bearer {token}"}
+                async with httpx2.AsyncClient() as raw:
+                    return (await raw.get(url, headers=headers)).status_code
+
+            fetching = asyncio.ensure_future(lab.call("fetch", {"url": "u", "steps": 4}))
+            await asyncio.sleep(0.05)  # fetch under way
+            assert await resume_as(mallory) == 404
+            async with httpx2.AsyncClient() as raw:
+                posted = await raw.post(url, json={"jsonrpc": "2.0", "id": 99, "method": "tools/call",
+                                                   "params": {"name": "fetch", "arguments": {"url": "m"}}},
+                                        headers={"mcp-session-id": session_id, "authorization": f"Bearer {mallory}",
+                                                 "accept": "application/json, text/event-stream",
+                                                 "mcp-protocol-version": "2025-11-25"})
+            assert posted.status_code == 404
+            assert (await fetching).content[0].text == "contents of u"  # the session lives
+            await lab.expire_sessions()
+            assert await resume_as(lab.broad) == 404
+        assert after_grace(found, clock) == []
+    refused = ours(spans(), "stream", sc.ROLE_SERVER, http__response__status_code=404,
+                   mcp_stream__stream__kind=sc.STREAM_KIND_RESUME)
+    assert [(s.attributes or {}).get(sc.SESSION_OWNER) for s in refused] == [sc.SESSION_OWNER_OTHER, None]
+    (post,) = ours(spans(), "stream", sc.ROLE_SERVER, http__response__status_code=404,
+                   mcp_stream__stream__kind=sc.STREAM_KIND_POST)
+    assert (post.attributes or {}).get(sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER
 
 
 async def _break_fetch(lab: Incident) -> None:

@@ -888,6 +888,21 @@ def test_a_call_whose_caller_the_sdk_told_it_failed_is_over_not_in_flight_and_it
     assert _in_flight(_broken("3", 1.0)) == (0, ["not_reissued"])  # 2026-07-28: the loss is the call not sent again
 
 
+def test_a_404_the_sdk_gave_another_principal_is_no_expiry_the_loss_stays_critical_and_the_call_in_flight():
+    # anyone who knows a session id gets the SDK's 404 naming it: read as expiry, it would turn the session's silent
+    # loss into a warning and take its calls out of the in-flight count
+    lost = stream(SV, "resume", "clean", pending=("3",), cursor="6")
+    for owner, expected in ((None, ["session_expired_in_flight"]), (sc.SESSION_OWNER_OTHER, ["clean_end_pending"])):
+        refused = stream(SV, "resume", "http_error", ids=(), cursor="6", status=404, tool=None, at=2.0, owner=owner)
+        for order in ([lost, refused], [refused, lost]):
+            detector = run(order, after_s=6)
+            assert rules(detector) == expected
+        dropped = stream(SV, "post", "dropped", pending=("3",), last="6")
+        assert _in_flight([dropped, refused]) == ((0, expected) if owner is None else (1, []))
+    (page,) = run([lost, refused], after_s=6).findings
+    assert page.severity == "critical"
+
+
 def test_a_call_whose_server_accepted_its_cancel_is_over_not_in_flight_nor_expired_with_its_session():
     dropped = stream(SV, "post", "dropped", pending=("3",), last="6")
     cancelled = call(SV, sc.OUTCOME_CANCELLED, at=2.0)

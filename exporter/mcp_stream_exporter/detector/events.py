@@ -59,7 +59,7 @@ MODEL_KEYS: dict[str, type] = {
                      sc.EVENT_LAST_ID, sc.RESUME_CURSOR, sc.GEN_AI_TOOL_NAME, sc.AUTH_FINGERPRINT, sc.AUTH_VERIFICATION,
                      sc.JSONRPC_REQUEST_ID, sc.CALL_OUTCOME, sc.TERMINAL_EVENT_ID, sc.TERMINAL_STREAM_KIND,
                      sc.CALL_ARGUMENTS_HASH, sc.CALL_REQUEST_SPAN_ID, sc.REPLAY_DECISION, sc.REPLAY_SENT_LAST_ID,
-                     sc.REPLAY_OFFENDING_EVENT_ID, sc.GUARD_DECISION), str),
+                     sc.REPLAY_OFFENDING_EVENT_ID, sc.GUARD_DECISION, sc.SESSION_OWNER), str),
     **dict.fromkeys((sc.HTTP_RESPONSE_STATUS_CODE, sc.EVENTS_COUNT, sc.ERROR_FRAMES_COUNT, sc.REPLAY_BUFFERED,
                      sc.REPLAY_SENT, sc.REPLAY_SKIPPED), int),
     **dict.fromkeys((sc.STREAM_REQUEST_IDS, sc.PENDING_REQUEST_IDS, sc.RUNNING_REQUEST_IDS, sc.TERMINAL_REQUEST_IDS,
@@ -145,6 +145,8 @@ class StreamEnd:
     token: Token
     running_ids: tuple[str, ...] = ()  # (server) pending calls whose tool had not answered yet
     repeated_ids: tuple[str, ...] = ()  # of the terminal ids, calls its side saw answered before, leaving no span
+    # (server) a 404 the SDK gave another principal than the session's: no sign the session is gone
+    other_owner: bool = False
 
 
 @dataclass(slots=True)
@@ -404,6 +406,7 @@ def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts:
         text(a, sc.EVENT_FIRST_ID), text(a, sc.EVENT_LAST_ID), text(a, sc.RESUME_CURSOR),
         text(a, sc.GEN_AI_TOOL_NAME), texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts),
         texts(a, sc.RUNNING_REQUEST_IDS) or (), texts(a, sc.REPEATED_REQUEST_IDS) or (),
+        text(a, sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER,
     )
 
 

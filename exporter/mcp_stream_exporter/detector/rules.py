@@ -145,7 +145,7 @@ class RuleEngine:
         # what the pending calls require, as a union: a call's own only when the stream carries it alone (kept on
         # each of hundreds of calls, one span's union would be charged hundreds of times for one tuple)
         own_required = e.required if len(e.request_ids) <= 1 else ()
-        expired = e.status == 404 and not session.deleted
+        expired = e.status == 404 and not session.deleted and not e.other_owner
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         session.expired = session.expired or expired
         if e.kind == sc.STREAM_KIND_RESUME and e.status is not None and 200 <= e.status < 300:

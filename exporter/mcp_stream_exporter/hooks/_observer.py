@@ -38,6 +38,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick, values
+from mcp_stream_exporter.hooks._owners import SessionOwners
 from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._spans import Call, CallKey, Stream, lacks
 from mcp_stream_exporter.hooks._tracking import HOLD_BYTES, HOLD_PIECES, HeldFrame, Requirements, Tracker
@@ -229,6 +230,7 @@ class WireObserver:
         self.policy = policy
         self.tokens = tokens
         self.path = path.rstrip("/")
+        self.owners = SessionOwners()
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
@@ -279,7 +281,11 @@ class WireObserver:
                     self._on_response_body(ex, message if ex.decoder is None else ex.decoded(message))
                 elif kind == "http.response.start":
                     self._on_response_start(ex, message)
+                    if ex.status == 404 or rs.session_id is not ex.asked_in:  # a 404, or a session opened
+                        self._owned(ex, scope)
                     if deleting is not None:
+                        if 200 <= ex.status < 300:
+                            self.owners.ended(deleting[0])
                         tracker.deleted(*deleting, ex.status)
                         deleting = None
                 return send(message)
@@ -305,6 +311,18 @@ class WireObserver:
                 ex.release()
 
         return observed
+
+    def _owned(self, ex: _Exchange, scope: Scope) -> None:
+        """Who opened a session its first answer names; and a 404 the SDK gave another principal than that, which
+        tells nothing of the session (``SessionOwners``), marked on its stream's span."""
+        session_id = ex.scope.session_id
+        if session_id is None:
+            return
+        if ex.asked_in is None:
+            if ex.status < 300:
+                self.owners.opened(session_id, scope)
+        elif ex.stream is not None and self.owners.other(session_id, scope):
+            ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
 
     def dispatched(self, request: Any, request_id: str | int, params: Any, context: Context) -> None:
         """The ``tools/call`` the SDK's server middleware is about to run, in ``context`` (where the SDK's

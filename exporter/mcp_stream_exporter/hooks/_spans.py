@@ -411,6 +411,14 @@ class Stream(_Deferred):
     def pending(self) -> list[Call]:
         return [c for c in self.calls if not c.done]
 
+    def also(self, attrs: Mapping[str, AttributeValue]) -> None:
+        """More of what its side saw as the response started (why the SDK refused it)."""
+        if self.span is not None:  # made as it opened (a resume)
+            self.span.set_attributes(attrs)
+            return
+        opened = stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
+        self.opened = {**opened, **attrs}
+
     def describe(self) -> Description:
         """The token goes on the call spans of a POST, and on the stream span of every other kind."""
         opened = stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
