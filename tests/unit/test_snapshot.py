@@ -71,6 +71,25 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
     assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
 
 
+def test_the_detectors_downtime_counts_against_no_grace_what_its_exporters_held_meanwhile_clears_the_call(tmp_path):
+    """Down longer than the grace left: the delivery its exporters held through the outage comes after the restart,
+    and the call is judged with it; a call that was lost is still flagged, a grace after the restart at the latest."""
+    for held, expected in (([stream(C, "resume", "clean", cursor="41", terminal=("3",), last="44")], set()),
+                           ([], {("clean_end_pending", "3", (C,))})):
+        clock = Clock()
+        before = _fed(clock, _incident_so_far())
+        path = tmp_path / f"{len(held)}.db"
+        Snapshots(before, path).close()
+        clock.now += 60 * S  # down a minute, a grace of 5 s
+        restarted = Detector(CONFIG, clock=clock)
+        assert Snapshots(restarted, path).restore()
+        restarted.tick()  # the first tick after the restart, before the held spans come
+        clock.now += 2 * S
+        restarted.consume(held)
+        findings = _judged(restarted, clock)
+        assert {f for f in findings if f[0] == "clean_end_pending"} == expected
+
+
 def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_finding(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far())

@@ -643,6 +643,12 @@ class Ledger:
         heapq.heapify(self._timers)
         self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
 
+    def postpone(self, by_ns: int) -> None:
+        """Every timer ``by_ns`` later: the time the detector was down (restored from a snapshot) counts against no
+        grace, as the spans that would have come in it come after the restart (their exporters retry them)."""
+        if by_ns > 0:  # a uniform shift keeps the heap a heap
+            self._timers = [(due + by_ns, seq, what, scope, rid) for due, seq, what, scope, rid in self._timers]
+
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
             _, _, what, scope, request_id = heapq.heappop(self._timers)

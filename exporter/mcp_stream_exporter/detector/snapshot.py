@@ -109,6 +109,8 @@ class Snapshots:
             return False
         if taken_ns is None:
             return False
+        with self.detector.lock:  # its graces resume where they were: what came in the downtime comes now
+            self.detector.ledger.postpone(self.detector.clock() - taken_ns)
         self.detector.metrics.snapshot_time.set(taken_ns / 1e9)
         log.info("snapshot restored", extra={"path": str(self.path), "taken_at": taken_ns / 1e9,
                                              "sessions": self.detector.ledger.sessions,
