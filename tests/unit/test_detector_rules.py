@@ -282,6 +282,19 @@ def test_stored_not_delivered_fires_when_a_stored_result_never_reaches_the_clien
                                               {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
 
 
+def test_a_stored_result_its_client_cancelled_well_after_pages_stored_not_delivered_whichever_span_comes_first():
+    # the cause (stored with no stream open, never resumed) names the runbook, not the order a Collector's queues
+    # hand the server's two spans over in
+    drop, server_drop, stored = _stored_with_no_stream()
+    late = cancelled_late(sent=1.0, cancelled=4.0)
+    for spans in ([drop, server_drop, stored, late], [drop, server_drop, late, stored], [late, stored, drop]):
+        detector = run(spans, after_s=60)
+        (finding,) = [f for f in detector.findings if f.rule != "timeout_attributed"]
+        assert (finding.rule, finding.evidence.get("also")) == ("stored_not_delivered", ["sent_not_received"])
+        assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                                  {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
+
+
 def test_stored_not_delivered_is_silent_when_a_resume_delivers_the_stored_result():
     delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15")
     assert rules(run([*_stored_with_no_stream(), delivered], after_s=60)) == []

@@ -357,10 +357,13 @@ class RuleEngine:
             self._broken(call, e.at.end_ns, now_ns)
 
     def _stored(self, call: CallState, at_ns: int, event_id: str | None, now_ns: int) -> None:
-        """The server stored the call's terminal event with no stream open: the client must resume to get it."""
+        """The server stored the call's terminal event with no stream open: the client must resume to get it. Also
+        after a late cancel's span told when it went out (spans in any order): this is the cause, judged first."""
         if call.stored_since is None:
             call.stored_since = at_ns
+        if call.stored_event_id is None:
             call.stored_event_id = event_id
+        if not call.finding(RuleId.STORED_NOT_DELIVERED):
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORED, call)
 
     def _store_failed(self, call: CallState, role: str, now_ns: int) -> None:
@@ -496,6 +499,8 @@ class RuleEngine:
         self._emit(RuleId.STORED_NOT_DELIVERED, call, None, call.request_id, now_ns, lambda: {
             "stored_at": stored_since / 1e9, "stored_event_id": call.stored_event_id,
             "grace_s": self.config.clean_end_grace_s, "timed_out": call.timed_out})
+        if call.late_cancel == CANCEL_LATE:  # held back for this judgement (it joins it)
+            self._check_sent(call, now_ns)
 
     def _check_store_failed(self, call: CallState, now_ns: int) -> None:
         """The server's store failed with the call's result unsent; not delivered a grace later (another producer
@@ -510,6 +515,8 @@ class RuleEngine:
         """A call the server sent the result of and its client cancelled well after: lost unless the client's spans
         show it got it, or its caller was told (a refused resume)."""
         if call.client_deliveries or call.told:  # not what the server saw delivered: its client gave up on it
+            return
+        if self.ledger.waiting(call, _STORED):  # stored with no stream open: that is the cause, judged first
             return
         stored_since = call.stored_since or 0
         self._emit(RuleId.SENT_NOT_RECEIVED, call, None, call.request_id, now_ns, lambda: {
