@@ -181,6 +181,11 @@ async def test_a_stateless_call_broken_mid_stream_is_flagged_unless_the_client_r
             await _break_fetch(lab)
             await lab.call("fetch", {"url": "u", "steps": 4})  # re-issued, as the 2026-07-28 spec requires
         assert after_grace(found, clock) == []
+    # the break's fingerprint is on its stream's span too: a lost call span still finds the re-issue
+    (broken,) = ours(spans(), "stream", sc.ROLE_CLIENT, mcp_stream__end__reason=sc.END_DROPPED)
+    calls = ours(spans(), "call", sc.ROLE_CLIENT)
+    assert {(c.attributes or {}).get(sc.CALL_ARGUMENTS_HASH) for c in calls} == {
+        (broken.attributes or {}).get(sc.CALL_ARGUMENTS_HASH)} != {None}
 
 
 async def test_a_stateless_call_reissued_through_another_client_of_the_process_is_reissued():

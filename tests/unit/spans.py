@@ -39,7 +39,8 @@ def stream(role: str, kind: str, reason: str, *, at: float = 1.0, session: str |
            cursor: str | None = None, audience: tuple[str, ...] = (FETCH, SEARCH), missing: tuple[str, ...] = (),
            error_frames: int = 0, status: int = 200, first: str | None = None, last: str | None = None,
            events: int = 0, era: str = sc.ERA_RESUMABLE, tool: str | None = "fetch", trace: str = "t1",
-           running: tuple[str, ...] = (), repeated: tuple[str, ...] = (), owner: str | None = None) -> Span:
+           running: tuple[str, ...] = (), repeated: tuple[str, ...] = (), owner: str | None = None,
+           fingerprint: str | None = None) -> Span:
     return _span(f"MCP stream {kind}", KIND_CLIENT if role == sc.ROLE_CLIENT else KIND_SERVER, {
         sc.SPAN: sc.SPAN_STREAM, sc.ROLE: role, sc.STREAM_KIND: kind, sc.END_REASON: reason, sc.ERA: era,
         sc.MCP_SESSION_ID: session, sc.STREAM_REQUEST_IDS: ids or None, sc.PENDING_REQUEST_IDS: pending or None,
@@ -49,6 +50,7 @@ def stream(role: str, kind: str, reason: str, *, at: float = 1.0, session: str |
         sc.EVENTS_COUNT: events, sc.GEN_AI_TOOL_NAME: tool if len(ids) == 1 else None,
         sc.REQUIRED_RESOURCES: (FETCH,) if pending and tool == "fetch" else None,
         sc.RUNNING_REQUEST_IDS: running or None, sc.REPEATED_REQUEST_IDS: repeated or None, sc.SESSION_OWNER: owner,
+        sc.CALL_ARGUMENTS_HASH: fingerprint,
     }, at, trace=trace)
 
 

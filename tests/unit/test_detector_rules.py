@@ -243,6 +243,16 @@ def test_not_reissued_fires_when_a_broken_stateless_call_is_not_sent_again():
     assert rules(run([*_broken_stateless_call(), reissued], after_s=6)) == []
 
 
+def test_a_break_whose_call_span_was_lost_is_matched_to_its_reissue_by_its_streams_fingerprint():
+    # a batch lost on the way: the broken call's own span never comes, its stream's (and the re-issue's) do
+    broken = stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS, fingerprint="f00d")
+    for fingerprint, expected in (("f00d", []), ("beef", ["not_reissued"])):
+        reissued = call(C, sc.OUTCOME_RESULT, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,
+                        fingerprint=fingerprint, trace="t2")
+        assert rules(run([broken, reissued], after_s=6)) == expected
+        assert rules(run([reissued, broken], after_s=6)) == expected
+
+
 def test_a_reissue_still_running_when_the_grace_runs_out_is_known_by_the_span_of_its_start():
     """A long tool: the re-issue's own call span ends only with it, past the grace."""
     started = call(C, sc.OUTCOME_REISSUED, at=2.0, request_id="4", session=None, era=sc.ERA_STATELESS,

@@ -147,6 +147,7 @@ class StreamEnd:
     repeated_ids: tuple[str, ...] = ()  # of the terminal ids, calls its side saw answered before, leaving no span
     # (server) a 404 the SDK gave another principal than the session's: no sign the session is gone
     other_owner: bool = False
+    fingerprint: str | None = None  # (client, 2026-07-28) its one call's arguments fingerprint, as on the call's span
 
 
 @dataclass(slots=True)
@@ -406,7 +407,7 @@ def _stream(a: Mapping[str, Any], where: Where, text: _Get, number: _Get, texts:
         text(a, sc.EVENT_FIRST_ID), text(a, sc.EVENT_LAST_ID), text(a, sc.RESUME_CURSOR),
         text(a, sc.GEN_AI_TOOL_NAME), texts(a, sc.REQUIRED_RESOURCES) or (), _token(a, text, texts),
         texts(a, sc.RUNNING_REQUEST_IDS) or (), texts(a, sc.REPEATED_REQUEST_IDS) or (),
-        text(a, sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER,
+        text(a, sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER, text(a, sc.CALL_ARGUMENTS_HASH),
     )
 
 

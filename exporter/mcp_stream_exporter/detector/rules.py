@@ -354,6 +354,8 @@ class RuleEngine:
             # no cursor (the SDK fails the call to its caller at once). Its loss, if any, is still judged
             self.ledger.given_up(call)
         if e.at.era == sc.ERA_STATELESS and e.at.role == sc.ROLE_CLIENT:
+            if e.fingerprint is not None and len(e.pending_ids) == 1 and len(e.request_ids) <= 1:
+                call.fingerprint = call.fingerprint or e.fingerprint  # its call span's may never come (a lost batch)
             self._broken(call, e.at.end_ns, now_ns)
 
     def _stored(self, call: CallState, at_ns: int, event_id: str | None, now_ns: int) -> None:

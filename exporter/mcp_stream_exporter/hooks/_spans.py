@@ -438,6 +438,9 @@ class Stream(_Deferred):
                     attrs[sc.GEN_AI_TOOL_NAME] = call.tool
                 if call.stateless:
                     _request_span(attrs, call.traceparent)
+                    fingerprint = call.fingerprint  # (client) as on its call span: either span tells the break's
+                    if fingerprint is not None:
+                        attrs[sc.CALL_ARGUMENTS_HASH] = fingerprint
         return f"{sc.SPAN_NAME_STREAM} {self.kind}", attrs
 
 
