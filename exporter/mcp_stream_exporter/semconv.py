@@ -139,6 +139,7 @@ LINK_TYPE: Final = "mcp_stream.link"
 LINK_SDK_REQUEST: Final = "sdk_request"  # the SDK's own span for this request (from params._meta)
 LINK_STREAM: Final = "stream"  # a stream that carried this call
 LINK_TERMINAL_STREAM: Final = "terminal_stream"  # the stream that delivered the terminal event
+LINK_REISSUE: Final = "reissue"  # (a re-issue's start, in the broken call's trace) the re-issue's own call span
 
 # --- replay spans (server: one per resume, from the EventStore wrapper) ---
 REPLAY_STREAM_ID: Final = "mcp_stream.replay.stream_id"

@@ -852,6 +852,15 @@ def test_one_reissue_answers_one_broken_call_of_the_same_tool_and_arguments():
     assert _not_reissued(run([*_broken("3", 1.0), *_broken("7", 2.0)], after_s=6)) == ["7"]
 
 
+def test_a_reissues_start_told_in_the_broken_calls_trace_answers_it_alone_and_keeps_no_call_of_its_own():
+    # a Collector sampling by trace kept the break's trace, where the client hook tells the re-issue's start, and
+    # dropped the re-issue's own
+    told = _stateless(C, sc.OUTCOME_REISSUED, "7", 2.0, "b3", stream_kind=None)
+    detector = run([*_broken("3", 1.0), told], after_s=6)
+    assert _not_reissued(detector) == []
+    assert detector.ledger.calls == 1  # the broken call's: the span of a start is an issue, no call of its own
+
+
 def test_a_reissue_counts_once_whichever_of_its_spans_come_twice_and_in_whatever_order():
     reissue = _reissue("7", 2.0)
     two_broken = [*_broken("3", 1.0), *_broken("5", 1.0)]

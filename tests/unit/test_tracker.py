@@ -550,8 +550,31 @@ def test_a_stateless_reissue_with_the_same_fingerprint_gets_a_span_and_another_c
     # and, at once, a span of its start: the detector learns of the re-issue before the call ends
     assert marker.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_REISSUED
     assert marker.attributes[sc.CALL_ARGUMENTS_HASH] == "a" and marker.attributes[sc.JSONRPC_REQUEST_ID] == "3"
-    assert marker.parent.span_id == reissue.span.get_span_context().span_id
+    # in the broken call's trace, linked to the re-issue's own span: a Collector sampling by trace keeps the break and
+    # the word of its re-issue together, or neither
+    assert (marker.context.trace_id, marker.parent.span_id) == (broken.context.trace_id, broken.context.span_id)
+    (link,) = marker.links
+    assert link.context.span_id == reissue.span.get_span_context().span_id
+    assert link.attributes == {sc.LINK_TYPE: sc.LINK_REISSUE}
     assert computed == ["a", "b", "a"]
+
+
+def test_each_reissue_is_told_in_the_trace_of_the_oldest_broken_call_alike_whose_span_is_kept(monkeypatch):
+    monkeypatch.setattr(_tracking, "_MAX_ALIKE_SPANS", 1)
+    tracker, exporter = _tracker(broken=_tracking.BrokenCalls())
+    alike = [tracker.start_call(None, _request(rid), "2026-07-28", ABSENT, stateless=True, identify=lambda t, a: "a")
+             for rid in (1, 2)]
+    for call in alike:  # two calls alike under way broke; the first one's span context is not kept
+        tracker.end_stream(tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200), sc.END_DROPPED)
+    first, second = (tracker.start_call(None, _request(rid), "2026-07-28", ABSENT, stateless=True,
+                                        identify=lambda t, a: "a") for rid in (3, 4))
+    assert first.span is not None and second.span is not None  # each a re-issue
+    spans = _by(exporter, sc.SPAN_CALL)
+    broken = {s.attributes[sc.JSONRPC_REQUEST_ID]: s for s in spans if s.attributes[sc.CALL_OUTCOME] != "reissued"}
+    told = {s.attributes[sc.JSONRPC_REQUEST_ID]: s for s in spans if s.attributes[sc.CALL_OUTCOME] == "reissued"}
+    assert told["3"].parent.span_id == first.span.get_span_context().span_id  # its own: the oldest's context is gone
+    assert told["4"].context.trace_id == broken["2"].context.trace_id
+    assert not tracker.reissues_possible()
 
 
 def test_a_re_issue_whose_broken_calls_print_was_dropped_past_the_bound_is_still_told(monkeypatch):

@@ -205,6 +205,10 @@ class RuleEngine:
 
     def call(self, e: CallEnd, now_ns: int) -> None:
         at = e.at
+        if e.outcome == sc.OUTCOME_REISSUED:  # a re-issue's start, told at once: an issue, in whichever trace (the
+            if at.role == sc.ROLE_CLIENT and e.tool is not None:  # broken call's, where the hooks put it)
+                self.ledger.issued(at.origin, _call_key(e.tool, e.fingerprint), at.start_ns)
+            return
         call = self._call(self.ledger.session(at.scope, now_ns), at, e.request_id, now_ns, e.tool, e.required)
         if at.role == sc.ROLE_CLIENT:
             if e.sdk_span_id is not None:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from mcp_stream_exporter import semconv as sc
@@ -60,6 +60,7 @@ _ERROR_FRAME_DATA_CHARS = 1024
 _TRANSPORT = "tcp"  # semconv network.transport: Streamable HTTP runs over TCP
 _MOVING_EVERY_NS = 60 * 1_000_000_000  # how often a resume moving its calls on says so (``Tracker._moving``)
 _MAX_BROKEN = 1024  # arguments fingerprints of stateless calls whose stream broke: what a re-issue matches
+_MAX_ALIKE_SPANS = 16  # of the calls alike that broke, whose spans' contexts are kept (their re-issues' traces)
 # ids an event sent on several streams stays tied to (``_index``): a session-wide replay hands one stream's events to
 # one other; a server sending each event on every stream would otherwise make each entry a tuple of its own, 256 long
 _MAX_MERGED = 8
@@ -74,7 +75,18 @@ _MAX_HELD_ENDS = 10_000  # a session: each held a moment, and one session seldom
 _EVICTED_WATCH_S = 600.0
 
 
-class BrokenCalls(OrderedDict[str, int]):
+class _Alike:
+    """The calls of one fingerprint whose stream broke: how many await their re-issue, and the span contexts of the
+    newest ``_MAX_ALIKE_SPANS`` of them, oldest first: where each re-issue's start is told."""
+
+    __slots__ = ("count", "spans")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.spans: deque[SpanContext] = deque(maxlen=_MAX_ALIKE_SPANS)
+
+
+class BrokenCalls(OrderedDict[str, _Alike]):
     """Fingerprints of stateless calls whose stream broke, each with how many such calls await their re-issue (one
     re-issue answers one of them, as the detector matches them), the oldest dropped past ``_MAX_BROKEN``. A dropped
     one's re-issue would look like any call, on the healthy path, with no span: the detector would page its call
@@ -90,6 +102,27 @@ class BrokenCalls(OrderedDict[str, int]):
     def clear(self) -> None:
         super().clear()
         self.evicted_until = 0.0
+
+    def broke(self, fingerprint: str, span: SpanContext) -> None:
+        """A call of ``fingerprint`` broke; ``span``: its call span's."""
+        alike = self.get(fingerprint)
+        if alike is None:
+            alike = self[fingerprint] = _Alike()
+        alike.count += 1
+        alike.spans.append(span)
+        self.move_to_end(fingerprint)
+        if len(self) > _MAX_BROKEN:
+            self.popitem(last=False)
+            self.evicted_until = time.monotonic() + _EVICTED_WATCH_S
+
+    def reissued(self, fingerprint: str) -> SpanContext | None:
+        """A call of ``fingerprint`` (one in this table) re-issues the oldest of them: its span's context, if kept."""
+        alike = self[fingerprint]
+        span = alike.spans.popleft() if len(alike.spans) == alike.count else None  # else the oldest's is gone
+        alike.count -= 1
+        if not alike.count:
+            del self[fingerprint]
+        return span
 
 
 # Those of every client in this process: a caller may re-issue through another client than the one that broke (a
@@ -265,14 +298,9 @@ class Tracker:
                     None if identify is None else msg.arguments)
         fingerprint = call.fingerprint if reissue and (self._broken or self._broken.watching()) else None
         if fingerprint is not None and fingerprint in self._broken:
-            left = self._broken[fingerprint] - 1
-            if left:
-                self._broken[fingerprint] = left
-            else:
-                del self._broken[fingerprint]
-            self._reissued(call)
+            self._reissued(call, self._broken.reissued(fingerprint))
         elif fingerprint is not None and stateless and self._broken.watching():  # perhaps one whose print was dropped
-            self._reissued(call)
+            self._reissued(call, None)
         # a stateless call lives and dies with its one stream: nothing to look up. An id its session reuses while
         # its call is pending (MCP forbids it, the guard refuses it) is observed on its own stream, untracked:
         # the pending call stays the one its id finds
@@ -282,14 +310,22 @@ class Tracker:
                 self._evict(self._calls.popitem(last=False)[1])
         return call
 
-    def _reissued(self, call: Call) -> None:
+    def _reissued(self, call: Call, broken: SpanContext | None) -> None:
         """The call re-issues one whose stream broke: a deviation, so it gets its span; and the detector is told
-        now, by a span of the call's start ended at once (``OUTCOME_REISSUED``), not when the call ends."""
+        now, by a span of the call's start ended at once (``OUTCOME_REISSUED``), not when the call ends. That span
+        goes in the trace of the broken call (``broken``, its span's context, when known), linked to the call's
+        own: a Collector sampling by trace keeps the break and the word of its re-issue together, or neither."""
         span = self.span_of(call)
         name, attributes = call.describe()
         attributes[sc.CALL_OUTCOME] = sc.OUTCOME_REISSUED
-        self._tracer.start_span(name, context=trace.set_span_in_context(span), kind=SpanKind.INTERNAL,
-                                attributes=attributes, start_time=call.start_time).end()
+        if broken is None:
+            self._tracer.start_span(name, context=trace.set_span_in_context(span), kind=SpanKind.INTERNAL,
+                                    attributes=attributes, start_time=call.start_time).end()
+            return
+        self._tracer.start_span(name, context=trace.set_span_in_context(NonRecordingSpan(broken)),
+                                kind=SpanKind.INTERNAL, attributes=attributes,
+                                links=[Link(span.get_span_context(), {sc.LINK_TYPE: sc.LINK_REISSUE})],
+                                start_time=call.start_time).end()
 
     def reissues_possible(self) -> bool:
         """Whether a call starting now may be the re-issue of one whose stream broke (``start_call``)."""
@@ -494,11 +530,7 @@ class Tracker:
             del self._calls[call.key]
         fingerprint = call.fingerprint if outcome == sc.OUTCOME_NO_TERMINAL else None
         if fingerprint is not None:
-            self._broken[fingerprint] = self._broken.get(fingerprint, 0) + 1
-            self._broken.move_to_end(fingerprint)
-            if len(self._broken) > _MAX_BROKEN:
-                self._broken.popitem(last=False)
-                self._broken.evicted_until = time.monotonic() + _EVICTED_WATCH_S
+            self._broken.broke(fingerprint, self.span_of(call).get_span_context())
         if terminal is not None and self._results_out is not None:
             self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
         if call.closed:  # its span ended when its result was stored and nothing carried it (``unsent``)
