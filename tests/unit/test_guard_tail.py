@@ -274,24 +274,40 @@ async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_k
     assert (notice(ended)["error"], notice(ended)["cursor"]) == ("store_unavailable", ids[-1])
 
 
+async def test_an_event_lost_after_the_resumes_cursor_ends_its_replay_there_with_an_error_frame_never_a_gap():
+    """Not stored, after the client's cursor: no replay can send it. What was stored before it is sent, then the
+    refusal; the stored events after it (the answer, here) never make the stream look whole."""
+    store = GuardedEventStore(POLICY, storage=InMemoryEventStorage())
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    await lost(store, "2", progress(7))  # after ids[2]: a Redis blip while the client's stream was down
+    await stored(store, "2", progress(8))
+    await stored(store, "2", result(2))
+    for cursor, before in ((ids[1], [ids[2]]), (ids[2], [])):
+        sent: list[EventMessage] = []
+        with anyio.fail_after(BOUND_S):
+            await resume(store, cursor, BROAD, sent)
+        assert ids_of(sent) == [*before, None]  # then the error frame
+        assert notice(sent[-1]) == {**notice(sent[-1]), "error": "store_unavailable", "cursor": ids[2]}
+
+
 async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_answer_ends_it_at_once():
-    """The client got a lost event live, before it resumed: its tail goes on. The answer lost before the resume
+    """The client got a lost event live, before its cursor: its tail goes on. The answer lost before the resume
     will never be stored: the tail says so at once instead of waiting for it."""
     storage = InMemoryEventStorage()
     store = GuardedEventStore(POLICY, storage=storage)
     await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
-    await lost(store, "2", progress(7))  # sent live before the client resumes
+    await a_call(store, 2, "fetch")
+    await lost(store, "2", progress(7))  # sent live, and the client got it, and the next one, before its stream broke
     later = await stored(store, "2", progress(8))
     sent: list[EventMessage] = []
-    answer: list[str] = []
-
-    async def answered() -> None:
-        answer.append(await stored(store, "2", result(2)))
-
+    waits = Waits(storage)
     with anyio.fail_after(BOUND_S):
-        await resume(store, ids[1], BROAD, sent, during=answered)
-    assert ids_of(sent) == [ids[2], later, *answer]  # up to the answer: no error frame
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, later, BROAD, sent)
+            await waits.parked(1)  # the tail waits for what comes after the cursor
+            answer = await stored(store, "2", result(2))
+    assert ids_of(sent) == [answer]  # up to the answer: no error frame
     await lost(store, "3", result(3))  # call 3's answer, before anyone resumed it
     await store.record_call("s1", "3", "fetch")
     cursor = await stored(store, "3", None)

@@ -98,6 +98,7 @@ from mcp_stream_exporter.guard.error_frame import (
     sse_bytes,
 )
 from mcp_stream_exporter.guard.inflight import InFlight
+from mcp_stream_exporter.guard.losses import StoreLosses
 from mcp_stream_exporter.guard.posts import (
     MAX_REQUESTS,
     NOTHING_ASKED,
@@ -125,7 +126,6 @@ ReplayScope = Literal["stream", "session"]
 Opaque = Literal["refuse", "allow"]
 
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
-_MAX_UNKEPT: Final = 10_000  # streams remembered as having lost an event to the storage (``store_event``)
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
@@ -204,9 +204,9 @@ class GuardedEventStore(EventStore):
         # what the requests of session POSTs the SDK has not taken yet require: recorded once it takes them
         # (``_flush``), or once it stores an event of their stream, whichever comes first (``store_event``)
         self._unrecorded: dict[tuple[str, str], Requirement] = {}
-        # streams an event of which the storage did not keep (the newest _MAX_UNKEPT): how many, and whether their
-        # answer was one; a live tail of such a stream ends rather than wait for what will never be stored
-        self._unkept: dict[tuple[str, str], tuple[int, bool]] = {}
+        # what the storage did not keep, placed among what it did: a resume past it is refused, and a live tail of
+        # such a stream ends rather than wait for what will never be stored
+        self._losses = StoreLosses()
 
     # --- which call requires what ---
 
@@ -244,11 +244,10 @@ class GuardedEventStore(EventStore):
             event_id = None
         if event_id is None:
             event_id = f"unstored-{next(self._unstored)}"
-            if request is not None and request.session_id is not None:  # a live tail of it would wait on it forever
-                losses, answer_lost = self._unkept.pop((request.session_id, stream_id), (0, False))
-                self._unkept[(request.session_id, stream_id)] = (losses + 1, answer_lost or _terminal(message))
-                if len(self._unkept) > _MAX_UNKEPT:
-                    del self._unkept[next(iter(self._unkept))]
+            if request is not None and request.session_id is not None:  # sent live: a resume past it cannot have it
+                self._losses.lost(request.session_id, stream_id, _terminal(message))
+        elif request is not None and request.session_id is not None:
+            self._losses.kept(request.session_id, stream_id, event_id, _terminal(message))
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
             # the SDK sends it live, stored or not: to the session's principal at least (its message router stores
             # in the context of the request that opened the session)
@@ -275,6 +274,10 @@ class GuardedEventStore(EventStore):
         try:
             cursor = await self.storage.get(session_id, last_event_id)
             buffered = await self._buffered(session_id, cursor) if cursor is not None else None
+            gap = None if cursor is None or buffered is None else self._losses.first_after(
+                session_id, cursor.stream_id, cursor.event_id, [e.event_id for e in buffered])
+            if gap is not None:  # stored events past a loss: sent up to it, then the refusal
+                buffered = buffered[:gap]
             if cursor is None or buffered is None:
                 # unknown, evicted (since it was found, too: what followed it may be gone with it), or another
                 # session's: never an empty 200
@@ -293,6 +296,10 @@ class GuardedEventStore(EventStore):
             for event in buffered:  # what the verdict lets through: all of it, or (observe) what it would refuse
                 await send_callback(EventMessage(event.message, event.event_id))  # type: ignore[arg-type]
             delivered = buffered[-1].event_id if buffered else cursor.event_id
+            if gap is not None:  # what was not stored never comes: said, in every mode, as a failing storage is
+                span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, plain(STORE_UNAVAILABLE, delivered)))
+                await send_callback(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
+                return None
             stop = verdict.refusal or self._taken_over(request, cursor.stream_id, delivered)
             if stop is not None and self.mode == "enforce":
                 span.set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, stop))
@@ -699,7 +706,7 @@ class GuardedEventStore(EventStore):
         its owner gone (``elsewhere``: another process's), events evicted under it or the storage failing end it
         with an error frame whose cursor is the last event sent, never silently; the client leaving cancels it."""
         after = delivered
-        lost_before = self._unkept.get((session_id, stream_id), (0, False))[0]  # before its cursor: sent live
+        lost_before = self._losses.count(session_id, stream_id)[0]  # before its cursor (sent live), or replay refused
         while True:
             try:
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
@@ -723,7 +730,7 @@ class GuardedEventStore(EventStore):
                 delivered = event.event_id
                 if event.stream_id == stream_id and _terminal(event.message):
                     return
-            lost, answer_lost = self._unkept.get((session_id, stream_id), (0, False))
+            lost, answer_lost = self._losses.count(session_id, stream_id)
             if answer_lost or lost > lost_before:  # never in the storage, so never coming: said, not waited on
                 await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
