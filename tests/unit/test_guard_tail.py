@@ -15,6 +15,7 @@ from mcp_types import JSONRPCNotification, JSONRPCResponse
 from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID
 from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage, SharedEventStorage, TailableEventStorage
+from mcp_stream_exporter.guard import store as guard_store
 from mcp_stream_exporter.guard.storage import StorageError, StoredEvent
 from mcp_stream_exporter.guard.store import _current as guard_request
 from mcp_stream_exporter.guard.store import _Request as GuardRequest
@@ -289,6 +290,24 @@ async def test_an_event_lost_after_the_resumes_cursor_ends_its_replay_there_with
             await resume(store, cursor, BROAD, sent)
         assert ids_of(sent) == [*before, None]  # then the error frame
         assert notice(sent[-1]) == {**notice(sent[-1]), "error": "store_unavailable", "cursor": ids[2]}
+
+
+async def test_an_answer_stored_here_that_the_storage_no_longer_has_ends_the_tail_instead_of_a_wait_forever(
+        monkeypatch):
+    """A storage restored from an older copy (Redis after a crash, with RDB or AOF lag, or failed over to a lagging
+    replica) lost the answer this process stored after the client's cursor: no wait brings it back."""
+    monkeypatch.setattr(guard_store, "_TAIL_WAIT_S", 0.01)
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    answer = await stored(store, "2", result(2))
+    del storage._sessions["s1"].events[answer]  # what the older copy did not have
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[1], BROAD, sent)
+    assert ids_of(sent) == [ids[2], None]
+    assert notice(sent[-1]) == {**notice(sent[-1]), "error": "unknown_cursor", "cursor": ids[2]}
 
 
 async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_answer_ends_it_at_once():

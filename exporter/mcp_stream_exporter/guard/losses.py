@@ -18,6 +18,7 @@ _Stream = tuple[str, str]  # session id, stream id
 _MAX_STREAMS: Final = 10_000  # streams with a loss remembered (the newest): an older one's resume is answered as before
 _MAX_LOSSES: Final = 64  # placed losses a stream keeps: past them, any resume of it is refused
 _MAX_KEPT: Final = 100_000  # streams whose last stored event is known (some 250 B each): the least recently stored go
+_MAX_ANSWERS: Final = 10_000  # streams whose answer this process stored, the newest (some 250 B each)
 
 
 class _Lost:
@@ -37,16 +38,21 @@ class StoreLosses:
     def __init__(self) -> None:
         self._kept: OrderedDict[_Stream, str] = OrderedDict()  # the last event this process stored, by stream
         self._lost: dict[_Stream, _Lost] = {}
+        self._answers: OrderedDict[_Stream, str] = OrderedDict()  # the answer this process stored, by stream
 
     def kept(self, session_id: str, stream_id: str, event_id: str, answer: bool) -> None:
         """``event_id`` was stored; ``answer``: the stream's last (a response or error: no loss can follow it)."""
         key = (session_id, stream_id)
         self._kept.pop(key, None)
-        if answer:
-            return
-        self._kept[key] = event_id
-        if len(self._kept) > _MAX_KEPT:
-            self._kept.popitem(last=False)
+        kept = self._answers if answer else self._kept
+        kept[key] = event_id
+        if len(kept) > (_MAX_ANSWERS if answer else _MAX_KEPT):
+            kept.popitem(last=False)
+
+    def answer(self, session_id: str, stream_id: str) -> str | None:
+        """The id of the stream's answer, if this process stored it (a storage restored from an older copy may have
+        lost it since: a live tail waiting for it would wait forever)."""
+        return self._answers.get((session_id, stream_id))
 
     def lost(self, session_id: str, stream_id: str, answer: bool) -> None:
         """An event of the stream was not stored (``answer``: its response or error)."""

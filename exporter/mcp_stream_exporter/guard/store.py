@@ -274,10 +274,12 @@ class GuardedEventStore(EventStore):
         try:
             cursor = await self.storage.get(session_id, last_event_id)
             buffered = await self._buffered(session_id, cursor) if cursor is not None else None
-            gap = None if cursor is None or buffered is None else self._losses.first_after(
-                session_id, cursor.stream_id, cursor.event_id, [e.event_id for e in buffered])
-            if gap is not None:  # stored events past a loss: sent up to it, then the refusal
-                buffered = buffered[:gap]
+            gap = None
+            if cursor is not None and buffered is not None:
+                gap = self._losses.first_after(session_id, cursor.stream_id, cursor.event_id,
+                                               [e.event_id for e in buffered])
+                if gap is not None:  # stored events past a loss: sent up to it, then the refusal
+                    buffered = buffered[:gap]
             if cursor is None or buffered is None:
                 # unknown, evicted (since it was found, too: what followed it may be gone with it), or another
                 # session's: never an empty 200
@@ -734,6 +736,19 @@ class GuardedEventStore(EventStore):
             if answer_lost or lost > lost_before:  # never in the storage, so never coming: said, not waited on
                 await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
+            answer = self._losses.answer(session_id, stream_id) if not events else None
+            if answer is not None and await self._gone(storage, session_id, answer):
+                # stored here, and not in the storage any more (restored from an older copy): never coming either
+                await send(refusal_notice(plain(UNKNOWN_CURSOR, delivered)))
+                return
+
+    @staticmethod
+    async def _gone(storage: TailableEventStorage, session_id: str, event_id: str) -> bool:
+        """Whether the storage no longer has an event it stored (a storage failing now is no answer: not gone)."""
+        try:
+            return await storage.get(session_id, event_id) is None
+        except StorageError:
+            return False
 
     @staticmethod
     async def _tail_stop(storage: TailableEventStorage, session_id: str, after: str, events: list[StoredEvent],
