@@ -131,8 +131,16 @@ async def test_otlp_http_takes_protobuf_json_and_gzip_and_answers_partial_succes
         assert r.status_code == 200
         assert r.json()["partialSuccess"]["rejectedSpans"] == "1"
         assert "mcp_stream.role must be client or server" in r.json()["partialSuccess"]["errorMessage"]
+        # ids in base64 (protobuf's generic JSON mapping), not hex: that span alone is refused, not its batch
+        doc = json.loads(json_format.MessageToJson(_request((sc.PENDING_REQUEST_IDS, ["4"]))))
+        spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        spans.append({**spans[0], "traceId": "5b8efff798038103d269b633813fc60d", "spanId": "eee19b7ec3c1b175"})
+        r = await http.post("/v1/traces", json=doc)
+        assert r.status_code == 200
+        assert r.json()["partialSuccess"]["rejectedSpans"] == "1"
+        assert "trace or span id not of 16 or 8 bytes" in r.json()["partialSuccess"]["errorMessage"]
         await asyncio.to_thread(svc.drain)
-    assert svc.detector.ledger.calls == 1
+    assert svc.detector.ledger.calls == 2  # "3", and "4" beside the span of base64 ids
 
 
 async def test_otlp_http_limits_answer_clearly_and_the_service_keeps_serving():
