@@ -230,6 +230,20 @@ def test_timeout_attributed_also_from_the_sdks_own_span_timing_out():
     assert "timeout_attributed" in rules(run(spans))
 
 
+def test_the_sdks_timed_out_span_that_comes_before_the_call_span_naming_it_still_ends_the_call():
+    # the natural order: the SDK's span ends at the caller's timeout, ours when the hooks let the call go
+    sdk_id = "00000000000000ab"
+    pending = stream(C, "post", "clean", pending=("3",), last="6")
+    timed_out = sdk_call(C, "fetch", timed_out=True, span_id=sdk_id)
+    evicted = call(C, sc.OUTCOME_EVICTED, parent=sdk_id)
+    for order in ([pending, evicted, timed_out], [timed_out, pending, evicted], [pending, timed_out, evicted]):
+        detector = run(order, after_s=6)
+        assert rules(detector) == ["clean_end_pending", "timeout_attributed"]
+        assert detector.ledger.in_flight == 0
+        (lost,) = [f for f in detector.findings if f.rule == "clean_end_pending"]
+        assert lost.evidence["timed_out"] is True
+
+
 def _broken_stateless_call(fingerprint: str = "f00d") -> list[Span]:
     return [stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS),
             call(C, sc.OUTCOME_NO_TERMINAL, session=None, era=sc.ERA_STATELESS, fingerprint=fingerprint)]

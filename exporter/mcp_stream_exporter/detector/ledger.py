@@ -57,6 +57,7 @@ _RUNNING = 8
 _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
+_MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -324,6 +325,7 @@ class Ledger:
         self.stuck = 0  # calls in flight with no sign of life for a while (``count_stuck``)
         self.evictions: dict[str, int] = {"ttl": 0, "capacity": 0, "memory": 0}
         self._sdk_spans: OrderedDict[str, tuple[str, str]] = OrderedDict()  # SDK span id -> call
+        self._early_timeouts: OrderedDict[str, None] = OrderedDict()  # SDK span ids that timed out, no call named
         # (origin, call key) -> the starts of its issues, oldest first, each negated once a broken call took it; an
         # array: 8 bytes an issue and sized in one step, for every client call span adds one
         self._issued: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
@@ -567,9 +569,18 @@ class Ledger:
         self._seen.discard(self._seen_order.popleft())
         self._index_bytes -= _SEEN_BYTES
 
-    def link_sdk_span(self, span_id: str, call: CallState) -> None:
+    def link_sdk_span(self, span_id: str, call: CallState) -> bool:
+        """``call``'s client SDK request span is ``span_id``; True if that span came first and timed out."""
         self._index_bytes += _bounded_put(self._sdk_spans, span_id, (call.scope, call.request_id),
                                           self.limits.max_index)
+        return self._early_timeouts.pop(span_id, False) is None
+
+    def timed_out_early(self, span_id: str) -> None:
+        """A client SDK request span timed out before any span of ours named it (spans in any order): the call that
+        names it later is told then (the newest ``_MAX_EARLY_TIMEOUTS``, a fixed few hundred KB at most)."""
+        self._early_timeouts[span_id] = None
+        if len(self._early_timeouts) > _MAX_EARLY_TIMEOUTS:
+            self._early_timeouts.popitem(last=False)
 
     def sdk_span_call(self, span_id: str) -> tuple[str, str] | None:
         """(scope, request id) of the call whose client SDK request span is ``span_id`` (the timelines' look-up)."""

@@ -211,8 +211,8 @@ class RuleEngine:
             return
         call = self._call(self.ledger.session(at.scope, now_ns), at, e.request_id, now_ns, e.tool, e.required)
         if at.role == sc.ROLE_CLIENT:
-            if e.sdk_span_id is not None:
-                self.ledger.link_sdk_span(e.sdk_span_id, call)
+            if e.sdk_span_id is not None and self.ledger.link_sdk_span(e.sdk_span_id, call):
+                self._timed_out(call, now_ns)  # its caller's timeout, told by the SDK's span that came first
             call.fingerprint = call.fingerprint or e.fingerprint
             if call.tool is not None:
                 self.ledger.issued(at.origin, _call_key(call.tool, e.fingerprint), at.start_ns)
@@ -268,6 +268,8 @@ class RuleEngine:
             call = self.ledger.call_of_sdk_span(e.span_id)
             if call is not None:
                 self._timed_out(call, now_ns)
+            else:
+                self.ledger.timed_out_early(e.span_id)
 
     def tick(self, now_ns: int) -> None:
         """Grace periods that have run out: silent losses, calls never re-issued; idle sessions."""
