@@ -4,6 +4,7 @@ failure modes the lab's servers can produce for real."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import httpx2
 import pytest
@@ -160,6 +161,29 @@ async def test_the_sdks_404_to_another_principal_naming_a_live_session_is_marked
     (post,) = ours(spans(), "stream", sc.ROLE_SERVER, http__response__status_code=404,
                    mcp_stream__stream__kind=sc.STREAM_KIND_POST)
     assert (post.attributes or {}).get(sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER
+
+
+async def test_a_narrowed_resume_a_naive_server_answered_with_the_result_is_told_by_the_clients_spans_too(
+        monkeypatch):
+    """No loss: the server handed fetch's result to a token without fetch's resource (a store with no audience
+    check). Either side's spans tell it, the client's alone too: its resume span says what the calls it continued
+    require and what its token lacks, whether or not it delivered them."""
+    monkeypatch.setattr(sys.modules["mcp_stream_exporter.lab.incident"], "_may_see", lambda requirement, audience: True)
+    async with incident("legacy") as lab:
+        lab.proxy.arm(b"fetch step 4", on_cut=lab.refresh_narrows)  # the resume has only the result to send
+        fetched = await lab.call("fetch", {"url": "u", "steps": 4})
+    assert fetched.content[0].text == "contents of u"
+    recorded = [span_of(s) for s in spans()]
+    client_side = [s for s in recorded if s.attributes.get(sc.ROLE) != sc.ROLE_SERVER and s.kind != "server"]
+    for subset in (client_side, recorded):
+        clock = Clock()
+        alone = Detector(clock=clock)
+        alone.consume(subset)
+        clock.advance(60)
+        alone.tick()
+        (narrowed,) = alone.findings
+        assert (narrowed.rule, narrowed.tool) == ("narrowed_resume", "fetch")
+        assert narrowed.evidence["missing_resources"] == [FETCH_RESOURCE]
 
 
 async def _break_fetch(lab: Incident) -> None:

@@ -228,11 +228,11 @@ def _listed(terminal_ids: tuple[str, ...], own: tuple[str, ...]) -> list[str]:
     return ([i for i in terminal_ids if i in mine] + [i for i in terminal_ids if i not in mine])[:sc.MAX_ITEMS]
 
 
-def _owed(stream: Stream, pending: Sequence[Call]) -> dict[str, AttributeValue]:
-    """What the calls still pending on a stream require, and, on a stream that presented its own
+def _owed(stream: Stream, calls: Sequence[Call]) -> dict[str, AttributeValue]:
+    """What ``calls`` (those still pending on a stream, the usual) require, and, on a stream that presented its own
     token (a resume or GET), what that token lacks of it: the audience gap, known before any call ends."""
     requirement = NO_REQUIREMENT
-    for call in pending:
+    for call in calls:
         if call.requirement is not None:
             requirement = requirement | call.requirement
     if not (requirement.resources or requirement.scopes):
@@ -971,9 +971,13 @@ class Tracker:
             attrs[sc.TERMINAL_REQUEST_IDS] = _listed(terminal_ids, stream.request_ids)
         if stream.repeated_ids:
             attrs[sc.REPEATED_REQUEST_IDS] = list(stream.repeated_ids)
+        # what its calls require, and what its token lacks of it: the pending calls'; on a resume, also those it
+        # delivered (a server that handed them to a token lacking what they require: narrowed_resume)
+        carried = stream.calls if stream.kind == sc.STREAM_KIND_RESUME else pending
+        if carried:
+            attrs.update(_owed(stream, carried))
         if pending:
             attrs[sc.PENDING_REQUEST_IDS] = [c.key[1] for c in pending[:sc.MAX_ITEMS]]
-            attrs.update(_owed(stream, pending))
             if self.sees_stores:  # no result stored yet: its tool had not answered, so this end loses nothing yet
                 # (a stateless call's is never stored: its stream's end without it is its end)
                 running = [c.key[1] for c in pending[:sc.MAX_ITEMS]
