@@ -324,6 +324,33 @@ async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connectio
         await watcher.aclose()
 
 
+async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when_eviction_took_its_beat(
+        redis_server):
+    """The heartbeat had a TTL of three periods, the shortest in Redis: ``volatile-ttl`` evicted it first, and the
+    other replicas told clients of calls still running that their replica was gone (re-issue: run twice)."""
+    owner = RedisEventStorage.from_url(redis_server.url, prefix="beat", heartbeat_s=0.1)
+    other = RedisEventStorage.from_url(redis_server.url, prefix="beat", heartbeat_s=0.1)
+    try:
+        await owner.open("s")
+        assert await other.owner_alive("s")
+        beat = owner._owner_key(owner._instance)
+        assert await owner._redis.pttl(beat) > 3_000_000  # as long as a session's keys (an hour)
+        await owner._redis.delete(beat)  # what an eviction does
+        assert await other.owner_alive("s")  # unknown is no death
+        assert owner._beating is not None
+        owner._beating.cancel()  # the process dies: no beat from now on
+        await owner._beat()
+
+
+        async def gone() -> bool:
+            return not await other.owner_alive("s")
+
+        await until(gone, "the dead replica's beat three periods old", 5.0)
+    finally:
+        await owner._redis.aclose()
+        await other.aclose()
+
+
 async def test_a_sessions_events_in_redis_are_bounded_in_bytes_oldest_first(redis_server):
     """A count of events bounded nothing when a tool echoes the megabyte a client sent: one session filled Redis
     (with ``noeviction``, every replica's writes then fail) and each resume read all of it into the guard."""

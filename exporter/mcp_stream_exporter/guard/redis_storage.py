@@ -17,6 +17,7 @@ No KEYS or SCAN: every key is named from the session id. TLS and auth come with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -44,6 +45,19 @@ _TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the sock
 _OPERATIONS: Final = ("open", "close", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
                       "owner_alive", "heartbeat")
 
+# A process's heartbeat: Redis's own time (no replica's clock is read), kept as long as a session's keys, so an
+# eviction policy that takes the shortest TTL first (``volatile-ttl``) does not take it before them; a reader
+# takes a beat older than three periods for the process gone, and no beat at all (evicted) for one that may live
+_BEAT: Final = """
+local now = redis.call('TIME')
+redis.call('SET', KEYS[1], now[1] * 1000 + math.floor(now[2] / 1000), 'PX', ARGV[1])
+"""
+_BEAT_AGE: Final = """
+local beat = tonumber(redis.call('GET', KEYS[1]))
+if beat == nil then return -1 end
+local now = redis.call('TIME')
+return now[1] * 1000 + math.floor(now[2] / 1000) - beat
+"""
 _REQUIRE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local current = redis.call('HGET', KEYS[2], ARGV[1])
@@ -138,6 +152,8 @@ class RedisEventStorage:
         self._blocking = asyncio.Semaphore(max_blocking_reads)
         self._polling = asyncio.Semaphore(_POLLING_READS)
         self._require = client.register_script(_REQUIRE)
+        self._beat_script = client.register_script(_BEAT)
+        self._beat_age = client.register_script(_BEAT_AGE)
         self._append = client.register_script(_APPEND)
         self.evictions = 0
 
@@ -157,6 +173,8 @@ class RedisEventStorage:
     async def aclose(self) -> None:
         if self._beating is not None:
             self._beating.cancel()
+            with contextlib.suppress(aioredis.RedisError, OSError):  # gone at once (a beat at time 0: none at all
+                await self._redis.set(self._owner_key(self._instance), 0, px=self._ttl_ms)  # reads as evicted)
         await self._redis.aclose()
 
     # --- keys ---
@@ -256,9 +274,14 @@ class RedisEventStorage:
         return events
 
     async def owner_alive(self, session_id: str) -> bool:
+        """Whether the process that opened the session may still run its calls: its last beat is recent, or its
+        beat is gone while the session is not (evicted, not expired: it lives as long as the session's keys)."""
         async with self._op("owner_alive"):
             owner = await self._redis.get(self._keys(session_id)[0])
-            return owner is not None and bool(await self._redis.exists(self._owner_key(_text(owner))))
+            if owner is None:
+                return False
+            age = int(await self._beat_age(keys=[self._owner_key(_text(owner))]))
+            return age < self._heartbeat_s * 3000
 
     # --- internals ---
 
@@ -276,7 +299,8 @@ class RedisEventStorage:
                 continue  # counted; the next beat may reach Redis again
 
     async def _beat(self) -> None:
-        await self._redis.set(self._owner_key(self._instance), "1", px=int(self._heartbeat_s * 3000))
+        await self._beat_script(keys=[self._owner_key(self._instance)],
+                                args=[max(self._ttl_ms, int(self._heartbeat_s * 3000))])
 
     def _evicted(self, n: int) -> None:
         if n > 0:
