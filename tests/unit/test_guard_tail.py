@@ -275,6 +275,29 @@ async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_k
     assert (notice(ended)["error"], notice(ended)["cursor"]) == ("store_unavailable", ids[-1])
 
 
+async def test_a_session_the_sdk_opened_while_the_storage_failed_is_opened_at_its_next_call_and_resumable(
+        monkeypatch):
+    """Redis down as the session was born: its opening was lost, and every later event of it was dropped as a
+    session not open's, for good (its resumes refused long after Redis came back)."""
+    monkeypatch.setattr(guard_store, "_REOPEN_EVERY_S", 0.0)
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    opening = storage.open
+
+    async def down(session_id: str) -> None:
+        raise StorageError("down")
+
+    storage.open = down  # type: ignore[method-assign]
+    await store._born(GuardRequest("s1", OPENER))  # the initialize response names it
+    storage.open = opening  # type: ignore[method-assign]
+    ids = await a_call(store, 2, "fetch")
+    answer = await stored(store, "2", result(2))
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[0], BROAD, sent)
+    assert ids_of(sent) == [ids[1], ids[2], answer]
+
+
 async def test_an_event_lost_after_the_resumes_cursor_ends_its_replay_there_with_an_error_frame_never_a_gap():
     """Not stored, after the client's cursor: no replay can send it. What was stored before it is sent, then the
     refusal; the stored events after it (the answer, here) never make the stream look whole."""

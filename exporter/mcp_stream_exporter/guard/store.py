@@ -41,6 +41,7 @@ import itertools
 import json
 import logging
 import operator
+import time
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -126,6 +127,8 @@ ReplayScope = Literal["stream", "session"]
 Opaque = Literal["refuse", "allow"]
 
 _MAX_ID: Final = 256  # a longer request id is never recorded nor stored: a hostile POST cannot fill memory with ids
+_MAX_UNOPENED: Final = 10_000  # sessions the SDK opened while the storage failed, opened at their next event
+_REOPEN_EVERY_S: Final = 10.0
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
@@ -207,6 +210,9 @@ class GuardedEventStore(EventStore):
         # what the storage did not keep, placed among what it did: a resume past it is refused, and a live tail of
         # such a stream ends rather than wait for what will never be stored
         self._losses = StoreLosses()
+        # sessions the SDK opened while the storage failed (the newest _MAX_UNOPENED), each with when it was last
+        # tried: opened at their next event, at most every _REOPEN_EVERY_S (each try waits out a failing storage)
+        self._unopened: dict[str, float] = {}
 
     # --- which call requires what ---
 
@@ -214,6 +220,8 @@ class GuardedEventStore(EventStore):
         """A request was received: its stream's events require the tool's policy (``tool`` None: a
         request other than ``tools/call``, which requires nothing). A request id used again in the
         session only ever adds to what its stream requires."""
+        if self._unopened:
+            await self._reopen(session_id)
         await self.storage.require(session_id, request_id, requirement_of(self.policy, tool))
 
     async def open_session(self, session_id: str) -> None:
@@ -226,6 +234,8 @@ class GuardedEventStore(EventStore):
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
         if request is not None and request.session_id is not None:
+            if self._unopened:
+                await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
                 await self._require(request.session_id, stream_id, unrecorded)
@@ -644,12 +654,30 @@ class GuardedEventStore(EventStore):
         try:
             await self.open_session(session_id)
         except StorageError:
-            _log.exception("guard storage: session not opened; its streams cannot be resumed")
+            _log.exception("guard storage: session not opened; it will be at its next event")
+            self._unopened[session_id] = time.monotonic()
+            if len(self._unopened) > _MAX_UNOPENED:
+                del self._unopened[next(iter(self._unopened))]
         for request_id, requirement in request.pending:  # the initialize POST: taken, as its session is born
             self._unrecorded[(session_id, request_id)] = requirement
         await self._flush(request)
 
+    async def _reopen(self, session_id: str) -> None:
+        """Open a session the SDK opened while the storage failed, if it is one: its events are kept from now on (a
+        session not open drops them, so that an ended one is never re-created), and resumes from them answered."""
+        tried = self._unopened.get(session_id)
+        now = time.monotonic()
+        if tried is None or now - tried < _REOPEN_EVERY_S:
+            return
+        try:
+            await self.open_session(session_id)
+        except StorageError:
+            self._unopened[session_id] = now  # still failing: this event goes unstored, counted
+            return
+        self._unopened.pop(session_id, None)
+
     async def _ended(self, session_id: str) -> None:
+        self._unopened.pop(session_id, None)
         try:
             await self.storage.close(session_id)
         except StorageError:  # its keys expire with the session's TTL; until then a replica answers from them
@@ -665,6 +693,8 @@ class GuardedEventStore(EventStore):
                 await self._require(session_id, request_id, requirement)
 
     async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+        if self._unopened:  # the first thing a call of it records
+            await self._reopen(session_id)
         try:
             await self.storage.require(session_id, stream_id, requirement)
         except StorageError:  # not recorded: the stream's events are refused, never replayed
