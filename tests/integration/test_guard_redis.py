@@ -218,19 +218,22 @@ async def test_a_call_whose_replica_died_ends_with_an_error_frame_not_a_silent_e
 async def test_an_unreachable_redis_refuses_resumes_explicitly_and_new_calls_still_work(redis_server):
     span_exporter().clear()
     issuer = TokenIssuer()
-    async with proxy_to(DEAD_PORT) as proxy, replica(issuer, redis_server.url, "down") as a:
+    async with (proxy_to(DEAD_PORT) as proxy, replica(issuer, redis_server.url, "down") as a,
+                replica(issuer, redis_server.url, "down") as b):
         proxy.upstream_port = a.port
         async with client(issuer, proxy) as lab:
             await dropped_fetch(lab, steps=3)
             cursor = last_event_before_the_drop()
             errors_before = _store_errors()
             redis_server.stop()
-            proxy.upstream_port = a.port
-            with pytest.raises(MCPError) as refused:
-                await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
-            assert refused.value.code == REFUSED_ERROR_CODE
-            assert Refusal.from_data(refused.value.data).error == "store_unavailable"
+            for owner_or_not in (a, b):  # the session's own replica, and one that cannot tell (never the SDK's 404)
+                proxy.upstream_port = owner_or_not.port
+                with pytest.raises(MCPError) as refused:
+                    await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
+                assert refused.value.code == REFUSED_ERROR_CODE
+                assert Refusal.from_data(refused.value.data).error == "store_unavailable"
             assert _store_errors() > errors_before  # what MCPGuardStoreErrors pages on
+            proxy.upstream_port = a.port
             async with client(issuer, proxy) as fresh:  # a new session while Redis is down
                 searched = await fresh.call("search", {"query": "q", "steps": 2}, timeout=15)
             assert "search results" in searched.content[0].text

@@ -160,8 +160,9 @@ class RedisEventStorage:
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 2.0, max_connections: int = 128,
                  **options: Any) -> RedisEventStorage:
-        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included. ``timeout_s``
-        bounds every operation, so an unreachable Redis refuses a resume instead of hanging it.
+        """``redis://``, ``rediss://`` (TLS) or ``unix://`` URL, credentials included. ``timeout_s``, plus the
+        second a live tail's read may block, bounds every operation, so an unreachable Redis refuses a resume
+        instead of hanging it.
         ``max_connections`` bounds this process's connections: a burst of requests waits for one (up to
         ``timeout_s``) rather than open Redis's last (redis-py's own pool has no bound)."""
         options.setdefault("max_blocking_reads", max(1, max_connections // 2))  # half left for the rest

@@ -705,15 +705,19 @@ class GuardedEventStore(EventStore):
         """Answer a resume for a session another server process holds, from the shared storage: the
         same verdict as a local replay, then the live tail as the owner stores it, until the call's
         terminal event, an event the token may not see, or the owner is gone (an error frame, never
-        a silent end). False when the storage does not know the session either (the SDK's 404 stands)."""
+        a silent end). False when the storage does not know the session either (the SDK's 404 stands); a storage
+        that fails to say is ``store_unavailable``, not a guess that the session is gone."""
         storage = self.storage
         session_id = request.session_id
         if not isinstance(storage, SharedEventStorage) or session_id is None:
             return False
         try:
-            if not await storage.is_open(session_id):
-                return False
+            known: bool | None = await storage.is_open(session_id)
         except StorageError:
+            _log.exception("guard storage: a resume of a session this process does not hold refused, the storage "
+                           "is unavailable")
+            known = None
+        if known is False:
             return False
         frames, read = anyio.create_memory_object_stream[bytes](0)
 
@@ -722,6 +726,11 @@ class GuardedEventStore(EventStore):
 
         async def replay() -> None:
             async with frames:
+                if known is None:
+                    refusal = plain(STORE_UNAVAILABLE, cursor)
+                    trace.get_current_span().set_attributes(span_attributes(self.mode, sc.GUARD_REFUSE, refusal))
+                    await emit(refusal_notice(refusal))
+                    return
                 await self._replay(cursor, emit, storage)
 
         # as the SDK answers a resume: sse-starlette ends it when the client leaves or the server shuts down
