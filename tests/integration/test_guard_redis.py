@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import jwt
 import pytest
+import redis.asyncio as aioredis
 from cryptography.hazmat.primitives.asymmetric import rsa
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -28,6 +29,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import Requirement
 from mcp_stream_exporter.guard import GuardedEventStore, resolve_refusals
 from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
+from mcp_stream_exporter.guard.storage import StorageError
 from mcp_stream_exporter.lab import (
     BASE_RESOURCE,
     FETCH_RESOURCE,
@@ -303,8 +305,6 @@ async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connectio
     """Each live tail waits in Redis on a connection of its own, and redis-py's pool has no bound: one client
     resuming its own stream hundreds of times at once took Redis's every connection, paging on-call and leaving
     other users' events unstored. Past ``max_blocking_reads`` a tail polls, and the pool waits at its bound."""
-    import redis.asyncio as aioredis
-
     storage = RedisEventStorage.from_url(redis_server.url, prefix="bounded", max_connections=6)
     watcher = aioredis.Redis.from_url(redis_server.url)
     try:
@@ -349,6 +349,13 @@ async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when
             return not await other.owner_alive("s")
 
         await until(gone, "the dead replica's beat three periods old", 5.0)
+
+        async def read_only(**_: object) -> None:  # a demoted primary, or out of memory: no write is taken
+            raise aioredis.ReadOnlyError("You can't write against a read only replica.")
+
+        other._beat_script = read_only  # type: ignore[method-assign,assignment]
+        with pytest.raises(StorageError):  # then no beat is written anywhere: the storage fails, no owner is gone
+            await other.owner_alive("s")
     finally:
         await owner._redis.aclose()
         await other.aclose()

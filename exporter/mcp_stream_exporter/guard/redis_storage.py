@@ -282,7 +282,10 @@ class RedisEventStorage:
             if owner is None:
                 return False
             age = int(await self._beat_age(keys=[self._owner_key(_text(owner))]))
-            return age < self._heartbeat_s * 3000
+            if age < self._heartbeat_s * 3000:
+                return True
+            await self._beat()  # a Redis that takes no writes (read-only, out of memory) stops every beat: that
+            return False  # is the storage failing (raised here), not the owner gone
 
     # --- internals ---
 
