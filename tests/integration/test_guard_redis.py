@@ -349,6 +349,14 @@ async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when
             return not await other.owner_alive("s")
 
         await until(gone, "the dead replica's beat three periods old", 5.0)
+        # an owner that beats less often than its reader, and one of before this beat (its key "1", 15 s): alive
+        slow = RedisEventStorage.from_url(redis_server.url, prefix="beat", heartbeat_s=60.0)
+        await slow.open("slow")
+        await other._redis.set("beat:{old}:open", "before", px=60_000)
+        await other._redis.set("beat:owner:before", "1", px=15_000)
+        await asyncio.sleep(0.5)  # past the reader's three periods, within the slow owner's
+        assert await other.owner_alive("slow") and await other.owner_alive("old")
+        await slow.aclose()
 
         async def read_only(**_: object) -> None:  # a demoted primary, or out of memory: no write is taken
             raise aioredis.ReadOnlyError("You can't write against a read only replica.")

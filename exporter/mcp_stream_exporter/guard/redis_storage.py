@@ -45,18 +45,22 @@ _TAIL_BLOCK_S: Final = 1.0  # the longest a wait_after blocks in Redis: the sock
 _OPERATIONS: Final = ("open", "close", "append", "get", "after", "require", "requirement", "is_open", "wait_after",
                       "owner_alive", "heartbeat")
 
-# A process's heartbeat: Redis's own time (no replica's clock is read), kept as long as a session's keys, so an
-# eviction policy that takes the shortest TTL first (``volatile-ttl``) does not take it before them; a reader
-# takes a beat older than three periods for the process gone, and no beat at all (evicted) for one that may live
+# A process's heartbeat: Redis's own time (no replica's clock is read) and how long the process may go without a
+# beat (three of its periods), kept as long as a session's keys, so an eviction policy that takes the shortest TTL
+# first (``volatile-ttl``) does not take it before them. A reader gets how far past that the beat is: > 0, the
+# process is gone; -1, no beat at all (evicted: one that may live); 0 for a beat of before (``1``, which lived as
+# long as its process, three periods)
 _BEAT: Final = """
 local now = redis.call('TIME')
-redis.call('SET', KEYS[1], now[1] * 1000 + math.floor(now[2] / 1000), 'PX', ARGV[1])
+redis.call('SET', KEYS[1], (now[1] * 1000 + math.floor(now[2] / 1000)) .. ' ' .. ARGV[1], 'PX', ARGV[2])
 """
-_BEAT_AGE: Final = """
-local beat = tonumber(redis.call('GET', KEYS[1]))
-if beat == nil then return -1 end
+_BEAT_OVERDUE: Final = """
+local beat = redis.call('GET', KEYS[1])
+if not beat then return -1 end
+local at, window = string.match(beat, '^(%d+) (%d+)$')
+if not at then return 0 end
 local now = redis.call('TIME')
-return now[1] * 1000 + math.floor(now[2] / 1000) - beat
+return now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(at) - tonumber(window)
 """
 _REQUIRE: Final = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -153,7 +157,7 @@ class RedisEventStorage:
         self._polling = asyncio.Semaphore(_POLLING_READS)
         self._require = client.register_script(_REQUIRE)
         self._beat_script = client.register_script(_BEAT)
-        self._beat_age = client.register_script(_BEAT_AGE)
+        self._beat_overdue = client.register_script(_BEAT_OVERDUE)
         self._append = client.register_script(_APPEND)
         self.evictions = 0
 
@@ -175,7 +179,7 @@ class RedisEventStorage:
         if self._beating is not None:
             self._beating.cancel()
             with contextlib.suppress(aioredis.RedisError, OSError):  # gone at once (a beat at time 0: none at all
-                await self._redis.set(self._owner_key(self._instance), 0, px=self._ttl_ms)  # reads as evicted)
+                await self._redis.set(self._owner_key(self._instance), "0 0", px=self._ttl_ms)  # reads as evicted)
         await self._redis.aclose()
 
     # --- keys ---
@@ -281,8 +285,7 @@ class RedisEventStorage:
             owner = await self._redis.get(self._keys(session_id)[0])
             if owner is None:
                 return False
-            age = int(await self._beat_age(keys=[self._owner_key(_text(owner))]))
-            if age < self._heartbeat_s * 3000:
+            if int(await self._beat_overdue(keys=[self._owner_key(_text(owner))])) <= 0:
                 return True
             await self._beat()  # a Redis that takes no writes (read-only, out of memory) stops every beat: that
             return False  # is the storage failing (raised here), not the owner gone
@@ -303,8 +306,8 @@ class RedisEventStorage:
                 continue  # counted; the next beat may reach Redis again
 
     async def _beat(self) -> None:
-        await self._beat_script(keys=[self._owner_key(self._instance)],
-                                args=[max(self._ttl_ms, int(self._heartbeat_s * 3000))])
+        window = int(self._heartbeat_s * 3000)
+        await self._beat_script(keys=[self._owner_key(self._instance)], args=[window, max(self._ttl_ms, window)])
 
     def _evicted(self, n: int) -> None:
         if n > 0:
