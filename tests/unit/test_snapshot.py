@@ -74,13 +74,15 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
 def test_the_detectors_downtime_counts_against_no_grace_what_its_exporters_held_meanwhile_clears_the_call(tmp_path):
     """Down longer than the grace left: the delivery its exporters held through the outage comes after the restart,
     and the call is judged with it; a call that was lost is still flagged, a grace after the restart at the latest."""
-    for held, expected in (([stream(C, "resume", "clean", cursor="41", terminal=("3",), last="44")], set()),
-                           ([], {("clean_end_pending", "3", (C,))})):
+    cases = [(down_s, held, expected) for down_s in (60, 2 * 3600)  # a grace of 5 s; sessions idle an hour go
+             for held, expected in (([stream(C, "resume", "clean", cursor="41", terminal=("3",), last="44")], set()),
+                                    ([], {("clean_end_pending", "3", (C,))}))]
+    for down_s, held, expected in cases:
         clock = Clock()
         before = _fed(clock, _incident_so_far())
-        path = tmp_path / f"{len(held)}.db"
+        path = tmp_path / f"{down_s}-{len(held)}.db"
         Snapshots(before, path).close()
-        clock.now += 60 * S  # down a minute, a grace of 5 s
+        clock.now += down_s * S
         restarted = Detector(CONFIG, clock=clock)
         assert Snapshots(restarted, path).restore()
         restarted.tick()  # the first tick after the restart, before the held spans come

@@ -655,10 +655,14 @@ class Ledger:
         self._compact_at = max(2 * len(self._timers), _MIN_COMPACTION)
 
     def postpone(self, by_ns: int) -> None:
-        """Every timer ``by_ns`` later: the time the detector was down (restored from a snapshot) counts against no
-        grace, as the spans that would have come in it come after the restart (their exporters retry them)."""
-        if by_ns > 0:  # a uniform shift keeps the heap a heap
-            self._timers = [(due + by_ns, seq, what, scope, rid) for due, seq, what, scope, rid in self._timers]
+        """Every timer, and every session's idle clock, ``by_ns`` later: the time the detector was down (restored
+        from a snapshot) counts against no grace, as the spans that would have come in it come after the restart
+        (their exporters retry them), nor against a session's TTL (its calls' graces would find it gone)."""
+        if by_ns <= 0:
+            return
+        self._timers = [(due + by_ns, seq, what, scope, rid) for due, seq, what, scope, rid in self._timers]
+        for session in self._sessions.values():  # a uniform shift keeps the heap a heap, and the sessions in order
+            session.last_ns += by_ns
 
     def due(self, now_ns: int) -> Iterator[tuple[str, CallState]]:
         while self._timers and self._timers[0][0] <= now_ns:
