@@ -275,6 +275,51 @@ async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_k
     assert (notice(ended)["error"], notice(ended)["cursor"]) == ("store_unavailable", ids[-1])
 
 
+async def test_a_session_deleted_while_its_opening_is_retried_is_not_re_created(monkeypatch):
+    monkeypatch.setattr(guard_store, "_REOPEN_EVERY_S", 0.0)
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    opening = storage.open
+    answered = anyio.Event()
+
+    async def down(session_id: str) -> None:
+        raise StorageError("down")
+
+    async def answering(session_id: str) -> None:  # one round trip away, during which the DELETE is accepted
+        await answered.wait()
+        await opening(session_id)
+
+    storage.open = down  # type: ignore[method-assign]
+    await store._born(GuardRequest("s1", OPENER))
+    storage.open = answering  # type: ignore[method-assign]
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(stored, store, "2", progress(1))  # its next event: the opening tried again
+            await anyio.wait_all_tasks_blocked()
+            await store._ended("s1")
+            answered.set()
+    assert not await storage.is_open("s1")
+
+
+async def test_a_loss_after_a_priming_event_or_on_another_stream_a_session_wide_replay_sends_is_told_too():
+    """A loss is placed among every event stored in its session: after a priming event (which no replay sends) it is
+    still after the cursor; and a resume that replays the whole session is stopped by another stream's loss too."""
+    for replay, lost_on, cursor_of in (("stream", STANDALONE_STREAM_ID, STANDALONE_STREAM_ID), ("session", "3", "2")):
+        store = GuardedEventStore(POLICY, storage=InMemoryEventStorage(), replay=replay)
+        await store.open_session("s1")
+        await a_call(store, 2, "fetch")
+        await a_call(store, 3, "search")
+        cursor = await stored(store, cursor_of, progress(1))
+        await stored(store, lost_on, None)  # the priming event of a resume the SDK took, or a stream's first
+        await lost(store, lost_on, progress(2))
+        await stored(store, lost_on, progress(3))
+        sent: list[EventMessage] = []
+        with anyio.fail_after(BOUND_S):
+            await resume(store, cursor, BROAD, sent)
+        assert notice(sent[-1])["error"] == "store_unavailable"
+        assert [e for e in ids_of(sent) if e is not None] == []  # nothing past the loss, and nothing before it
+
+
 async def test_a_session_the_sdk_opened_while_the_storage_failed_is_opened_at_its_next_call_and_resumable(
         monkeypatch):
     """Redis down as the session was born: its opening was lost, and every later event of it was dropped as a
@@ -331,6 +376,26 @@ async def test_an_answer_stored_here_that_the_storage_no_longer_has_ends_the_tai
         await resume(store, ids[1], BROAD, sent)
     assert ids_of(sent) == [ids[2], None]
     assert notice(sent[-1]) == {**notice(sent[-1]), "error": "unknown_cursor", "cursor": ids[2]}
+
+
+async def test_an_answer_of_a_call_before_is_not_what_the_tail_of_a_call_reusing_its_id_waits_for(monkeypatch):
+    """The guard lets a call reuse an answered call's id: the answer it remembers is the old call's, which the
+    session's cap may evict while the new call runs: that is no answer gone."""
+    monkeypatch.setattr(guard_store, "_TAIL_WAIT_S", 0.01)
+    storage = InMemoryEventStorage(max_events_per_session=3)
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    await a_call(store, 2, "fetch")
+    await stored(store, "2", result(2))
+    ids = await a_call(store, 2, "fetch")  # its three events evict the first call's
+    sent: list[EventMessage] = []
+    waits = Waits(storage)
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, ids[1], BROAD, sent)
+            await waits.parked(3)  # its tail waited, and found nothing, twice
+            answer = await stored(store, "2", result(2))
+    assert ids_of(sent) == [ids[2], answer]
 
 
 async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_answer_ends_it_at_once():

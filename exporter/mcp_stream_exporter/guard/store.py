@@ -283,13 +283,14 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         try:
             cursor = await self.storage.get(session_id, last_event_id)
-            buffered = await self._buffered(session_id, cursor) if cursor is not None else None
-            gap = None
-            if cursor is not None and buffered is not None:
-                gap = self._losses.first_after(session_id, cursor.stream_id, cursor.event_id,
-                                               [e.event_id for e in buffered])
+            stored = await self.storage.after(session_id, cursor) if cursor is not None else None
+            buffered = gap = None
+            if cursor is not None and stored is not None:
+                gap = self._losses.first_after(session_id, None if self.replay == "session" else cursor.stream_id,
+                                               cursor.event_id, [e.event_id for e in stored])
                 if gap is not None:  # stored events past a loss: sent up to it, then the refusal
-                    buffered = buffered[:gap]
+                    stored = stored[:gap]
+                buffered = [self._alone(session_id, e) for e in stored if self._carries(cursor.stream_id, e)]
             if cursor is None or buffered is None:
                 # unknown, evicted (since it was found, too: what followed it may be gone with it), or another
                 # session's: never an empty 200
@@ -353,11 +354,6 @@ class GuardedEventStore(EventStore):
         if owner is None or reason is None:
             return None
         return refusal_data(reason, None, stream_id, owner[0], request.auth, delivered)
-
-    async def _buffered(self, session_id: str, cursor: StoredEvent) -> list[StoredEvent] | None:
-        after = await self.storage.after(session_id, cursor)
-        return None if after is None else [self._alone(session_id, e) for e in after
-                                           if self._carries(cursor.stream_id, e)]
 
     def _alone(self, session_id: str, event: StoredEvent) -> StoredEvent:
         """``event``, requiring what it may carry: on the standalone stream, what the calls in flight when it was
@@ -669,12 +665,13 @@ class GuardedEventStore(EventStore):
         now = time.monotonic()
         if tried is None or now - tried < _REOPEN_EVERY_S:
             return
+        self._unopened[session_id] = now
         try:
             await self.open_session(session_id)
         except StorageError:
-            self._unopened[session_id] = now  # still failing: this event goes unstored, counted
-            return
-        self._unopened.pop(session_id, None)
+            return  # still failing: this event goes unstored, counted
+        if self._unopened.pop(session_id, None) is None:  # its client deleted it meanwhile (``_ended``): no
+            await self._ended(session_id)  # session is re-created after its end
 
     async def _ended(self, session_id: str) -> None:
         self._unopened.pop(session_id, None)
