@@ -323,12 +323,12 @@ def guard() -> dashboard.Dashboard:
                        "[$__rate_interval]))", "{{operation}}"), span=12))
             .with_panel(_series(
                 5, "Store evictions",
-                "Events and requirements dropped per second by the per-session caps or for sessions not open; "
-                "resumes from them are refused. Raise max_events_per_session or max_calls_per_session if honest "
-                "sessions reach them.",
+                "Events and requirements dropped per second; resumes from them are refused. cap: raise "
+                "max_events_per_session or max_calls_per_session if honest sessions reach them. session_gone: the "
+                "session's keys are not in Redis (expired, evicted by Redis's maxmemory-policy, or lost in a restart).",
                 "reqps",
-                _query(f"sum by (instance) (rate(mcp_stream_guard_store_evictions_total{{{SEL}}}[$__rate_interval]))",
-                       "{{instance}}"), span=12)))
+                _query(f"sum by (instance, reason) (rate(mcp_stream_guard_store_evictions_total{{{SEL}}}"
+                       "[$__rate_interval]))", "{{instance}} {{reason}}"), span=12)))
 
 
 DASHBOARDS: dict[str, Callable[[], dashboard.Dashboard]] = {

@@ -124,11 +124,16 @@ _ERRORS: Final = Counter(
     ["operation"])
 _EVICTIONS: Final = Counter(
     "mcp_stream_guard_store_evictions_total",
-    "Events and requirements the replay guard's Redis storage dropped (per-session caps, sessions not open); "
-    "resumes from them are refused. Raise the caps if honest sessions reach them.")
+    "Events and requirements the replay guard's Redis storage dropped; resumes from them are refused. reason=cap: "
+    "a session past its caps (raise them if honest sessions reach them); reason=session_gone: its session's keys "
+    "are not in Redis (expired, evicted by Redis, or lost with Redis's data: check its maxmemory-policy and "
+    "restarts); reason=id_too_long: a session id no honest client sends.",
+    ["reason"])
 for _operation in _OPERATIONS:
     _SECONDS.labels(_operation)
     _ERRORS.labels(_operation)
+for _reason in ("cap", "session_gone", "id_too_long"):
+    _EVICTIONS.labels(_reason)
 
 
 class RedisEventStorage:
@@ -210,7 +215,7 @@ class RedisEventStorage:
         if session_id is None:  # no session at all (initialize's priming event): nothing to keep
             return None
         if len(session_id) > _MAX_SESSION_ID:
-            self._evicted(1)
+            self._evicted(1, "id_too_long")
             return None
         body = encoded(message)
         async with self._op("append"):
@@ -218,10 +223,10 @@ class RedisEventStorage:
                                         args=[stream_id, body, subject or "", self._max_events, self._ttl_ms,
                                               self._max_bytes])
         if not stored:
-            self._evicted(1)
+            self._evicted(1, "session_gone")
             return None
         event_id, trimmed = stored
-        self._evicted(int(trimmed))
+        self._evicted(int(trimmed), "cap")
         return _text(event_id)
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None:
@@ -240,14 +245,14 @@ class RedisEventStorage:
 
     async def require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         if len(session_id) > _MAX_SESSION_ID:
-            self._evicted(1)
+            self._evicted(1, "id_too_long")
             return
         async with self._op("require"):
             done = await self._require(keys=self._keys(session_id),
                                        args=[stream_id, json.dumps(sorted(requirement.resources)),
                                              json.dumps(sorted(requirement.scopes)), self._max_calls, self._ttl_ms])
         if int(done) != 0:
-            self._evicted(1)
+            self._evicted(1, "session_gone" if int(done) == -1 else "cap")
 
     async def requirement(self, session_id: str, stream_id: str) -> Requirement | None:
         async with self._op("requirement"):
@@ -309,10 +314,10 @@ class RedisEventStorage:
         window = int(self._heartbeat_s * 3000)
         await self._beat_script(keys=[self._owner_key(self._instance)], args=[window, max(self._ttl_ms, window)])
 
-    def _evicted(self, n: int) -> None:
+    def _evicted(self, n: int, reason: str) -> None:
         if n > 0:
             self.evictions += n
-            _EVICTIONS.inc(n)
+            _EVICTIONS.labels(reason).inc(n)
 
     @asynccontextmanager
     async def _op(self, operation: str) -> AsyncIterator[None]:
