@@ -46,8 +46,8 @@ DETAILS: Final = {
     STORE_UNAVAILABLE: "the guard's event storage is unavailable: resume from cursor later, or re-issue",
     SESSION_OWNER_GONE: "the server process that ran this session is gone and the call did not finish: "
                         "re-issue it",
-    SESSION_ENDED: "the session was ended (deleted) or expired while the call was pending: start a new session "
-                   "and re-issue it",
+    SESSION_ENDED: "the session was ended (deleted) or expired, or the guard's storage lost it, while the call was "
+                   "pending: start a new session and re-issue it",
     STREAM_ENCODED: "a middleware inside the guard compresses this stream, whose events the guard must read: the "
                     "server's operator must compress outside the guard's ASGI layer",
 }
