@@ -213,6 +213,27 @@ def test_a_server_replaying_a_result_it_sent_before_to_its_resuming_client_is_no
     assert rules(run(recovered)) == []
 
 
+def test_a_page_a_later_delivery_to_its_waiting_caller_contradicts_says_so_and_counts_it_once():
+    # a page is final; a wrong one is told: the delivery's span came past the grace (an exporter that held it)
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    detector.consume([stream(C, "resume", "clean", pending=("3",), cursor="6")])
+    clock.now += 6 * S
+    detector.tick()
+    (lost,) = detector.findings
+    delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9", at=1.5)
+    detector.consume([delivered, dataclasses.replace(delivered, span_id="f" * 16)])
+    assert lost.rule == "clean_end_pending" and lost.evidence["delivered_after"] == clock.now / 1e9
+    contradicted = {"rule": "clean_end_pending"}
+    assert detector.registry.get_sample_value("mcp_stream_findings_contradicted_total", contradicted) == 1.0
+    # its caller gave up first (its timeout): the delivery reached no one, and the page stands as it is
+    gave_up = run([stream(C, "resume", "clean", pending=("3",), cursor="6"), call(C, sc.OUTCOME_CANCELLED, at=3.0)],
+                  after_s=6)
+    gave_up.consume([delivered])
+    assert all("delivered_after" not in f.evidence for f in gave_up.findings)
+    assert gave_up.registry.get_sample_value("mcp_stream_findings_contradicted_total", contradicted) == 0.0
+
+
 def test_timeout_attributed_links_a_client_timeout_to_the_finding_that_caused_it():
     lost = [stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,)),
             call(C, sc.OUTCOME_CANCELLED, at=3.0)]

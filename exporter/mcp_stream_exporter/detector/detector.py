@@ -96,7 +96,8 @@ class Detector:
             ("ledger", self.ledger, self.config.ledger.max_bytes),
             ("findings", self.findings, self.config.max_findings_bytes),
             ("timelines", self.timelines, self.config.max_timelines_bytes))))
-        self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get)
+        self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get,
+                                self.metrics.contradicted)
         self._on_finding = on_finding
 
     def read(self, spans: Iterable[Span | Lifecycle | Rejected | OperationCounts],

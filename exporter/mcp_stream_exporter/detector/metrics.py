@@ -268,6 +268,11 @@ class DetectorMetrics:
         self.findings = Counter(
             "mcp_stream_findings", "Findings raised by the detector, by rule, severity and tool; details and "
             "evidence at /api/findings?rule=<rule>&tool=<tool>.", ["rule", "severity", "tool"], registry=registry)
+        self._contradicted = Counter(
+            "mcp_stream_findings_contradicted", "Losses paged (a result that never reached its caller) whose call a "
+            "later span showed delivered while its caller still waited, by rule: the page was wrong, the spans that "
+            "would have held it back having come past the grace. Cut the export delay or raise clean_end_grace_s; "
+            "the finding's evidence has delivered_after.", ["rule"], registry=registry)
         self.resumes = Counter(
             "mcp_stream_resumes", "Resume streams (GET with Last-Event-ID) by role and outcome: delivered, "
             "progressed, empty (clean end, nothing sent: the incident's shape), refused (an explicit error frame), "
@@ -331,6 +336,9 @@ class DetectorMetrics:
             self.requests_rejected.labels(reason)
         for where in ERROR_PLACES:
             self.errors.labels(where)
+        for rule in RULES.values():
+            if rule.loss:
+                self._contradicted.labels(rule.id)
 
     def finding(self, f: Finding) -> None:
         """A new finding: counted here, added to ``findings`` by :meth:`flush`; a loss at once, with its exemplar."""
@@ -340,6 +348,10 @@ class DetectorMetrics:
         if RULES[f.rule].loss:
             exemplar = {"trace_id": f.trace_ids[0]} if f.trace_ids else None
             self._child(self.silent_losses, tool, f.rule).inc(exemplar=exemplar)
+
+    def contradicted(self, f: Finding) -> None:
+        """A loss paged whose call a later span showed delivered to its waiting caller (``RuleEngine``)."""
+        self._contradicted.labels(f.rule).inc()
 
     def stream_end(self, e: StreamEnd) -> None:
         """Counted here, added to the counters by :meth:`flush`: one ``inc`` per label set and batch, not

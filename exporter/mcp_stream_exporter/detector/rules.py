@@ -113,6 +113,9 @@ _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUT
 # a call span that ended so shows the call over, though not delivered: the SDK failed it to its caller, or it has
 # no stream left to come on (no_terminal); the server accepted its client's cancel (cancelled)
 _OVER_OUTCOMES = frozenset({sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_CANCELLED})
+# the losses of a result that never reached its caller: a delivery seen later says the page was wrong
+_UNDELIVERED = frozenset({RuleId.CLEAN_END_PENDING, RuleId.STORED_NOT_DELIVERED, RuleId.SENT_NOT_RECEIVED,
+                          RuleId.STORE_FAILED})
 _STUCK_EVERY_NS = 10 * 1_000_000_000  # how often the stuck calls are counted: a walk of every call
 _CLEAN_END = "clean_end"
 _REISSUE = "reissue"
@@ -124,11 +127,12 @@ _SENT = "sent"  # the result went out and its client cancelled the call after, l
 
 class RuleEngine:
     def __init__(self, ledger: Ledger, config: RuleConfig, emit: Callable[[Finding, CallState | None], None],
-                 lookup: Callable[[str], Finding | None]) -> None:
+                 lookup: Callable[[str], Finding | None], contradicted: Callable[[Finding], None]) -> None:
         self.ledger = ledger
         self.config = config
         self._emit_to = emit
         self._lookup = lookup
+        self._contradicted = contradicted
         self._clean_end_grace_ns = _ns(config.clean_end_grace_s)
         self._reissue_grace_ns = _ns(config.reissue_grace_s)
         self._resume_loop_window_ns = _ns(config.resume_loop_window_s)
@@ -222,6 +226,7 @@ class RuleEngine:
             self._stored(call, at.end_ns, e.terminal_event_id, now_ns)
         elif e.outcome in _TERMINAL_OUTCOMES:
             self.ledger.delivered(call)
+            self._delivered_late(call, at.role, now_ns)
         elif e.outcome == sc.OUTCOME_STORE_FAILED and at.role == sc.ROLE_SERVER and at.session_id is not None:
             self._store_failed(call, at.role, now_ns)  # only a server's store fails, and only a session's
         elif e.outcome == sc.OUTCOME_CANCELLED_LATE and at.role == sc.ROLE_SERVER and at.session_id is not None:
@@ -322,6 +327,7 @@ class RuleEngine:
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int) -> None:
         self.ledger.delivered(call)
+        self._delivered_late(call, role, now_ns)
         # the server replaying to a resume what it had sent before is the recovery, not a duplicate: that send
         # reached no one (a connection its client lost), or the client would not resume; the client's spans tell one
         if role == sc.ROLE_SERVER and e.kind == sc.STREAM_KIND_RESUME:
@@ -330,6 +336,18 @@ class RuleEngine:
         if deliveries > 1:
             self._emit(RuleId.DUPLICATE_TERMINAL, call, e.at, call.request_id, now_ns, lambda: {
                 "deliveries": deliveries, "stream_kind": e.kind, "event_ids": _event_ids(e)})
+
+    def _delivered_late(self, call: CallState, role: str, now_ns: int) -> None:
+        """The client's spans show a call paged lost delivered while its caller still waited, as far as the spans
+        come by then tell: the page was wrong, the spans that would have held it back having come past the grace (a
+        page is final). Said on the finding (``delivered_after``, the detector's clock) and counted, once."""
+        if role != sc.ROLE_CLIENT or call.findings is None or call.timed_out:
+            return
+        loss = self._loss_finding(call)
+        if loss is None or loss.rule not in _UNDELIVERED or "delivered_after" in loss.evidence:
+            return
+        loss.evidence["delivered_after"] = now_ns / 1e9
+        self._contradicted(loss)
 
     def _owed(self, call: CallState, session: SessionState, e: StreamEnd, now_ns: int, running: bool) -> None:
         if e.reason == sc.END_TERMINATED:  # its client deleted the session: nothing can deliver it any more
