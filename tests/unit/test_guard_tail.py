@@ -320,6 +320,46 @@ async def test_a_loss_after_a_priming_event_or_on_another_stream_a_session_wide_
         assert [e for e in ids_of(sent) if e is not None] == []  # nothing past the loss, and nothing before it
 
 
+async def test_a_loss_while_the_tail_waits_stops_it_before_whatever_comes_next_and_is_told_to_every_resume_after():
+    """A loss appends nothing, so it does not wake a waiting tail: what comes next does (the answer, here), and the
+    tail stops before it: the client never gets the answer past a gap, nor a cursor past the loss."""
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+    waits = Waits(storage)
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(resume, store, ids[2], BROAD, sent)
+            await waits.parked(1)
+            await lost(store, "2", progress(7))  # an elicitation, in life: its tool waits for the answer to it
+            await stored(store, "2", result(2))
+    assert ids_of(sent) == [None] and notice(sent[0]) == {**notice(sent[0]), "error": "store_unavailable",
+                                                          "cursor": ids[2]}
+    again: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[2], BROAD, again)  # as the frame says: from its cursor, later
+    assert ids_of(again) == [None] and notice(again[0])["error"] == "store_unavailable"
+
+
+async def test_a_lost_priming_event_and_the_losses_of_a_call_before_on_a_reused_id_refuse_no_resume():
+    """No replay sends a priming event, so losing one loses nothing; and a call that takes an answered call's id
+    starts with none of its losses (a resume of it was refused for good)."""
+    store = GuardedEventStore(POLICY, storage=InMemoryEventStorage())
+    await store.open_session("s1")
+    await a_call(store, 2, "fetch")
+    await lost(store, "2", progress(7))
+    await lost(store, "2", result(2))  # answered, unstored: the id is free again
+    ids = await a_call(store, 2, "fetch")  # a new call on it
+    await lost(store, "2", None)  # type: ignore[arg-type]  # a resume's priming event, unstored
+    answer = await stored(store, "2", result(2))
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[1], BROAD, sent)
+    assert ids_of(sent) == [ids[2], answer]
+
+
 async def test_a_session_the_sdk_opened_while_the_storage_failed_is_opened_at_its_next_call_and_resumable(
         monkeypatch):
     """Redis down as the session was born: its opening was lost, and every later event of it was dropped as a
@@ -415,12 +455,13 @@ async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_a
             await waits.parked(1)  # the tail waits for what comes after the cursor
             answer = await stored(store, "2", result(2))
     assert ids_of(sent) == [answer]  # up to the answer: no error frame
-    await lost(store, "3", result(3))  # call 3's answer, before anyone resumed it
     await store.record_call("s1", "3", "fetch")
     cursor = await stored(store, "3", None)
     ended: list[EventMessage] = []
+    waits = Waits(storage)
     with anyio.fail_after(BOUND_S):
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(resume, store, cursor, BROAD, ended)
-            await stored(store, "4", progress(1))  # wakes the tail
-    assert notice(ended[-1])["error"] == "store_unavailable"
+            await waits.parked(1)
+            await lost(store, "3", result(3))  # call 3's answer, while its resume waits: no wake, no wait for it
+    assert ids_of(ended) == [None] and notice(ended[-1])["error"] == "store_unavailable"

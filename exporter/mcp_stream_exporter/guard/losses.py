@@ -3,8 +3,9 @@
 The SDK sends an event live whether its store kept it or not, so a client holds every event up to its cursor; what
 the storage failed to keep after the cursor (a Redis blip between the drop and the resume) is what no replay can
 send. A replay that skipped it would end cleanly without it: a lost progress notification, or a lost request of
-the server's (an elicitation) that its tool then waits on forever. So each loss is placed after the last event this
-process stored in its session, and a resume from that event or a later one stops before the loss, with an error.
+the server's (an elicitation) that its tool then waits on forever. So each loss is placed after the newest event
+this process stored in its session, and a resume (its replay, then its live tail) from that event or one before it
+stops before the loss, with an error.
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ _Stream = tuple[str, str]  # session id, stream id
 
 _MAX_STREAMS: Final = 10_000  # streams with a loss remembered (the newest): an older one's resume is answered as before
 _MAX_LOSSES: Final = 64  # placed losses a stream keeps: past them, any resume of it is refused
-# sessions whose last stored event is known (some 200 B each), the most recently stored: a loss in one no longer
+# sessions whose newest stored event is known (some 200 B each), the most recently stored: a loss in one no longer
 # known is placed before every event (as the client got it live)
 _MAX_SESSIONS: Final = 100_000
 _MAX_ANSWERS: Final = 10_000  # streams whose answer this process stored, the newest (some 250 B each)
+
+
+def _order(event_id: str) -> tuple[int, ...]:
+    """Where an event id falls among its session's: both storages hand out ids in order (a count in memory, Redis's
+    ``<ms>-<seq>``); () for an id of neither form, which only the ids read after a cursor can place."""
+    try:
+        return tuple(int(part) for part in event_id.split("-", 1))
+    except ValueError:
+        return ()
 
 
 class _Lost:
@@ -38,23 +48,22 @@ class StoreLosses:
     """The events of each stream this process's storage did not keep, placed among those it did."""
 
     def __init__(self) -> None:
-        self._kept: OrderedDict[str, str] = OrderedDict()  # the last event this process stored, by session
+        self._newest: OrderedDict[str, str] = OrderedDict()  # the newest event this process stored, by session
         self._lost: dict[_Stream, _Lost] = {}
         self._answers: OrderedDict[_Stream, str] = OrderedDict()  # the answer this process stored, by stream
 
     def kept(self, session_id: str, stream_id: str, event_id: str, answer: bool) -> None:
-        """``event_id`` was stored; ``answer``: the stream's last (a response or error)."""
-        self._kept.pop(session_id, None)
-        self._kept[session_id] = event_id
-        if len(self._kept) > _MAX_SESSIONS:
-            self._kept.popitem(last=False)
-        key = (session_id, stream_id)
+        """``event_id`` was stored; ``answer``: the stream's last (a response or error). Stores resolve in any order
+        (a Redis reply read after a later one's): the newest by the storage's order is kept."""
+        newest = self._newest.pop(session_id, None)
+        self._newest[session_id] = (newest if newest is not None and _order(newest) > _order(event_id)
+                                    else event_id)
+        if len(self._newest) > _MAX_SESSIONS:
+            self._newest.popitem(last=False)
         if answer:
-            self._answers[key] = event_id
+            self._answers[(session_id, stream_id)] = event_id
             if len(self._answers) > _MAX_ANSWERS:
                 self._answers.popitem(last=False)
-        elif self._answers:
-            self._answers.pop(key, None)  # a new call reusing the id: that answer is not this stream's any more
 
     def lost(self, session_id: str, stream_id: str, answer: bool) -> None:
         """An event of the stream was not stored (``answer``: its response or error)."""
@@ -66,24 +75,26 @@ class StoreLosses:
         lost.count += 1
         lost.answer = lost.answer or answer
         if len(lost.after) < _MAX_LOSSES:
-            lost.after.append(self._kept.get(session_id))
+            lost.after.append(self._newest.get(session_id))
+
+    def reused(self, session_id: str, stream_id: str) -> None:
+        """A new call takes the stream's id (its request, accepted): what an earlier call of the id lost or answered
+        is not its."""
+        key = (session_id, stream_id)
+        self._lost.pop(key, None)
+        self._answers.pop(key, None)
 
     def answer(self, session_id: str, stream_id: str) -> str | None:
         """The id of the stream's answer, if this process stored it (a storage restored from an older copy may have
         lost it since: a live tail waiting for it would wait forever)."""
         return self._answers.get((session_id, stream_id))
 
-    def count(self, session_id: str, stream_id: str) -> tuple[int, bool]:
-        """How many events of the stream were not stored, and whether its answer was one."""
-        lost = self._lost.get((session_id, stream_id))
-        return (0, False) if lost is None else (lost.count, lost.answer)
-
     def first_after(self, session_id: str, stream_id: str | None, cursor: str, stored: Sequence[str]) -> int | None:
         """Of ``stored`` (the ids of every event stored after ``cursor`` in the session, in order, priming events
         and other streams' too), how many come before the first loss after ``cursor`` of ``stream_id`` (None: of
-        any stream of the session, for a resume that replays them all): what a resume from it may be sent before it
-        is told; None: no such loss. A loss placed before any event stored here, or before ``cursor``, the client
-        got live."""
+        any stream of the session, for a resume that sends them all): what a resume from it may be sent before it is
+        told; None: no such loss. A loss placed before any event stored here, or before ``cursor``, the client got
+        live; one placed after an event the storage no longer has (restored from an older copy) is still placed."""
         if stream_id is not None:
             lost = self._lost.get((session_id, stream_id))
             losses = [] if lost is None else [lost]
@@ -95,5 +106,15 @@ class StoreLosses:
             return 0
         places = {event_id: i for i, event_id in enumerate(stored, 1)}
         places[cursor] = 0
-        found = [places[after] for lost in losses for after in lost.after if after is not None and after in places]
+        since = _order(cursor)
+        found = []
+        for lost in losses:
+            for after in lost.after:
+                if after is None:
+                    continue
+                place = places.get(after)
+                if place is None and since and _order(after) > since:  # after the cursor, gone from the storage
+                    place = sum(1 for event_id in stored if _order(event_id) <= _order(after))
+                if place is not None:
+                    found.append(place)
         return min(found) if found else None

@@ -222,6 +222,7 @@ class GuardedEventStore(EventStore):
         session only ever adds to what its stream requires."""
         if self._unopened:
             await self._reopen(session_id)
+        self._losses.reused(session_id, request_id)
         await self.storage.require(session_id, request_id, requirement_of(self.policy, tool))
 
     async def open_session(self, session_id: str) -> None:
@@ -254,8 +255,8 @@ class GuardedEventStore(EventStore):
             event_id = None
         if event_id is None:
             event_id = f"unstored-{next(self._unstored)}"
-            if request is not None and request.session_id is not None:  # sent live: a resume past it cannot have it
-                self._losses.lost(request.session_id, stream_id, _terminal(message))
+            if request is not None and request.session_id is not None and message is not None:
+                self._losses.lost(request.session_id, stream_id, _terminal(message))  # sent live: no resume has it
         elif request is not None and request.session_id is not None:
             self._losses.kept(request.session_id, stream_id, event_id, _terminal(message))
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
@@ -590,6 +591,9 @@ class GuardedEventStore(EventStore):
         refusal = self._in_flight.claim(session_id, [(msg.id, self._owner(request, msg))
                                                      for msg in asked.requests if msg.id is not None])
         if refusal is None:
+            for msg in asked.requests:  # a new call on each id: what an earlier call of it lost or answered is not its
+                if msg.id is not None:
+                    self._losses.reused(session_id, msg.id)
             return None
         _log.warning("a POST reuses a request id in flight in its session: %s",
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
@@ -744,7 +748,7 @@ class GuardedEventStore(EventStore):
         its owner gone (``elsewhere``: another process's), events evicted under it or the storage failing end it
         with an error frame whose cursor is the last event sent, never silently; the client leaving cancels it."""
         after = delivered
-        lost_before = self._losses.count(session_id, stream_id)[0]  # before its cursor (sent live), or replay refused
+        scope = None if self.replay == "session" else stream_id
         while True:
             try:
                 events = await storage.wait_after(session_id, after, _TAIL_WAIT_S)
@@ -754,7 +758,9 @@ class GuardedEventStore(EventStore):
             if stop is not None:
                 await send(refusal_notice(plain(stop, delivered)))
                 return
-            for stored in events:
+            # what the storage failed to keep since ``after``: never coming, so said where it was, not waited on
+            gap = self._losses.first_after(session_id, scope, after, [e.event_id for e in events])
+            for stored in events if gap is None else events[:gap]:
                 after = stored.event_id
                 if not self._carries(stream_id, stored):
                     continue
@@ -768,8 +774,7 @@ class GuardedEventStore(EventStore):
                 delivered = event.event_id
                 if event.stream_id == stream_id and _terminal(event.message):
                     return
-            lost, answer_lost = self._losses.count(session_id, stream_id)
-            if answer_lost or lost > lost_before:  # never in the storage, so never coming: said, not waited on
+            if gap is not None:
                 await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
             answer = self._losses.answer(session_id, stream_id) if not events else None
