@@ -299,6 +299,19 @@ async def test_a_session_deleted_while_its_opening_is_retried_is_not_re_created(
             await store._ended("s1")
             answered.set()
     assert not await storage.is_open("s1")
+    # and two events at once while the opening is slow: one tries, neither takes the other's success for an end
+    store = GuardedEventStore(POLICY, storage=storage)
+    storage.open = down  # type: ignore[method-assign]
+    await store._born(GuardRequest("s1", OPENER))
+    storage.open = answering  # type: ignore[method-assign]
+    answered = anyio.Event()
+    with anyio.fail_after(BOUND_S):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(stored, store, "2", progress(1))
+            tasks.start_soon(stored, store, "3", progress(1))
+            await anyio.wait_all_tasks_blocked()
+            answered.set()
+    assert await storage.is_open("s1")
 
 
 async def test_a_loss_after_a_priming_event_or_on_another_stream_a_session_wide_replay_sends_is_told_too():

@@ -213,6 +213,7 @@ class GuardedEventStore(EventStore):
         # sessions the SDK opened while the storage failed (the newest _MAX_UNOPENED), each with when it was last
         # tried: opened at their next event, at most every _REOPEN_EVERY_S (each try waits out a failing storage)
         self._unopened: dict[str, float] = {}
+        self._reopening: dict[str, bool] = {}  # those being opened now, and whether their client deleted them meanwhile
 
     # --- which call requires what ---
 
@@ -667,18 +668,25 @@ class GuardedEventStore(EventStore):
         session not open drops them, so that an ended one is never re-created), and resumes from them answered."""
         tried = self._unopened.get(session_id)
         now = time.monotonic()
-        if tried is None or now - tried < _REOPEN_EVERY_S:
+        if tried is None or now - tried < _REOPEN_EVERY_S or session_id in self._reopening:
             return
         self._unopened[session_id] = now
+        self._reopening[session_id] = False
         try:
             await self.open_session(session_id)
         except StorageError:
             return  # still failing: this event goes unstored, counted
-        if self._unopened.pop(session_id, None) is None:  # its client deleted it meanwhile (``_ended``): no
-            await self._ended(session_id)  # session is re-created after its end
+        finally:
+            ended = self._reopening.pop(session_id)
+        if ended:  # its client deleted it meanwhile (``_ended``): no session is re-created after its end
+            await self._ended(session_id)
+        else:
+            self._unopened.pop(session_id, None)
 
     async def _ended(self, session_id: str) -> None:
         self._unopened.pop(session_id, None)
+        if session_id in self._reopening:
+            self._reopening[session_id] = True
         try:
             await self.storage.close(session_id)
         except StorageError:  # its keys expire with the session's TTL; until then a replica answers from them
