@@ -358,10 +358,10 @@ async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when
         assert await other.owner_alive("slow") and await other.owner_alive("old")
         await slow.aclose()
 
-        async def read_only(**_: object) -> None:  # a demoted primary, or out of memory: no write is taken
+        async def read_only(*_: object, **__: object) -> None:  # a demoted primary, or out of memory: no write is taken
             raise aioredis.ReadOnlyError("You can't write against a read only replica.")
 
-        other._beat_script = read_only  # type: ignore[method-assign,assignment]
+        other._redis.set = read_only  # type: ignore[method-assign,assignment]
         with pytest.raises(StorageError):  # then no beat is written anywhere: the storage fails, no owner is gone
             await other.owner_alive("s")
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 import uuid
@@ -157,6 +158,7 @@ class RedisEventStorage:
         self._max_bytes = max_bytes_per_session
         self._heartbeat_s = heartbeat_s
         self._instance = uuid.uuid4().hex
+        self._pid = os.getpid()
         self._beating: asyncio.Task[None] | None = None
         self._blocking = asyncio.Semaphore(max_blocking_reads)
         self._polling = asyncio.Semaphore(_POLLING_READS)
@@ -184,7 +186,7 @@ class RedisEventStorage:
         if self._beating is not None:
             self._beating.cancel()
             with contextlib.suppress(aioredis.RedisError, OSError):  # gone at once (a beat at time 0: none at all
-                await self._redis.set(self._owner_key(self._instance), "0 0", px=self._ttl_ms)  # reads as evicted)
+                await self._redis.set(self._owner_key(self._me()), "0 0", px=self._ttl_ms)  # reads as evicted)
         await self._redis.aclose()
 
     # --- keys ---
@@ -200,9 +202,10 @@ class RedisEventStorage:
 
     async def open(self, session_id: str) -> None:
         async with self._op("open"):
+            me = self._me()
             self._start_heartbeat()
             await self._beat()
-            await self._redis.set(self._keys(session_id)[0], self._instance, px=self._ttl_ms, nx=True)
+            await self._redis.set(self._keys(session_id)[0], me, px=self._ttl_ms, nx=True)
 
     async def close(self, session_id: str) -> None:
         if len(session_id) > _MAX_SESSION_ID:
@@ -290,12 +293,23 @@ class RedisEventStorage:
             owner = await self._redis.get(self._keys(session_id)[0])
             if owner is None:
                 return False
-            if int(await self._beat_overdue(keys=[self._owner_key(_text(owner))])) <= 0:
+            beat = self._owner_key(_text(owner))
+            if int(await self._beat_overdue(keys=[beat])) <= 0:
                 return True
-            await self._beat()  # a Redis that takes no writes (read-only, out of memory) stops every beat: that
-            return False  # is the storage failing (raised here), not the owner gone
+            # a Redis that takes no writes (read-only, out of memory; on a cluster, the node the beat is on) stops
+            # every beat: that is the storage failing (raised here), not the owner gone. The probe's hash tag is the
+            # beat's whole name: the same slot
+            await self._redis.set(f"{{{beat}}}:probe", 1, px=1000)
+            return False
 
     # --- internals ---
+
+    def _me(self) -> str:
+        """This process's instance: a worker forked from the process that built the storage (a server that loads its
+        app before it forks) is a process of its own, with sessions and a heartbeat of its own."""
+        if self._pid != os.getpid():
+            self._pid, self._instance, self._beating = os.getpid(), uuid.uuid4().hex, None
+        return self._instance
 
     def _start_heartbeat(self) -> None:
         if self._beating is None or self._beating.done():
@@ -312,7 +326,7 @@ class RedisEventStorage:
 
     async def _beat(self) -> None:
         window = int(self._heartbeat_s * 3000)
-        await self._beat_script(keys=[self._owner_key(self._instance)], args=[window, max(self._ttl_ms, window)])
+        await self._beat_script(keys=[self._owner_key(self._me())], args=[window, max(self._ttl_ms, window)])
 
     def _evicted(self, n: int, reason: str) -> None:
         if n > 0:
