@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -328,7 +329,7 @@ async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connectio
 
 
 async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when_eviction_took_its_beat(
-        redis_server):
+        redis_server, monkeypatch):
     """The heartbeat had a TTL of three periods, the shortest in Redis: ``volatile-ttl`` evicted it first, and the
     other replicas told clients of calls still running that their replica was gone (re-issue: run twice)."""
     owner = RedisEventStorage.from_url(redis_server.url, prefix="beat", heartbeat_s=0.1)
@@ -357,6 +358,9 @@ async def test_a_replica_is_gone_once_its_beat_is_three_periods_old_and_not_when
         await asyncio.sleep(0.5)  # past the reader's three periods, within the slow owner's
         assert await other.owner_alive("slow") and await other.owner_alive("old")
         await slow.aclose()
+        parent = slow._me()
+        monkeypatch.setattr(os, "getpid", lambda: -1)  # a worker forked after the storage was built
+        assert slow._me() != parent  # its own beat, which a sibling's stop does not end
 
         async def read_only(*_: object, **__: object) -> None:  # a demoted primary, or out of memory: no write is taken
             raise aioredis.ReadOnlyError("You can't write against a read only replica.")
