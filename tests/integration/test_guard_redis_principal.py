@@ -76,3 +76,7 @@ async def test_a_resume_on_another_replica_with_a_token_naming_no_principal_gets
         jwt_session, jwt_cursors = await _event_ids(http, first, alice_jwt)
         resumed = await http.get(second, headers=_headers(alice_jwt, jwt_session, **{"last-event-id": jwt_cursors[0]}))
         assert resumed.status_code == 200  # a JWT names its principal: its own session is answered from Redis
+        mallory = issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="mallory")
+        resumed = await http.get(second, headers=_headers(mallory, jwt_session, **{"last-event-id": jwt_cursors[0]}))
+        assert resumed.status_code == 404  # another principal's session does not exist, as the SDK says: no frame
+        assert "principal_mismatch" not in resumed.text  # naming the session's calls and what they require

@@ -722,12 +722,13 @@ class GuardedEventStore(EventStore):
             return False
         try:
             known: bool | None = await storage.is_open(session_id)
+            found = await storage.get(session_id, cursor) if known else None
         except StorageError:
             _log.exception("guard storage: a resume of a session this process does not hold refused, the storage "
                            "is unavailable")
-            known = None
-        if known is False:
-            return False
+            known = found = None
+        if known is False or (found is not None and found.subject != request.auth.subject_hash):
+            return False  # another principal's session is one that does not exist, as the SDK answers it
         frames, read = anyio.create_memory_object_stream[bytes](0)
 
         async def emit(event: EventMessage) -> None:
