@@ -34,13 +34,12 @@ def _order(event_id: str) -> tuple[int, ...]:
 
 
 class _Lost:
-    """A stream's losses: after which stored event each came (None: before any), and whether its answer was one."""
+    """A stream's losses: how many, and after which stored event each came (None: before any)."""
 
-    __slots__ = ("after", "answer", "count")
+    __slots__ = ("after", "count")
 
     def __init__(self) -> None:
         self.after: list[str | None] = []
-        self.answer = False
         self.count = 0
 
 
@@ -65,15 +64,14 @@ class StoreLosses:
             if len(self._answers) > _MAX_ANSWERS:
                 self._answers.popitem(last=False)
 
-    def lost(self, session_id: str, stream_id: str, answer: bool) -> None:
-        """An event of the stream was not stored (``answer``: its response or error)."""
+    def lost(self, session_id: str, stream_id: str) -> None:
+        """An event of the stream was not stored."""
         key = (session_id, stream_id)
         lost = self._lost.pop(key, None) or _Lost()
         self._lost[key] = lost  # the newest last
         if len(self._lost) > _MAX_STREAMS:
             del self._lost[next(iter(self._lost))]
         lost.count += 1
-        lost.answer = lost.answer or answer
         if len(lost.after) < _MAX_LOSSES:
             lost.after.append(self._newest.get(session_id))
 

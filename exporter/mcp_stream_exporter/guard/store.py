@@ -257,7 +257,7 @@ class GuardedEventStore(EventStore):
         if event_id is None:
             event_id = f"unstored-{next(self._unstored)}"
             if request is not None and request.session_id is not None and message is not None:
-                self._losses.lost(request.session_id, stream_id, _terminal(message))  # sent live: no resume has it
+                self._losses.lost(request.session_id, stream_id)  # sent live: no resume has it
         elif request is not None and request.session_id is not None:
             self._losses.kept(request.session_id, stream_id, event_id, _terminal(message))
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
