@@ -356,6 +356,28 @@ async def test_a_loss_while_the_tail_waits_stops_it_before_whatever_comes_next_a
     assert ids_of(again) == [None] and notice(again[0])["error"] == "store_unavailable"
 
 
+async def test_events_dropped_for_a_session_the_storage_no_longer_holds_are_its_end_not_a_storage_failure():
+    """Redis evicted the session's opening key alone (a per-key eviction policy): its later events are dropped, not
+    failed. A resume is told the session is gone (start anew), not to resume later from a storage that answers."""
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    ids = await a_call(store, 2, "fetch")
+
+    async def dropped(*args: object) -> None:
+        return None
+
+    async def gone(session_id: str) -> bool:
+        return False
+
+    storage.append, storage.is_open = dropped, gone  # type: ignore[method-assign,assignment]
+    await stored(store, "2", progress(7))
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[1], BROAD, sent)
+    assert ids_of(sent) == [ids[2], None] and notice(sent[-1])["error"] == "session_ended"
+
+
 async def test_a_lost_priming_event_and_the_losses_of_a_call_before_on_a_reused_id_refuse_no_resume():
     """No replay sends a priming event, so losing one loses nothing; and a call that takes an answered call's id
     starts with none of its losses (a resume of it was refused for good)."""

@@ -253,11 +253,11 @@ class GuardedEventStore(EventStore):
         except StorageError:
             _log.exception("guard storage: event of stream %s not stored; a resume from it will be refused",
                            stream_id)
-            event_id = None
-        if event_id is None:
-            event_id = f"unstored-{next(self._unstored)}"
             if request is not None and request.session_id is not None and message is not None:
                 self._losses.lost(request.session_id, stream_id)  # sent live: no resume has it
+            event_id = None
+        if event_id is None:  # failed, or dropped for a session the storage no longer holds (a resume: session_ended)
+            event_id = f"unstored-{next(self._unstored)}"
         elif request is not None and request.session_id is not None:
             self._losses.kept(request.session_id, stream_id, event_id, _terminal(message))
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
