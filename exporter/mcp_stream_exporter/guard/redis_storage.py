@@ -185,8 +185,9 @@ class RedisEventStorage:
     async def aclose(self) -> None:
         if self._beating is not None:
             self._beating.cancel()
-            with contextlib.suppress(aioredis.RedisError, OSError):  # gone at once (a beat at time 0: none at all
-                await self._redis.set(self._owner_key(self._me()), "0 0", px=self._ttl_ms)  # reads as evicted)
+            # gone at once: a beat at time 0 (deleting it would read as evicted, a process that may live)
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await self._redis.set(self._owner_key(self._me()), "0 0", px=self._ttl_ms)
         await self._redis.aclose()
 
     # --- keys ---
