@@ -371,7 +371,9 @@ async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing
     assert found.ledger.in_flight == 0
     ended = ours(spans(), sc.SPAN_STREAM, sc.ROLE_SERVER, mcp_stream__end__reason=sc.END_TERMINATED)
     carried = [sp for sp in ended if sp.attributes.get(sc.STREAM_REQUEST_IDS)]  # not the standalone GET
-    assert carried and all(sp.attributes.get(sc.PENDING_REQUEST_IDS) for sp in carried)
+    assert all(sp.attributes.get(sc.PENDING_REQUEST_IDS) for sp in carried)
+    # fetch's POST is open as its client leaves; poll's resume may be between two polls then (a loaded machine)
+    assert carried or tool == "poll"
 
 
 async def _lose_a_result_on_a_half_open_connection() -> None:
