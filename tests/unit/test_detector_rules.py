@@ -263,6 +263,9 @@ def test_the_sdks_timed_out_span_that_comes_before_the_call_span_naming_it_still
         assert detector.ledger.in_flight == 0
         (lost,) = [f for f in detector.findings if f.rule == "clean_end_pending"]
         assert lost.evidence["timed_out"] is True
+    # a producer's SDK span id of any length (a call span's parent is 8 bytes): no such one is kept waiting
+    hostile = run([sdk_call(C, "fetch", timed_out=True, span_id="ab" * 50_000)])
+    assert not hostile.ledger._early_timeouts
 
 
 def _broken_stateless_call(fingerprint: str = "f00d") -> list[Span]:

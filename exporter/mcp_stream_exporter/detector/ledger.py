@@ -577,7 +577,10 @@ class Ledger:
 
     def timed_out_early(self, span_id: str) -> None:
         """A client SDK request span timed out before any span of ours named it (spans in any order): the call that
-        names it later is told then (the newest ``_MAX_EARLY_TIMEOUTS``, a fixed few hundred KB at most)."""
+        names it later is told then (the newest ``_MAX_EARLY_TIMEOUTS``, a fixed few hundred KB at most). Only a
+        span id of 8 bytes is kept: a call span's parent is one (a producer's SDK span id may be of any length)."""
+        if len(span_id) != 16:
+            return
         self._early_timeouts[span_id] = None
         if len(self._early_timeouts) > _MAX_EARLY_TIMEOUTS:
             self._early_timeouts.popitem(last=False)

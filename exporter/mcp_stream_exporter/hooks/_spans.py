@@ -411,17 +411,19 @@ class Stream(_Deferred):
     def pending(self) -> list[Call]:
         return [c for c in self.calls if not c.done]
 
+    def _opened(self) -> Mapping[str, AttributeValue]:
+        return stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
+
     def also(self, attrs: Mapping[str, AttributeValue]) -> None:
         """More of what its side saw as the response started (why the SDK refused it)."""
         if self.span is not None:  # made as it opened (a resume)
             self.span.set_attributes(attrs)
             return
-        opened = stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
-        self.opened = {**opened, **attrs}
+        self.opened = {**self._opened(), **attrs}
 
     def describe(self) -> Description:
         """The token goes on the call spans of a POST, and on the stream span of every other kind."""
-        opened = stream_attributes(*self.opened) if isinstance(self.opened, tuple) else self.opened
+        opened = self._opened()
         attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_STREAM, sc.ROLE: self.role,
                                             sc.STREAM_KIND: self.kind, **opened}
         if self.kind != sc.STREAM_KIND_POST:
