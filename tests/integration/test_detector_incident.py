@@ -376,13 +376,13 @@ async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing
     assert carried or tool == "poll"
 
 
-async def _lose_a_result_on_a_half_open_connection() -> None:
+async def _lose_a_result_on_a_half_open_connection(guarded: bool = False) -> None:
     """fetch's connection is lost on the client's side after its first progress event while the server's stays
     open (a load balancer or NAT): the server writes the result into it and sees nothing wrong. The SDK client would
     resume after the SSE retry (30 s), past its caller's timeout, whose cancel then reaches the server: 2.5 s after the
     call started, some 2 s after the result went out, past the 1 s in which a cancel may cross it on the wire."""
     span_exporter().clear()
-    async with incident("legacy", retry_interval=30_000) as lab:
+    async with incident("legacy", retry_interval=30_000, guarded=guarded) as lab:
         lab.proxy.arm(b"fetch step 1", half_open=True)
         with pytest.raises(MCPError):
             await lab.call("fetch", {"url": "u", "steps": 2}, timeout=2.5)
@@ -392,9 +392,13 @@ async def _lose_a_result_on_a_half_open_connection() -> None:
             await asyncio.sleep(0.05)
 
 
-async def test_a_result_sent_into_a_connection_the_client_lost_is_one_loss_and_the_timeout_is_attributed_to_it():
+@pytest.mark.parametrize("guarded", [False, True], ids=["naive", "guarded"])
+async def test_a_result_sent_into_a_connection_the_client_lost_is_one_loss_and_the_timeout_is_attributed_to_it(
+        guarded):
+    """Guarded too: the guard lets the late cancel of a call no longer in flight reach the SDK (it refused it once,
+    and then nothing told of the loss)."""
     with detector() as (found, clock):
-        await _lose_a_result_on_a_half_open_connection()
+        await _lose_a_result_on_a_half_open_connection(guarded)
         findings = _by_rule(after_grace(found, clock))
     assert set(findings) == {"sent_not_received", "timeout_attributed"}
     (lost,) = findings["sent_not_received"]

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import tracemalloc
+from typing import Any
 
 import jwt
 import pytest
@@ -607,9 +608,7 @@ def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may
             assert (status, reached) == (403, None)
             assert b"acts on a call in flight" in answer
     assert _guarded_post(store, _cancel(6), headers=narrow)[0] == 200  # its own call
-    # nothing in flight under that id, or nothing asked: refused, or the SDK would act on it later, maybe on
-    # a call that has that id by then
-    assert _guarded_post(store, _cancel(99), headers=narrow)[0] == 403
+    # nothing asked: refused, or the SDK would act on it later, maybe on a request that has that id by then
     assert _guarded_post(store, _answer(1), headers=broad)[0] == 403
     assert _guarded_post(store, _answer(0), headers=broad)[0] == 200
     assert _guarded_post(store, _cancel(5), headers=broad)[0] == 200
@@ -617,6 +616,35 @@ def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may
     run(observing.open_session("s1"))
     assert _guarded_post(observing, _tools_call(5, "fetch"), headers=broad)[0] == 200
     assert _guarded_post(observing, _cancel(5), headers=narrow)[0] == 200  # observed, let through
+
+
+def test_a_cancel_of_a_call_no_longer_in_flight_reaches_the_sdk_its_id_held_while_it_is_handled():
+    """A client whose result never came (a half-open connection) cancels the call at its timeout, after the server
+    sent the result: that late cancel is the only sign of the loss (the hooks' ``cancelled_late``), so it is not
+    refused; a new call may not take its id until the SDK has had it."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    broad, narrow = _bearer(SEARCH, FETCH), _bearer(SEARCH)
+    for token in (broad, narrow):
+        assert _guarded_post(store, _cancel(99), headers=token) == (200, b"", _cancel(99))
+    claimed: list[str | None] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await receive()
+        claimed.append(store._in_flight.claim("s1", [("99", (Requirement.of([FETCH]), None))]))  # as it is handled
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": _cancel(99), "more_body": False}
+
+    async def send(message: dict) -> None:
+        pass
+
+    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "POST",
+                                 "headers": [(b"mcp-session-id", b"s1"), *broad]}, receive, send))
+    assert claimed[0] is not None and "a cancel still being handled" in claimed[0]
+    assert _guarded_post(store, _tools_call(99, "fetch"), headers=broad)[0] == 200  # handled: the id is free again
 
 
 def test_a_cancel_or_an_answer_is_read_as_the_sdk_reads_it_whatever_it_is_dressed_as():

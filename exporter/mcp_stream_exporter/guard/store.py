@@ -605,19 +605,21 @@ class GuardedEventStore(EventStore):
 
     def _foreign(self, auth: AuthView, session_id: str, asked: Asked) -> str | None:
         """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
-        SDK: it names nothing in flight (the SDK acts on it later, maybe on a call that has that id by then), or
-        acts on a call whose events the token would be refused (``_covers``)."""
+        SDK: it acts on a call whose events the token would be refused (``_covers``), or answers a request the
+        server awaits no answer to (the SDK acts on it later, maybe on a request that has that id by then). A
+        cancel of an id not in flight reaches it, its id held while it is handled as any cancel's: it is how a
+        client that never got a result tells it gave up (the server's hooks read it as ``cancelled_late``)."""
         acts: list[tuple[str, tuple[_Owner, ...] | None]] = []
         for request_id in asked.cancelled:
             owner = self._in_flight.owner(session_id, request_id)
-            acts.append((f"notifications/cancelled of request {request_id[:64]!r}",
-                         (owner,) if owner is not None else None))
+            if owner is not None:
+                acts.append((f"notifications/cancelled of request {request_id[:64]!r}", (owner,)))
         for answer in asked.answers:
             acts.append((f"the answer to the server's request {answer[:64]!r}",
                          self._in_flight.asker(session_id, answer)))
         for act, owners in acts:
             if owners is None:
-                return f"{act} names nothing in flight in this session that it may act on"
+                return f"{act} answers nothing the server awaits in this session"
             for owner in owners:
                 reason = self._covers(auth, *owner)
                 if reason is not None:
