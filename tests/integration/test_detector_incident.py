@@ -566,3 +566,32 @@ async def test_a_half_open_post_of_a_tool_silent_past_the_grace_is_no_loss_while
     assert result.content[0].text == "contents of u"
     assert paged_while_running == []
     assert [f.rule for f in findings if f.rule != "resume_loop"] == []
+
+
+async def _kill_the_clients_transport(calls: list[asyncio.Future[object]]) -> None:
+    """search runs, and has a cursor; fetch's POST is reset before it reaches the server."""
+    async with incident("legacy") as lab:
+        calls.append(asyncio.ensure_future(lab.call("search", {"query": "q", "steps": 20})))
+        for _ in range(100):  # bounded: 5 s for search's first progress event, a cursor with it
+            if lab.progress:
+                break
+            await asyncio.sleep(0.05)
+        assert lab.progress
+        lab.proxy.arm_request(b'"name":"fetch"')
+        calls.append(asyncio.ensure_future(lab.call("fetch", {"url": "u", "steps": 1})))
+        await asyncio.wait(calls, timeout=10)  # bounded; leaves the callers' own tasks be as it is cancelled
+    assert lab.proxy.cuts == 1
+
+
+async def test_calls_the_sdk_fails_as_its_transport_dies_are_not_left_in_flight_for_good():
+    """A POST reset before its response began takes the SDK client's transport down: the SDK fails every call of the
+    client with ``Connection closed``, search's too, whose stream had given it a cursor to resume from. Only the end of
+    the SDK's span tells (the SDK leaves that error off it): search stayed in flight for good, and counted stuck."""
+    with detector() as (found, clock):
+        calls: list[asyncio.Future[object]] = []
+        with pytest.raises(BaseExceptionGroup):  # the SDK client's task group, which cancels what runs in it
+            await _kill_the_clients_transport(calls)
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert [str(outcome) for outcome in outcomes] == ["Connection closed"] * 2
+        after_grace(found, clock)
+        assert found.ledger.in_flight == 0

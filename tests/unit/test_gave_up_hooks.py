@@ -1,8 +1,9 @@
 """How the hooks learn that a caller gave up on a call. The server, when a client cancels a call whose result
 already went out on a stream (or was stored with none open): the client never got it (its side of the connection
 was lost while the server's stayed open, or it did not resume before its caller gave up), told by a span of its own
-from the result's send to the cancel. The client, when the SDK's span of a call ends in its caller's timeout: with
-resumption hints the SDK sends no cancel, and resumes on for no caller."""
+from the result's send to the cancel. The client, when the SDK's span of a call ends without its result: in its
+caller's timeout (with resumption hints the SDK sends no cancel, and resumes on for no caller), or as the SDK failed
+the call itself."""
 
 from __future__ import annotations
 
@@ -176,9 +177,35 @@ def test_a_client_call_whose_sdk_span_ends_in_its_timeout_ends_cancelled_even_wi
     assert tracker.call(("s2", "3")) is not None and tracker.call(("s1", "3")) is None
 
 
-def test_a_client_call_whose_sdk_span_ends_in_another_error_is_left_to_its_answer():
+def test_a_client_call_the_sdk_failed_itself_ends_no_terminal_as_its_span_ends_in_that_error():
+    """Its resumes ran out (``-32000``): the SDK sets the error on its span, and no answer came on the wire (the tap
+    reads every answer before the SDK): nothing will deliver the call to anyone."""
     tracker, exporter = _tracker(sc.ROLE_CLIENT)
     sdk_span = _sdk_call(tracker)
+    sdk_span.set_status(StatusCode.ERROR, "SSE stream ended and reconnection attempts were exhausted")
+    sdk_span.end()
+    (ended,) = exporter.get_finished_spans()
+    assert ended.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+    assert tracker.call(("s1", "3")) is None
+
+
+def test_a_client_call_whose_sdk_span_ends_with_no_error_and_no_result_ends_cancelled():
+    """The SDK failed every call of a client whose transport died with ``Connection closed``, which it leaves off the
+    span, as OTel leaves a cancelled caller's ``CancelledError``: no caller waits for it any more (the in-flight
+    count stayed up for good, and counted it stuck)."""
+    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+    sdk_span = _sdk_call(tracker)
+    sdk_span.end()
+    (ended,) = exporter.get_finished_spans()
+    assert ended.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+
+
+def test_a_client_call_answered_on_the_wire_is_left_as_it_ended_when_the_sdks_span_ends():
+    tracker, exporter = _tracker(sc.ROLE_CLIENT)
+    sdk_span = _sdk_call(tracker)
+    call = tracker.call(("s1", "3"))
+    assert call is not None
+    assert tracker.answered([call], classify('{"jsonrpc":"2.0","id":3,"result":{}}'), "9")
     sdk_span.set_status(StatusCode.ERROR, "a JSON-RPC error")
     sdk_span.end()
-    assert exporter.get_finished_spans() == () and tracker.call(("s1", "3")) is not None
+    assert call.done and exporter.get_finished_spans() == ()  # the healthy path's: no span

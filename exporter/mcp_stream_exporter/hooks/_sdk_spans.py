@@ -63,9 +63,10 @@ class SdkSpans(SpanProcessor):
         self._trackers: weakref.WeakSet[Tracker] = weakref.WeakSet()
 
     def watch(self, tracker: Tracker) -> None:
-        """``tracker`` (a client's) learns of each of the SDK's calls whose caller's timeout ran out (``abandoned``):
-        the SDK sends no cancel then when its request asked to be resumable (its resumption hints), so its span is
-        the only sign that the caller is gone."""
+        """``tracker`` (a client's) learns of each of the SDK's calls whose caller it answered itself (``unanswered``):
+        the SDK sends no cancel at a caller's timeout when its request asked to be resumable (its resumption hints),
+        nor any sign on the wire when it fails its calls as its transport dies, so its span is the only sign that
+        the caller is gone."""
         self._trackers.add(tracker)
 
     # Both run on every span the application starts and ends: they read the span's name and context off
@@ -77,21 +78,29 @@ class SdkSpans(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         context = span._context
-        if context is not None:
-            self._open.pop(context[_SPAN_ID], None)
-            if span._status._status_code is StatusCode.ERROR and span._name.startswith(sc.SDK_CLIENT_CALL_SPAN):
-                self._failed(span, context[_SPAN_ID])
+        if context is not None and self._open.pop(context[_SPAN_ID], None) is not None:  # a call's
+            attributes = span._attributes
+            # a healthy call's span has where its result came (``annotate``): the rest are told apart below
+            values = attributes._dict if type(attributes) is BoundedAttributes else attributes  # not Mapping's ``in``
+            if values is None or sc.TERMINAL_STREAM_KIND not in values:
+                self._unanswered(span, context[_SPAN_ID])
 
-    def _failed(self, span: ReadableSpan, span_id: int) -> None:
-        """The SDK's span of a call ended in error: if by its caller's timeout (``TimeoutError``), the call is
-        abandoned in every client tracker that has it."""
-        if not any(event.name == "exception" and (event.attributes or {}).get("exception.type") == "TimeoutError"
-                   for event in span._events):
-            return
+    def _unanswered(self, span: ReadableSpan, span_id: int) -> None:
+        """The SDK's span of a call ended, and its caller with it, with no word of a result written on it: the
+        trackers that still have the call, its terminal event not seen (the tap reads every answer before the SDK
+        does), learn its caller was answered by the SDK itself (``Tracker.unanswered``): none waits for it any
+        more. How, the span tells: ``TimeoutError`` recorded, its caller's timeout ran out; an error status
+        without it, the SDK failed the call (its resumes ran out, its stream ended without a cursor); neither, its
+        caller was cancelled (OTel records no ``CancelledError``) or the SDK closed it as its transport died
+        (``Connection closed``, which the SDK leaves off the span)."""
         request_id = (span._attributes or {}).get(sc.JSONRPC_REQUEST_ID)
-        if request_id is not None:
-            for tracker in list(self._trackers):
-                tracker.abandoned(str(request_id), span_id)
+        if request_id is None:
+            return
+        timed_out = any(event.name == "exception" and (event.attributes or {}).get("exception.type") == "TimeoutError"
+                        for event in span._events)
+        failed = not timed_out and span._status._status_code is StatusCode.ERROR
+        for tracker in list(self._trackers):
+            tracker.unanswered(str(request_id), span_id, timed_out, failed)
 
     def get(self, traceparent: str | None) -> SdkSpan | None:
         if traceparent is None or len(traceparent) < 55:

@@ -20,6 +20,7 @@ class CutProxy:
         self._pattern: bytes | None = None
         self._on_cut: Callable[[], None] | None = None
         self._half_open = False
+        self._request_pattern: bytes | None = None  # ``arm_request``
         self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         # connections whose client side was reset while the server's stays open (``arm(half_open=True)``)
         self._client_gone: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
@@ -44,6 +45,12 @@ class CutProxy:
         self._pattern = pattern
         self._on_cut = on_cut
         self._half_open = half_open
+
+    def arm_request(self, pattern: bytes) -> None:
+        """Reset, both ways, the connection of the first client->server chunk containing ``pattern``, before it
+        reaches the server: a request lost before its response began (a load balancer's reset), which the SDK
+        client's transport does not survive."""
+        self._request_pattern = pattern
 
     def hold(self) -> None:
         """New connections wait at the proxy until :meth:`release`: a test orders another client's work
@@ -81,6 +88,12 @@ class CutProxy:
             while data := await reader.read(65536):
                 if pair in self._client_gone:
                     continue  # the server's bytes after its client was lost: read, never delivered
+                if not watch and self._request_pattern is not None and self._request_pattern in data:
+                    self._request_pattern = None
+                    self.cuts += 1
+                    pair[0].transport.abort()
+                    pair[1].transport.abort()
+                    return
                 writer.write(data)
                 await writer.drain()
                 if watch and self._pattern is not None and self._pattern in data:
