@@ -425,6 +425,40 @@ async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_sp
         assert sorted(f.rule for f in alone.findings) == expected
 
 
+async def test_a_late_cancel_the_sdk_answers_404_as_the_session_is_gone_tells_the_loss_if_its_opener_sent_it():
+    """The result went into a connection whose packets were dropped (the client's read just stalls: no resume), then
+    the session ended on the server (idle timeout, admin) before the caller's timeout: its cancel gets 404 and cancels
+    nothing, but tells the client never got the result, which nothing else does. Another principal's cancel of a
+    delivered call in that gone session, 404 too, tells nothing."""
+    with detector() as (found, clock):
+        async with incident("legacy", retry_interval=30_000) as lab:
+            assert lab.server is not None
+            assert (await lab.call("search", {"query": "q"})).content  # delivered: request 1
+            (session_id,) = lab.server.session_manager._server_instances  # lab only: no public API
+            lab.proxy.arm(b"fetch step 1", stall=True)
+            fetching = asyncio.ensure_future(lab.call("fetch", {"url": "u", "steps": 2}, timeout=2.5))
+            await asyncio.sleep(0.6)  # fetch's result went out into the half-open connection
+            await lab.expire_sessions()
+            with pytest.raises(MCPError):
+                await fetching
+            mallory = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="mallory")
+            async with httpx2.AsyncClient() as raw:
+                cancelled = await raw.post(f"http://127.0.0.1:{lab.proxy.port}/mcp",
+                                           json={"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                                 "params": {"requestId": 1}},
+                                           headers={"mcp-session-id": session_id, "authorization": f"Bearer {mallory}",
+                                                    "accept": "application/json, text/event-stream",
+                                                    "mcp-protocol-version": "2025-11-25"})
+            assert cancelled.status_code == 404
+            for _ in range(100):  # bounded: 5 s for the client's cancel to reach the server
+                if ours(spans(), sc.SPAN_CALL, sc.ROLE_SERVER, mcp_stream__call__outcome=sc.OUTCOME_CANCELLED_LATE):
+                    break
+                await asyncio.sleep(0.05)
+        findings = _by_rule(after_grace(found, clock))
+    (lost,) = findings["sent_not_received"]
+    assert (lost.tool, set(findings)) == ("fetch", {"sent_not_received", "timeout_attributed"})
+
+
 @pytest.mark.parametrize("half_open", [False, True], ids=["reset", "half_open"])
 async def test_a_result_the_sdk_resumes_for_after_its_caller_gave_up_reaches_no_caller_and_is_a_loss(half_open):
     """The SSE retry (3 s) is longer than the caller's timeout (1.5 s): the SDK client resumes on after its caller

@@ -314,13 +314,19 @@ class WireObserver:
 
     def _owned(self, ex: _Exchange, scope: Scope) -> None:
         """Who opened a session its first answer names; and a 404 the SDK gave another principal than that, which
-        tells nothing of the session (``SessionOwners``), marked on its stream's span."""
+        tells nothing of the session (``SessionOwners``), marked on its stream's span. A cancel its opener sent
+        after the session was gone (404) cancels nothing, but tells, as a late cancel does, that the client never
+        got a result that went out before (``Tracker.cancelled_in_gone``): a half-open connection's loss, whose
+        session ended before its caller's timeout."""
         session_id = ex.scope.session_id
         if session_id is None:
             return
         if ex.asked_in is None:
             if ex.status < 300:
                 self.owners.opened(session_id, scope)
+        elif ex.cancelled and self.owners.same(session_id, scope):
+            for request_id in ex.cancelled:
+                self.tracker.cancelled_in_gone((session_id, request_id))
         elif ex.stream is not None and self.owners.other(session_id, scope):
             ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
 

@@ -47,6 +47,11 @@ class SessionOwners:
         """Its DELETE was accepted: the SDK forgot it, and a 404 naming it tells so whoever asks."""
         self._owners.pop(session_id, None)
 
+    def same(self, session_id: str, scope: Scope) -> bool:
+        """Whether ``scope``'s request is of the principal that opened ``session_id``, kept still: its 404 tells the
+        session is gone (expired, or ended by its server), not that the request is of anyone else."""
+        return session_id in self._owners and self._owners[session_id] == _principal(scope)
+
     def other(self, session_id: str, scope: Scope) -> bool:
         """Whether ``scope``'s request is of another principal than the one that opened ``session_id``: the SDK
         refuses it whether the session lives or not (False for a session not kept: its 404 reads as expiry)."""

@@ -426,6 +426,15 @@ class Tracker:
         if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
             self._cancelled_late(key, *out)
 
+    def cancelled_in_gone(self, key: CallKey) -> None:
+        """(server) The client cancelled the call of ``key`` after its session was gone (the SDK's 404 to its opener):
+        nothing is cancelled, but a result that went out before reached no caller (``cancel``)."""
+        out = self._results_out.pop(key, None) if self._results_out else None
+        if out is not None:
+            call = self._calls.get(key)
+            if call is None or call.closed:  # (not an answered call's whose id a call in flight reuses)
+                self._cancelled_late(key, *out)
+
     def result_out(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int,
                    traceparent: str | None) -> None:
         """(server) The terminal event of ``key``'s call, event ``event_id``, left the server's hands at ``at_ns``:

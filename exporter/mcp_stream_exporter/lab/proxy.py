@@ -20,6 +20,7 @@ class CutProxy:
         self._pattern: bytes | None = None
         self._on_cut: Callable[[], None] | None = None
         self._half_open = False
+        self._stall = False
         self._request_pattern: bytes | None = None  # ``arm_request``
         self._live: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         # connections whose client side was reset while the server's stays open (``arm(half_open=True)``)
@@ -38,13 +39,16 @@ class CutProxy:
             self._cut_all()
             await self._server.wait_closed()
 
-    def arm(self, pattern: bytes, on_cut: Callable[[], None] | None = None, *, half_open: bool = False) -> None:
+    def arm(self, pattern: bytes, on_cut: Callable[[], None] | None = None, *, half_open: bool = False,
+            stall: bool = False) -> None:
         """Cut everything right after the first server->client chunk containing ``pattern``. ``half_open``: reset
         only the client's side of that chunk's connection and keep the server's open, reading and dropping what
-        it sends after (a load balancer or NAT that lost the client): the server sees no disconnect."""
+        it sends after (a load balancer or NAT that lost the client): the server sees no disconnect. ``stall``: as
+        ``half_open``, but the client's side is not reset either (packets dropped): its read just stalls."""
         self._pattern = pattern
         self._on_cut = on_cut
-        self._half_open = half_open
+        self._half_open = half_open or stall
+        self._stall = stall
 
     def arm_request(self, pattern: bytes) -> None:
         """Reset, both ways, the connection of the first client->server chunk containing ``pattern``, before it
@@ -105,7 +109,8 @@ class CutProxy:
                         self._cut_all()
                         return
                     self._client_gone.add(pair)
-                    writer.transport.abort()
+                    if not self._stall:
+                        writer.transport.abort()
         except (ConnectionError, OSError):
             pass
         finally:
