@@ -346,3 +346,19 @@ def test_a_streams_requirement_is_charged_to_the_call_it_carries_alone_not_to_ea
                                 **{sc.REQUIRED_RESOURCES: required} if required else {})])
         charged.append(detector.ledger.bytes)
     assert charged[1] - charged[0] < 128 * 1024  # one span's list, not 256 copies of it (16 MB)
+
+
+def test_without_a_policy_a_tools_finding_series_are_exported_at_0_from_its_first_span():
+    """A counter born at its first count has no ``increase()``: the alert rules would hold its page by its instant
+    value alone, which one missed scrape or a restart drops (the page resolved, then paged again), and the
+    dashboards' panels would read it as 0. From the tool's first span (an SDK span of a healthy call) on, they are
+    there at 0; ``other`` from the start."""
+    detector = Detector(CONFIG, clock=Clock())
+    loss = {"tool": "fetch", "rule": "clean_end_pending"}
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total", loss) is None
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"tool": OTHER, "rule": "clean_end_pending"}) == 0.0
+    detector.consume([sdk_call(C, "fetch", request_id="1")])
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total", loss) == 0.0
+    narrowed = {"tool": "fetch", "rule": "narrowed_resume", "severity": "warning"}
+    assert detector.registry.get_sample_value("mcp_stream_findings_total", narrowed) == 0.0

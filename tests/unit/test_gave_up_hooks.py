@@ -7,6 +7,9 @@ the call itself."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -14,6 +17,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.hooks import instrument_client
 from mcp_stream_exporter.hooks._sdk_spans import SdkSpans
 from mcp_stream_exporter.hooks._spans import Call, DeviationTracer
 from mcp_stream_exporter.hooks._tracking import Tracker
@@ -209,3 +213,19 @@ def test_a_client_call_answered_on_the_wire_is_left_as_it_ended_when_the_sdks_sp
     sdk_span.set_status(StatusCode.ERROR, "a JSON-RPC error")
     sdk_span.end()
     assert call.done and exporter.get_finished_spans() == ()  # the healthy path's: no span
+
+
+def test_a_client_closed_ends_its_calls_in_flight_cancelled_whatever_its_sampler_kept():
+    """Its HTTP client closed (the SDK's transport died: every call failed ``Connection closed``), nothing can deliver
+    a call of it any more: told by the close itself, as the SDK's spans a sampler dropped cannot tell it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = instrument_client(transport=httpx2.MockTransport(lambda request: httpx2.Response(202)),
+                               tracer_provider=provider)
+    tracker = client._transport.instrumentation.tracker  # type: ignore[attr-defined]
+    request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch"}}')[0]
+    tracker.start_call("s1", request, "2025-11-25", ABSENT, stateless=False)
+    asyncio.run(client.aclose())
+    (ended,) = exporter.get_finished_spans()
+    assert ended.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED

@@ -83,7 +83,7 @@ def test_a_clean_end_its_session_outlived_is_the_loss_when_a_404_follows(kind):
     assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
                                               {"tool": "fetch", "rule": "clean_end_pending"}) == 1.0
     assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
-                                              {"tool": "fetch", "rule": "session_expired_in_flight"}) is None
+                                              {"tool": "fetch", "rule": "session_expired_in_flight"}) == 0.0
     assert detector.ledger.in_flight == 0  # its session is gone all the same
 
 

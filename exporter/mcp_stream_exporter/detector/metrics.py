@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib.metadata import version
 from typing import Any, Protocol
 
@@ -64,6 +64,7 @@ class ToolLabels:
         self._seen: set[str] = set(known or ())
         self._fixed = bool(self._seen)
         self._dynamic = dynamic
+        self.learned: Callable[[str], None] | None = None  # told each tool learned from the spans, once
 
     def __call__(self, tool: str | None) -> str:
         if tool is None:
@@ -73,6 +74,8 @@ class ToolLabels:
         if (not self._fixed and len(self._seen) < self._dynamic and _TOOL_NAME.fullmatch(tool)
                 and redact(tool) == tool):
             self._seen.add(tool)
+            if self.learned is not None:
+                self.learned(tool)
             return tool
         return OTHER
 
@@ -82,8 +85,8 @@ class ToolLabels:
 
     @property
     def initial(self) -> tuple[str, ...]:
-        """The values known before any span: the policy's tools and ``other``, which a policy implies."""
-        return (*sorted(self._seen), OTHER) if self._fixed else ()
+        """The values known before any span: the policy's tools, and ``other``."""
+        return (*sorted(self._seen), OTHER)
 
 
 BOUNDS = (*SEMCONV_DURATION_BUCKETS, float("inf"))
@@ -319,12 +322,8 @@ class DetectorMetrics:
               registry=registry).labels(version("mcp-stream-exporter")).set(1)
         ProcessCollector(registry=registry)  # process_*: the CPU, memory and file descriptors of its process
         for tool in tools.initial:
-            for rule in RULES.values():
-                self.findings.labels(rule.id, rule.severity, tool)
-                if rule.loss:
-                    self.silent_losses.labels(tool, rule.id)
-            for role in _ROLES:
-                self.audience_gaps.labels(role, tool)
+            self._zeroed(tool)
+        tools.learned = self._zeroed
         for role in _ROLES:
             for outcome in RESUME_OUTCOMES:
                 self.resumes.labels(role, outcome)
@@ -339,6 +338,18 @@ class DetectorMetrics:
         for rule in RULES.values():
             if rule.loss:
                 self._contradicted.labels(rule.id)
+
+    def _zeroed(self, tool: str) -> None:
+        """A tool's finding series, exported at 0 from when the detector knows the tool (its policy, or its first
+        span): a series born at its first count has no ``increase()``, and its alert and dashboards would read it
+        as 0 (the alert rules hold it for 10 minutes by its instant value alone, which one missed scrape or a
+        restart drops)."""
+        for rule in RULES.values():
+            self.findings.labels(rule.id, rule.severity, tool)
+            if rule.loss:
+                self.silent_losses.labels(tool, rule.id)
+        for role in _ROLES:
+            self.audience_gaps.labels(role, tool)
 
     def finding(self, f: Finding) -> None:
         """A new finding: counted here, added to ``findings`` by :meth:`flush`; a loss at once, with its exemplar."""

@@ -1072,6 +1072,16 @@ class Tracker:
         if len(self._event_index) > self._max_event_index:
             self._event_index.popitem(last=False)
 
+    def client_closed(self) -> None:
+        """(client) Its HTTP client closed: nothing can send, resume or deliver any of its calls any more, so no caller
+        waits for one (the SDK fails them all as its transport goes: ``Connection closed``). Each call in flight, or
+        left pending, ends cancelled, as a client's close of its stream is; told even when the application's sampler
+        drops the SDK's spans, which ``unanswered`` needs."""
+        for key in [*self._pending, *self._calls]:
+            call = self.call(key)
+            if call is not None and not call.done:
+                self.cancel(key)
+
     def shutdown(self) -> None:
         """End every pending call span (as evicted) so nothing is left open at exit: those in bodies left
         unread (``unread``) and those not started (``pend``) too."""

@@ -658,6 +658,7 @@ class ClientTap(httpx2.AsyncBaseTransport):
         return self
 
     async def aclose(self) -> None:
+        self.instrumentation.tracker.client_closed()  # its client closes: the SDK's calls through it are over
         await self._inner.aclose()
 
 
