@@ -152,7 +152,7 @@ def test_templates_follow_the_chart_conventions():
         assert ":latest" not in text
     for name in ("servicemonitor.yaml", "prometheusrule.yaml"):
         first = (TEMPLATES / name).read_text().splitlines()[0]
-        assert '.Capabilities.APIVersions.Has "monitoring.coreos.com/v1"' in first, name
+        assert '"mcp-stream-exporter.operatorObject"' in first and ".Capabilities" in first, name
     dashboards = (TEMPLATES / "grafana-dashboards-configmap.yaml").read_text()
     assert '.Files.Glob "files/dashboards/*.json"' in dashboards and ".Values.grafanaDashboards.label" in dashboards
     pod = (TEMPLATES / "_helpers.tpl").read_text()
@@ -252,6 +252,18 @@ def test_helm_renders_valid_kubernetes_objects(values, monitoring, kube, tmp_pat
     (rules,) = [o["spec"] for o in objects if o["kind"] == "PrometheusRule"]
     check = check_rules(rules, tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_operators_objects_enabled_explicitly_render_or_not_whatever_the_cluster_serves(enabled):
+    """``auto`` (the default) follows the cluster's API; rendered offline (``helm template`` without --api-versions, a
+    GitOps tool), it left them out without a word, so nothing scraped the detector and no alert existed."""
+    values = {"serviceMonitor": {"enabled": enabled}, "prometheusRule": {"enabled": enabled}}
+    for api_versions in ((), (MONITORING,)):
+        kinds = {o["kind"] for o in _render(CHART, values, api_versions)}
+        assert ({"ServiceMonitor", "PrometheusRule"} <= kinds) == enabled
+        assert not enabled or {"ServiceMonitor", "PrometheusRule"} <= kinds
+    assert not {"ServiceMonitor", "PrometheusRule"} & {o["kind"] for o in _render(CHART, {}, ())}  # auto
 
 
 def test_a_rendered_object_that_breaks_its_schema_is_caught():

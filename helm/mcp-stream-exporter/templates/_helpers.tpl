@@ -155,3 +155,15 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end }}
+
+{{/*
+Whether to render a prometheus-operator object whose value is "auto" (when the cluster serves the operator's API),
+true (always: a `helm template` without --api-versions, a GitOps renderer; applying it needs the CRDs) or false.
+Non-empty for yes. Call with (list .Values.<object>.enabled .Capabilities).
+*/}}
+{{- define "mcp-stream-exporter.operatorObject" -}}
+{{- $enabled := toString (index . 0) -}}
+{{- if or (eq $enabled "true") (and (eq $enabled "auto") ((index . 1).APIVersions.Has "monitoring.coreos.com/v1")) -}}
+yes
+{{- end -}}
+{{- end }}
