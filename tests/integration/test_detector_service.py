@@ -222,9 +222,11 @@ def test_serve_reads_flags_env_and_file_and_shuts_down_gracefully(tmp_path):
                            every_s=0.05)
         url = f"http://127.0.0.1:{started['port']}"
         wait_for(lambda: answers(f"{url}/readyz"), 10, "the service to be ready", every_s=0.05)
-        assert httpx.get(f"{url}/api/findings").status_code == 401
-        ok = httpx.get(f"{url}/api/findings", headers={"Authorization": "Bearer api-secret"})
-        assert ok.status_code == 200
+        for api in ("/api/findings", "/api/calls/stuck"):
+            assert httpx.get(f"{url}{api}").status_code == 401
+            ok = httpx.get(f"{url}{api}", headers={"Authorization": "Bearer api-secret"})
+            assert ok.status_code == 200
+        assert ok.json() == {"total": 0, "limit": 50, "calls": []}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

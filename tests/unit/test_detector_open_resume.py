@@ -67,6 +67,10 @@ def test_a_call_is_stuck_once_its_session_shows_no_sign_of_life_for_fifteen_minu
         detector.tick()
         assert detector.ledger.in_flight == 2
         assert _stuck(detector) == (1 if minute > 15 else 0), minute  # s2 only, once 15 minutes have passed
+    # a stuck call has no finding: the API names it, for the on-call to find its trace
+    calls, total = detector.stuck_calls(10)
+    assert total == 1 and [(c["session_id"], c["request_id"], c["roles"]) for c in calls] == [("s2", "3", [C])]
+    assert calls[0]["owed_for_s"] > 15 * 60 and calls[0]["trace_id"]
     detector.consume([stream(C, "resume", "clean", cursor="6", session="s2", terminal=("3",), last="9", at=1200.0)])
     now[0] += 11 * S
     detector.tick()

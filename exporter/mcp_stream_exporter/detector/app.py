@@ -276,6 +276,12 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
                 raise HTTPException(404, "no such finding (it may have aged out of the store)")
             return found.to_json()
 
+    @app.get("/api/calls/stuck")
+    def stuck_calls(request: Request, limit: Annotated[int, Query(ge=1, le=500)] = 50) -> dict[str, Any]:
+        api_guard(request)
+        calls, total = detector.stuck_calls(limit)
+        return {"total": total, "limit": limit, "calls": calls}
+
     @app.get("/api/rules")
     def rules(request: Request) -> list[dict[str, Any]]:
         api_guard(request)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from prometheus_client import CollectorRegistry
 
@@ -185,6 +185,25 @@ class Detector:
             self.rules.tick(self.clock())
             self.ledger.account()
             self.metrics.flush()
+
+    def stuck_calls(self, limit: int) -> tuple[list[dict[str, Any]], int]:
+        """The calls ``mcp_stream_calls_stuck`` counts (in flight, no sign of life for ``stuck_after_s``), the first
+        ``limit`` as JSON, and how many there are: a stuck call has no finding, and this is how the on-call finds
+        its session, request id and trace."""
+        with self.lock:
+            now = self.clock()
+            listed: list[dict[str, Any]] = []
+            total = 0
+            for call in self.ledger.stuck_calls(now, int(self.config.rules.stuck_after_s * 1e9)):
+                total += 1
+                if len(listed) < limit:
+                    listed.append({
+                        "session_id": call.scope if not call.scope.startswith("trace:") else None,
+                        "request_id": call.request_id, "tool": call.tool, "era": call.era,
+                        "owed_for_s": round((now - (call.owed_since or now)) / 1e9, 1),
+                        "required": list(call.required), "roles": sorted(call.roles),
+                        "trace_id": call.trace_id, "span_ids": list(call.span_ids)})
+            return listed, total
 
     def _found(self, finding: Finding, call: CallState | None) -> None:
         if self.findings.add(finding):

@@ -680,14 +680,16 @@ class Ledger:
         """``stuck``: the calls in flight that no span has shown moving on for ``after_ns`` since they were owed
         (a resume moving a call on says so at least every minute: docs/span-model.md). By the detector's clock: no
         producer's clock is compared. A walk of every call, every few seconds (``RuleEngine.tick``)."""
+        self.stuck = sum(1 for _ in self.stuck_calls(now_ns, after_ns))
+
+    def stuck_calls(self, now_ns: int, after_ns: int) -> Iterator[CallState]:
+        """The calls ``count_stuck`` counts, oldest session first: what the on-call looks up in the traces."""
         horizon = now_ns - after_ns
-        stuck = 0
         for session in self._sessions.values():
             calls = session.calls
             for call in calls.values() if isinstance(calls, dict) else (calls,) if calls is not None else ():
                 if call.in_flight and (call.owed_since or 0) < horizon:
-                    stuck += 1
-        self.stuck = stuck
+                    yield call
 
     def expire(self, now_ns: int) -> int:
         """Evict sessions idle longer than their TTL; returns how many."""
