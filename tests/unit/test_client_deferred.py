@@ -44,10 +44,11 @@ class _Chunks(httpx2.AsyncByteStream):
 
 
 async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, after: int | None = None,
-                    then: Callable[[Tracker], None] | None = None, content: str = "text/event-stream"):
+                    then: Callable[[Tracker], None] | None = None, content: str = "text/event-stream",
+                    close: bool = True):
     """One tools/call POST answered with ``chunks`` (an SSE stream, or ``content``), read chunk by chunk;
     the tracker's call still pending after ``after`` chunks were read (or None), when ``then`` acts on
-    the tracker, and the spans of ours."""
+    the tracker, and the spans of ours. ``close``: the client closes after (which ends every call it has)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -59,7 +60,7 @@ async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, 
 
     pending_then = None
     http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(answer), instrumentation))
-    async with http, http.stream("POST", "http://mcp.test/mcp", content=_CALL, headers=_HEADERS) as response:
+    async with http.stream("POST", "http://mcp.test/mcp", content=_CALL, headers=_HEADERS) as response:
         read = 0
         try:
             async for _ in response.aiter_raw():
@@ -70,6 +71,8 @@ async def _exchange(chunks: Sequence[bytes], *, error: Exception | None = None, 
                         then(instrumentation.tracker)
         except httpx2.ReadError:
             pass
+    if close:
+        await http.aclose()
     return instrumentation, pending_then, exporter.get_finished_spans()
 
 
@@ -100,7 +103,7 @@ async def test_a_deferred_answer_that_deviates_is_a_stream_span_with_every_frame
 
 
 async def test_a_deferred_answer_cut_after_its_priming_event_owes_its_call_to_a_resume_from_that_event():
-    instrumentation, _, spans = await _exchange([PRIMING], error=httpx2.ReadError("cut"))
+    instrumentation, _, spans = await _exchange([PRIMING], error=httpx2.ReadError("cut"), close=False)
     (stream,) = _ours(spans, sc.SPAN_STREAM)
     assert stream.attributes[sc.END_REASON] == sc.END_DROPPED
     assert stream.attributes[sc.PENDING_REQUEST_IDS] == ("1",)
