@@ -425,6 +425,32 @@ async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_sp
         assert sorted(f.rule for f in alone.findings) == expected
 
 
+async def test_a_late_cancel_of_a_delivered_call_by_a_token_that_may_not_see_it_is_refused_and_pages_nothing():
+    """The guard lets a late cancel reach the SDK (the sign of a half-open connection's loss), but only for a token
+    that may see the call: a narrower token of the same principal cancelling ids it guesses would otherwise page
+    sent_not_received for a call its caller got."""
+    with detector() as (found, clock):
+        async with incident("legacy", guarded=True) as lab:
+            assert lab.server is not None
+            assert (await lab.call("fetch", {"url": "u", "steps": 1})).content  # delivered to its caller
+            (session_id,) = lab.server.session_manager._server_instances  # lab only: no public API
+            narrow = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE])  # the same principal, without fetch's
+            await asyncio.sleep(1.2)  # past cancel_race_s after the result went out
+            statuses = []
+            async with httpx2.AsyncClient() as raw:
+                for request_id in range(4):
+                    cancelled = await raw.post(f"http://127.0.0.1:{lab.proxy.port}/mcp",
+                                               json={"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                                     "params": {"requestId": request_id}},
+                                               headers={"mcp-session-id": session_id,
+                                                        "authorization": f"Bearer {narrow}",
+                                                        "accept": "application/json, text/event-stream",
+                                                        "mcp-protocol-version": "2025-11-25"})
+                    statuses.append(cancelled.status_code)
+        assert 403 in statuses  # fetch's id
+        assert after_grace(found, clock) == []
+
+
 async def test_a_late_cancel_the_sdk_answers_404_as_the_session_is_gone_tells_the_loss_if_its_opener_sent_it():
     """The result went into a connection whose packets were dropped (the client's read just stalls: no resume), then
     the session ended on the server (idle timeout, admin) before the caller's timeout: its cancel gets 404 and cancels

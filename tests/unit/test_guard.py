@@ -606,7 +606,7 @@ def test_a_cancel_or_an_answer_acting_on_a_call_in_flight_needs_a_token_that_may
         for stranger in (narrow, mallory):
             status, answer, reached = _guarded_post(store, act, headers=stranger)
             assert (status, reached) == (403, None)
-            assert b"acts on a call in flight" in answer
+            assert b"acts on a call this token may not see" in answer
     assert _guarded_post(store, _cancel(6), headers=narrow)[0] == 200  # its own call
     # nothing asked: refused, or the SDK would act on it later, maybe on a request that has that id by then
     assert _guarded_post(store, _answer(1), headers=broad)[0] == 403
@@ -624,9 +624,16 @@ def test_a_cancel_of_a_call_no_longer_in_flight_reaches_the_sdk_its_id_held_whil
     refused; a new call may not take its id until the SDK has had it."""
     store = GuardedEventStore(POLICY)
     run(store.open_session("s1"))
-    broad, narrow = _bearer(SEARCH, FETCH), _bearer(SEARCH)
-    for token in (broad, narrow):
+    broad, narrow, mallory = _bearer(SEARCH, FETCH), _bearer(SEARCH), _bearer(SEARCH, FETCH, sub="mallory")
+    for token in (broad, narrow):  # never in flight here: the SDK ignores it
         assert _guarded_post(store, _cancel(99), headers=token) == (200, b"", _cancel(99))
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=broad)[0] == 200
+    store._in_flight.answered("s1", "5")  # its result stored, its POST over: no longer in flight
+    # but a cancel of it still takes what seeing it takes: the hooks read it as a client that never got the result
+    for stranger in (narrow, mallory):
+        status, answer, reached = _guarded_post(store, _cancel(5), headers=stranger)
+        assert (status, reached) == (403, None) and b"acts on a call this token may not see" in answer
+    assert _guarded_post(store, _cancel(5), headers=broad) == (200, b"", _cancel(5))
     claimed: list[str | None] = []
 
     async def app(scope: dict, receive: Any, send: Any) -> None:

@@ -53,13 +53,17 @@ class InFlight(Generic[Owner]):
     answers (at most ``max_per_session``; an answer to one let go is refused, as unknown) and the owners of
     its calls (what ending the session ends)."""
 
-    def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256) -> None:
+    def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256,
+                 max_past: int = 10_000) -> None:
         self._sessions: dict[str, dict[str, tuple[int, Owner]]] = {}  # session -> id -> what is done of it, whose
         self._held: dict[tuple[str, str], int] = {}  # (session, id) -> what still names it
         self._known: OrderedDict[str, _Known[Owner]] = OrderedDict()
+        # (session, id) -> whose: the newest ``max_past`` calls no longer in flight (``past``)
+        self._past: OrderedDict[tuple[str, str], Owner] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_per_session = max_per_session
         self._max_id = max_id
+        self._max_past = max_past
 
     def claim(self, session_id: str, requests: Sequence[tuple[str, Owner]]) -> str | None:
         """Take a POST's request ids with their owners, all or none: None when taken, else why not (the
@@ -100,6 +104,13 @@ class InFlight(Generic[Owner]):
         """Whose the request in flight under ``request_id`` is; None when none is."""
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call[1] if call is not None else None
+
+    def past(self, session_id: str, request_id: str) -> Owner | None:
+        """Whose the call under ``request_id`` was, no longer in flight (answered, its POST ended): a cancel of it
+        after its result is how a client that never got the result tells so, and acts on nothing, but may be let
+        through only for a token that may see the call. None when not known: never in flight here, or older than
+        the newest ``max_past`` (as many as the server's hooks remember results sent)."""
+        return self._past.get((session_id, self._key(request_id)))
 
     def owners(self, session_id: str) -> list[Owner]:
         """Whose the session's calls have been, in flight or not (its stored results outlive them): those the SDK
@@ -203,6 +214,10 @@ class InFlight(Generic[Owner]):
                 held[key] = (call[0] | done, call[1])
                 continue
             del held[key]
+            self._past[(session_id, key)] = call[1]
+            self._past.move_to_end((session_id, key))
+            if len(self._past) > self._max_past:
+                self._past.popitem(last=False)
             if known is not None and key in known.asked.values():  # its requests' answers act on nothing now
                 known.asked = {asked: of for asked, of in known.asked.items() if of != key}
         if not held:
