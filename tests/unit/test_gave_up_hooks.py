@@ -151,7 +151,8 @@ def test_the_late_cancels_span_sits_in_the_calls_trace_under_the_sdks_request_sp
 
 def _sdk_call(tracker: Tracker, sessions: tuple[str, ...] = ("s1",)) -> Span:
     """The SDK's span of request 3, as the client's index of the SDK's spans sees it start, watched by ``tracker``;
-    and that request's call, started in each of ``sessions`` (only the first names the span as its parent)."""
+    and that request's call, started in each of ``sessions`` (only the first names the span as its parent, and is
+    bound to it, as the client binds the call it starts)."""
     index = SdkSpans()
     index.watch(tracker)
     app = TracerProvider()
@@ -163,7 +164,9 @@ def _sdk_call(tracker: Tracker, sessions: tuple[str, ...] = ("s1",)) -> Span:
     for session in sessions:
         request = classify('{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"fetch",'
                            f'"_meta":{{"traceparent":"{traceparent}"}}}}}}')[0]
-        tracker.start_call(session, request, "2025-11-25", ABSENT, stateless=False)
+        call = tracker.start_call(session, request, "2025-11-25", ABSENT, stateless=False)
+        if session == sessions[0]:
+            index.bind(sdk_span, tracker, call)
         traceparent = f"00-{context.trace_id:032x}-{1:016x}-01"  # another request's span
     return sdk_span
 

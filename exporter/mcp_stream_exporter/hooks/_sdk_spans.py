@@ -21,6 +21,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.hooks._spans import Terminal
 
 if TYPE_CHECKING:
+    from mcp_stream_exporter.hooks._spans import Call
     from mcp_stream_exporter.hooks._tracking import Tracker
 
 
@@ -61,13 +62,20 @@ class SdkSpans(SpanProcessor):
     def __init__(self) -> None:
         self._open: dict[int, SdkSpan] = {}
         self._trackers: weakref.WeakSet[Tracker] = weakref.WeakSet()
+        self._calls: dict[int, tuple[Tracker, Call]] = {}  # span id -> the call a client started for it (``bind``)
 
     def watch(self, tracker: Tracker) -> None:
-        """``tracker`` (a client's) learns of each of the SDK's calls whose caller it answered itself (``unanswered``):
-        the SDK sends no cancel at a caller's timeout when its request asked to be resumable (its resumption hints),
-        nor any sign on the wire when it fails its calls as its transport dies, so its span is the only sign that
-        the caller is gone."""
+        """``tracker`` (a client's) learns of each call it left pending whose caller's timeout ran out
+        (``Tracker.abandoned_pending``): the SDK sends no cancel then when its request asked to be resumable (its
+        resumption hints), so its span is the only sign that the caller is gone."""
         self._trackers.add(tracker)
+
+    def bind(self, sdk: SdkSpan, tracker: Tracker, call: Call) -> None:
+        """``call``, started by ``tracker``, is the one the SDK's span ``sdk`` stands for: ``tracker`` is told if
+        the span ends with no result of it seen (``Tracker.unanswered``), no walk of its calls needed."""
+        context = sdk._context
+        if context is not None:
+            self._calls[context[_SPAN_ID]] = (tracker, call)
 
     # Both run on every span the application starts and ends: they read the span's name and context off
     # its fields, and the span id off the context's tuple, not through the properties and the method
@@ -79,28 +87,29 @@ class SdkSpans(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         context = span._context
         if context is not None and self._open.pop(context[_SPAN_ID], None) is not None:  # a call's
+            bound = self._calls.pop(context[_SPAN_ID], None) if self._calls else None
             attributes = span._attributes
             # a healthy call's span has where its result came (``annotate``): the rest are told apart below
             values = attributes._dict if type(attributes) is BoundedAttributes else attributes  # not Mapping's ``in``
             if values is None or sc.TERMINAL_STREAM_KIND not in values:
-                self._unanswered(span, context[_SPAN_ID])
+                self._unanswered(span, context[_SPAN_ID], bound)
 
-    def _unanswered(self, span: ReadableSpan, span_id: int) -> None:
-        """The SDK's span of a call ended, and its caller with it, with no word of a result written on it: the
-        trackers that still have the call, its terminal event not seen (the tap reads every answer before the SDK
-        does), learn its caller was answered by the SDK itself (``Tracker.unanswered``): none waits for it any
-        more. How, the span tells: ``TimeoutError`` recorded, its caller's timeout ran out; an error status
-        without it, the SDK failed the call (its resumes ran out, its stream ended without a cursor); neither, its
-        caller was cancelled (OTel records no ``CancelledError``) or the SDK closed it as its transport died
-        (``Connection closed``, which the SDK leaves off the span)."""
-        request_id = (span._attributes or {}).get(sc.JSONRPC_REQUEST_ID)
-        if request_id is None:
-            return
+    def _unanswered(self, span: ReadableSpan, span_id: int, bound: tuple[Tracker, Call] | None) -> None:
+        """The SDK's span of a call ended, and its caller with it, with no word of a result written on it: the call
+        a client started for it (``bind``), its terminal event not seen (the tap reads every answer before the SDK
+        does), was answered by the SDK itself (``Tracker.unanswered``): none waits for it any more. How, the span
+        tells: ``TimeoutError`` recorded, its caller's timeout ran out; an error status without it, the SDK failed
+        the call (its resumes ran out, its stream ended without a cursor); neither, its caller was cancelled (OTel
+        records no ``CancelledError``) or the SDK closed it as its transport died (``Connection closed``, which
+        the SDK leaves off the span). At a timeout, a call left pending too (``Tracker.abandoned_pending``)."""
         timed_out = any(event.name == "exception" and (event.attributes or {}).get("exception.type") == "TimeoutError"
                         for event in span._events)
-        failed = not timed_out and span._status._status_code is StatusCode.ERROR
-        for tracker in list(self._trackers):
-            tracker.unanswered(str(request_id), span_id, timed_out, failed)
+        if bound is not None:
+            bound[0].unanswered(bound[1], timed_out, not timed_out and span._status._status_code is StatusCode.ERROR)
+        request_id = (span._attributes or {}).get(sc.JSONRPC_REQUEST_ID)
+        if timed_out and request_id is not None:
+            for tracker in list(self._trackers):
+                tracker.abandoned_pending(str(request_id), span_id)
 
     def get(self, traceparent: str | None) -> SdkSpan | None:
         if traceparent is None or len(traceparent) < 55:

@@ -468,27 +468,30 @@ class Tracker:
         self._tracer.start_span(name, context=sdk_parent(traceparent), kind=SpanKind.INTERNAL, attributes=attrs,
                                 start_time=out_ns).end()
 
-    def unanswered(self, request_id: str, sdk_span_id: int, timed_out: bool, failed: bool) -> None:
-        """(client) The SDK's span ``sdk_span_id`` of a call ended with no terminal event of the call seen: its caller
+    def unanswered(self, call: Call, timed_out: bool, failed: bool) -> None:
+        """(client) The SDK's span of ``call`` ended with no terminal event of it seen (``SdkSpans.bind``): its caller
         was answered by the SDK itself, and nothing will deliver the call to anyone. ``timed_out``: its caller's
         timeout ran out; the call ends so, as at a cancel, whether the SDK sent one or not (a request with
         resumption hints sends none, and the SDK resumes on for no caller). ``failed``: the SDK failed it (its
         resumes ran out): ``no_terminal``, as when its POST gave no cursor. Neither: its caller was cancelled, or
-        its client's transport closed: cancelled, as a client's close of its stream is. Told by the span only
-        (``SdkSpans``), the call is found by its request id and the span its request names as its parent
-        (``traceparent``): a walk of a session's calls in flight; of those left pending (``pend``) too at a timeout,
-        the only end a pending call's answer may not have shown first (a look-up starts one). A stateless call is
-        none of them: its stream's end always ends it, and tells a break (to be re-issued) from the client's close."""
+        its client's transport closed: cancelled, as a client's close of its stream is. A stateless call is left
+        to its stream's end, which always ends it, and tells a break (to be re-issued) from the client's close."""
+        if call.done or call.stateless or self._calls.get(call.key) is not call:
+            return
+        if failed:
+            self._unhold(call)
+            self._finish(call, sc.OUTCOME_NO_TERMINAL)
+        else:
+            self.cancel(call.key)
+
+    def abandoned_pending(self, request_id: str, sdk_span_id: int) -> None:
+        """(client) The SDK's span ``sdk_span_id`` of a call ended in its caller's timeout: a call left pending
+        (``pend``) for it ends as at a cancel (``unanswered``). Found by its request id and the span its request
+        names as its parent (``traceparent``): a walk of the calls left pending, once a timeout."""
         span_hex = format(sdk_span_id, "016x")
-        for key in [key for key in ((*self._pending, *self._calls) if timed_out else self._calls)
-                    if key[1] == request_id]:
+        for key in [key for key in self._pending if key[1] == request_id]:
             call = self.call(key)
-            if call is None or call.done or not call.traceparent or call.traceparent[36:52] != span_hex:
-                continue
-            if failed:
-                self._unhold(call)
-                self._finish(call, sc.OUTCOME_NO_TERMINAL)
-            else:
+            if call is not None and not call.done and call.traceparent and call.traceparent[36:52] == span_hex:
                 self.cancel(key)
 
     def store_failed(self, session_id: str, error_type: str, stored: Callable[[CallKey], bool]) -> None:

@@ -113,6 +113,8 @@ class ClientInstrumentation:
                                        self._identify if stateless else None, reissue)
         if self._sdk_spans is not None:
             call.sdk_span = self._sdk_spans.get(msg.traceparent)
+            if call.sdk_span is not None:
+                self._sdk_spans.bind(call.sdk_span, self.tracker, call)
         if self.policy is None:
             return call
         requirement, missing = self.policy.gap(msg.tool, view)
