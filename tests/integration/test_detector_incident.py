@@ -376,14 +376,14 @@ async def test_a_client_that_deletes_its_session_while_a_call_runs_pages_nothing
     assert carried or tool == "poll"
 
 
-async def _lose_a_result_on_a_half_open_connection(guarded: bool = False) -> None:
+async def _lose_a_result_on_a_half_open_connection(guarded: bool = False, narrowed: bool = False) -> None:
     """fetch's connection is lost on the client's side after its first progress event while the server's stays
     open (a load balancer or NAT): the server writes the result into it and sees nothing wrong. The SDK client would
     resume after the SSE retry (30 s), past its caller's timeout, whose cancel then reaches the server: 2.5 s after the
     call started, some 2 s after the result went out, past the 1 s in which a cancel may cross it on the wire."""
     span_exporter().clear()
     async with incident("legacy", retry_interval=30_000, guarded=guarded) as lab:
-        lab.proxy.arm(b"fetch step 1", half_open=True)
+        lab.proxy.arm(b"fetch step 1", on_cut=lab.refresh_narrows if narrowed else None, half_open=True)
         with pytest.raises(MCPError):
             await lab.call("fetch", {"url": "u", "steps": 2}, timeout=2.5)
         for _ in range(100):  # bounded: 5 s for the cancel to reach the server
@@ -392,13 +392,14 @@ async def _lose_a_result_on_a_half_open_connection(guarded: bool = False) -> Non
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["naive", "guarded"])
+@pytest.mark.parametrize(("guarded", "narrowed"), [(False, False), (True, False), (True, True)],
+                         ids=["naive", "guarded", "guarded-token-narrowed"])
 async def test_a_result_sent_into_a_connection_the_client_lost_is_one_loss_and_the_timeout_is_attributed_to_it(
-        guarded):
+        guarded, narrowed):
     """Guarded too: the guard lets the late cancel of a call no longer in flight reach the SDK (it refused it once,
-    and then nothing told of the loss)."""
+    and then nothing told of the loss), with the client's token narrowed at the cut too: the cancel goes with it."""
     with detector() as (found, clock):
-        await _lose_a_result_on_a_half_open_connection(guarded)
+        await _lose_a_result_on_a_half_open_connection(guarded, narrowed)
         findings = _by_rule(after_grace(found, clock))
     assert set(findings) == {"sent_not_received", "timeout_attributed"}
     (lost,) = findings["sent_not_received"]
@@ -425,16 +426,16 @@ async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_sp
         assert sorted(f.rule for f in alone.findings) == expected
 
 
-async def test_a_late_cancel_of_a_delivered_call_by_a_token_that_may_not_see_it_is_refused_and_pages_nothing():
+async def test_a_late_cancel_of_a_delivered_call_by_another_principal_is_refused_and_pages_nothing():
     """The guard lets a late cancel reach the SDK (the sign of a half-open connection's loss), but only for a token
-    that may see the call: a narrower token of the same principal cancelling ids it guesses would otherwise page
-    sent_not_received for a call its caller got."""
+    of the call's principal: another's, cancelling ids it guesses, would otherwise page sent_not_received for a call
+    its caller got."""
     with detector() as (found, clock):
         async with incident("legacy", guarded=True) as lab:
             assert lab.server is not None
             assert (await lab.call("fetch", {"url": "u", "steps": 1})).content  # delivered to its caller
             (session_id,) = lab.server.session_manager._server_instances  # lab only: no public API
-            narrow = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE])  # the same principal, without fetch's
+            mallory = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="mallory")
             await asyncio.sleep(1.2)  # past cancel_race_s after the result went out
             statuses = []
             async with httpx2.AsyncClient() as raw:
@@ -443,7 +444,7 @@ async def test_a_late_cancel_of_a_delivered_call_by_a_token_that_may_not_see_it_
                                                json={"jsonrpc": "2.0", "method": "notifications/cancelled",
                                                      "params": {"requestId": request_id}},
                                                headers={"mcp-session-id": session_id,
-                                                        "authorization": f"Bearer {narrow}",
+                                                        "authorization": f"Bearer {mallory}",
                                                         "accept": "application/json, text/event-stream",
                                                         "mcp-protocol-version": "2025-11-25"})
                     statuses.append(cancelled.status_code)

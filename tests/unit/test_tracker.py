@@ -273,6 +273,19 @@ def test_stateless_call_without_terminal_ends_as_no_terminal_with_its_stream():
     assert tracker.call((None, "1")) is None
 
 
+def test_a_stateless_calls_stream_broken_once_its_client_closed_was_closed_by_it_no_break_to_reissue():
+    """The application closed its HTTP client with the call in flight: the read that fails then is its own close
+    (the era's cancel), not a break its client should re-issue the call after (``not_reissued``)."""
+    tracker, exporter = _tracker()
+    call = tracker.start_call(None, _request(1), "2026-07-28", ABSENT, stateless=True)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, None, [call], {}, ABSENT, 200)
+    tracker.client_closed()
+    tracker.end_stream(stream, sc.END_DROPPED)
+    (span,) = _by(exporter, sc.SPAN_CALL)
+    assert span.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_CANCELLED
+    assert _by(exporter, sc.SPAN_STREAM)[0].attributes[sc.END_REASON] == sc.END_CLOSED
+
+
 def test_a_clients_call_whose_post_brought_no_event_id_ends_with_it_for_nothing_can_resume_it():
     """A server without an event store (or a stream cut before its first event): the client holds no cursor, and
     the SDK fails the call to its caller at once; the call is over, not pending until it is evicted."""

@@ -607,13 +607,16 @@ class GuardedEventStore(EventStore):
         """Why a POST's ``notifications/cancelled`` or its answer to a request of the server may not reach the
         SDK: it acts on a call whose events the token would be refused (``_covers``), or answers a request the
         server awaits no answer to (the SDK acts on it later, maybe on a request that has that id by then). A
-        cancel of a call no longer in flight (``InFlight.past``) takes what seeing the call takes too: it is how a
-        client that never got a result tells it gave up (the server's hooks read it as ``cancelled_late``, a loss),
-        so another token's would page for a call delivered. One of an id not known reaches the SDK, which ignores
-        it, its id held while it is handled as any cancel's."""
+        cancel of a call no longer in flight (``InFlight.past``) acts on nothing (the SDK ignores it), but is how a
+        client that never got a result tells it gave up (the server's hooks read it as ``cancelled_late``, a loss):
+        it takes a verified token of the call's principal, whatever its audience (a client whose token was narrowed
+        as its connection was lost sends its cancel with that token). One of an id not known reaches the SDK too,
+        its id held while it is handled as any cancel's."""
         acts: list[tuple[str, tuple[_Owner, ...] | None]] = []
         for request_id in asked.cancelled:
-            owner = self._in_flight.owner(session_id, request_id) or self._in_flight.past(session_id, request_id)
+            owner = self._in_flight.owner(session_id, request_id)
+            if owner is None and (past := self._in_flight.past(session_id, request_id)) is not None:
+                owner = (NO_REQUIREMENT, past[1])  # its principal's, whatever the audience
             if owner is not None:
                 acts.append((f"notifications/cancelled of request {request_id[:64]!r}", (owner,)))
         for answer in asked.answers:

@@ -259,6 +259,7 @@ class Tracker:
         self._held: dict[str | None, dict[Holder, None]] = {}
         self._unread: dict[str | None, dict[Unread, None]] = {}  # the server's bodies left unread, by session
         self._pending: dict[CallKey, Pending] = {}  # calls not started (``pend``)
+        self._client_closed = False  # (client) its HTTP client closed (``client_closed``)
         self._kept: dict[CallKey, list[KeptStore]] = {}  # their stream's terminal events stored
         self._deletions: dict[str, _Deletions] = {}  # DELETEs of a session in progress (``deleting``)
         self._delete_seq = 0
@@ -909,6 +910,8 @@ class Tracker:
         nothing else, is the healthy path and leaves no span."""
         if stream.ended:
             return
+        if self._client_closed and reason == sc.END_DROPPED:  # its client closed it (``client_closed``)
+            reason = sc.END_CLOSED
         if self._deletions:
             self._release_due()
         if stream.holder is not None:
@@ -1079,7 +1082,9 @@ class Tracker:
         """(client) Its HTTP client closed: nothing can send, resume or deliver any of its calls any more, so no caller
         waits for one (the SDK fails them all as its transport goes: ``Connection closed``). Each call in flight, or
         left pending, ends cancelled, as a client's close of its stream is; told even when the application's sampler
-        drops the SDK's spans, which ``unanswered`` needs."""
+        drops the SDK's spans, which ``unanswered`` needs. A stream that ends broken from then on was closed by its
+        client (``end_stream``): its stateless call is no break to re-issue."""
+        self._client_closed = True
         for key in [*self._pending, *self._calls]:
             call = self.call(key)
             if call is not None and not call.done:
