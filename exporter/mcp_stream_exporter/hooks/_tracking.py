@@ -423,18 +423,20 @@ class Tracker:
         if call is not None:
             self._unhold(call)
             self._finish(call, sc.OUTCOME_CANCELLED)
-        out = self._results_out.pop(key, None) if self._results_out else None
-        if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
-            self._cancelled_late(key, *out)
+        self._told_late(key, late)
 
     def cancelled_in_gone(self, key: CallKey) -> None:
         """(server) The client cancelled the call of ``key`` after its session was gone (the SDK's 404 to its opener):
         nothing is cancelled, but a result that went out before reached no caller (``cancel``)."""
+        call = self._calls.get(key)
+        self._told_late(key, call is None or call.closed)
+
+    def _told_late(self, key: CallKey, late: bool) -> None:
+        """(server) A cancel of ``key``'s call came: after its result went out (``result_out``), and ``late`` (its
+        call not in flight), its client never got that result."""
         out = self._results_out.pop(key, None) if self._results_out else None
-        if out is not None:
-            call = self._calls.get(key)
-            if call is None or call.closed:  # (not an answered call's whose id a call in flight reuses)
-                self._cancelled_late(key, *out)
+        if out is not None and late:  # (not an answered call's whose id a call in flight reuses)
+            self._cancelled_late(key, *out)
 
     def result_out(self, key: CallKey, tool: str | None, event_id: str | None, at_ns: int,
                    traceparent: str | None) -> None:
