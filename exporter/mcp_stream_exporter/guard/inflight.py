@@ -108,8 +108,8 @@ class InFlight(Generic[Owner]):
     def past(self, session_id: str, request_id: str) -> Owner | None:
         """Whose the call under ``request_id`` was, no longer in flight (answered, its POST ended): a cancel of it
         after its result is how a client that never got the result tells so, and acts on nothing, but may be let
-        through only for a token that may see the call. None when not known: never in flight here, or older than
-        the newest ``max_past`` (as many as the server's hooks remember results sent)."""
+        through only for a token of its principal. None when not known: never in flight here, or older than the
+        newest ``max_past`` (as many as the server's hooks remember results sent)."""
         return self._past.get((session_id, self._key(request_id)))
 
     def owners(self, session_id: str) -> list[Owner]:
