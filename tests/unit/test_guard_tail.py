@@ -71,6 +71,14 @@ async def a_call(store: GuardedEventStore, request_id: int, tool: str) -> list[s
                                                            for n in range(2)]
 
 
+async def a_session() -> tuple[InMemoryEventStorage, GuardedEventStore, list[str]]:
+    """A guard on in-memory storage, its session ``s1`` open with fetch's call 2 in it (``a_call``): its events' ids."""
+    storage = InMemoryEventStorage()
+    store = GuardedEventStore(POLICY, storage=storage)
+    await store.open_session("s1")
+    return storage, store, await a_call(store, 2, "fetch")
+
+
 async def resume(store: GuardedEventStore, cursor: str, auth: AuthView, sent: list[EventMessage],
                  during: Callable[[], Awaitable[None]] | None = None) -> str | None:
     """A resume as the SDK runs it; ``during`` runs while its first event is being sent (a client reading it)."""
@@ -137,12 +145,9 @@ async def test_what_a_call_stores_while_its_replay_is_sent_follows_it_up_to_the_
 
 
 async def test_a_live_tail_waits_for_the_calls_next_event_and_holds_its_id_until_the_answer():
-    storage = InMemoryEventStorage()
+    storage, store, ids = await a_session()
     assert isinstance(storage, TailableEventStorage)
     assert not isinstance(storage, SharedEventStorage)  # it answers no other process's resumes
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
     waits = Waits(storage)
     sent: list[EventMessage] = []
     streams: list[str | None] = []
@@ -166,10 +171,7 @@ async def test_a_live_tail_waits_for_the_calls_next_event_and_holds_its_id_until
 
 
 async def test_a_live_tail_ends_with_an_error_frame_when_the_session_ends_under_it():
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
+    storage, store, ids = await a_session()
     waits = Waits(storage)
     sent: list[EventMessage] = []
     with anyio.fail_after(BOUND_S):
@@ -258,10 +260,7 @@ async def test_a_live_tail_the_sessions_cap_outran_ends_with_unknown_cursor_neve
 async def test_a_live_tail_ends_with_an_error_frame_when_the_storage_failed_to_keep_an_event_of_its_stream():
     """An event the storage could not keep (Redis down a moment) never comes to a tail that reads the storage: if
     it was the answer, the tail would wait on it for ever. It ends instead, explicitly, at the last event sent."""
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
+    storage, store, ids = await a_session()
     waits = Waits(storage)
     sent: list[EventMessage] = []
     with anyio.fail_after(BOUND_S):
@@ -336,10 +335,7 @@ async def test_a_loss_after_a_priming_event_or_on_another_stream_a_session_wide_
 async def test_a_loss_while_the_tail_waits_stops_it_before_whatever_comes_next_and_is_told_to_every_resume_after():
     """A loss appends nothing, so it does not wake a waiting tail: what comes next does (the answer, here), and the
     tail stops before it: the client never gets the answer past a gap, nor a cursor past the loss."""
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
+    storage, store, ids = await a_session()
     waits = Waits(storage)
     sent: list[EventMessage] = []
     with anyio.fail_after(BOUND_S):
@@ -359,10 +355,7 @@ async def test_a_loss_while_the_tail_waits_stops_it_before_whatever_comes_next_a
 async def test_events_dropped_for_a_session_the_storage_no_longer_holds_are_its_end_not_a_storage_failure():
     """Redis evicted the session's opening key alone (a per-key eviction policy): its later events are dropped, not
     failed. A resume is told the session is gone (start anew), not to resume later from a storage that answers."""
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
+    storage, store, ids = await a_session()
 
     async def dropped(*args: object) -> None:
         return None
@@ -440,10 +433,7 @@ async def test_an_answer_stored_here_that_the_storage_no_longer_has_ends_the_tai
     """A storage restored from an older copy (Redis after a crash, with RDB or AOF lag, or failed over to a lagging
     replica) lost the answer this process stored after the client's cursor: no wait brings it back."""
     monkeypatch.setattr(guard_store, "_TAIL_WAIT_S", 0.01)
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    ids = await a_call(store, 2, "fetch")
+    storage, store, ids = await a_session()
     answer = await stored(store, "2", result(2))
     del storage._sessions["s1"].events[answer]  # what the older copy did not have
     sent: list[EventMessage] = []
@@ -476,10 +466,7 @@ async def test_an_answer_of_a_call_before_is_not_what_the_tail_of_a_call_reusing
 async def test_an_event_lost_before_the_resumes_cursor_ends_no_tail_and_a_lost_answer_ends_it_at_once():
     """The client got a lost event live, before its cursor: its tail goes on. The answer lost before the resume
     will never be stored: the tail says so at once instead of waiting for it."""
-    storage = InMemoryEventStorage()
-    store = GuardedEventStore(POLICY, storage=storage)
-    await store.open_session("s1")
-    await a_call(store, 2, "fetch")
+    storage, store, _ = await a_session()
     await lost(store, "2", progress(7))  # sent live, and the client got it, and the next one, before its stream broke
     later = await stored(store, "2", progress(8))
     sent: list[EventMessage] = []
