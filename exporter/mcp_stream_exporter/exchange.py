@@ -101,7 +101,11 @@ def read_body(body: bytes) -> Body:
     if msg is not None:
         one = (msg,)
         return _body((one, one, None, ()))
-    obj = parse(text)
+    return read_parsed(parse(text))
+
+
+def read_parsed(obj: Any) -> Body:
+    """The requests in a POST body's JSON value (``parse``'s, or the value a client encodes as the body)."""
     if type(obj) is dict and obj.get("method") == TOOLS_CALL and "id" in obj:  # the usual: one call, read as
         msg = request_message(obj["id"], TOOLS_CALL, obj.get("params"))        # ``classify`` reads it
         if msg.id is not None:

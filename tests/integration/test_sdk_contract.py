@@ -236,3 +236,36 @@ def test_the_session_manager_routes_a_non_handshake_version_sessionless_and_keys
     assert routing.index("handle_modern_request") < routing.index("_handle_stateful_request")
     assert "self._request_streams[request_id] = anyio.create_memory_object_stream" in inspect.getsource(
         streamable_http.StreamableHTTPServerTransport)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("options", [{"mode": "legacy"}, {}])
+async def test_the_sdk_client_builds_each_post_from_its_message_as_json_which_httpx2_encodes_at_once(options):
+    """``hooks.client._reading_json``: the SDK's client POSTs each message as ``json=`` its ``model_dump``, through
+    ``AsyncClient.build_request``, and ``httpx2`` encodes it there; so what the tap takes off that object is what the
+    body asks for, as reading the body would give it."""
+    from mcp_stream_exporter.exchange import read_body
+    from mcp_stream_exporter.hooks.client import _ASKED
+
+    seen: list[httpx2.Request] = []
+
+    class Recording(httpx2.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            seen.append(request)
+            return await super().handle_async_request(request)
+
+    server = MCPServer("contract")
+
+    @server.tool()
+    async def ping() -> str:
+        return "pong"
+
+    http = instrument_client(httpx2.AsyncClient(transport=Recording()))
+    async with (serve(server.streamable_http_app()) as port, http,
+                Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http), **options) as client):
+        assert (await client.call_tool("ping", {})).content[0].text == "pong"
+    posts = [request for request in seen if request.method == "POST"]
+    assert posts and all(request.extensions[_ASKED][0] is request.stream for request in posts)
+    for request in posts:
+        assert request.extensions[_ASKED][1] == read_body(request.content), request.content
+    assert [call.tool for request in posts for call in request.extensions[_ASKED][1].calls] == ["ping"]

@@ -26,6 +26,7 @@ from mcp_stream_exporter.exchange import (
     can_ask,
     content_of,
     read_body,
+    read_parsed,
     requirement_of,
     stream_attributes,
 )
@@ -188,6 +189,29 @@ def test_a_body_in_the_sdks_form_or_one_edit_from_it_reads_as_its_full_parse(rid
     for body in (text, text[:at] + char + text[at + drop:]):
         fast = sdk_call(body)
         assert fast is None or [fast] == classify(body), body
+
+
+_REQUESTS = st.fixed_dictionaries(
+    {"jsonrpc": st.just("2.0"), "method": st.sampled_from([TOOLS_CALL, "notifications/cancelled", "initialize",
+                                                            "tools/list", "notifications/initialized"])},
+    optional={"id": st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=4), st.booleans(), st.none(),
+                              st.floats(allow_nan=False, allow_infinity=False)),
+              "params": st.one_of(st.fixed_dictionaries({}, optional={
+                  "name": st.one_of(st.text(max_size=4), st.integers()), "arguments": _JSON,
+                  "requestId": st.one_of(st.integers(0, 9), st.text(max_size=2)),
+                  "protocolVersion": st.sampled_from(["2025-06-18", "2026-07-28"]),
+                  "_meta": st.dictionaries(st.sampled_from(["traceparent", "k"]), _JSON, max_size=2)}), _JSON)})
+
+
+@given(st.one_of(_REQUESTS, st.lists(_REQUESTS, max_size=3), _JSON))
+def test_what_a_json_object_asks_for_reads_as_the_body_httpx2_encodes_it_to(value):
+    """``read_parsed`` of the object a client hands ``httpx2`` as ``json=`` (the SDK's every message), which the
+    client's tap reads instead of the body: the same calls, cancels and version as reading that body."""
+    try:
+        body = httpx2.Request("POST", "http://mcp.test", json=value).content
+    except (ValueError, UnicodeEncodeError):  # no body to send: the request is never built
+        return
+    assert read_parsed(value) == read_body(body), body
 
 
 def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_case_a_repeat_keeping_its_first():

@@ -3,7 +3,8 @@
 A tap on the ``httpx2`` transport sees the final request (the ``Authorization`` an auth flow set, the
 ``Last-Event-ID`` of a resume) and every byte of every response before the SDK parses it: each SSE
 frame, ``event: error`` frames the SDK drops with a warning, the wire JSON-RPC id the SDK rewrites,
-and how each stream ended (the server ended it, the connection broke, or the client closed it). It
+and how each stream ended (the server ended it, the connection broke, or the client closed it). What a
+request's body asks for is read off the SDK's message, the object ``httpx2`` encodes as that body. It
 changes nothing: resolving a refused resume's pending calls is the guard's (``guard.resolve_refusals``).
 """
 
@@ -37,10 +38,13 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
+    UNREAD,
+    Body,
     can_ask,
     content_of,
     era_of,
     read_body,
+    read_parsed,
     stream_kind,
 )
 from mcp_stream_exporter.hooks._sdk_spans import SdkSpans, annotate
@@ -50,6 +54,8 @@ from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_f
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 
 _FINGERPRINT_CHARS = 16
+# where ``_reading_json`` leaves, in a request's extensions, its body's stream and what that body asks for
+_ASKED = "mcp_stream_exporter.asked"
 _POST_TERMINAL = (sc.STREAM_KIND_POST, None)  # where a call answered by a JSON body had its terminal event
 # A pending call's answer (``ClientInstrumentation._answer``): where its result came, or None to start it
 PendingAnswer = Callable[[Terminal | None], Call | None]
@@ -82,13 +88,17 @@ class ClientInstrumentation:
         """The calls a request carries, started; or, for a request of one call that nothing deviates in yet, the
         call's request and whether it is stateless, left pending: started only if its answer is anything but its
         result, or something looks it up (``_Pending``, ``_TapStream.started``), so the healthy path never starts it."""
-        try:
-            body = request.content
-        except httpx2.RequestNotRead:
-            return []
-        if not can_ask(body):
-            return []
-        asked = read_body(body)
+        built: tuple[object, Body] | None = request.extensions.get(_ASKED)
+        if built is not None and built[0] is request.stream:  # its body the SDK's message (``_reading_json``)
+            asked = built[1]
+        else:
+            try:
+                body = request.content
+            except httpx2.RequestNotRead:
+                return []
+            if not can_ask(body):
+                return []
+            asked = read_body(body)
         if asked.protocol_version is not None:
             self._protocol_version = asked.protocol_version
         calls: list[Call] = []
@@ -678,13 +688,34 @@ def instrument_client(
     ``httpx2.AsyncClient``, e.g. ``auth=``, ``proxy=``), its transports as ``httpx2`` builds them (a proxy from the
     environment included). Either way every transport the client routes through is tapped in place, its own and its
     mounts' (a proxy's): that touches ``AsyncClient._transport`` and ``_mounts``, which
-    ``tests/integration/test_sdk_contract.py`` pins.
+    ``tests/integration/test_sdk_contract.py`` pins. Its ``build_request`` reads what a body asks for off the
+    SDK's message as it is encoded (``_reading_json``).
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
     if client is None:
         client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
         client = httpx2.AsyncClient(**client_options)
+    client.build_request = _reading_json(client.build_request)  # type: ignore[method-assign]
     client._transport = ClientTap(client._transport, instr)
     client._mounts = {pattern: None if transport is None else ClientTap(transport, instr)
                       for pattern, transport in client._mounts.items()}
     return client
+
+
+def _reading_json(build: Callable[..., httpx2.Request]) -> Callable[..., httpx2.Request]:
+    """``build`` that leaves in each request built from a JSON object (the SDK's every message: ``json=`` its
+    ``model_dump``, which ``httpx2`` encodes right there) what its body asks for, read off that object: the body
+    is its encoding, and the tap need not decode and parse it again. A request built otherwise (a redirect's, an
+    auth flow's, a body given as bytes) is read off the wire."""
+
+    def build_request(*args: Any, **kwargs: Any) -> httpx2.Request:
+        request = build(*args, **kwargs)
+        message = kwargs.get("json")
+        if type(message) is dict:
+            # one too large to parse is observed, not read, as ``read_body`` reads one
+            asked = read_parsed(message) if len(request.content) <= MAX_PARSED_BODY else UNREAD
+            # with its body's stream: a redirect's request shares the extensions, and carries the same body or none
+            request.extensions[_ASKED] = (request.stream, asked)
+        return request
+
+    return build_request
