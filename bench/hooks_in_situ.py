@@ -38,13 +38,13 @@ from mcp_stream_exporter.hooks import _observer, _recorder, client
 
 # (module the hooks call it through, name): pure functions, so calling one twice changes nothing
 _MEASURED = ((_observer, "pick"), (_observer, "can_ask"), (_observer, "content_of"), (_observer, "classify_body"),
-             (client, "_picked"), (client, "can_ask"), (client, "read_parsed"), (client, "content_of"),
+             (client, "_picked"), (client, "can_ask"), (client, "read_message"), (client, "content_of"),
              (client, "classify_body"), (_observer, "result_id"), (client, "result_id"))
 # The hooks' steps on the healthy path, none called from another: a round trip's share of each adds up.
 _STEPS = ((_observer.WireObserver, "_on_body"), (_observer.WireObserver, "dispatched"),
           (_observer.WireObserver, "_on_response_start"), (_observer.WireObserver, "_on_response_body"),
           (_observer._Exchange, "release"), (_recorder.StoreRecorder, "on_stored"),
-          (client, "read_parsed"), (client.ClientInstrumentation, "_request_calls"), (client, "_picked"),
+          (client, "read_message"), (client.ClientInstrumentation, "_request_calls"), (client, "_picked"),
           (client, "content_of"), (client._TapStream, "_healthy"), (client._TapStream, "_keep"),
           (client._TapStream, "_ended"), (client._TapStream, "hold"), (client._TapStream, "aclose"))
 

@@ -101,11 +101,7 @@ def read_body(body: bytes) -> Body:
     if msg is not None:
         one = (msg,)
         return _body((one, one, None, ()))
-    return read_parsed(parse(text))
-
-
-def read_parsed(obj: Any) -> Body:
-    """The requests in a POST body's JSON value (``parse``'s, or the value a client encodes as the body)."""
+    obj = parse(text)
     if type(obj) is dict and obj.get("method") == TOOLS_CALL and "id" in obj:  # the usual: one call, read as
         msg = request_message(obj["id"], TOOLS_CALL, obj.get("params"))        # ``classify`` reads it
         if msg.id is not None:
@@ -128,6 +124,45 @@ def read_parsed(obj: Any) -> Body:
         elif msg.method == CANCELLED and msg.cancelled_id is not None:
             cancelled.append(msg.cancelled_id)
     return Body(tuple(calls), tuple(requests), protocol_version, tuple(cancelled))
+
+
+def read_message(message: dict[str, Any], body: bytes) -> Body | None:
+    """What ``body``, the encoding of ``message`` (a client's ``json=``), asks for, read off ``message`` when that
+    is one ``tools/call`` whose every member the hooks read has JSON's own type (not a subclass, whose encoding and
+    ``str`` may differ), as the SDK's calls have: as ``read_body`` reads ``body``, without decoding and parsing it
+    again. Its arguments are ``body``'s, parsed only if something needs them (``EncodedArguments``). None for
+    anything else, which is for ``read_body``."""
+    if len(body) > MAX_PARSED_BODY:
+        return UNREAD
+    request_id, method, params = message.get("id"), message.get("method"), message.get("params")
+    if (type(method) is not str or method != TOOLS_CALL or (type(request_id) is not str and type(request_id) is not int)
+            or (type(params) is not dict and isinstance(params, dict))):
+        return None
+    if type(params) is dict:
+        meta = params.get("_meta")
+        if type(meta) is not dict and isinstance(meta, dict):
+            return None
+        for value in (params.get("name"), params.get("protocolVersion"),
+                      meta.get("traceparent") if type(meta) is dict else None):
+            if type(value) is not str and isinstance(value, str):
+                return None
+    one = (request_message(request_id, TOOLS_CALL, params, EncodedArguments(body)),)
+    return _body((one, one, None, ()))
+
+
+class EncodedArguments:
+    """A call's arguments as the body that carried them (``read_message``): what went on the wire, parsed only if
+    something needs them (a re-issue's fingerprint), and never the object its client encoded, which it may change
+    after or which may hold what JSON writes otherwise (keys that are not strings)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def value(self) -> Any:
+        calls = read_body(self._body).calls
+        return calls[0].arguments if calls else None
 
 
 def can_ask(body: bytes) -> bool:

@@ -55,9 +55,10 @@ def _id(value: Any) -> str | None:
     return str(value) if isinstance(value, int | str) else None
 
 
-def request_message(request_id: Any, method: str, params: Any) -> WireMessage:
+def request_message(request_id: Any, method: str, params: Any, encoded: Any = None) -> WireMessage:
     """A request as the wire carries it, from its id, method and params: parsed here from a body, or
-    handed over already parsed by the SDK's server middleware (the same fields, read the same way)."""
+    handed over already parsed by the SDK's server middleware (the same fields, read the same way).
+    ``encoded``: what stands for a call's arguments, if it has any, instead of ``params``' own."""
     params = params if isinstance(params, dict) else {}
     meta = params.get("_meta")
     tp = meta.get("traceparent") if isinstance(meta, dict) else None
@@ -70,7 +71,8 @@ def request_message(request_id: Any, method: str, params: Any) -> WireMessage:
     # kind, id, method, tool, is_tool_error, traceparent, cancelled_id, protocol_version, arguments, error_code
     return _wire_message((sc.FRAME_REQUEST, rid, method, name if isinstance(name, str) else None, False,
                           tp if isinstance(tp, str) else None, None, pv if isinstance(pv, str) else None,
-                          params.get("arguments") if call else None, None))
+                          None if not call or (arguments := params.get("arguments")) is None else encoded or arguments,
+                          None))
 
 
 def _classify(obj: Any) -> WireMessage:

@@ -242,8 +242,8 @@ def test_the_session_manager_routes_a_non_handshake_version_sessionless_and_keys
 @pytest.mark.parametrize("options", [{"mode": "legacy"}, {}])
 async def test_the_sdk_client_builds_each_post_from_its_message_as_json_which_httpx2_encodes_at_once(options):
     """``hooks.client._reading_json``: the SDK's client POSTs each message as ``json=`` its ``model_dump``, through
-    ``AsyncClient.build_request``, and ``httpx2`` encodes it there; so what the tap takes off that object is what the
-    body asks for, as reading the body would give it."""
+    ``AsyncClient.build_request``, and ``httpx2`` encodes it there; so the call the tap takes off that object is the
+    one its body carries, as reading the body would give it (its members of JSON's own types: read off the object)."""
     from mcp_stream_exporter.exchange import read_body
     from mcp_stream_exporter.hooks.client import _ASKED
 
@@ -264,8 +264,9 @@ async def test_the_sdk_client_builds_each_post_from_its_message_as_json_which_ht
     async with (serve(server.streamable_http_app()) as port, http,
                 Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http), **options) as client):
         assert (await client.call_tool("ping", {})).content[0].text == "pong"
-    posts = [request for request in seen if request.method == "POST"]
-    assert posts and all(request.extensions[_ASKED][0] is request.stream for request in posts)
-    for request in posts:
-        assert request.extensions[_ASKED][1] == read_body(request.content), request.content
-    assert [call.tool for request in posts for call in request.extensions[_ASKED][1].calls] == ["ping"]
+    calls = [request for request in seen if request.method == "POST" and read_body(request.content).calls]
+    assert calls and all(request.extensions[_ASKED][0] is request.stream for request in calls)
+    for request in calls:
+        (call,) = request.extensions[_ASKED][1].calls
+        assert call._replace(arguments=call.arguments.value()) == read_body(request.content).calls[0]
+        assert call.tool == "ping"

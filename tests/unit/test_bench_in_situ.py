@@ -22,4 +22,4 @@ def test_in_situ_bench_finds_every_function_it_times_and_reports(flags: tuple[st
     if flags:
         assert lines[-1].startswith("all steps") and float(lines[-1].split()[-1]) > 0
     else:
-        assert any(line.startswith("client.read_parsed") for line in lines)
+        assert any(line.startswith("client.read_message") for line in lines)

@@ -3,14 +3,17 @@ a request built otherwise is read off the wire, and either way the same calls ar
 
 from __future__ import annotations
 
+import copy
+import enum
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx2
 import pytest
 
 from mcp_stream_exporter import instrument_client
+from mcp_stream_exporter.exchange import read_message
 from mcp_stream_exporter.hooks import client as client_hooks
 from mcp_stream_exporter.wire import MAX_PARSED_BODY
 
@@ -65,3 +68,50 @@ async def test_a_redirected_call_is_read_on_the_request_that_carries_its_body_on
         return _answer(request)
 
     assert await _call_seen(answer, json=_CALL) == tool
+
+
+async def _chunks() -> AsyncIterator[bytes]:
+    yield json.dumps(_CALL).encode()
+
+
+@pytest.mark.parametrize("body", [{"content": json.dumps({**_CALL, "id": 7}).encode()}, {"data": {"a": "b"}},
+                                  {"content": _chunks()}], ids=["bytes", "form", "stream"])
+async def test_a_json_object_httpx2_does_not_send_is_not_read_and_breaks_nothing(body):
+    """``json=`` beside a body ``httpx2`` sends instead (it ignores ``json=`` then): the body sent is what is read
+    (call 7 here, never call 1 of the object), and a stream, whose bytes are not known yet, is not read at all."""
+    sent = await _call_seen(json=_CALL, **body)
+    assert sent is None
+
+
+class _Named(str, enum.Enum):  # noqa: UP042 (a StrEnum's str() is its value: this one's is not)
+    A = "abc"
+
+
+async def test_a_call_whose_id_json_writes_otherwise_than_str_is_read_off_the_wire():
+    http = instrument_client(httpx2.AsyncClient(transport=httpx2.MockTransport(_answer)))
+    tap = http._transport
+    assert isinstance(tap, client_hooks.ClientTap)
+    async with http, http.stream("POST", "http://mcp.test/mcp", headers=_HEADERS, json={**_CALL, "id": _Named.A}):
+        assert tap.instrumentation.tracker.call(("s1", "abc")) is not None  # as sent, not "_Named.A"
+
+
+def test_a_calls_fingerprint_is_of_the_arguments_sent_whatever_their_object_becomes():
+    """Its arguments are the body's (``EncodedArguments``): keys that are not strings are sent as strings, which a
+    canonical form can sort, and a change to the object after it was sent changes nothing."""
+    arguments: dict[Any, Any] = {1: "x", "b": 2}
+    message = {**_CALL, "params": {"name": "fetch", "arguments": arguments}}
+    asked = read_message(message, httpx2.Request("POST", "http://mcp.test/mcp", json=message).content)
+    assert asked is not None
+    (call,) = asked.calls
+    arguments["b"] = 3
+    assert (client_hooks._fingerprint(b"salt", "fetch", call.arguments)
+            == client_hooks._fingerprint(b"salt", "fetch", {"1": "x", "b": 2}))
+
+
+async def test_a_copy_of_an_instrumented_client_builds_with_its_own_settings():
+    http = instrument_client(httpx2.AsyncClient(base_url="http://a.test"))
+    other = copy.copy(http)
+    other.base_url = httpx2.URL("http://b.test")
+    assert str(other.build_request("POST", "/mcp", json=_CALL).url) == "http://b.test/mcp"
+    assert type(instrument_client(http)) is type(http)  # instrumented twice: one subclass
+    await http.aclose()

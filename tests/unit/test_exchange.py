@@ -3,6 +3,7 @@ response carries."""
 
 from __future__ import annotations
 
+import enum
 import json
 
 import httpx2
@@ -23,16 +24,18 @@ from mcp_stream_exporter.exchange import (
     RESPONSE_HEADERS,
     SESSION_ID,
     UNREAD,
+    Body,
+    EncodedArguments,
     can_ask,
     content_of,
     read_body,
-    read_parsed,
+    read_message,
     requirement_of,
     stream_attributes,
 )
 from mcp_stream_exporter.headers import pick
 from mcp_stream_exporter.hooks.client import _picked
-from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, classify, sdk_call
+from mcp_stream_exporter.wire import MAX_PARSED_BODY, TOOLS_CALL, WireMessage, classify, sdk_call
 
 FETCH = "https://mcp.example.com/tools/fetch"
 
@@ -191,27 +194,68 @@ def test_a_body_in_the_sdks_form_or_one_edit_from_it_reads_as_its_full_parse(rid
         assert fast is None or [fast] == classify(body), body
 
 
+class _Named(str, enum.Enum):  # noqa: UP042 (a StrEnum's str() is its value: this one's is not)
+    A = "abc"
+
+
+class _Shown(int):  # encoded as the number, ``str()`` otherwise
+    def __str__(self) -> str:
+        return "shown"
+
+
+class _Dict(dict):  # a subclass whose ``get`` the encoder never calls
+    def get(self, key, default=None):
+        return "not what is sent"
+
+
+_ODD = st.sampled_from([_Named.A, _Shown(7), True, 1.0, None])
+_PLAIN_OR_ODD_TEXT = st.one_of(st.text(max_size=4), st.integers(), st.just(_Named.A))
 _REQUESTS = st.fixed_dictionaries(
     {"jsonrpc": st.just("2.0"), "method": st.sampled_from([TOOLS_CALL, "notifications/cancelled", "initialize",
-                                                            "tools/list", "notifications/initialized"])},
-    optional={"id": st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=4), st.booleans(), st.none(),
-                              st.floats(allow_nan=False, allow_infinity=False)),
-              "params": st.one_of(st.fixed_dictionaries({}, optional={
-                  "name": st.one_of(st.text(max_size=4), st.integers()), "arguments": _JSON,
-                  "requestId": st.one_of(st.integers(0, 9), st.text(max_size=2)),
-                  "protocolVersion": st.sampled_from(["2025-06-18", "2026-07-28"]),
-                  "_meta": st.dictionaries(st.sampled_from(["traceparent", "k"]), _JSON, max_size=2)}), _JSON)})
+                                                            "tools/list", _Named.A])},
+    optional={"id": st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=4), _ODD),
+              "params": st.one_of(st.builds(lambda members, odd: _Dict(members) if odd else members,
+                                            st.fixed_dictionaries({}, optional={
+                  "name": _PLAIN_OR_ODD_TEXT, "protocolVersion": _PLAIN_OR_ODD_TEXT,
+                  "arguments": st.one_of(_JSON, st.dictionaries(st.integers(0, 3) | st.text(max_size=1), _JSON,
+                                                                max_size=3)),
+                  "_meta": st.one_of(st.dictionaries(st.sampled_from(["traceparent", "k"]), _PLAIN_OR_ODD_TEXT,
+                                                     max_size=2), st.builds(_Dict, st.just({"traceparent": "t"})))}),
+                                            st.booleans()), _JSON)})
 
 
-@given(st.one_of(_REQUESTS, st.lists(_REQUESTS, max_size=3), _JSON))
-def test_what_a_json_object_asks_for_reads_as_the_body_httpx2_encodes_it_to(value):
-    """``read_parsed`` of the object a client hands ``httpx2`` as ``json=`` (the SDK's every message), which the
-    client's tap reads instead of the body: the same calls, cancels and version as reading that body."""
+def _resolved(asked: Body) -> Body:
+    """``asked`` with each call's arguments as the body carried them (``EncodedArguments``, parsed now)."""
+    def resolved(msg: WireMessage) -> WireMessage:
+        arguments = msg.arguments
+        return msg._replace(arguments=arguments.value()) if isinstance(arguments, EncodedArguments) else msg
+
+    return asked._replace(calls=tuple(map(resolved, asked.calls)), requests=tuple(map(resolved, asked.requests)))
+
+
+@given(st.one_of(_REQUESTS, _JSON))
+def test_a_call_read_off_the_object_a_client_encodes_reads_as_its_body_or_is_left_to_the_body(value):
+    """``read_message`` of the object a client hands ``httpx2`` as ``json=`` (the SDK's every message), which the
+    client's tap reads instead of the body: the call ``read_body`` reads in that body, or None (the body is read),
+    whatever the object holds that JSON writes otherwise than ``str`` does (an enum, an ``int`` or ``dict``
+    subclass, keys that are not strings)."""
+    if not isinstance(value, dict):
+        return
     try:
         body = httpx2.Request("POST", "http://mcp.test", json=value).content
-    except (ValueError, UnicodeEncodeError):  # no body to send: the request is never built
+    except (ValueError, TypeError, UnicodeEncodeError):  # no body to send: the request is never built
         return
-    assert read_parsed(value) == read_body(body), body
+    asked = read_message(value, body)
+    assert asked is None or _resolved(asked) == read_body(body), body
+    plain = (value.get("method") == TOOLS_CALL and type(value.get("id")) in (int, str)
+             and type(value.get("params", {})) is dict and json.loads(body) == value)
+    assert asked is not None or not plain or len(body) > MAX_PARSED_BODY, body  # the SDK's own: read off the object
+
+
+def test_a_call_too_large_to_parse_is_observed_not_read_off_its_object_as_off_its_body():
+    message = {"jsonrpc": "2.0", "id": 1, "method": TOOLS_CALL, "params": {"name": "f", "arguments": {"a": "x"}}}
+    body = json.dumps(message).encode()
+    assert read_message(message, body + b" " * MAX_PARSED_BODY) == UNREAD
 
 
 def test_the_headers_an_exchange_is_read_by_are_picked_by_name_whatever_their_case_a_repeat_keeping_its_first():

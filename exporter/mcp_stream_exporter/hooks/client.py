@@ -38,13 +38,13 @@ from mcp_stream_exporter.exchange import (
     REQUEST_HEADERS,
     RESPONSE_HEADERS,
     SESSION_ID,
-    UNREAD,
     Body,
+    EncodedArguments,
     can_ask,
     content_of,
     era_of,
     read_body,
-    read_parsed,
+    read_message,
     stream_kind,
 )
 from mcp_stream_exporter.hooks._sdk_spans import SdkSpans, annotate
@@ -650,6 +650,8 @@ def _picked(headers: httpx2.Headers, names: Mapping[bytes, str]) -> dict[str, st
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
     """Which call this is, for matching a re-issue to the call it repeats: a salted hash of the tool
     and its canonical arguments (sorted keys, no whitespace), never the arguments themselves."""
+    if type(arguments) is EncodedArguments:
+        arguments = arguments.value()
     canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     digest = hmac.new(salt, f"{tool}\x00{canonical}".encode(), hashlib.sha256)
     return digest.hexdigest()[:_FINGERPRINT_CHARS]
@@ -689,33 +691,44 @@ def instrument_client(
     environment included). Either way every transport the client routes through is tapped in place, its own and its
     mounts' (a proxy's): that touches ``AsyncClient._transport`` and ``_mounts``, which
     ``tests/integration/test_sdk_contract.py`` pins. Its ``build_request`` reads what a body asks for off the
-    SDK's message as it is encoded (``_reading_json``).
+    SDK's message as it is encoded (``_reading_json``: the client becomes an instance of a subclass of its class).
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
     if client is None:
         client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
         client = httpx2.AsyncClient(**client_options)
-    client.build_request = _reading_json(client.build_request)  # type: ignore[method-assign]
+    client.__class__ = _reading_json(type(client))
     client._transport = ClientTap(client._transport, instr)
     client._mounts = {pattern: None if transport is None else ClientTap(transport, instr)
                       for pattern, transport in client._mounts.items()}
     return client
 
 
-def _reading_json(build: Callable[..., httpx2.Request]) -> Callable[..., httpx2.Request]:
-    """``build`` that leaves in each request built from a JSON object (the SDK's every message: ``json=`` its
-    ``model_dump``, which ``httpx2`` encodes right there) what its body asks for, read off that object: the body
-    is its encoding, and the tap need not decode and parse it again. A request built otherwise (a redirect's, an
-    auth flow's, a body given as bytes) is read off the wire."""
+def _reading_json(cls: type[httpx2.AsyncClient]) -> type[httpx2.AsyncClient]:
+    """``cls`` whose ``build_request`` leaves in a request whose body is a JSON object (``json=``, as the SDK sends
+    every message: its ``model_dump``, which ``httpx2`` encodes right there) what that body asks for, read off the
+    object (``read_message``), so the tap need not decode and parse the body again. A subclass, not a method set on
+    the instance, so that a copy of the client builds with its own settings. A request built otherwise (a body given
+    as bytes, a stream, a form; a redirect's or an auth flow's with another body) is read off the wire."""
+    reading = _READING.get(cls)
+    if reading is not None:
+        return reading
 
-    def build_request(*args: Any, **kwargs: Any) -> httpx2.Request:
-        request = build(*args, **kwargs)
+    def build_request(self: httpx2.AsyncClient, *args: Any, **kwargs: Any) -> httpx2.Request:
+        request = cls.build_request(self, *args, **kwargs)
         message = kwargs.get("json")
-        if type(message) is dict:
-            # one too large to parse is observed, not read, as ``read_body`` reads one
-            asked = read_parsed(message) if len(request.content) <= MAX_PARSED_BODY else UNREAD
-            # with its body's stream: a redirect's request shares the extensions, and carries the same body or none
-            request.extensions[_ASKED] = (request.stream, asked)
+        if (type(message) is dict and kwargs.get("content") is None and kwargs.get("data") is None
+                and kwargs.get("files") is None and isinstance(request.stream, httpx2.ByteStream)):
+            asked = read_message(message, request.content)
+            if asked is not None:
+                # with its body's stream: a redirect's request shares the extensions, and carries that body or none
+                request.extensions[_ASKED] = (request.stream, asked)
         return request
 
-    return build_request
+    reading = _READING[cls] = type(cls.__name__, (cls,), {"build_request": build_request, "__module__": cls.__module__,
+                                                          "__qualname__": cls.__qualname__})
+    _READING[reading] = reading  # instrumented twice: as once
+    return reading
+
+
+_READING: dict[type[httpx2.AsyncClient], type[httpx2.AsyncClient]] = {}  # a client class -> its reading subclass
