@@ -136,11 +136,12 @@ def read_message(message: dict[str, Any], body: bytes) -> Body | None:
         return UNREAD
     request_id, method, params = message.get("id"), message.get("method"), message.get("params")
     if (type(method) is not str or method != TOOLS_CALL or (type(request_id) is not str and type(request_id) is not int)
-            or (type(params) is not dict and isinstance(params, dict))):
+            or (type(params) is not dict and isinstance(params, dict)) or not _str_keys(message)):
         return None
     if type(params) is dict:
         meta = params.get("_meta")
-        if type(meta) is not dict and isinstance(meta, dict):
+        if (type(meta) is not dict and isinstance(meta, dict)) or not _str_keys(params) or (
+                type(meta) is dict and not _str_keys(meta)):
             return None
         for value in (params.get("name"), params.get("protocolVersion"),
                       meta.get("traceparent") if type(meta) is dict else None):
@@ -148,6 +149,11 @@ def read_message(message: dict[str, Any], body: bytes) -> Body | None:
                 return None
     one = (request_message(request_id, TOOLS_CALL, params, EncodedArguments(body)),)
     return _body((one, one, None, ()))
+
+
+def _str_keys(members: dict[Any, Any]) -> bool:
+    """Whether every key is a ``str`` itself: a subclass's may hash and compare as another key than it is written."""
+    return all(type(key) is str for key in members)
 
 
 class EncodedArguments:
@@ -161,8 +167,11 @@ class EncodedArguments:
         self._body = body
 
     def value(self) -> Any:
+        """The arguments; ``ValueError`` if the body no longer reads as its call (nested too deep to parse here)."""
         calls = read_body(self._body).calls
-        return calls[0].arguments if calls else None
+        if not calls:
+            raise ValueError("the call's body does not parse")
+        return calls[0].arguments
 
 
 def can_ask(body: bytes) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import httpx2
 import pytest
 
 from mcp_stream_exporter import instrument_client
-from mcp_stream_exporter.exchange import read_message
+from mcp_stream_exporter.exchange import EncodedArguments, read_message
 from mcp_stream_exporter.hooks import client as client_hooks
 from mcp_stream_exporter.wire import MAX_PARSED_BODY
 
@@ -113,5 +114,39 @@ async def test_a_copy_of_an_instrumented_client_builds_with_its_own_settings():
     other = copy.copy(http)
     other.base_url = httpx2.URL("http://b.test")
     assert str(other.build_request("POST", "/mcp", json=_CALL).url) == "http://b.test/mcp"
-    assert type(instrument_client(http)) is type(http)  # instrumented twice: one subclass
+    assert type(instrument_client(http)) is type(http)  # instrumented twice: as once
     await http.aclose()
+
+
+class _Gateway(httpx2.AsyncClient):
+    """A client of the application's own that rewrites each message it builds (namespaces its tools, its ids)."""
+
+    def build_request(self, *args: Any, **kwargs: Any) -> httpx2.Request:
+        message = kwargs.get("json")
+        if isinstance(message, dict) and "params" in message:
+            kwargs["json"] = {**message, "id": f"gw-{message['id']}",
+                              "params": {**message["params"], "name": "ns__" + message["params"]["name"]}}
+        return super().build_request(*args, **kwargs)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("no subclasses")
+
+
+async def test_a_client_subclass_is_tapped_as_it_is_and_what_it_sends_is_read_off_the_wire():
+    http = instrument_client(_Gateway(transport=httpx2.MockTransport(_answer)))
+    tap = http._transport
+    assert type(http) is _Gateway and isinstance(tap, client_hooks.ClientTap)
+    async with http, http.stream("POST", "http://mcp.test/mcp", headers=_HEADERS, json=_CALL) as response:
+        call = tap.instrumentation.tracker.call(("s1", "gw-1"))
+        await response.aread()
+    assert call is not None and call.tool == "ns__fetch"
+
+
+def test_arguments_nested_deeper_than_json_reads_here_are_known_by_their_tool_alone():
+    deep: Any = "x"
+    for _ in range(sys.getrecursionlimit()):
+        deep = [deep]
+    unreadable = EncodedArguments(b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"f","arguments":'
+                                  + b"[" * 5000 + b"]" * 5000 + b"}}")
+    assert (client_hooks._fingerprint(b"salt", "f", deep) == client_hooks._fingerprint(b"salt", "f", unreadable)
+            != client_hooks._fingerprint(b"salt", "f", {"a": 1}))

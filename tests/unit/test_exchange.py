@@ -252,6 +252,22 @@ def test_a_call_read_off_the_object_a_client_encodes_reads_as_its_body_or_is_lef
     assert asked is not None or not plain or len(body) > MAX_PARSED_BODY, body  # the SDK's own: read off the object
 
 
+class _Key(str):  # hashes and compares as no "method": json writes it as one
+    def __hash__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+
+def test_a_message_with_a_key_that_is_not_a_str_itself_is_left_to_its_body():
+    call = {"jsonrpc": "2.0", "id": 1, "method": TOOLS_CALL, "params": {"name": "f", "_meta": {"traceparent": "t"}}}
+    for odd in ({**call, _Key("method"): "tools/list"}, {**call, "params": {**call["params"], _Key("name"): "g"}},
+                {**call, "params": {"name": "f", "_meta": {"traceparent": "t", _Key("traceparent"): "u"}}}):
+        assert read_message(odd, httpx2.Request("POST", "http://mcp.test", json=odd).content) is None
+    assert read_message(call, json.dumps(call).encode()) is not None
+
+
 def test_a_call_too_large_to_parse_is_observed_not_read_off_its_object_as_off_its_body():
     message = {"jsonrpc": "2.0", "id": 1, "method": TOOLS_CALL, "params": {"name": "f", "arguments": {"a": "x"}}}
     body = json.dumps(message).encode()

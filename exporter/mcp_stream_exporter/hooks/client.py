@@ -54,7 +54,7 @@ from mcp_stream_exporter.sse import SSEFrame, SSEParser, empty_frames, message_f
 from mcp_stream_exporter.wire import MAX_PARSED_BODY, WireMessage, classify_body, classify_frame, result_id
 
 _FINGERPRINT_CHARS = 16
-# where ``_reading_json`` leaves, in a request's extensions, its body's stream and what that body asks for
+# where ``_ReadingClient`` leaves, in a request's extensions, its body's stream and what that body asks for
 _ASKED = "mcp_stream_exporter.asked"
 _POST_TERMINAL = (sc.STREAM_KIND_POST, None)  # where a call answered by a JSON body had its terminal event
 # A pending call's answer (``ClientInstrumentation._answer``): where its result came, or None to start it
@@ -89,7 +89,7 @@ class ClientInstrumentation:
         call's request and whether it is stateless, left pending: started only if its answer is anything but its
         result, or something looks it up (``_Pending``, ``_TapStream.started``), so the healthy path never starts it."""
         built: tuple[object, Body] | None = request.extensions.get(_ASKED)
-        if built is not None and built[0] is request.stream:  # its body the SDK's message (``_reading_json``)
+        if built is not None and built[0] is request.stream:  # its body the SDK's message (``_ReadingClient``)
             asked = built[1]
         else:
             try:
@@ -650,9 +650,12 @@ def _picked(headers: httpx2.Headers, names: Mapping[bytes, str]) -> dict[str, st
 def _fingerprint(salt: bytes, tool: str | None, arguments: Any) -> str:
     """Which call this is, for matching a re-issue to the call it repeats: a salted hash of the tool
     and its canonical arguments (sorted keys, no whitespace), never the arguments themselves."""
-    if type(arguments) is EncodedArguments:
-        arguments = arguments.value()
-    canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    try:
+        if type(arguments) is EncodedArguments:
+            arguments = arguments.value()
+        canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    except (RecursionError, ValueError):  # nested deeper than JSON is read or written here: known by its tool alone
+        canonical = "\x00"
     digest = hmac.new(salt, f"{tool}\x00{canonical}".encode(), hashlib.sha256)
     return digest.hexdigest()[:_FINGERPRINT_CHARS]
 
@@ -691,31 +694,31 @@ def instrument_client(
     environment included). Either way every transport the client routes through is tapped in place, its own and its
     mounts' (a proxy's): that touches ``AsyncClient._transport`` and ``_mounts``, which
     ``tests/integration/test_sdk_contract.py`` pins. Its ``build_request`` reads what a body asks for off the
-    SDK's message as it is encoded (``_reading_json``: the client becomes an instance of a subclass of its class).
+    SDK's message as it is encoded (``_ReadingClient``: a plain ``AsyncClient`` becomes one, a subclass of it).
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
     if client is None:
         client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
         client = httpx2.AsyncClient(**client_options)
-    client.__class__ = _reading_json(type(client))
+    if type(client) is httpx2.AsyncClient:
+        client.__class__ = _ReadingClient
     client._transport = ClientTap(client._transport, instr)
     client._mounts = {pattern: None if transport is None else ClientTap(transport, instr)
                       for pattern, transport in client._mounts.items()}
     return client
 
 
-def _reading_json(cls: type[httpx2.AsyncClient]) -> type[httpx2.AsyncClient]:
-    """``cls`` whose ``build_request`` leaves in a request whose body is a JSON object (``json=``, as the SDK sends
-    every message: its ``model_dump``, which ``httpx2`` encodes right there) what that body asks for, read off the
-    object (``read_message``), so the tap need not decode and parse the body again. A subclass, not a method set on
-    the instance, so that a copy of the client builds with its own settings. A request built otherwise (a body given
-    as bytes, a stream, a form; a redirect's or an auth flow's with another body) is read off the wire."""
-    reading = _READING.get(cls)
-    if reading is not None:
-        return reading
+class _ReadingClient(httpx2.AsyncClient):
+    """``httpx2.AsyncClient`` whose ``build_request`` leaves in a request whose body is a JSON object (``json=``, as
+    the SDK sends every message: its ``model_dump``, which ``httpx2`` encodes right there) what that body asks for,
+    read off the object (``read_message``), so the tap need not decode and parse the body again. A class, not a
+    method set on the instance, so that a copy of the client builds with its own settings; only a plain
+    ``AsyncClient`` becomes one (``instrument_client``): a subclass's own ``build_request`` may send another body than
+    the object it was handed. A request built otherwise (a body given as bytes, a stream, a form; a redirect's or an
+    auth flow's with another body) is read off the wire."""
 
-    def build_request(self: httpx2.AsyncClient, *args: Any, **kwargs: Any) -> httpx2.Request:
-        request = cls.build_request(self, *args, **kwargs)
+    def build_request(self, *args: Any, **kwargs: Any) -> httpx2.Request:
+        request = super().build_request(*args, **kwargs)
         message = kwargs.get("json")
         if (type(message) is dict and kwargs.get("content") is None and kwargs.get("data") is None
                 and kwargs.get("files") is None and isinstance(request.stream, httpx2.ByteStream)):
@@ -724,11 +727,3 @@ def _reading_json(cls: type[httpx2.AsyncClient]) -> type[httpx2.AsyncClient]:
                 # with its body's stream: a redirect's request shares the extensions, and carries that body or none
                 request.extensions[_ASKED] = (request.stream, asked)
         return request
-
-    reading = _READING[cls] = type(cls.__name__, (cls,), {"build_request": build_request, "__module__": cls.__module__,
-                                                          "__qualname__": cls.__qualname__})
-    _READING[reading] = reading  # instrumented twice: as once
-    return reading
-
-
-_READING: dict[type[httpx2.AsyncClient], type[httpx2.AsyncClient]] = {}  # a client class -> its reading subclass
