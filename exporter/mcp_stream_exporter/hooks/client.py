@@ -718,7 +718,7 @@ class _ReadingClient(httpx2.AsyncClient):
     auth flow's with another body) is read off the wire."""
 
     def build_request(self, *args: Any, **kwargs: Any) -> httpx2.Request:
-        request = super().build_request(*args, **kwargs)
+        request = httpx2.AsyncClient.build_request(self, *args, **kwargs)
         message = kwargs.get("json")
         if (type(message) is dict and kwargs.get("content") is None and kwargs.get("data") is None
                 and kwargs.get("files") is None and isinstance(request.stream, httpx2.ByteStream)):
