@@ -37,6 +37,7 @@ from mcp_stream_exporter.hooks import (
     ServerInstrumentation,
     instrument_server,
 )
+from mcp_stream_exporter.hooks.client import reads_messages
 
 # the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
 _instruments = ("mcp >= 2.3, < 3",)
@@ -103,6 +104,7 @@ class _Options:
         if isinstance(client, httpx2.AsyncClient) and not _tapped(client._transport):
             instr = ClientInstrumentation(policy=self.policy, token_reader=self.token_reader,
                                           tracer_provider=self.tracer_provider)
+            reads_messages(client)
             client._transport = _tap(client._transport, instr)
             client._mounts = {pattern: None if transport is None else _tap(transport, instr)
                               for pattern, transport in client._mounts.items()}  # a proxy's: routed through too

@@ -113,6 +113,32 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
 
 
 @pytest.mark.anyio
+async def test_a_plain_client_the_sdk_sends_with_reads_its_calls_off_the_sdks_messages(monkeypatch):
+    """As ``instrument_client`` makes it (``hooks.client.reads_messages``): the tap reads no call's body again."""
+    from mcp_stream_exporter.hooks import client as client_hooks
+
+    read_body = client_hooks.read_body
+
+    def unread(body: bytes) -> Any:
+        assert b"tools/call" not in body, "the body of a call the SDK built from its message was read again"
+        return read_body(body)  # the SDK's other messages (notifications) are read off their bytes
+
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        app = _echo_server().streamable_http_app()
+        http = httpx2.AsyncClient()
+        async with (serve(app) as port, http,
+                    Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                           mode="legacy") as client):
+            monkeypatch.setattr(client_hooks, "read_body", unread)
+            assert (await client.call_tool("echo", {"text": "hello"})).content[0].text == "hello"
+        assert isinstance(http._transport, ClientTap) and type(http) is client_hooks._ReadingClient
+    finally:
+        instrumentor.uninstrument()
+
+
+@pytest.mark.anyio
 async def test_a_client_with_the_guards_refusal_resolver_is_tapped_once_beneath_it():
     """The tap observes the wire, not the errors the resolver adds: it goes under the resolver, once."""
     instrumentor = McpStreamInstrumentor()

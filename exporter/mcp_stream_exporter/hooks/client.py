@@ -694,18 +694,23 @@ def instrument_client(
     environment included). Either way every transport the client routes through is tapped in place, its own and its
     mounts' (a proxy's): that touches ``AsyncClient._transport`` and ``_mounts``, which
     ``tests/integration/test_sdk_contract.py`` pins. Its ``build_request`` reads what a body asks for off the
-    SDK's message as it is encoded (``_ReadingClient``: a plain ``AsyncClient`` becomes one, a subclass of it).
+    SDK's message as it is encoded (``reads_messages``: a plain ``AsyncClient`` becomes a subclass of itself).
     """
     instr = ClientInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider)
     if client is None:
         client_options.setdefault("timeout", httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
         client = httpx2.AsyncClient(**client_options)
-    if type(client) is httpx2.AsyncClient:
-        client.__class__ = _ReadingClient
+    reads_messages(client)
     client._transport = ClientTap(client._transport, instr)
     client._mounts = {pattern: None if transport is None else ClientTap(transport, instr)
                       for pattern, transport in client._mounts.items()}
     return client
+
+
+def reads_messages(client: httpx2.AsyncClient) -> None:
+    """``client``, a plain ``AsyncClient``, made a ``_ReadingClient`` in place; one of another class left as it is."""
+    if type(client) is httpx2.AsyncClient:
+        client.__class__ = _ReadingClient
 
 
 class _ReadingClient(httpx2.AsyncClient):
