@@ -718,7 +718,7 @@ class _ReadingClient(httpx2.AsyncClient):
     the SDK sends every message: its ``model_dump``, which ``httpx2`` encodes right there) what that body asks for,
     read off the object (``read_message``), so the tap need not decode and parse the body again. A class, not a
     method set on the instance, so that a copy of the client builds with its own settings; only a plain
-    ``AsyncClient`` becomes one (``instrument_client``): a subclass's own ``build_request`` may send another body than
+    ``AsyncClient`` becomes one (``reads_messages``): a subclass's own ``build_request`` may send another body than
     the object it was handed. A request built otherwise (a body given as bytes, a stream, a form; a redirect's or an
     auth flow's with another body) is read off the wire."""
 
