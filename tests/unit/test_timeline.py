@@ -97,43 +97,25 @@ def test_a_long_story_keeps_its_first_and_last_steps_and_counts_the_middle():
 
 def test_lists_a_producer_sent_are_cut_and_its_longest_strings_are_charged():
     timelines = Timelines(TimelineLimits(max_items=2))
-    huge = "x" * 250  # the longest a producer's string gets through ingest (events.MAX_CHARS)
-    timelines.record(_event(stream(C, "resume", "clean", pending=("3",), cursor=huge, audience=(huge,) * 50,
-                                   missing=(huge,) * 50)))
+    huge = [f"{i:x<250}" for i in range(101)]  # the longest a producer's strings get through (events.MAX_CHARS)
+    timelines.record(_event(stream(C, "resume", "clean", pending=("3",), cursor=huge[0], audience=tuple(huge[1:51]),
+                                   missing=tuple(huge[51:]))))
     timelines.attach(_lost())
     timeline = timelines.of(_lost())
     assert timeline is not None
     (entry,) = timeline.entries()
-    assert entry.cursor == huge and entry.audience == (huge,) * 2 and entry.missing_resources == (huge,) * 2
-    assert 5 * 250 < timelines.bytes < 4_000
+    assert entry.cursor == huge[0] and entry.audience == tuple(huge[1:3])
+    assert entry.missing_resources == tuple(huge[51:53])
+    assert 5 * 250 < timelines.bytes < 2_000
 
 
-def test_a_size_handed_along_is_charged_and_kept_as_the_one_the_timelines_count():
-    huge = "x" * 250
-    events = [_event(stream(C, "resume", "clean", pending=("3",), cursor=huge, audience=(huge,) * 50,
-                            missing=(huge,) * 50)),  # cut: its lists past the cap
-              _event(stream(C, "post", "dropped", pending=("3",), first="4", last="6", events=2)),
-              _event(replay(sc.REPLAY_TRUNCATED, cursor="6", missing=(FETCH,))),
-              _event(call(C, sc.OUTCOME_CANCELLED))]
-    counted, handed = Timelines(TimelineLimits(max_items=2)), Timelines(TimelineLimits(max_items=2))
-    for event in events:
-        counted.record(event)
-        handed.record(event, sizes.event(event))
-    for timelines in (counted, handed):
-        timelines.attach(_lost())
-    steps = [timelines.of(_lost()) for timelines in (counted, handed)]
-    assert steps[0] is not None and steps[1] is not None
-    assert handed.bytes == counted.bytes and steps[1].bytes == steps[0].bytes
-    assert steps[1].entries() == steps[0].entries() and steps[1].entries()[0].audience == (huge,) * 2
-
-
-def test_the_ingest_queue_hands_each_event_s_size_to_the_timelines_in_order():
+def test_the_ingest_queue_keeps_the_same_timelines_as_a_detector_fed_directly():
     spans = [*_incident("s1"), *_incident("s2")]
     consumed, queued = (Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=Clock()) for _ in "ab")
     consumed.consume(spans, "otlp_http")
     queue = IngestQueue(queued, IngestLimits())
     try:
-        events, _ = queued.read(spans, "otlp_http")  # one batch: sizes of every kind of event, in order
+        events, _ = queued.read(spans, "otlp_http")  # one batch: every kind of event
         assert queue.offer(events) and queue.wait_idle(10)
     finally:
         queue.close()
@@ -174,24 +156,66 @@ def _lost(session: str = "s1") -> Finding:
                    session_id=session, request_id="3", detected_ns=200 * S, summary="")
 
 
-def test_an_entry_is_charged_for_every_string_and_list_it_holds() -> None:
-    """Entry.size lists its fields by hand (for speed): a field added without being charged fails here."""
-    import sys
-    from dataclasses import fields, replace
-
+def test_every_kind_of_step_reads_back_as_the_entry_its_event_tells() -> None:
+    """A step is kept as its ``Entry`` fields by position (for size): a field out of its place fails here."""
+    from mcp_stream_exporter.detector.events import Operation
     from mcp_stream_exporter.detector.timeline import Entry
 
-    bare = Entry(0, 0, "", "", "", "")
-    for f in fields(Entry):
-        if f.type in ("str", "str | None"):
-            value: object = "x" * 50
-        elif f.type == "tuple[str, ...]":
-            value = ("y" * 50,)
-        else:
-            continue
-        grown = replace(bare, **{f.name: value}).size() - bare.size()
-        expected = sys.getsizeof(value) + (sum(map(sys.getsizeof, value)) if isinstance(value, tuple) else 0)
-        assert grown == expected, f.name
+    post = _event(stream(C, "post", "dropped", at=1.0, ids=("3", "4"), pending=("3",), terminal=("4",), first="7",
+                         last="9", events=3, missing=(FETCH,), audience=(SEARCH,)))
+    resumed = _event(replay(sc.REPLAY_TRUNCATED, at=1.5, cursor="6", missing=(FETCH,)))
+    ended = _event(call(C, sc.OUTCOME_CANCELLED, at=2.0, parent="00000000000000aa"))
+    gave_up = _event(sdk_call(C, "fetch", at=0.5, timed_out=True, span_id="00000000000000aa"))
+    assert isinstance(gave_up, Operation)
+    timelines = Timelines()
+    for event in (post, resumed, gave_up, ended):
+        timelines.record(event)
+    timelines.attach(_lost())
+    timeline = timelines.of(_lost())
+    assert timeline is not None
+
+    def at(e: object) -> tuple[int, int, str]:
+        c = e.at  # type: ignore[attr-defined]
+        return c.start_ns, c.end_ns, c.role
+
+    def ids(e: object) -> tuple[str, str, str]:
+        c = e.at  # type: ignore[attr-defined]
+        return c.trace_id, c.span_id, c.origin
+
+    token = post.token
+    assert timeline.entries() == [
+        Entry(gave_up.start_ns, gave_up.start_ns + int(gave_up.duration_s * 1e9), C, "timeout", gave_up.trace_id,
+              gave_up.span_id, gave_up.origin, error_type=gave_up.error_type, duration_s=gave_up.duration_s),
+        Entry(*at(post), "post", *ids(post), reason="dropped", status=post.status, events=3, first_event_id="7",
+              last_event_id="9", cursor=None, error_frames=post.error_frames, pending=("3",), terminal=("4",),
+              audience=token.audience, required=post.required, missing_resources=(FETCH,),
+              missing_scopes=token.missing_scopes),
+        Entry(*at(resumed), "replay", *ids(resumed), cursor="6", decision=sc.REPLAY_TRUNCATED,
+              guard_decision=resumed.guard_decision, buffered=resumed.buffered, sent=resumed.sent,
+              offending_event_id=resumed.offending_event_id, audience=resumed.token.audience,
+              required=resumed.required, missing_resources=(FETCH,), missing_scopes=resumed.token.missing_scopes),
+        Entry(*at(ended), "call", *ids(ended), outcome=sc.OUTCOME_CANCELLED, audience=ended.token.audience,
+              required=ended.required, missing_resources=ended.token.missing_resources,
+              missing_scopes=ended.token.missing_scopes),
+    ]
+    assert post.token.audience == (SEARCH,) and resumed.buffered == 4
+
+
+def test_a_timeline_is_charged_what_cpython_holds_for_it() -> None:
+    """The budget counts each timeline by arithmetic (for speed): it must be what ``sys.getsizeof`` says of the
+    timeline, its list and each kept step (plus an estimate of its place in the map)."""
+    import sys
+
+    from mcp_stream_exporter.detector.timeline import _MAP_ENTRY
+
+    timelines = Timelines(TimelineLimits(max_entries=6))
+    for i in range(9):  # past the cap: the middle steps go
+        timelines.record(_event(stream(C, "resume", "clean", at=1 + i, pending=("3",), cursor="r\u00e9" * i)))
+        timelines.attach(_lost())
+        timeline = timelines.of(_lost())
+        assert timeline is not None
+        held = sys.getsizeof(timeline) + sys.getsizeof(timeline.kept) + sum(map(sys.getsizeof, timeline.kept))
+        assert timeline.bytes == timelines.bytes == held + _MAP_ENTRY
 
 
 def _held(value: object) -> int:
@@ -210,11 +234,9 @@ def _held(value: object) -> int:
     return 0
 
 
-def test_an_event_kept_on_a_timeline_is_charged_what_it_and_every_string_and_list_it_holds_take() -> None:
+def test_an_event_in_the_ingest_queue_is_charged_what_it_and_every_string_and_list_it_holds_take() -> None:
     """An event's size is arithmetic (for speed), not sys.getsizeof: a field it leaves out, or a string CPython
     holds in more than a byte a character, fails here."""
-    from mcp_stream_exporter.detector.timeline import step_size
-
     wide = "r\u00e9sum\u00e9-\u20ac"  # 2 and 4 bytes a character in CPython
     now = 1_800_000_000.0  # span times of this century: ints of CPython's 36 bytes
     spans = [stream(C, "resume", "clean", at=now, pending=("3",), ids=("3", "4"), terminal=("4",), cursor="6",
@@ -225,4 +247,4 @@ def test_an_event_kept_on_a_timeline_is_charged_what_it_and_every_string_and_lis
              call(SV, sc.OUTCOME_RESULT, at=now, session=None, tool=wide)]
     for span in spans:
         event = _event(span)
-        assert step_size(event) == _held(event), span.attributes
+        assert sizes.event(event) == _held(event), span.attributes

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any, TypeGuard
 
 from prometheus_client import CollectorRegistry
@@ -145,20 +144,18 @@ class Detector:
             self.metrics.spans_rejected.labels(SPAN_REJECTIONS[0]).inc(outcome.rejected_count)
         return events, outcome
 
-    def apply(self, events: Iterable[Event], weights: Sequence[int] | None = None) -> None:
-        """Lifecycle events -> ledger, rules, findings and metrics. ``weights``, when given, are the events'
-        sizes (``sizes.event``, in the same order), as the ingest queue counted them: not counted again."""
+    def apply(self, events: Iterable[Event]) -> None:
+        """Lifecycle events -> ledger, rules, findings and metrics."""
         with self.lock:
             now = self.clock()
-            sized = weights if weights is not None else repeat(None)  # None: the timelines size what they keep
-            for event, weight in zip(events, sized, strict=False):
+            for event in events:
                 if isinstance(event, OperationCounts):
                     self.metrics.operations.add(event)
                     continue
                 if _counts_twice(event) and not self.ledger.first_sight(event.at.trace_id, event.at.span_id,
                                                                          event.at.scope):
                     continue  # delivered again (an exporter's retry): taken once
-                self.timelines.record(event, weight)
+                self.timelines.record(event)
                 if isinstance(event, StreamEnd):
                     self.metrics.stream_end(event)
                     self.rules.stream(event, now)

@@ -48,7 +48,8 @@ def span_of(readable: ReadableSpan) -> Span | None:
 
 
 class DetectorSpanProcessor(SpanProcessor):
-    """Hands every finished span to the detector, synchronously: a few dict updates per span."""
+    """Hands every finished span the application sampled to the detector, synchronously: a few dict updates per
+    span."""
 
     def __init__(self, detector: Detector) -> None:
         self.detector = detector
@@ -57,6 +58,9 @@ class DetectorSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
+        context = span.context
+        if context is not None and not context.trace_flags.sampled:
+            return  # recorded, not sampled (``RECORD_ONLY``): no exporter sends it, nor is it given to the detector
         converted = span_of(span)
         if converted is not None:
             self.detector.consume((converted,), transport="embedded")

@@ -213,7 +213,7 @@ class IngestQueue:
     def __init__(self, detector: Detector, limits: IngestLimits, tick_interval_s: float = 0.5) -> None:
         self.detector = detector
         self.limits = limits
-        self._batches: deque[tuple[list[Event], list[int], float, int]] = deque()
+        self._batches: deque[tuple[list[Event], float, int]] = deque()
         self._queued = 0
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -234,15 +234,12 @@ class IngestQueue:
         return not self._closed and self._worker.is_alive()
 
     def offer(self, events: list[Event]) -> bool:
-        # each event's size, counted here against the queue's bound, and handed to ``apply`` with it: the
-        # timelines' budget counts a kept event so, and need not size it again
-        weights = [e.weight() if isinstance(e, OperationCounts) else sizes.event(e) for e in events]
-        size = sum(weights)
+        size = sum(e.weight() if isinstance(e, OperationCounts) else sizes.event(e) for e in events)
         with self._cond:
             if self._closed or (self._queued and (self._queued + len(events) > self.limits.max_queued_spans
                                                   or self._queued_bytes + size > self.limits.max_queued_bytes)):
                 return False
-            self._batches.append((events, weights, time.monotonic(), size))
+            self._batches.append((events, time.monotonic(), size))
             self._queued += len(events)
             self._queued_bytes += size
             self._cond.notify()
@@ -281,9 +278,9 @@ class IngestQueue:
             if batch is None:
                 self.detector.tick()
                 continue
-            events, weights, arrived, size = batch
+            events, arrived, size = batch
             try:
-                self.detector.apply(events, weights)
+                self.detector.apply(events)
             except Exception:  # a bug must not stop ingest: log its cause, count it, go on
                 log.exception("a batch could not be applied", extra={"events": len(events)})
                 self.detector.metrics.errors.labels("ingest").inc()

@@ -41,7 +41,9 @@ _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event 
 _DONE_BYTES = 100  # one forgotten call's id's place in its session's dict (the id counted besides)
 _DONE_PER_CALL = 4  # forgotten calls' ids a session keeps, per call it may hold: a span this late is rare
 _INDEX_BYTES = 250  # one look-up entry
-_SEEN_BYTES = 100  # one span taken (``first_sight``): its int, its place in a set and in a deque
+# one span taken (``first_sight``): its int (a 16-byte digest) and its place in a deque; the set's table, 27 to 128
+# bytes an entry as it fills and grows fourfold, is asked (``bytes``)
+_SEEN_BYTES = sys.getsizeof(2**127) + 8
 _NEVER: tuple[int, int] = (0, 0)  # one tuple shared by every call a resume never moved
 _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every call never resumed
 # a pair of times set apart from ``_NEVER``: its tuple and two ints past the ones CPython shares (a session's latest
@@ -707,7 +709,7 @@ class Ledger:
 
     @property
     def bytes(self) -> int:
-        return self._bytes + self._index_bytes
+        return self._bytes + self._index_bytes + sys.getsizeof(self._seen)
 
     def account(self) -> int:
         """Re-charge the calls touched since the last call, then shorten the retry window (``first_sight``) and the

@@ -1,10 +1,10 @@
 """What CPython takes for the strings, tuples and lifecycle events the detector keeps, by arithmetic.
 
-``sys.getsizeof`` looks up and calls ``__sizeof__`` (about 0.2 µs), and the ledger and the timelines size a
+``sys.getsizeof`` looks up and calls ``__sizeof__`` (about 0.2 µs), and the ledger and the ingest queue size a
 dozen values for every event they keep: an ASCII string is a fixed header and a byte a character, a tuple a
 header and a pointer an item, so one ``isascii`` over them all replaces the calls. The figures are
-CPython's own (taken at import), and a string that is not ASCII is still asked. The timelines' budget
-and the ingest queue's both count an event so.
+CPython's own (taken at import), and a string that is not ASCII is still asked. The ingest queue's budget
+counts an event so.
 """
 
 from __future__ import annotations
@@ -40,54 +40,31 @@ _EVENT = {kind: sys.getsizeof(object.__new__(kind)) + sys.getsizeof(object.__new
 _OPERATION = sys.getsizeof(object.__new__(Operation)) + 2 * _TIMESTAMP  # its start, its duration
 
 
-# the same lists by name, for a caller that copies an event with its lists cut (``event_lists`` reads them
-# without a Python loop: keep the two in step)
-LIST_NAMES: dict[type, tuple[str, ...]] = {
-    StreamEnd: ("request_ids", "pending_ids", "terminal_ids", "required"),
-    Replay: ("foreign_event_ids", "required"), CallEnd: ("required",)}
-TOKEN_LIST_NAMES = ("audience", "missing_resources", "missing_scopes")
-
-
-def event_lists(e: StreamEnd | Replay | CallEnd) -> tuple[tuple[str, ...], ...]:
-    """Every list a producer sent on ``e``, its token's last (``LIST_NAMES``, then ``TOKEN_LIST_NAMES``)."""
-    token = e.token
-    if isinstance(e, StreamEnd):
-        return (e.request_ids, e.pending_ids, e.terminal_ids, e.required, token.audience, token.missing_resources,
-                token.missing_scopes)
-    if isinstance(e, Replay):
-        return e.foreign_event_ids, e.required, token.audience, token.missing_resources, token.missing_scopes
-    return e.required, token.audience, token.missing_resources, token.missing_scopes
-
-
-def event(e: Lifecycle, lists: tuple[tuple[str, ...], ...] | None = None) -> int:
+def event(e: Lifecycle) -> int:
     """The bytes an event holds (shared strings counted each time): itself, its ``Common`` and ``Token``,
-    their strings and lists (``event_lists``, if already taken), and its timestamps."""
+    their strings and lists, and its timestamps."""
     if isinstance(e, Operation):
         return _OPERATION + strings([*filter(None, (e.role, e.method, e.tool, e.trace_id, e.span_id, e.error_type,
                                                     e.origin, e.transport, e.protocol_version))])
-    return event_items(e, lists)[0]
-
-
-def event_items(e: StreamEnd | Replay | CallEnd,
-                lists: tuple[tuple[str, ...], ...] | None = None) -> tuple[int, int]:
-    """``event(e)``, and how many items its lists hold together (none of them holds more)."""
-    if lists is None:
-        lists = event_lists(e)
     # few bytecodes (each costs CPython 3.11 about 60 instructions): attribute loads, C calls; one tuple a kind
-    at = e.at
-    kind = type(e)
+    at, token = e.at, e.token
+    lists: tuple[tuple[str, ...], ...]
     if isinstance(e, StreamEnd):
         held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
-                               e.token.fingerprint, e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor,
+                               token.fingerprint, e.kind, e.reason, e.first_event_id, e.last_event_id, e.cursor,
                                e.tool))]
+        lists = (e.request_ids, e.pending_ids, e.terminal_ids, e.required, token.audience, token.missing_resources,
+                 token.missing_scopes)
     elif isinstance(e, Replay):
         held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
-                               e.token.fingerprint, e.cursor, e.request_id, e.decision, e.sent_last_id,
+                               token.fingerprint, e.cursor, e.request_id, e.decision, e.sent_last_id,
                                e.offending_event_id, e.guard_decision))]
+        lists = e.foreign_event_ids, e.required, token.audience, token.missing_resources, token.missing_scopes
     else:
         held = [*filter(None, (at.role, at.era, at.scope, at.session_id, at.trace_id, at.span_id, at.origin,
-                               e.token.fingerprint, e.request_id, e.tool, e.outcome, e.terminal_event_id,
+                               token.fingerprint, e.request_id, e.tool, e.outcome, e.terminal_event_id,
                                e.sdk_span_id, e.terminal_stream_kind, e.fingerprint))]
+        lists = e.required, token.audience, token.missing_resources, token.missing_scopes
     count = len(held)
     for items in lists:
         if items:  # most are empty
@@ -96,4 +73,4 @@ def event_items(e: StreamEnd | Replay | CallEnd,
     n = len(held)
     # CPython holds a string that is not ASCII in 2 or 4 bytes a character: ask it then
     size = STR * n + len(joined) if joined.isascii() else sum(map(sys.getsizeof, held))
-    return _EVENT[kind] + size + TUPLE * (len(lists) - lists.count(())) + ITEM * (n - count), n - count
+    return _EVENT[type(e)] + size + TUPLE * (len(lists) - lists.count(())) + ITEM * (n - count)

@@ -11,23 +11,22 @@ first half and the last half are kept, the middle counted), the items of every l
 copied), and the bytes of all timelines together (oldest calls go first, then the oldest findings'
 timelines).
 
-A timeline keeps the lifecycle events themselves (``read`` built them; the detector drops them otherwise) and
-builds the findings page's :class:`Entry` rows only when the page asks: recording a step costs a look-up,
-an append and its size, not a copy. An event with a list past the cap is kept as a cut copy.
+A timeline keeps each step as one ``bytes``: the findings page's :class:`Entry` fields, its lists cut to the
+cap, written by ``marshal`` and read back into an ``Entry`` only when the page asks. That is a third of what
+the lifecycle event itself holds (an object, its ``Common``, its ``Token``, their timestamps), and its size is
+what CPython holds for it, not an estimate: the budget keeps as many stories as it says.
 """
 
 from __future__ import annotations
 
+import marshal
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from copy import copy
 from dataclasses import dataclass
-from itertools import chain, pairwise
-from typing import TypeVar
+from itertools import pairwise
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.events import CallEnd, Lifecycle, Operation, Replay, StreamEnd
 from mcp_stream_exporter.detector.findings import Finding
 
@@ -36,7 +35,6 @@ _MAP_ENTRY = 200  # bytes: a place in an OrderedDict, its key tuple and the key'
 SESSION_LEVEL = ""  # the request id of a session's resumes and replays that name no call
 
 Key = tuple[str, str]  # (scope, request id)
-_E = TypeVar("_E", StreamEnd, Replay, CallEnd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +48,8 @@ class TimelineLimits:
 
 @dataclass(slots=True)
 class Entry:
-    """One step of a call's story: a stream, a replay, the call's end, or the caller giving up. Not
-    frozen: a frozen dataclass's ``__init__`` costs a call per field, and one is built per deviating span."""
+    """One step of a call's story: a stream, a replay, the call's end, or the caller giving up; built when the
+    findings page asks, from a kept step (``_row`` writes its fields in this order)."""
 
     at_ns: int
     end_ns: int
@@ -82,21 +80,8 @@ class Entry:
     error_type: str | None = None  # the caller's own span: timeout, ...
     duration_s: float | None = None
 
-    def size(self) -> int:
-        """The bytes it holds, from C-level sizes (shared strings counted each time): what the budget counts."""
-        tuples = (self.pending, self.terminal, self.audience, self.required, self.missing_resources,
-                  self.missing_scopes)
-        return (_ENTRY_BYTES + sum(map(_getsizeof, filter(None, (
-            self.role, self.step, self.trace_id, self.span_id, self.origin, self.reason, self.first_event_id,
-            self.last_event_id, self.cursor, self.decision, self.guard_decision, self.offending_event_id,
-            self.outcome, self.error_type, *tuples)))) + sum(map(_getsizeof, chain.from_iterable(tuples))))
 
-
-_getsizeof = sys.getsizeof
-_ENTRY_BYTES = _getsizeof(Entry(0, 0, "", "", "", ""))
-
-
-Step = StreamEnd | Replay | CallEnd | Entry  # what a timeline keeps: the event; an Entry for the caller's give-up
+_STEP = sys.getsizeof(b"")  # a bytes object, before its bytes
 
 
 class Timeline:
@@ -107,23 +92,23 @@ class Timeline:
     __slots__ = ("bytes", "kept", "max_entries", "omitted", "refs")
 
     def __init__(self, max_entries: int) -> None:
-        self.kept: list[Step] = []  # the head, then the latest steps in order
+        self.kept: list[bytes] = []  # the head, then the latest steps in order (``_row``, written)
         self.max_entries = max(2, max_entries)
         self.omitted = 0
         self.bytes = _NEW_TIMELINE
         self.refs = 0  # the calls map and each finding holding it
 
-    def add(self, step: Step, size: int) -> int:
-        """Append ``step`` (which holds ``size`` bytes); returns the change in bytes."""
+    def add(self, step: bytes) -> int:
+        """Append ``step``; returns the change in bytes."""
         kept = self.kept
         n = len(kept)
         if n < self.max_entries and n < _TABLED:  # most timelines: the list's growth from the table
-            grown = size + _LIST_GROWTH[n]
+            grown = _STEP + len(step) + _LIST_GROWTH[n]
             kept.append(step)
         else:
-            grown = size - sys.getsizeof(kept)
+            grown = _STEP + len(step) - sys.getsizeof(kept)
             if n == self.max_entries:
-                grown -= step_size(kept.pop(n // 2))  # the oldest of the latest
+                grown -= _STEP + len(kept.pop(n // 2))  # the oldest of the latest
                 self.omitted += 1
             kept.append(step)
             grown += sys.getsizeof(kept)
@@ -132,7 +117,8 @@ class Timeline:
 
     def entries(self) -> list[Entry]:
         """The findings page's rows, built now, in the order the steps started."""
-        return sorted(map(_entry, self.kept), key=lambda e: (e.at_ns, e.end_ns))
+        rows = (marshal.loads(step) for step in self.kept)  # noqa: S302 (only what ``Timelines._kept`` wrote)
+        return sorted((Entry(*row) for row in rows), key=lambda e: (e.at_ns, e.end_ns))
 
 
 def _appended_sizes(n: int) -> list[int]:
@@ -151,34 +137,34 @@ _LIST_GROWTH = [after - before for before, after in pairwise(_APPENDED)]  # by l
 _TABLED = len(_LIST_GROWTH)
 _NEW_TIMELINE = sys.getsizeof(object.__new__(Timeline)) + _APPENDED[0] + _MAP_ENTRY
 
+_Row = tuple[int | float | str | tuple[str, ...] | None, ...]  # an ``Entry``'s fields, in its order
+# ``Entry``'s fields a kind of step leaves as they are, in ``Entry``'s order
+_NOT_A_STREAM = (None,) * 7  # reason, status, events, first and last event id, cursor, error frames
+_NO_CALLS: tuple[tuple[str, ...], ...] = ((), ())  # pending, terminal
+_NOT_A_REPLAY = (None,) * 5  # decision, guard decision, buffered, sent, offending event id
 
-def _entry(step: Step) -> Entry:
-    if isinstance(step, Entry):
-        return step
-    at, token = step.at, step.token
+
+def _row(e: StreamEnd | Replay | CallEnd, cap: int) -> _Row:
+    """``e`` as the ``Entry`` fields it fills, in their order (the rest left to their defaults), each list cut to
+    ``cap`` items."""
+    at, token = e.at, e.token
     common = (at.start_ns, at.end_ns, at.role)
     ids = (at.trace_id, at.span_id, at.origin)
-    if isinstance(step, StreamEnd):
-        return Entry(*common, step.kind, *ids, reason=step.reason, status=step.status, events=step.events,
-                     first_event_id=step.first_event_id, last_event_id=step.last_event_id, cursor=step.cursor,
-                     error_frames=step.error_frames, pending=step.pending_ids, terminal=step.terminal_ids,
-                     audience=token.audience, required=step.required, missing_resources=token.missing_resources,
-                     missing_scopes=token.missing_scopes)
-    if isinstance(step, Replay):
-        return Entry(*common, "replay", *ids, cursor=step.cursor, decision=step.decision,
-                     guard_decision=step.guard_decision, buffered=step.buffered, sent=step.sent,
-                     offending_event_id=step.offending_event_id, audience=token.audience, required=step.required,
-                     missing_resources=token.missing_resources, missing_scopes=token.missing_scopes)
-    return Entry(*common, "call", *ids, outcome=step.outcome, audience=token.audience, required=step.required,
-                 missing_resources=token.missing_resources, missing_scopes=token.missing_scopes)
+    lists = (token.audience[:cap], e.required[:cap], token.missing_resources[:cap], token.missing_scopes[:cap])
+    if isinstance(e, StreamEnd):
+        return (*common, e.kind, *ids, e.reason, e.status, e.events, e.first_event_id, e.last_event_id, e.cursor,
+                e.error_frames, e.pending_ids[:cap], e.terminal_ids[:cap], *lists)
+    if isinstance(e, Replay):
+        return (*common, "replay", *ids, None, None, None, None, None, e.cursor, None, *_NO_CALLS, *lists, e.decision,
+                e.guard_decision, e.buffered, e.sent, e.offending_event_id)
+    return (*common, "call", *ids, *_NOT_A_STREAM, *_NO_CALLS, *lists, *_NOT_A_REPLAY, e.outcome)
 
 
-def step_size(step: Step) -> int:
-    """The bytes a kept step holds (shared strings counted each time): what the budget counts. An event:
-    itself, its ``Common`` and ``Token``, their strings and lists, and its two timestamps."""
-    if isinstance(step, Entry):
-        return step.size()
-    return sizes.event(step)
+def _give_up(e: Operation) -> _Row:
+    """The caller's own request span that gave up or failed, as ``Entry`` fields in their order."""
+    return (e.start_ns, e.start_ns + int(e.duration_s * 1e9), e.role, "timeout" if e.timed_out else "error",
+            e.trace_id[:32], e.span_id[:16], e.origin, *_NOT_A_STREAM, *_NO_CALLS, (), (), (), (), *_NOT_A_REPLAY,
+            None, e.error_type, e.duration_s)
 
 
 class Timelines:
@@ -191,20 +177,20 @@ class Timelines:
         self._calls: OrderedDict[Key, Timeline] = OrderedDict()  # least recently touched first
         self._findings: OrderedDict[str, Timeline] = OrderedDict()  # finding id -> its call's timeline
         self._sdk_span_call = sdk_span_call or (lambda span_id: None)
-        self._early: OrderedDict[str, Entry] = OrderedDict()  # a give-up seen before its call span
+        self._early: OrderedDict[str, bytes] = OrderedDict()  # a give-up seen before its call span
         self.bytes = 0
         self.evicted = 0  # timelines dropped for the byte budget while a finding still held them
 
     # --- in: every lifecycle event ---
 
-    def record(self, event: Lifecycle, size: int | None = None) -> None:
-        """Keep ``event`` on its calls' timelines; ``size`` is ``sizes.event(event)`` when the caller has it."""
+    def record(self, event: Lifecycle) -> None:
+        """Keep ``event`` on its calls' timelines."""
         if isinstance(event, StreamEnd):
-            self._stream(event, size)
+            self._stream(event)
         elif isinstance(event, Replay):
-            self._add((event.at.scope, event.request_id or SESSION_LEVEL), *self._kept(event, size))
+            self._add((event.at.scope, event.request_id or SESSION_LEVEL), self._kept(event))
         elif isinstance(event, CallEnd):
-            self._call(event, size)
+            self._call(event)
         else:
             self._operation(event)
         if self.bytes > self.limits.max_bytes:
@@ -235,7 +221,7 @@ class Timelines:
 
     # --- entries ---
 
-    def _stream(self, e: StreamEnd, size: int | None) -> None:
+    def _stream(self, e: StreamEnd) -> None:
         scope = e.at.scope
         request_ids, pending = e.request_ids, e.pending_ids
         if e.terminal_ids and not pending and all((scope, rid) not in self._calls for rid in request_ids):
@@ -245,21 +231,21 @@ class Timelines:
             ids = tuple(dict.fromkeys((*request_ids, *pending)))
         if not ids and e.kind != sc.STREAM_KIND_RESUME:
             return  # a standalone GET or a DELETE: no call's story
-        step, size = self._kept(e, size)
+        step = self._kept(e)
         for rid in ids[:self.limits.max_items] or (SESSION_LEVEL,):
-            self._add((scope, rid), step, size)
+            self._add((scope, rid), step)
 
-    def _call(self, e: CallEnd, size: int | None) -> None:
+    def _call(self, e: CallEnd) -> None:
         key = (e.at.scope, e.request_id)
         if e.outcome in _TERMINAL_OUTCOMES and key not in self._calls:
             return  # answered, and nothing was kept about it
-        self._add(key, *self._kept(e, size))
+        self._add(key, self._kept(e))
         if e.at.role != sc.ROLE_CLIENT:
             return
         if e.sdk_span_id is not None:
             early = self._early.pop(e.sdk_span_id, None)
             if early is not None:
-                self._add(key, early, early.size())
+                self._add(key, early)
         timeline = self._calls.get(key)
         if e.outcome in _TERMINAL_OUTCOMES and timeline is not None and timeline.refs == 1:
             self._release(self._calls.pop(key))  # delivered, no finding: nothing left to tell
@@ -268,40 +254,23 @@ class Timelines:
         """The caller's own request span: kept when it gave up or failed, the end the caller saw."""
         if e.role != sc.ROLE_CLIENT or e.method != "tools/call" or (e.error_type is None and not e.timed_out):
             return
-        entry = Entry(e.start_ns, e.start_ns + int(e.duration_s * 1e9), e.role, "timeout" if e.timed_out else "error",
-                      e.trace_id[:32], e.span_id[:16], e.origin, error_type=e.error_type,
-                      duration_s=e.duration_s)
+        step = marshal.dumps(_give_up(e))
         key = self._sdk_span_call(e.span_id)
         if key is not None:
             if key in self._calls:  # else its story is over (answered) or was dropped for the budget
-                self._add(key, entry, entry.size())
+                self._add(key, step)
             return
-        self._early[e.span_id] = entry
+        self._early[e.span_id] = step
         while len(self._early) > self.limits.max_index // 10:
             self._early.popitem(last=False)
 
-    def _kept(self, e: _E, size: int | None) -> tuple[_E, int]:
-        """What a timeline keeps of ``e``, and its size (``size``, ``sizes.event(e)``, when already counted):
-        ``e`` itself, or a copy of it with every list cut to ``max_items`` (a producer's lists reach 256 items)."""
-        cap = self.limits.max_items
-        lists = sizes.event_lists(e)
-        if size is None:
-            size, items = sizes.event_items(e, lists)
-            if items <= cap:  # no list past the cap: the event itself
-                return e, size
-        if max(map(len, lists)) <= cap:
-            return e, size
-        cut = copy(e)
-        for name in sizes.LIST_NAMES[type(e)]:
-            setattr(cut, name, getattr(e, name)[:cap])
-        cut.token = copy(e.token)
-        for name in sizes.TOKEN_LIST_NAMES:
-            setattr(cut.token, name, getattr(e.token, name)[:cap])
-        return cut, step_size(cut)
+    def _kept(self, e: StreamEnd | Replay | CallEnd) -> bytes:
+        """What a timeline keeps of ``e``: its row (``_row``), written."""
+        return marshal.dumps(_row(e, self.limits.max_items))
 
     # --- the maps, bounded ---
 
-    def _add(self, key: Key, step: Step, size: int) -> None:
+    def _add(self, key: Key, step: bytes) -> None:
         timeline = self._calls.get(key)
         if timeline is None:
             timeline = self._calls[key] = Timeline(self.limits.max_entries)
@@ -309,7 +278,7 @@ class Timelines:
             self.bytes += timeline.bytes
         else:
             self._calls.move_to_end(key)
-        self.bytes += timeline.add(step, size)
+        self.bytes += timeline.add(step)
 
     def _release(self, timeline: Timeline) -> None:
         timeline.refs -= 1
