@@ -57,3 +57,24 @@ async def test_a_reissued_stateless_call_is_no_finding_and_one_not_reissued_is_w
                 await lab.call("fetch", {"url": "u", "steps": 4})
         (finding,) = after_grace(found, clock)
     assert (finding.rule, finding.tool) == ("not_reissued", "fetch")
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+async def test_a_call_the_sdk_fails_itself_is_over_at_once_whatever_the_sampler(sampler: Sampler):
+    """Its stream cut and its resumes refused (a token the server rejects: 401), the SDK fails the call to its
+    caller: its call span ends ``no_terminal`` then, and it is no longer in flight, sampled or not. The SDK's span
+    of it is how the hooks learn that; sampled out, only the HTTP client's close would tell, which a long-running
+    client never does: the call would page as stuck."""
+    with sampled_by(sampler), detector() as (found, clock):
+        async with incident("legacy") as lab:
+            lab.proxy.arm(b"fetch step 1", on_cut=lambda: setattr(lab.auth, "token", "not a token"))
+            with pytest.raises(MCPError):
+                await lab.call("fetch", {"url": "u", "steps": 4}, timeout=6)
+            ended = [s.attributes[sc.CALL_OUTCOME] for s in ours(spans(), sc.SPAN_CALL, sc.ROLE_CLIENT)]
+            in_flight = found.registry.get_sample_value("mcp_stream_calls_in_flight")
+            sdk_spans = _sdk_spans()
+            failed = found.registry.get_sample_value("mcp_stream_calls_total",
+                                                     {"role": "client", "tool": "fetch", "outcome": "error"})
+    assert ended == [sc.OUTCOME_NO_TERMINAL] and in_flight == 0
+    if sampler is ALWAYS_OFF:  # recorded for the hooks, neither exported nor counted by the embedded detector
+        assert sdk_spans == [] and failed is None

@@ -2,20 +2,27 @@
 
 OTel's MCP semantic conventions add MCP attributes to the existing span rather than start another: a healthy call,
 which leaves no span of ours, is recorded on the SDK's ``MCP send tools/call`` span while it is open (``annotate``).
+Its end is how a client learns the SDK answered its caller itself (a timeout, its resumes run out), so the SDK's
+tracer records those spans whatever the application's sampler decides (``_RecordingCalls``).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
+from mcp.shared import _otel as sdk_otel
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, Tracer, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
-from opentelemetry.trace import StatusCode
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import Link, SpanKind, StatusCode
+from opentelemetry.trace.span import TraceState
+from opentelemetry.util.types import Attributes
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.hooks._spans import Terminal
@@ -130,7 +137,41 @@ class SdkSpans(SpanProcessor):
             if index is None:
                 index = _INDEXES[provider] = cls()
                 provider.add_span_processor(index)
+            _record_sdk_calls(provider)
         return index
+
+
+class _RecordingCalls(Sampler):
+    """The application's sampler, but an ``MCP send tools/call`` span it drops is recorded all the same: with
+    ``RECORD_ONLY`` span processors see it and exporters skip it, and its context stays unsampled, so its children
+    and the trace its request carries are sampled as the application's sampler said. Without it a sampled-out call
+    that the SDK failed itself (its resumes ran out) or gave up on (its caller's timeout) would stay in flight for
+    the hooks, and page as stuck, until its HTTP client closed."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str, kind: SpanKind | None = None,
+                      attributes: Attributes = None, links: Sequence[Link] | None = None,
+                      trace_state: TraceState | None = None) -> SamplingResult:
+        result = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        if result.decision is Decision.DROP and name.startswith(sc.SDK_CLIENT_CALL_SPAN):
+            return SamplingResult(Decision.RECORD_ONLY, attributes, result.trace_state)  # a dropped span has none
+        return result
+
+    def get_description(self) -> str:
+        return self.sampler.get_description()
+
+
+def _record_sdk_calls(provider: TracerProvider) -> None:
+    """Have the SDK's tracer (one for the process, on the global ``provider``) record its client call spans whatever
+    the application's sampler decides (``_RecordingCalls``); only that tracer's, not the provider's other tracers."""
+    tracer = sdk_otel._tracer
+    if isinstance(tracer, trace.ProxyTracer):  # the SDK imported before the global provider was set
+        tracer = tracer._tracer  # resolved now, on it
+    if (isinstance(tracer, Tracer) and tracer.span_processor is provider._active_span_processor
+            and not isinstance(tracer.sampler, _RecordingCalls)):
+        tracer.sampler = _RecordingCalls(tracer.sampler)
 
 
 _INDEXES: weakref.WeakKeyDictionary[TracerProvider, SdkSpans] = weakref.WeakKeyDictionary()
