@@ -65,7 +65,7 @@ async def test_a_call_the_sdk_fails_itself_is_over_at_once_whatever_the_sampler(
     caller: its call span ends ``no_terminal`` then, and it is no longer in flight, sampled or not. The SDK's span
     of it is how the hooks learn that; sampled out, only the HTTP client's close would tell, which a long-running
     client never does: the call would page as stuck."""
-    with sampled_by(sampler), detector() as (found, clock):
+    with sampled_by(sampler), detector() as (found, _):
         async with incident("legacy") as lab:
             lab.proxy.arm(b"fetch step 1", on_cut=lambda: setattr(lab.auth, "token", "not a token"))
             with pytest.raises(MCPError):
