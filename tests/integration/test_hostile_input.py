@@ -217,6 +217,44 @@ def test_a_request_waits_for_a_decoding_slot_to_free_up():
     queue.close()
 
 
+def test_health_checks_and_scrapes_answer_while_more_senders_than_worker_threads_wait_for_a_decoding_slot():
+    """A request waits for its decoding slot on the event loop, not on one of the worker threads that
+    ``/healthz`` and ``/metrics`` run on: waiting there, a burst of senders (80 against 40 threads) held every
+    thread for ``decoding_wait_s`` and a liveness probe timed out."""
+    senders = 50  # Starlette's thread pool has 40
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=1, decoding_wait_s=60))
+    waiting = threading.Semaphore(0)
+    reserve = queue.reserve
+
+    def counted(size: int) -> bool:  # each sender's body is in: it goes on to wait for the slot
+        taken = reserve(size)
+        waiting.release()
+        return taken
+
+    queue.reserve = counted  # type: ignore[method-assign]
+    with TestClient(create_app(detector, queue)) as client:
+        (held,) = _slots_taken(queue)
+        posts = [threading.Thread(target=client.post, args=("/v1/traces",), daemon=True, kwargs={
+                     "content": _body(_stream_span(f"w{i}")), "headers": {"content-type": PROTOBUF}})
+                 for i in range(senders)]
+        for post in posts:
+            post.start()
+        for _ in range(senders):
+            assert waiting.acquire(timeout=30)
+        answers: list[int] = []
+        probe = threading.Thread(target=lambda: answers.extend(
+            client.get(path).status_code for path in ("/healthz", "/readyz", "/metrics")), daemon=True)
+        probe.start()
+        probe.join(30)  # a bound on a hang, not a timing: the slot stays taken until after this
+        assert answers == [200, 200, 200]
+        held.__exit__(None, None, None)
+        for post in posts:
+            post.join(60)
+    queue.close()
+    assert detector.ledger.sessions == senders
+
+
 def test_request_bodies_held_at_once_are_bounded_in_bytes():
     detector = Detector()
     queue = IngestQueue(detector, IngestLimits(max_buffered_bytes=1024))

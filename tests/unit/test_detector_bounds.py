@@ -263,6 +263,26 @@ def test_a_session_past_its_cap_of_calls_forgets_delivered_ones_first_and_still_
     assert detector.ledger.evictions["capacity"] == 0
 
 
+def test_a_session_past_its_cap_looks_for_a_call_to_forget_among_its_oldest_only():
+    """A session of calls still owed by the thousand (a hostile producer's) cost a walk of all of them for each
+    call it added: only the oldest ``_ROOM_SCAN`` are looked at. A delivered call within them is forgotten, not
+    counted; one behind that many calls still owed is not found, and the oldest goes, counted."""
+    from mcp_stream_exporter.detector.ledger import _ROOM_SCAN
+
+    def owed(rid: str) -> Span:
+        return stream(C, "post", "dropped", session="s", ids=(rid,), pending=(rid,), last=f"e{rid}")
+
+    for delivered_at in (_ROOM_SCAN - 1, _ROOM_SCAN):
+        detector = Detector(dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=2 * _ROOM_SCAN)),
+                            clock=Clock())
+        for i in range(2 * _ROOM_SCAN):
+            detector.consume(_polled(str(i), 1.0) if i == delivered_at else [owed(str(i))])
+        detector.consume([owed("new")])
+        forgotten = "0" if delivered_at == _ROOM_SCAN else str(delivered_at)
+        assert detector.ledger.find("s", forgotten) is None and detector.ledger.calls == 2 * _ROOM_SCAN
+        assert detector.ledger.evictions["capacity"] == (delivered_at == _ROOM_SCAN)
+
+
 def test_a_late_span_of_a_delivered_call_the_session_forgot_pages_nothing_before_or_after_a_restart():
     """Forgotten to make room, a delivered call came back fresh with the late span of its clean end (the client's
     exporter batching behind the server's), and paged a silent loss with no eviction counted to explain it."""

@@ -91,6 +91,32 @@ def test_the_page_needs_the_api_token_as_a_bearer_or_through_its_login_cookie():
     assert browser.get("/api/findings").status_code == 401  # the cookie opens the page, not the API
 
 
+def test_a_sign_in_cookie_or_body_a_client_makes_up_is_a_401_and_costs_no_memory():
+    """A cookie of bytes that are not ASCII is a wrong one (401, not a 500), and a sign-in reads no more of its
+    body than a token needs: anyone may send one, of any size."""
+    import asyncio
+
+    app = create_app(_lost_call_detector(), access=Access(api_token=TOKEN))
+    for path in ("/ui/", "/ui/findings/x"):
+        assert TestClient(app).get(path, headers=[(b"cookie", COOKIE.encode() + b"=\xff\xfe")]).status_code == 401
+    pulled = 0
+    sent: list[dict[str, object]] = []
+
+    async def endless() -> dict[str, object]:  # 4 MiB, as far as a reader would read
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b"token=" + b"x" * 65536, "more_body": pulled < 64}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/ui/login", "raw_path": b"/ui/login", "query_string": b"",
+             "headers": [(b"content-type", b"application/x-www-form-urlencoded")], "scheme": "http",
+             "server": ("testserver", 80), "client": ("testclient", 1), "http_version": "1.1", "root_path": ""}
+    asyncio.run(app(scope, endless, send))  # type: ignore[arg-type]
+    assert sent[0]["status"] == 401 and pulled == 1
+
+
 def test_the_lost_call_s_page_says_the_gap_in_words_and_what_to_do():
     detector = _lost_call_detector()
     client = TestClient(create_app(detector))

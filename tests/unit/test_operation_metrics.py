@@ -138,3 +138,23 @@ def test_a_batchs_operation_counts_are_charged_to_the_ingest_queue_about_what_th
     (counts,) = [e for e in events if isinstance(e, OperationCounts)]
     held = _held(counts)
     assert 0.7 * held <= counts.weight() <= 1.5 * held
+
+
+def test_label_sets_past_the_cap_are_counted_under_other_not_as_series_of_their_own():
+    """Each label is of a closed set, but a producer that varies them all (error codes, methods, versions) would
+    make millions of series: past the cap, new label sets go to one series of their role, all ``other``."""
+    from mcp_stream_exporter.detector.metrics import MAX_OPERATION_SERIES
+
+    codes = [str(c) for c in range(-32099, -31999)]
+    spans = [_sdk_span(n, 0.01, **{sc.ERROR_TYPE: codes[n % len(codes)], sc.MCP_PROTOCOL_VERSION: version,
+                                   "network.transport": transport})
+             for n, (version, transport) in enumerate(
+                 (v, t) for v in ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28", "x")
+                 for t in ("tcp", "quic", "udp", "pipe", "unix", "y") for _ in range(100))]
+    detector = _over_otlp(*spans)
+    (family,) = [f for f in detector.registry.collect() if f.name == CLIENT]
+    counts = {tuple(sorted(s.labels.items())): s.value for s in family.samples if s.name == f"{CLIENT}_count"}
+    assert len(spans) > MAX_OPERATION_SERIES and len(counts) == MAX_OPERATION_SERIES + 1
+    assert sum(counts.values()) == len(spans)
+    folded = {k: v for k, v in counts.items() if dict(k)["mcp_method_name"] == "other"}
+    assert list(folded.values()) == [len(spans) - MAX_OPERATION_SERIES]

@@ -12,11 +12,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
+from anyio import CapacityLimiter, move_on_after, to_thread
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from google.protobuf import json_format
 from prometheus_client.exposition import choose_encoder
-from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mcp_stream_exporter.detector.credentials import basic_matches, bearer_matches
@@ -28,6 +28,7 @@ from mcp_stream_exporter.detector.ingest import (
     IngestError,
     IngestLimits,
     IngestQueue,
+    busy,
     decode,
     decompress,
     partial_success,
@@ -74,8 +75,10 @@ class _OtlpHttp:
     """``/v1/traces`` as plain ASGI in front of the FastAPI app: OTLP/HTTP requests are the service's
     traffic, and Starlette's request, response and middleware machinery cost about as much as reading a
     small batch. A body is read on a worker thread, never on the event loop: a 256 KiB JSON batch takes
-    100 ms and more to decode, and health checks and scrapes would wait for it. Every other request goes
-    to ``app``."""
+    100 ms and more to decode, and health checks and scrapes would wait for it. Nor on the threads they run
+    on: a request waits for one of the few decoding slots on the event loop, then takes a thread of its own
+    pool; waiting on a thread of the shared pool, a burst of senders would hold them all and ``/healthz`` would
+    time out. Every other request goes to ``app``."""
 
     def __init__(self, app: ASGIApp, queue: IngestQueue, token: str | None) -> None:
         self._app = app
@@ -83,6 +86,8 @@ class _OtlpHttp:
         self._limits = queue.limits
         self._token = token
         self._rejected = queue.detector.metrics.requests_rejected
+        self._slots = CapacityLimiter(queue.limits.max_decoding)  # requests decoding, or waiting to (gRPC's turn)
+        self._threads = CapacityLimiter(queue.limits.max_decoding)  # theirs: one each, never waited for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/traces":
@@ -137,7 +142,16 @@ class _OtlpHttp:
         if content_type is None:
             content_type = PROTOBUF
         try:
-            outcome = await run_in_threadpool(self._read, body, content_type, encoding)
+            waited = True
+            with move_on_after(limits.decoding_wait_s):
+                await self._slots.acquire()
+                waited = False
+            if waited:
+                raise busy()
+            try:
+                outcome = await to_thread.run_sync(self._read, body, content_type, encoding, limiter=self._threads)
+            finally:
+                self._slots.release()
         except IngestError as exc:
             return self._refuse(exc.status, exc.reason, exc.metric_reason,
                                 _retry_after(limits) if exc.status == 429 else ())

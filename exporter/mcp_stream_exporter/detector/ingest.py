@@ -34,16 +34,19 @@ from mcp_stream_exporter.detector import sizes
 from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Event, Outcome
-from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
+from mcp_stream_exporter.detector.limits import IngestError, IngestLimits, busy
 from mcp_stream_exporter.detector.metrics import OperationCounts
 from mcp_stream_exporter.detector.otlp import Batch, decode_protobuf
 from mcp_stream_exporter.redaction import redact
 
-__all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQueue", "decode", "decode_protobuf",
-           "decompress", "partial_success", "receive", "serve_grpc"]
+__all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQueue", "busy", "decode",
+           "decode_protobuf", "decompress", "partial_success", "receive", "serve_grpc"]
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
+# events applied under the detector's lock at once: a batch of thousands of wide spans would hold ``/api`` and
+# ``/metrics`` for seconds, and the ledger's memory is accounted for after each
+_APPLY_CHUNK = 256
 ExportResponse = trace_service_pb2.ExportTraceServiceResponse
 
 PROTOBUF = "application/x-protobuf"
@@ -111,11 +114,39 @@ def decode(body: bytes, content_type: str, limits: IngestLimits) -> Batch:
     raise IngestError(415, f"unsupported Content-Type {media[:60]!r}: use {PROTOBUF} or {JSON}", "bad_encoding")
 
 
+def _original_names(message: Any) -> set[str]:
+    """The field names of ``message`` and of every message in it that differ from their JSON names."""
+    names: set[str] = set()
+    seen: set[str] = set()
+    todo = [message]
+    while todo:
+        descriptor = todo.pop()
+        if descriptor.full_name in seen:
+            continue
+        seen.add(descriptor.full_name)
+        for field in descriptor.fields:
+            if field.name != field.json_name:
+                names.add(field.name)
+            if field.message_type is not None:
+                todo.append(field.message_type)
+    return names
+
+
+# OTLP/JSON's keys are the lowerCamelCase JSON names only; protobuf's parser reads the original names too
+# (``resource_spans``, ``int_value``), which would pass by what ``_as_protobuf_json`` reads and checks
+_ORIGINAL_NAME = re.compile(rb'"(?:%s)"\s*:' % b"|".join(
+    sorted(n.encode() for n in _original_names(ExportRequest.DESCRIPTOR))))
+
+
 def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
     values = body.count(b",") + body.count(b"{") + body.count(b"[") + 1  # an upper bound, at C speed
     if values > limits.max_json_values:
         raise IngestError(413, f"about {values} JSON values; at most {limits.max_json_values}: send smaller "
                           f"batches, or protobuf", "too_large")
+    original = _ORIGINAL_NAME.search(body)
+    if original is not None:
+        raise IngestError(400, f"OTLP/JSON keys are lowerCamelCase, not {original.group().decode()[:40]}",
+                          "malformed")
     request = ExportRequest()
     try:
         json_format.ParseDict(_as_protobuf_json(json.loads(body)), request, ignore_unknown_fields=True)
@@ -249,7 +280,7 @@ class IngestQueue:
     def decoding(self) -> Iterator[None]:
         """One of the few decoding slots, waited for in turn; 429 if none frees up in time."""
         if not self._decoding.acquire(timeout=self.limits.decoding_wait_s):
-            raise IngestError(429, "every decoding slot is busy; retry after the given delay", "busy")
+            raise busy()
         try:
             yield
         finally:
@@ -280,7 +311,10 @@ class IngestQueue:
                 continue
             events, arrived, size = batch
             try:
-                self.detector.apply(events)
+                for start in range(0, len(events), _APPLY_CHUNK):
+                    if start:
+                        time.sleep(0)  # the lock let go, and the GIL: a reader waiting for it gets its turn
+                    self.detector.apply(events[start:start + _APPLY_CHUNK])
             except Exception:  # a bug must not stop ingest: log its cause, count it, go on
                 log.exception("a batch could not be applied", extra={"events": len(events)})
                 self.detector.metrics.errors.labels("ingest").inc()

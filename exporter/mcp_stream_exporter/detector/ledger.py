@@ -38,6 +38,7 @@ _CALLS_BYTES = 200  # a session's dict of calls, once it has two (most have one)
 _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
 _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
+_ROOM_SCAN = 32  # a session's oldest calls looked at for one to forget when it is past its cap (``_make_room``)
 _DONE_BYTES = 100  # one forgotten call's id's place in its session's dict (the id counted besides)
 _DONE_PER_CALL = 4  # forgotten calls' ids a session keeps, per call it may hold: a span this late is rare
 _INDEX_BYTES = 250  # one look-up entry
@@ -377,10 +378,12 @@ class Ledger:
         else the oldest that is over and judged (no timer set): nothing is left to find of either, so neither
         counts as an eviction (a long session of healthy resumed calls would page ``LedgerEvicting``). Only
         when every call may still be a loss does the oldest go, counted: not the one whose grace is running
-        because a hundred others came after it."""
+        because a hundred others came after it. Looked for among the oldest ``_ROOM_SCAN`` only: a session whose
+        oldest calls are all still owed (a hostile producer's, pending by the thousand) would otherwise cost a walk
+        of all its calls for every call it adds."""
         gone: CallState | None = None
         over: CallState | None = None
-        for call in itertools.islice(calls.values(), len(calls) - 1):
+        for call in itertools.islice(calls.values(), min(len(calls) - 1, _ROOM_SCAN)):
             if call.reached_caller:
                 gone = call
                 break

@@ -30,3 +30,8 @@ class IngestError(Exception):
         self.status = status
         self.reason = reason
         self.metric_reason = metric_reason
+
+
+def busy() -> IngestError:
+    """No decoding slot freed up within ``decoding_wait_s``: 429, the sender retries later."""
+    return IngestError(429, "every decoding slot is busy; retry after the given delay", "busy")

@@ -40,6 +40,7 @@ _METHODS = frozenset({
 })
 _JSONRPC_CODES = frozenset(str(c) for c in (-32700, -32600, -32601, -32602, -32603, *range(-32099, -31999)))
 _ROLES = (sc.ROLE_CLIENT, sc.ROLE_SERVER)
+MAX_OPERATION_SERIES = 2_000  # the duration histograms' label sets, both roles: a few MB, some 34,000 lines
 _ERROR_TYPES = frozenset({"tool_error", "timeout", "error"}) | _JSONRPC_CODES
 # semconv network.transport's well-known values, and the MCP protocol versions (eras) there are; absent: ""
 _NETWORK_TRANSPORTS: dict[str | None, str] = {None: "", **{t: t for t in ("tcp", "quic", "udp", "pipe", "unix")}}
@@ -179,7 +180,9 @@ class Operations(Collector):
     """The semconv ``mcp.{client,server}.operation.duration`` histograms and ``mcp_stream_calls``, kept as
     plain counts per label set and exposed at scrape time: one dictionary update per batch and label set.
     Each bucket keeps the last span that landed in it, exposed as its exemplar (trace and span id, the
-    duration, the span's end) in the OpenMetrics format only."""
+    duration, the span's end) in the OpenMetrics format only. Each label is of a closed set, but their
+    product is millions: past ``MAX_OPERATION_SERIES`` label sets, a new one is counted under its role with
+    every other label ``other``."""
 
     def __init__(self, tools: ToolLabels) -> None:
         self._tools = tools
@@ -194,6 +197,9 @@ class Operations(Collector):
                 key = (role, method, self._tools(tool) if tool is not None else "", error,
                        _NETWORK_TRANSPORTS.get(transport, OTHER), _PROTOCOL_VERSIONS.get(protocol, OTHER))
                 total = self._histograms.get(key)
+                if total is None and len(self._histograms) >= MAX_OPERATION_SERIES:
+                    key = (role, OTHER, OTHER, OTHER, OTHER, OTHER)
+                    total = self._histograms.get(key)
                 if total is None:
                     self._histograms[key] = (list(counts), list(last))
                 else:

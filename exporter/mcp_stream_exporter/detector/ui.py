@@ -45,6 +45,7 @@ _HEADERS = {
     "Cache-Control": "no-store",
 }
 _STATIC = {"ui.css": "text/css", "ui.js": "text/javascript"}
+_LOGIN_BYTES = 4096  # of a sign-in form's body: a token and its field name fit many times over
 
 # rule -> the alert that pages on it (alerts/mcp-stream-exporter.yaml); its runbook is docs/runbooks/<alert>.md
 ALERTS: dict[str, str] = {
@@ -148,6 +149,17 @@ def _cookie_value(token: str) -> str:
     return hmac.new(token.encode(), b"mcp-stream-exporter findings page", hashlib.sha256).hexdigest()
 
 
+async def _head(request: Request, size: int) -> bytes:
+    """The first ``size`` bytes of the request's body, read no further: a sign-in needs no more, and anyone may
+    send one (``Request.body`` would hold all of a body of any size)."""
+    head = b""
+    async for chunk in request.stream():
+        head += chunk
+        if len(head) >= size:
+            break
+    return head[:size]
+
+
 def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | None,
              bearer_ok: Callable[[Request], bool]) -> None:
     """Add ``/ui/`` to the detector's app, behind the same token as ``/api``."""
@@ -155,8 +167,9 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
     def allowed(request: Request) -> bool:
         if bearer_ok(request):
             return True
-        cookie = request.cookies.get(COOKIE, "")
-        return api_token is not None and hmac.compare_digest(cookie, _cookie_value(api_token))
+        # as bytes: ``compare_digest`` refuses a str that is not ASCII, which a client may send (a 401, not a 500)
+        cookie = request.cookies.get(COOKIE, "").encode("utf-8", "surrogatepass")
+        return api_token is not None and hmac.compare_digest(cookie, _cookie_value(api_token).encode())
 
     def page(body: str, status: int = 200) -> HTMLResponse:
         return HTMLResponse(body, status_code=status, headers=_HEADERS)
@@ -176,7 +189,7 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
 
     @app.post("/ui/login", include_in_schema=False)
     async def ui_login(request: Request) -> Response:
-        token = parse_qs((await request.body())[:4096].decode("utf-8", "replace")).get("token", [""])[0]
+        token = parse_qs((await _head(request, _LOGIN_BYTES)).decode("utf-8", "replace")).get("token", [""])[0]
         if api_token is None or not hmac.compare_digest(token.encode(), api_token.encode()):
             return login(failed=api_token is not None)
         answer = RedirectResponse("/ui/", status_code=303)
