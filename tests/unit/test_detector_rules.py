@@ -1153,18 +1153,12 @@ def test_a_running_word_that_comes_after_the_servers_result_is_not_taken():
     assert "clean_end_pending" in rules(run(spans, after_s=60))
 
 
-def test_a_resume_refused_by_http_auth_tells_its_caller_as_an_error_frame_does():
-    """A resume answered 401 or 403 (a token the server rejects): the SDK fails the call with it, so a result stored
-    meanwhile is no silent loss, nor the call in flight; a resume not refused after it judges it again. Any other
-    HTTP error (a 5xx, a 404) tells nothing of its own here."""
+def test_a_resume_answered_401_or_403_tells_no_caller_and_a_stored_result_never_delivered_still_pages():
+    """The SDK retries a resume that got an HTTP error (a token refreshed meanwhile may get through) and fails the call
+    only once its attempts ran out, with an error that says nothing of the result: the result stored and never
+    delivered is lost all the same, and a retry that got through and then lost it must not go unseen."""
     for status in (401, 403):
         refused = stream(C, "resume", sc.END_HTTP_ERROR, pending=("3",), cursor="6", status=status, at=2.0)
-        for spans in ([*_stored_with_no_stream(), refused], [refused, *_stored_with_no_stream()]):
-            assert rules(run(spans, after_s=60)) == []
-        dropped = stream(C, "post", "dropped", pending=("3",), last="6")
-        assert _in_flight([dropped, refused]) == (0, [])
-        retried = stream(C, "resume", "clean", pending=("3",), cursor="6", at=3.0)
-        assert rules(run([*_stored_with_no_stream(), refused, retried], after_s=60)) != []
-    for status in (404, 500, 503):
-        failed = stream(C, "resume", sc.END_HTTP_ERROR, pending=("3",), cursor="6", status=status, at=2.0)
-        assert rules(run([*_stored_with_no_stream(), failed], after_s=60)) == ["stored_not_delivered"]
+        stalled = stream(C, "resume", sc.END_DROPPED, pending=("3",), cursor="6", at=2.5)
+        for spans in ([*_stored_with_no_stream(), refused], [refused, *_stored_with_no_stream(), stalled]):
+            assert rules(run(spans, after_s=60)) == ["stored_not_delivered"]

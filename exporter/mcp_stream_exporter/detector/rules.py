@@ -113,7 +113,6 @@ _TERMINAL_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUT
 # a call span that ended so shows the call over, though not delivered: the SDK failed it to its caller, or it has
 # no stream left to come on (no_terminal); the server accepted its client's cancel (cancelled)
 _OVER_OUTCOMES = frozenset({sc.OUTCOME_NO_TERMINAL, sc.OUTCOME_CANCELLED})
-_AUTH_REFUSALS = frozenset({401, 403})  # a resume answered so was refused explicitly: its caller is told
 # the losses of a result that never reached its caller: a delivery seen later says the page was wrong
 _UNDELIVERED = frozenset({RuleId.CLEAN_END_PENDING, RuleId.STORED_NOT_DELIVERED, RuleId.SENT_NOT_RECEIVED,
                           RuleId.STORE_FAILED})
@@ -432,10 +431,8 @@ class RuleEngine:
         at = e.at
         resumes = session.resumes
         assert resumes is not None
-        # the server said why, not silent: an error frame (the guard), or an auth refusal (401, 403), which the SDK
-        # fails the call with once it cannot re-authorise
-        explicit = e.error_frames > 0 or (e.reason == sc.END_HTTP_ERROR and e.status in _AUTH_REFUSALS)
-        if e.reason != sc.END_OPEN and (explicit or e.reason != sc.END_HTTP_ERROR):  # one still open ends later
+        explicit = e.error_frames > 0  # the server said why (the guard): not silent
+        if e.reason not in (sc.END_OPEN, sc.END_HTTP_ERROR):  # one still open ends later; an HTTP error tells
             for rid in e.pending_ids or e.request_ids:
                 self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
         if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR:  # an HTTP error tells, carries nothing
