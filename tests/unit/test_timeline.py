@@ -248,3 +248,28 @@ def test_an_event_in_the_ingest_queue_is_charged_what_it_and_every_string_and_li
     for span in spans:
         event = _event(span)
         assert sizes.event(event) == _held(event), span.attributes
+
+
+def test_values_of_a_subclass_a_span_processor_is_handed_are_read_as_plain_ones_and_kept():
+    """In process a span's attribute may be an ``IntEnum`` (``HTTPStatus``, as an HTTP client gives its status) or
+    a ``str`` subclass; read by value (not an enum's ``__str__``), the detector takes it, and a timeline, which
+    writes its steps with ``marshal``, keeps it. Before, ``marshal`` raised out of the application's ``span.end()``."""
+    import enum
+    from http import HTTPStatus
+
+    class Cursor(str, enum.Enum):
+        SIX = "6"
+
+    span = stream(C, "resume", sc.END_HTTP_ERROR, pending=(Cursor.SIX,), cursor=Cursor.SIX, status=401)
+    span.attributes[sc.HTTP_RESPONSE_STATUS_CODE] = HTTPStatus.UNAUTHORIZED
+    event = _event(span)
+    assert (event.status, event.cursor, event.pending_ids) == (401, "6", ("6",))
+    assert type(event.status) is int and type(event.cursor) is str and type(event.pending_ids[0]) is str
+    timelines = Timelines()
+    timelines.record(event)
+    found = Finding(id="f", rule="clean_end_pending", severity="critical", era="resumable", tool="fetch",
+                    session_id="s1", request_id="6", detected_ns=200 * S, summary="")
+    timelines.attach(found)
+    timeline = timelines.of(found)
+    assert timeline is not None
+    assert [(e.status, e.cursor) for e in timeline.entries()] == [(401, "6")]

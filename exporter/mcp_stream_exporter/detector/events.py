@@ -300,11 +300,14 @@ def _plain(a: Mapping[str, Any], key: str) -> str | None:
 
 
 def _coerced(key: str, value: object) -> str:
+    """A string, or an int (request ids may arrive as ints from other SDKs), as a plain ``str``: a subclass (a
+    ``(str, Enum)``, an ``IntEnum`` such as ``HTTPStatus``, which a span processor in process may be handed) by its
+    value, not its ``__str__``, and never kept as it is (a timeline writes its steps with ``marshal``)."""
     if isinstance(value, str):
-        return value
+        return str.__str__(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise Rejected(f"{key} must be a string")
-    return str(value)  # request ids may arrive as ints from other SDKs
+    return str(int.__index__(value))
 
 
 def _int(a: Mapping[str, Any], key: str) -> int | None:
@@ -315,7 +318,7 @@ def _int(a: Mapping[str, Any], key: str) -> int | None:
         raise Rejected(f"{key} must be an integer")
     if value < 0:  # every int of the model is a count or a status
         raise Rejected(f"{key} must not be negative")
-    return value
+    return value if type(value) is int else int.__index__(value)  # an IntEnum (``HTTPStatus``) by its value
 
 
 def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -334,7 +337,7 @@ def _strs(a: Mapping[str, Any], key: str) -> tuple[str, ...]:
         if type(v) is not str:
             if isinstance(v, bool) or not isinstance(v, (str, int)):
                 raise Rejected(f"{key} must be a list of strings")
-            v = str(v)
+            v = _coerced(key, v)
         items.append(redact_id(v) if len(v) <= MAX_CHARS else _digest(v))
     # a tuple of clean strings is kept as it came (an OTLP reader shares it from its memo of values)
     return value if type(value) is tuple and all(map(operator.is_, items, value)) else tuple(items)
