@@ -134,8 +134,20 @@ def _original_names(message: Any) -> set[str]:
 
 # OTLP/JSON's keys are the lowerCamelCase JSON names only; protobuf's parser reads the original names too
 # (``resource_spans``, ``int_value``), which would pass by what ``_as_protobuf_json`` reads and checks
-_ORIGINAL_NAME = re.compile(rb'"(?:%s)"\s*:' % b"|".join(
-    sorted(n.encode() for n in _original_names(ExportRequest.DESCRIPTOR))))
+_ORIGINAL_NAMES = frozenset(_original_names(ExportRequest.DESCRIPTOR))
+_ORIGINAL_NAME = re.compile(rb'"(%s)"\s*:' % b"|".join(sorted(n.encode() for n in _ORIGINAL_NAMES)))
+
+
+def _original(name: str) -> IngestError:
+    return IngestError(400, f"OTLP/JSON keys are lowerCamelCase, not {name[:40]!r}", "malformed")
+
+
+def _lower_camel(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are no original field name (``json.loads``'s hook, for keys with escapes)."""
+    for key, _ in pairs:
+        if key in _ORIGINAL_NAMES:
+            raise _original(key)
+    return dict(pairs)
 
 
 def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
@@ -145,11 +157,12 @@ def _decode_json(body: bytes, limits: IngestLimits) -> Batch:
                           f"batches, or protobuf", "too_large")
     original = _ORIGINAL_NAME.search(body)
     if original is not None:
-        raise IngestError(400, f"OTLP/JSON keys are lowerCamelCase, not {original.group().decode()[:40]}",
-                          "malformed")
+        raise _original(original.group(1).decode())
     request = ExportRequest()
     try:
-        json_format.ParseDict(_as_protobuf_json(json.loads(body)), request, ignore_unknown_fields=True)
+        # a key written with escapes (``"int\u005fvalue"``) is not in the bytes as such: its parsed keys are read
+        doc = json.loads(body, object_pairs_hook=_lower_camel) if b"\\" in body else json.loads(body)
+        json_format.ParseDict(_as_protobuf_json(doc), request, ignore_unknown_fields=True)
     except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
         reason = redact(str(exc)[:400])[:200]
         raise IngestError(400, f"not an OTLP ExportTraceServiceRequest: {reason}", "malformed") from None
