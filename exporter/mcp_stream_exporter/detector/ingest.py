@@ -327,7 +327,8 @@ class IngestQueue:
                 for start in range(0, len(events), _APPLY_CHUNK):
                     if start:
                         time.sleep(0)  # the lock let go, and the GIL: a reader waiting for it gets its turn
-                    self.detector.apply(events[start:start + _APPLY_CHUNK])
+                    self.detector.apply(events[start:start + _APPLY_CHUNK],
+                                        judge=start + _APPLY_CHUNK >= len(events))
             except Exception:  # a bug must not stop ingest: log its cause, count it, go on
                 log.exception("a batch could not be applied", extra={"events": len(events)})
                 self.detector.metrics.errors.labels("ingest").inc()

@@ -1,0 +1,29 @@
+"""The ingest queue's worker: a batch applied in parts, the detector's lock let go between, judged as one."""
+
+from __future__ import annotations
+
+from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
+from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue
+
+from spans import S, Clock, call, stream
+
+C = sc.ROLE_CLIENT
+
+
+def test_a_batch_applied_in_parts_is_judged_once_all_of_it_is_in():
+    """A grace that ran out while a batch waited is judged after the whole batch: not after its first part, when
+    a later part holds the call's delivery (a loss paged that the batch itself disproves)."""
+    clock = Clock()
+    detector = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5)), clock=clock)
+    detector.consume([stream(C, "resume", "clean", pending=("3",), cursor="6")])  # call 3 pending after a clean end
+    clock.now += 6 * S  # the next batch waited in the queue past the grace
+    others = [call(C, sc.OUTCOME_RESULT, session=f"other{i}", request_id="1", at=2.0) for i in range(600)]
+    delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="9", at=2.0)
+    events, _ = detector.read([*others, delivered], "otlp_http")
+    queue = IngestQueue(detector, IngestLimits(), tick_interval_s=3600)
+    try:
+        assert queue.offer(events) and queue.wait_idle(30)
+    finally:
+        queue.close()
+    assert list(detector.findings) == [] and detector.ledger.in_flight == 0
