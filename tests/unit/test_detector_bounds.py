@@ -263,24 +263,26 @@ def test_a_session_past_its_cap_of_calls_forgets_delivered_ones_first_and_still_
     assert detector.ledger.evictions["capacity"] == 0
 
 
-def test_a_session_past_its_cap_looks_for_a_call_to_forget_among_its_oldest_only():
+def test_a_session_past_its_cap_looks_for_a_call_to_forget_among_its_oldest_and_newest_only():
     """A session of calls still owed by the thousand (a hostile producer's) cost a walk of all of them for each
-    call it added: only the oldest ``_ROOM_SCAN`` are looked at. A delivered call within them is forgotten, not
-    counted; one behind that many calls still owed is not found, and the oldest goes, counted."""
+    call it added: only its ``_ROOM_SCAN`` oldest and newest are looked at. A delivered call among them is
+    forgotten, not counted; one amid that many calls still owed at both ends is not found, and the oldest goes,
+    counted."""
     from mcp_stream_exporter.detector.ledger import _ROOM_SCAN
 
     def owed(rid: str) -> Span:
         return stream(C, "post", "dropped", session="s", ids=(rid,), pending=(rid,), last=f"e{rid}")
 
-    for delivered_at in (_ROOM_SCAN - 1, _ROOM_SCAN):
-        detector = Detector(dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=2 * _ROOM_SCAN)),
+    cap = 4 * _ROOM_SCAN
+    for delivered_at, found in ((_ROOM_SCAN - 1, True), (cap - _ROOM_SCAN, True), (2 * _ROOM_SCAN, False)):
+        detector = Detector(dataclasses.replace(CONFIG, ledger=LedgerLimits(max_calls_per_session=cap)),
                             clock=Clock())
-        for i in range(2 * _ROOM_SCAN):
+        for i in range(cap):
             detector.consume(_polled(str(i), 1.0) if i == delivered_at else [owed(str(i))])
         detector.consume([owed("new")])
-        forgotten = "0" if delivered_at == _ROOM_SCAN else str(delivered_at)
-        assert detector.ledger.find("s", forgotten) is None and detector.ledger.calls == 2 * _ROOM_SCAN
-        assert detector.ledger.evictions["capacity"] == (delivered_at == _ROOM_SCAN)
+        forgotten = str(delivered_at) if found else "0"
+        assert detector.ledger.find("s", forgotten) is None and detector.ledger.calls == cap
+        assert detector.ledger.evictions["capacity"] == (not found)
 
 
 def test_a_late_span_of_a_delivered_call_the_session_forgot_pages_nothing_before_or_after_a_restart():

@@ -38,7 +38,7 @@ _CALLS_BYTES = 200  # a session's dict of calls, once it has two (most have one)
 _CALL_BYTES = 600  # the call and its dict slot, and its two possible timers (deduplicated)
 _WINDOW_BYTES = 900  # one resume cursor's window (a deque) and its dict slot
 _CURSOR_BYTES = 16  # one cursor's two places in its session's tuple (its event id and request ids counted besides)
-_ROOM_SCAN = 32  # a session's oldest calls looked at for one to forget when it is past its cap (``_make_room``)
+_ROOM_SCAN = 16  # a session's oldest calls, and as many newest, looked at for one to forget past its cap
 _DONE_BYTES = 100  # one forgotten call's id's place in its session's dict (the id counted besides)
 _DONE_PER_CALL = 4  # forgotten calls' ids a session keeps, per call it may hold: a span this late is rare
 _INDEX_BYTES = 250  # one look-up entry
@@ -378,12 +378,16 @@ class Ledger:
         else the oldest that is over and judged (no timer set): nothing is left to find of either, so neither
         counts as an eviction (a long session of healthy resumed calls would page ``LedgerEvicting``). Only
         when every call may still be a loss does the oldest go, counted: not the one whose grace is running
-        because a hundred others came after it. Looked for among the oldest ``_ROOM_SCAN`` only: a session whose
-        oldest calls are all still owed (a hostile producer's, pending by the thousand) would otherwise cost a walk
-        of all its calls for every call it adds."""
+        because a hundred others came after it. Looked for among its ``_ROOM_SCAN`` oldest and ``_ROOM_SCAN``
+        newest calls only (where a session's calls still owed are seldom both): a session whose calls are all still
+        owed (a hostile producer's, pending by the thousand) would otherwise cost a walk of all of them for every
+        call it adds."""
         gone: CallState | None = None
         over: CallState | None = None
-        for call in itertools.islice(calls.values(), min(len(calls) - 1, _ROOM_SCAN)):
+        held = len(calls) - 1  # the newest, just added, stays
+        oldest = min(held, _ROOM_SCAN)
+        newest = itertools.islice(reversed(calls.values()), 1, 1 + min(held - oldest, _ROOM_SCAN))
+        for call in itertools.chain(itertools.islice(calls.values(), oldest), newest):
             if call.reached_caller:
                 gone = call
                 break
