@@ -6,7 +6,7 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
 from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue
 
-from spans import S, Clock, call, stream
+from spans import Clock, S, call, stream
 
 C = sc.ROLE_CLIENT
 
