@@ -656,3 +656,36 @@ async def test_calls_the_sdk_fails_as_its_transport_dies_are_not_left_in_flight_
         assert [str(outcome) for outcome in outcomes] == ["Connection closed"] * 2
         after_grace(found, clock)
         assert found.ledger.in_flight == 0
+
+
+async def test_a_stateless_call_answered_with_a_json_rpc_error_at_an_http_error_status_is_answered_not_broken():
+    """The 2026-07-28 SDK server answers some JSON-RPC errors at 400 or 404 (a tool's INVALID_PARAMS; a tool asking
+    for sampling, which the era has no back-channel for), and the SDK hands the error to its caller: the client's
+    spans alone must read it as the call's answer (``error``), not a broken stream owed a re-issue."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp_types import INVALID_PARAMS
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from mcp_stream_exporter.detector import DetectorConfig, RuleConfig
+    from mcp_stream_exporter.detector.embedded import DetectorSpanProcessor
+    from mcp_stream_exporter.lab import serve
+
+    server = MCPServer("strict")
+
+    @server.tool()
+    async def strict(x: str) -> str:
+        raise MCPError(INVALID_PARAMS, f"x must be a date, got {x!r}")
+
+    clock = Clock()
+    found = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5, reissue_grace_s=5)), clock=clock)
+    client_side = TracerProvider()  # the client's spans only: the server is not instrumented
+    client_side.add_span_processor(DetectorSpanProcessor(found))
+    async with serve(server.streamable_http_app()) as port:
+        http = instrument_client(tracer_provider=client_side)
+        async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http)) as client:
+            with pytest.raises(MCPError) as answered:
+                await client.call_tool("strict", {"x": "tomorrow"})
+    assert answered.value.error.code == INVALID_PARAMS
+    clock.advance(60)
+    found.tick()
+    assert list(found.findings) == [] and found.ledger.in_flight == 0

@@ -129,6 +129,21 @@ async def test_a_clients_pending_call_whose_answer_is_no_json_result_is_started_
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("request_id", [b'"1"', b"null"], ids=["its-id", "no-id"])
+@pytest.mark.parametrize("status", [400, 404])
+async def test_a_clients_pending_call_answered_with_a_json_rpc_error_at_an_http_error_status_is_answered(
+        status, request_id):
+    """The 2026-07-28 SDK server answers some JSON-RPC errors at 400 or 404, the SDK hands them to the caller (one
+    without an id as its request's): the call's answer, at an HTTP error's end, not a call its stream left owed."""
+    body = b'{"jsonrpc":"2.0","id":%s,"error":{"code":-32602,"message":"x must be a date"}}' % request_id
+    exporter = await _client_exchange(_json(status, body))
+    (post,) = _ours(exporter, sc.SPAN_STREAM)
+    assert post.attributes[sc.END_REASON] == sc.END_HTTP_ERROR
+    assert post.attributes[sc.TERMINAL_REQUEST_IDS] == ("1",) and sc.PENDING_REQUEST_IDS not in post.attributes
+    assert [c.attributes[sc.CALL_OUTCOME] for c in _ours(exporter, sc.SPAN_CALL)] in ([], [sc.OUTCOME_ERROR])
+
+
+@pytest.mark.anyio
 async def test_a_clients_pending_call_whose_answer_is_closed_unread_is_cancelled():
     exporter = await _client_exchange(_json(200, _RESULT), close_unread=True)
     (call,) = _ours(exporter, sc.SPAN_CALL)

@@ -266,11 +266,14 @@ class ClientInstrumentation:
         stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
         if stream is None:
             return response
-        if content == CONTENT_NONE or status >= 300:  # a redirect delivers nothing, and is no clean end either
+        # a redirect delivers nothing, and is no clean end either; nor does an error, but for the JSON-RPC error a
+        # POST's calls may be answered with at an HTTP error status (400, 404), which the SDK hands its caller
+        answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST" and calls)
+        if content == CONTENT_NONE or not answers:
             self.tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
             return response
         assert isinstance(response.stream, httpx2.AsyncByteStream)
-        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status,
+        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status, calls,
                                      decoder=decoder)
         return response
 
@@ -284,6 +287,13 @@ class ClientInstrumentation:
         return self.tracker.open_stream(stream_kind(method, cursor), session_id, calls,
                                         (method, content, protocol_version, cursor), auth, status, start_time=start,
                                         holder=holder)
+
+
+def _of_its_call(messages: list[WireMessage], request_id: str) -> list[WireMessage]:
+    """An error answer's messages, one without an id (a request refused before its id was read) taken as its one
+    call's, as the SDK takes it for the request it sent."""
+    return [m._replace(id=request_id) if m.kind == sc.FRAME_ERROR and m.id is None and m.error_code is not None
+            else m for m in messages]
 
 
 class _TapStream(httpx2.AsyncByteStream):
@@ -544,9 +554,12 @@ class _TapStream(httpx2.AsyncByteStream):
         stream = self._followed()
         if stream is None:
             return
+        status = self._status
         if messages is not None:
+            if status >= 300 and self._calls is not None and len(self._calls) == 1:
+                messages = _of_its_call(messages, self._calls[0].key[1])
             self._tracker.frame(stream, None, messages)
-        self._tracker.end_stream(stream, sc.END_CLEAN, self._status)
+        self._tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
 
     def _settle(self) -> None:
         """A deferred answer that carried its call's result and nothing else ends unopened (``Tracker.settle``)."""
@@ -559,8 +572,8 @@ class _TapStream(httpx2.AsyncByteStream):
             self._settle()
             return
         stream = self._followed()
-        if stream is not None:
-            self._tracker.end_stream(stream, reason, self._status)
+        if stream is not None:  # an error's answer ends as one, read or not
+            self._tracker.end_stream(stream, sc.END_HTTP_ERROR if self._status >= 300 else reason, self._status)
 
     def aclose(self) -> Coroutine[Any, Any, None]:
         self._end(sc.END_CLOSED)
