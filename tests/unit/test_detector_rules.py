@@ -281,6 +281,14 @@ def test_not_reissued_fires_when_a_broken_stateless_call_is_not_sent_again():
     assert rules(run([*_broken_stateless_call(), reissued], after_s=6)) == []
 
 
+def test_not_reissued_told_by_the_clients_call_span_alone_names_the_client_as_its_side():
+    """A finding lists the sides whose spans raised it: a break known only from the call span (its stream ended
+    at an HTTP error, which leaves no call owed) still is the client's."""
+    for spans in (_broken_stateless_call(), _broken_stateless_call()[1:]):
+        (finding,) = run(spans, after_s=6).findings
+        assert (finding.rule, finding.roles) == ("not_reissued", [C])
+
+
 def test_a_break_whose_call_span_was_lost_is_matched_to_its_reissue_by_its_streams_fingerprint():
     # a batch lost on the way: the broken call's own span never comes, its stream's (and the re-issue's) do
     broken = stream(C, "post", "dropped", pending=("3",), session=None, era=sc.ERA_STATELESS, fingerprint="f00d")

@@ -420,6 +420,7 @@ class RuleEngine:
         the error reaches its caller, who re-issues at once, and its stream's span after)."""
         if call.terminal:
             return
+        self.ledger.seen_owed(call, sc.ROLE_CLIENT)  # its finding's side, if the break is told by its call span alone
         if call.broken_since is None:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + self._reissue_grace_ns, _REISSUE, call)
