@@ -86,8 +86,8 @@ class _OtlpHttp:
         self._limits = queue.limits
         self._token = token
         self._rejected = queue.detector.metrics.requests_rejected
-        self._slots = CapacityLimiter(queue.limits.max_decoding)  # requests decoding, or waiting to (gRPC's turn)
-        self._threads = CapacityLimiter(queue.limits.max_decoding)  # theirs: one each, never waited for
+        self._slots = CapacityLimiter(queue.limits.max_decoding)  # requests decoding at once, waited for here
+        self._threads = CapacityLimiter(queue.limits.max_decoding)  # the threads they decode on: never waited for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/traces":

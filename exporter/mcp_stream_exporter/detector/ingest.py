@@ -44,10 +44,10 @@ __all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQu
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
+ExportResponse = trace_service_pb2.ExportTraceServiceResponse
 # events applied under the detector's lock at once: a batch of thousands of wide spans would hold ``/api`` and
 # ``/metrics`` for seconds, and the ledger's memory is accounted for after each
 _APPLY_CHUNK = 256
-ExportResponse = trace_service_pb2.ExportTraceServiceResponse
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
