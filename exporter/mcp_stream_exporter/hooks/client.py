@@ -268,7 +268,8 @@ class ClientInstrumentation:
             return response
         # a redirect delivers nothing, and is no clean end either; nor does an error, but for the JSON-RPC error a
         # POST's calls may be answered with at an HTTP error status (400, 404), which the SDK hands its caller
-        answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST" and calls)
+        answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST"
+                                   and bool(calls))
         if content == CONTENT_NONE or not answers:
             self.tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
             return response
@@ -556,7 +557,7 @@ class _TapStream(httpx2.AsyncByteStream):
             return
         status = self._status
         if messages is not None:
-            if status >= 300 and self._calls is not None and len(self._calls) == 1:
+            if status >= 300 and len(self._calls) == 1:
                 messages = _of_its_call(messages, self._calls[0].key[1])
             self._tracker.frame(stream, None, messages)
         self._tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
