@@ -247,3 +247,33 @@ def test_a_servers_pending_call_keeps_the_session_its_request_had_when_the_answe
     (call,) = _ours(exporter, sc.SPAN_CALL)
     assert sc.MCP_SESSION_ID not in call.attributes
     assert call.attributes[sc.CALL_OUTCOME] == sc.OUTCOME_NO_TERMINAL
+
+
+@pytest.mark.anyio
+async def test_a_stateless_call_redirected_while_another_s_break_awaits_its_reissue_loses_nothing():
+    """A call that goes out while another call's stream broke is started at once (it may be that one's re-issue);
+    redirected (the SDK sends it again where it points, or fails it), it is left to the request that follows, as a
+    call left pending is: not a broken call owed a re-issue of its own."""
+    provider, exporter = _provider()
+    instrumentation = ClientInstrumentation(tracer_provider=provider)
+    other = _CALL.replace(b'"id":1', b'"id":2').replace(b'"fetch"', b'"search"')
+    answers = iter([httpx2.ConnectError("reset"), httpx2.Response(307, headers={"location": "http://x.test/mcp"})])
+
+    def respond(request: httpx2.Request) -> httpx2.Response:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(respond), instrumentation))
+    headers = {"mcp-protocol-version": _STATELESS, "content-type": "application/json"}
+    async with http:
+        with pytest.raises(httpx2.ConnectError):
+            await http.post("http://mcp.test/mcp", content=_CALL, headers=headers)  # broken: owed a re-issue
+        assert instrumentation.tracker.reissues_possible()
+        redirected = await http.post("http://mcp.test/mcp", content=other, headers=headers)
+    assert redirected.status_code == 307
+    ended = {(s.attributes or {}).get(sc.JSONRPC_REQUEST_ID): (s.attributes or {}).get(sc.CALL_OUTCOME)
+             for s in _ours(exporter, sc.SPAN_CALL)}
+    assert ended == {"1": sc.OUTCOME_NO_TERMINAL}
+    assert [(s.attributes or {}).get(sc.END_REASON) for s in _ours(exporter, sc.SPAN_STREAM)] == [sc.END_DROPPED]

@@ -225,6 +225,8 @@ class ClientInstrumentation:
                 early.forget()
             if early is None or early.call is None:
                 return response
+        elif 300 <= status < 400 and calls and all(call.stateless and call.span is None for call in calls):
+            return response  # the same, for stateless calls started as they went out (another's break: a re-issue?)
         if pending is not None:
             # most likely its result and no more: a JSON body; a resumable session's SSE answer, held. Unless a
             # look-up started it already
