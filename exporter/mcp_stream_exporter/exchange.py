@@ -130,9 +130,10 @@ def read_message(message: dict[str, Any], body: bytes) -> Body | None:
     """What ``body``, the encoding of ``message`` (a client's ``json=``), asks for, read off ``message`` when that
     is one ``tools/call`` whose every member the hooks read has JSON's own type (not a subclass, whose encoding and
     ``str`` may differ), as the SDK's calls have: as ``read_body`` reads ``body``, without decoding and parsing it
-    again. Its arguments are ``body``'s, parsed only if something needs them (``EncodedArguments``), so a call of
-    any size is read (``read_body`` reads none past ``MAX_PARSED_BODY``: a document uploaded to a tool would be
-    no call, its loss unseen). None for anything else, which is for ``read_body``."""
+    again. Its arguments are ``body``'s, parsed only if something needs them (``EncodedArguments``). None for
+    anything else, which is for ``read_body``."""
+    if len(body) > MAX_PARSED_BODY:
+        return UNREAD
     request_id, method, params = message.get("id"), message.get("method"), message.get("params")
     if (type(method) is not str or method != TOOLS_CALL or (type(request_id) is not str and type(request_id) is not int)
             or (type(params) is not dict and isinstance(params, dict)) or not _str_keys(message)):
@@ -172,7 +173,7 @@ class EncodedArguments:
         """The arguments; ``ValueError`` if the body no longer reads as its call (nested too deep to parse here)."""
         calls = read_body(self._body).calls
         if not calls:
-            raise ValueError("the call's body does not parse here (too large, or nested too deep)")
+            raise ValueError("the call's body does not parse")
         return calls[0].arguments
 
 

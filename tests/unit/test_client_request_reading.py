@@ -52,11 +52,9 @@ async def test_a_call_given_as_bytes_is_read_off_the_wire():
     assert await _call_seen(content=json.dumps(_CALL).encode()) == "fetch"
 
 
-async def test_a_json_call_too_large_to_parse_is_read_off_the_sdks_message_its_bytes_are_not():
-    """A call carrying a document past what the hooks parse: the SDK's message says which call it is (its loss
-    would go unseen otherwise); the same bytes handed over as they are stay unread."""
+async def test_a_json_call_too_large_to_parse_is_observed_not_read_as_its_bytes_would_be():
     large = {**_CALL, "params": {"name": "fetch", "arguments": {"url": "x" * MAX_PARSED_BODY}}}
-    assert await _call_seen(json=large) == "fetch"
+    assert await _call_seen(json=large) is None
     assert await _call_seen(content=httpx2.Request("POST", "http://mcp.test", json=large).content) is None
 
 
