@@ -129,12 +129,14 @@ async def test_a_clients_pending_call_whose_answer_is_no_json_result_is_started_
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("request_id", [b'"1"', b"null"], ids=["its-id", "no-id"])
+@pytest.mark.parametrize("request_id", [b'"1"', b"null", b'"server-error"', b"0"],
+                         ids=["its-id", "no-id", "a-servers-own-id", "another-id"])
 @pytest.mark.parametrize("status", [400, 404])
 async def test_a_clients_pending_call_answered_with_a_json_rpc_error_at_an_http_error_status_is_answered(
         status, request_id):
-    """The 2026-07-28 SDK server answers some JSON-RPC errors at 400 or 404, the SDK hands them to the caller (one
-    without an id as its request's): the call's answer, at an HTTP error's end, not a call its stream left owed."""
+    """The 2026-07-28 SDK server answers some JSON-RPC errors at 400 or 404, the SDK hands them to the caller as its
+    request's, whatever id they name (none; an old SDK's ``server-error`` for an expired session): the call's
+    answer, at an HTTP error's end, not a call its stream left owed nor a stranger's result (``foreign_result``)."""
     body = b'{"jsonrpc":"2.0","id":%s,"error":{"code":-32602,"message":"x must be a date"}}' % request_id
     exporter = await _client_exchange(_json(status, body))
     (post,) = _ours(exporter, sc.SPAN_STREAM)

@@ -292,11 +292,14 @@ class ClientInstrumentation:
                                         holder=holder)
 
 
-def _of_its_call(messages: list[WireMessage], request_id: str) -> list[WireMessage]:
-    """An error answer's messages, one without an id (a request refused before its id was read) taken as its one
-    call's, as the SDK takes it for the request it sent."""
-    return [m._replace(id=request_id) if m.kind == sc.FRAME_ERROR and m.id is None and m.error_code is not None
-            else m for m in messages]
+def _at_error_status(messages: list[WireMessage], calls: list[Call]) -> list[WireMessage]:
+    """What an answer at an HTTP error status tells a POST's calls, as the SDK reads it: for a request of one call, a
+    JSON-RPC error is its answer whatever id it names (none, when the request was refused before its id was read;
+    a server's own, such as an old SDK's ``server-error``); anything else in it, nothing."""
+    if len(calls) != 1:
+        return []
+    request_id = calls[0].key[1]
+    return [m._replace(id=request_id) for m in messages if m.kind == sc.FRAME_ERROR and m.error_code is not None]
 
 
 class _TapStream(httpx2.AsyncByteStream):
@@ -559,9 +562,7 @@ class _TapStream(httpx2.AsyncByteStream):
             return
         status = self._status
         if messages is not None:
-            if status >= 300 and len(self._calls) == 1:
-                messages = _of_its_call(messages, self._calls[0].key[1])
-            self._tracker.frame(stream, None, messages)
+            self._tracker.frame(stream, None, messages if status < 300 else _at_error_status(messages, self._calls))
         self._tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
 
     def _settle(self) -> None:
