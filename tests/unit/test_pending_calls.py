@@ -283,15 +283,16 @@ async def test_a_stateless_call_redirected_while_another_s_break_awaits_its_reis
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("status", "outcome"), [
-    (400, sc.OUTCOME_ERROR), (401, sc.OUTCOME_ERROR), (403, sc.OUTCOME_ERROR), (404, sc.OUTCOME_ERROR),
-    (413, sc.OUTCOME_ERROR), (408, sc.OUTCOME_NO_TERMINAL), (429, sc.OUTCOME_NO_TERMINAL),
+    (400, sc.OUTCOME_ERROR), (404, sc.OUTCOME_ERROR), (413, sc.OUTCOME_ERROR), (401, sc.OUTCOME_NO_TERMINAL),
+    (403, sc.OUTCOME_NO_TERMINAL), (408, sc.OUTCOME_NO_TERMINAL), (429, sc.OUTCOME_NO_TERMINAL),
     (500, sc.OUTCOME_NO_TERMINAL), (502, sc.OUTCOME_NO_TERMINAL), (504, sc.OUTCOME_NO_TERMINAL)])
 async def test_a_stateless_call_refused_with_a_client_error_is_answered_and_one_failed_by_a_server_error_is_broken(
         status, outcome):
-    """A gateway's or a server's refusal with no JSON-RPC error in it (a body too large, a token refused): the SDK
+    """A gateway's or a server's refusal with no JSON-RPC error in it (a body too large, a bad request): the SDK
     fails the call with it, the tool never ran, and the same call sent again gets the same answer: an answer
     (``error``), no break owed a re-issue. A 5xx (or a timeout, a rate limit) may come after the tool ran: its
-    call is broken, as by a cut stream, and owed its re-issue."""
+    call is broken, as by a cut stream, and owed its re-issue. A 401 or 403 too: an auth flow (the SDK's OAuth
+    provider) sends the same request again with another token, and a loss of that one must not go unseen."""
     exporter = await _client_exchange(_answer(status, b"Request body too large", "text/plain"))
     (call,) = _ours(exporter, sc.SPAN_CALL)
     (post,) = _ours(exporter, sc.SPAN_STREAM)

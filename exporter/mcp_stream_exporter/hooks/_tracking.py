@@ -194,8 +194,10 @@ class Requirements:
 
 _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTCOME_ERROR})
 
-# a request answered with one was refused, not lost: a client error, but a timeout's or a rate limit's
-_REFUSED = frozenset(range(400, 500)) - {408, 429}
+# a request answered with one was refused, not lost: a client error, but a timeout's or a rate limit's, and but an
+# authentication's (401, 407) or authorisation's (403), which an HTTP client's auth flow answers by sending the same
+# request again with another token (the SDK's OAuth provider does): that one is the call's, under the same id
+_REFUSED = frozenset(range(400, 500)) - {401, 403, 407, 408, 429}
 _TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})  # ``WireMessage.is_terminal``
 
 
@@ -1020,9 +1022,9 @@ class Tracker:
         # no resumption in this era, nor, on the client, after a POST that brought no event id (no cursor to resume
         # from: the SDK fails the call to its caller): nothing else can deliver it. A client that closed the stream
         # itself cancelled the call (the 2026-07-28 era's cancel: no notifications/cancelled is sent), as at a timeout.
-        # One refused with a client error (4xx but a timeout's or a rate limit's) was answered: the SDK fails the call
-        # with it, the tool never ran, and sending it again gets the same; a server's or a gateway's error (5xx),
-        # which may come after the tool ran, leaves it owed, as a break does
+        # One refused with a client error (``_REFUSED``) was answered: the SDK fails the call with it, the tool never
+        # ran, and sending it again gets the same; a server's or a gateway's error (5xx), which may come after the
+        # tool ran, leaves it owed, as a break does
         if reason == sc.END_CLOSED:
             outcome = sc.OUTCOME_CANCELLED
         elif reason == sc.END_HTTP_ERROR and status in _REFUSED:
