@@ -53,21 +53,29 @@ def _ours(exporter: InMemorySpanExporter, kind: str) -> list[Any]:
 # --- client ---
 
 
-async def _client_exchange(answer: httpx2.Response | Exception, *, close_unread: bool = False
-                           ) -> InMemorySpanExporter:
-    provider, exporter = _provider()
-    instrumentation = ClientInstrumentation(tracer_provider=provider)
+_HEADERS = {"mcp-protocol-version": _STATELESS, "content-type": "application/json"}
+
+
+def _tapped(instrumentation: ClientInstrumentation, *answers: httpx2.Response | Exception) -> httpx2.AsyncClient:
+    """A client through the tap whose requests get ``answers`` in turn (an exception raised)."""
+    left = iter(answers)
 
     def respond(request: httpx2.Request) -> httpx2.Response:
+        answer = next(left)
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(respond), instrumentation))
-    headers = {"mcp-protocol-version": _STATELESS, "content-type": "application/json"}
+    return httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(respond), instrumentation))
+
+
+async def _client_exchange(answer: httpx2.Response | Exception, *, close_unread: bool = False
+                           ) -> InMemorySpanExporter:
+    provider, exporter = _provider()
+    http = _tapped(ClientInstrumentation(tracer_provider=provider), answer)
     async with http:
         try:
-            async with http.stream("POST", "http://mcp.test/mcp", content=_CALL, headers=headers) as response:
+            async with http.stream("POST", "http://mcp.test/mcp", content=_CALL, headers=_HEADERS) as response:
                 if not close_unread:
                     await response.aread()
         except httpx2.ConnectError:
@@ -259,21 +267,13 @@ async def test_a_stateless_call_redirected_while_another_s_break_awaits_its_reis
     provider, exporter = _provider()
     instrumentation = ClientInstrumentation(tracer_provider=provider)
     other = _CALL.replace(b'"id":1', b'"id":2').replace(b'"fetch"', b'"search"')
-    answers = iter([httpx2.ConnectError("reset"), httpx2.Response(307, headers={"location": "http://x.test/mcp"})])
-
-    def respond(request: httpx2.Request) -> httpx2.Response:
-        answer = next(answers)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    http = httpx2.AsyncClient(transport=ClientTap(httpx2.MockTransport(respond), instrumentation))
-    headers = {"mcp-protocol-version": _STATELESS, "content-type": "application/json"}
+    http = _tapped(instrumentation, httpx2.ConnectError("reset"),
+                   httpx2.Response(307, headers={"location": "http://x.test/mcp"}))
     async with http:
         with pytest.raises(httpx2.ConnectError):
-            await http.post("http://mcp.test/mcp", content=_CALL, headers=headers)  # broken: owed a re-issue
+            await http.post("http://mcp.test/mcp", content=_CALL, headers=_HEADERS)  # broken: owed a re-issue
         assert instrumentation.tracker.reissues_possible()
-        redirected = await http.post("http://mcp.test/mcp", content=other, headers=headers)
+        redirected = await http.post("http://mcp.test/mcp", content=other, headers=_HEADERS)
     assert redirected.status_code == 307
     ended = {(s.attributes or {}).get(sc.JSONRPC_REQUEST_ID): (s.attributes or {}).get(sc.CALL_OUTCOME)
              for s in _ours(exporter, sc.SPAN_CALL)}
