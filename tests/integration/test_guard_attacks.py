@@ -144,6 +144,17 @@ async def resume_everywhere(url: str, session_id: str, token: str | None, upto: 
         return list(await asyncio.gather(*(one(http, cursor) for cursor in range(1, upto))))
 
 
+async def open_session(http: httpx.AsyncClient, url: str, token: str) -> str:
+    """A session opened over raw HTTP (initialize, then initialized) with ``token``: its id."""
+    init = await http.post(url, headers=headers(None, token), content=json.dumps({
+        "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": PROTOCOL, "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}))
+    session_id = init.headers["mcp-session-id"]
+    await http.post(url, headers=headers(session_id, token), content=json.dumps(
+        {"jsonrpc": "2.0", "method": "notifications/initialized"}))
+    return session_id
+
+
 def leaked(bodies: list[str]) -> list[str]:
     return [b for b in bodies if SECRET in b or PROGRESS in b]
 
@@ -390,12 +401,7 @@ async def test_what_a_tool_sends_on_the_standalone_stream_after_its_call_is_its_
 
     async with serve(store.serve(mcp, retry_interval=200)) as port, httpx.AsyncClient(timeout=10) as http:
         url = f"http://127.0.0.1:{port}/mcp"
-        init = await http.post(url, headers=headers(None, alice), content=json.dumps({
-            "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                "protocolVersion": PROTOCOL, "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}))
-        session_id = init.headers["mcp-session-id"]
-        await http.post(url, headers=headers(session_id, alice), content=json.dumps(
-            {"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        session_id = await open_session(http, url, alice)
         await http.post(url, headers=headers(session_id, alice), content=json.dumps(
             {"jsonrpc": "2.0", "id": 1, "method": "logging/setLevel", "params": {"level": "info"}}))
         read_by = {}
@@ -409,6 +415,36 @@ async def test_what_a_tool_sends_on_the_standalone_stream_after_its_call_is_its_
         await asyncio.gather(*background)
     assert [who for who, body in read_by.items() if SECRET in body] == ["alice"]
     assert "principal_mismatch" in read_by["bob"] and "token_unverified" in read_by["forged"]
+
+
+async def test_a_call_another_user_posts_into_a_session_is_theirs_alone_and_the_session_stays_its_openers():
+    """Behind a gateway that authenticates for the SDK (which then binds a session to no user; with a verifier that
+    names no subject it binds one to a client app), Bob can post a call into Alice's session. The SDK stores the
+    call's events in the context of her initialize: read as hers, her resume from his progress was replayed his
+    result, and his own resume was refused. Nor may he end her session, calls or none."""
+    issuer = TokenIssuer()
+    everything = [BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE]
+    alice, bob = issuer.mint(everything), issuer.mint(everything, subject="bob")
+    TOKENS_USED.extend((alice, bob))
+    store = GuardedEventStore(incident_policy(), token_reader=TokenReader(key=issuer.public_key))
+    async with serve(store.serve(build_incident_server(None, step_delay=0.01), retry_interval=200)) as port, \
+            httpx.AsyncClient(timeout=10) as http:
+        url = f"http://127.0.0.1:{port}/mcp"
+        session_id = await open_session(http, url, alice)
+        refused_end = await http.delete(url, headers=headers(session_id, bob))
+        posted = await http.post(url, headers=headers(session_id, bob), content=json.dumps({
+            "jsonrpc": "2.0", "id": 100, "method": "tools/call", "params": {
+                "name": "fetch", "arguments": {"url": "victim-doc", "steps": 3}, "_meta": {"progressToken": "p"}}}))
+        event_ids = [line[3:].strip() for line in posted.text.splitlines() if line.startswith("id:")]
+        assert SECRET in posted.text and len(event_ids) >= 3  # the priming event, progress, the result
+        cursor = int(event_ids[1])  # his first progress event
+        by_alice = await resume(http, url, session_id, alice, cursor)
+        by_bob = await resume(http, url, session_id, bob, cursor)
+        still_hers = await http.post(url, headers=headers(session_id, alice), content=json.dumps(
+            {"jsonrpc": "2.0", "id": 101, "method": "tools/list"}))
+    assert leaked([by_alice]) == [] and "principal_mismatch" in by_alice
+    assert SECRET in by_bob
+    assert (refused_end.status_code, still_hers.status_code) == (403, 200)
 
 
 async def test_a_session_header_sent_twice_gets_no_stream_and_deletes_nothing_whatever_the_method():

@@ -38,7 +38,8 @@ DETAILS: Final = {
     TOKEN_UNVERIFIED: "the token's signature did not verify: only a verified token's audience counts",
     AUDIENCE_UNKNOWN: "an opaque token's audience cannot be read: present a JWT access token covering "
                       "required_resources",
-    PRINCIPAL_MISMATCH: "the token's subject is not the one that opened this session",
+    PRINCIPAL_MISMATCH: "the token is another principal's than the one whose event this is (who posted its call, "
+                        "or opened the session)",
     NO_REQUEST_CONTEXT: "the guard's ASGI layer is not in front of this server: no session or token to "
                         "check a replay against",
     AMBIGUOUS_REQUEST: "the resume carried more than one Authorization or Mcp-Session-Id header",

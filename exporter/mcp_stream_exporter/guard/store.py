@@ -8,8 +8,8 @@ cursor never moves past an event that was not delivered (the error frame has no 
 
 It fails closed: an event whose requirement is unknown (never recorded, evicted), a token whose
 signature did not verify, an opaque token (by default), a token of another principal than the
-session's, and a replay without the request context bound by ``asgi()`` are all refused with an
-error frame, never replayed.
+event's (who posted its call, or opened the session), and a replay without the request context bound
+by ``asgi()`` are all refused with an error frame, never replayed.
 
 Turn it on with one argument: ``instrument_server(mcp, policy=p, event_store=GuardedEventStore(p))``,
 or without the hooks, ``GuardedEventStore(p).serve(mcp, ...)``.
@@ -235,7 +235,16 @@ class GuardedEventStore(EventStore):
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
+        subject = request.auth.subject_hash if request is not None else None
         if request is not None and request.session_id is not None:
+            if stream_id != STANDALONE_STREAM_ID:
+                # a call's events are the principal's that posted it: the SDK's message router stores them in the
+                # context of the request that opened the session, which may be another principal's (a gateway that
+                # authenticates for the SDK, or a verifier that names no subject, lets another user post into it)
+                owner = (self._in_flight.owner(request.session_id, stream_id)
+                         or self._in_flight.past(request.session_id, stream_id))
+                if owner is not None:
+                    subject = owner[1]
             if self._unopened:
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
@@ -249,7 +258,7 @@ class GuardedEventStore(EventStore):
             return f"unstored-{next(self._unstored)}"
         try:
             event_id = await self.storage.append(request.session_id if request is not None else None, stream_id,
-                                                 message, request.auth.subject_hash if request is not None else None)
+                                                 message, subject)
         except StorageError:
             _log.exception("guard storage: event of stream %s not stored; a resume from it will be refused",
                            stream_id)
@@ -632,8 +641,8 @@ class GuardedEventStore(EventStore):
         return None
 
     def _may_end(self, auth: AuthView, session_id: str) -> tuple[int, str] | None:
-        """Whether a DELETE may end the session: None, or its refusal (403) when it would end calls in flight
-        whose events its token would be refused (``_covers``)."""
+        """Whether a DELETE may end the session: None, or its refusal (403) when its token is another principal's
+        than the session's opener, or it would end calls whose events its token would be refused (``_covers``)."""
         for owner in self._in_flight.owners(session_id):
             reason = self._covers(auth, *owner)
             if reason is not None:
@@ -668,6 +677,8 @@ class GuardedEventStore(EventStore):
                 del self._unopened[next(iter(self._unopened))]
         for request_id, requirement in request.pending:  # the initialize POST: taken, as its session is born
             self._unrecorded[(session_id, request_id)] = requirement
+        # its opener is whose the session is: another principal may not end it (``_may_end``), calls or none
+        self._in_flight.accepted(session_id, [(NO_REQUIREMENT, request.auth.subject_hash)], ())
         await self._flush(request)
 
     async def _reopen(self, session_id: str) -> None:
