@@ -82,6 +82,18 @@ def test_client_and_server_views_of_one_loss_make_one_finding_with_both_roles():
     assert sample == 1.0
 
 
+def test_the_other_sides_view_of_a_loss_joins_its_finding_when_it_comes_after_the_grace():
+    detector = run([stream(C, "resume", "clean", pending=("3",), cursor="6")], after_s=6)
+    (finding,) = detector.findings
+    assert finding.roles == [C]
+    detector.consume([stream(SV, "resume", "clean", pending=("3",), cursor="6")])  # a server exporter running late
+    detector.tick()
+    (finding,) = detector.findings
+    assert sorted(finding.roles) == [C, SV]
+    assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
+                                              {"tool": "fetch", "rule": "clean_end_pending"}) == 1.0
+
+
 def test_narrowed_resume_records_the_audience_gap_and_is_silent_with_a_superset_token():
     narrowed = run([stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])
     (finding,) = narrowed.findings

@@ -361,6 +361,7 @@ class RuleEngine:
         # not answered yet (``running``: the SDK ends a resume that replayed all there was while the call's POST is
         # still open on the server, as it is when a proxy lost only the client's side of it)
         silent = e.reason == sc.END_CLEAN and not e.error_frames and not running
+        self._seen_owed(call, e.at.role)
         self.ledger.owed(call, now_ns, e.at.role)
         if running:
             call.server_running()
@@ -395,7 +396,7 @@ class RuleEngine:
     def _store_failed(self, call: CallState, role: str, now_ns: int) -> None:
         """The server's store failed with the call's result unsent: nothing will send it (the SDK stops sending the
         session's messages), so the call is over; lost unless a delivery of it shows up within the grace."""
-        self.ledger.seen_owed(call, role)
+        self._seen_owed(call, role)
         self.ledger.given_up(call)
         self.ledger.schedule(now_ns + self._clean_end_grace_ns, _STORE_FAILED, call)
 
@@ -405,7 +406,7 @@ class RuleEngine:
         round trip between them), its caller gave up as the result came (a tool that ran about as long as its caller
         waits): a cancel that crossed the result on the wire. Over either way; a loss judged a grace later, when a
         delivery the client's spans show, if any, has come."""
-        self.ledger.seen_owed(call, at.role)
+        self._seen_owed(call, at.role)
         self.ledger.given_up(call)
         if call.stored_since is None:
             call.stored_since, call.stored_event_id = at.start_ns, event_id
@@ -414,13 +415,22 @@ class RuleEngine:
         if not raced:
             self.ledger.schedule(now_ns + self._clean_end_grace_ns, _SENT, call)
 
+    def _seen_owed(self, call: CallState, role: str) -> None:
+        """``role``'s spans show the call owed its result (``Ledger.seen_owed``): a side of its loss finding too, when
+        that was raised before these spans came (a side's exporter later than the grace)."""
+        if role not in call.roles and call.findings is not None:
+            loss = self._loss_finding(call)
+            if loss is not None and role not in loss.roles:
+                loss.roles.append(role)
+        self.ledger.seen_owed(call, role)
+
     def _broken(self, call: CallState, at_ns: int, now_ns: int) -> None:
         """The client's spans show the call's only stream broke, at ``at_ns`` (its clock): the earliest such end of
         its spans, whichever came first, is the break a re-issue comes after (a producer may end the call's span as
         the error reaches its caller, who re-issues at once, and its stream's span after)."""
         if call.terminal:
             return
-        self.ledger.seen_owed(call, sc.ROLE_CLIENT)  # its finding's side, if the break is told by its call span alone
+        self._seen_owed(call, sc.ROLE_CLIENT)  # its finding's side, if the break is told by its call span alone
         if call.broken_since is None:
             call.broken_since = at_ns
             self.ledger.schedule(now_ns + self._reissue_grace_ns, _REISSUE, call)
