@@ -111,6 +111,15 @@ def test_a_narrowed_resume_answered_with_an_http_error_or_a_redirect_is_no_findi
                                      missing=(FETCH,), status=status)])) == []
 
 
+def test_a_narrowed_resume_cut_before_anything_came_is_no_finding_one_that_delivered_events_is():
+    """Cut before its first frame, the stream says nothing of the server's answer: the guard's error frame may have
+    been that frame (its next resume, refused, tells). One that carried events to the narrower token did get them."""
+    narrowed = {"pending": ("3",), "cursor": "6", "audience": (SEARCH,), "missing": (FETCH,)}
+    assert rules(run([stream(C, "resume", "dropped", **narrowed)], after_s=1)) == []
+    assert rules(run([stream(C, "resume", "dropped", events=2, last="8", **narrowed)], after_s=1)) == [
+        "narrowed_resume"]
+
+
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():
     detector = run([replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)),
                     stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])

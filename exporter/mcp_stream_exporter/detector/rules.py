@@ -446,7 +446,9 @@ class RuleEngine:
         if e.reason not in (sc.END_OPEN, sc.END_HTTP_ERROR):  # one still open ends later; an HTTP error tells
             for rid in e.pending_ids or e.request_ids:
                 self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
-        if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR:  # an HTTP error tells, carries nothing
+        # an HTTP error tells and carries nothing; a stream cut before anything came says nothing of what the server
+        # answered (the guard's error frame may have been its first)
+        if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR and (e.events or e.reason != sc.END_DROPPED):
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
                     "cursor": e.cursor,
