@@ -733,13 +733,16 @@ def test_a_standalone_event_requires_what_the_calls_in_flight_when_it_was_stored
     carry what the call read, so replaying it, or acting on it by answering, takes what seeing the call takes."""
     store = GuardedEventStore(POLICY)
     session = Session(store)
-    before = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"))
+    narrow, broad = (store.tokens.from_authorization(_bearer(*audience)[0][1].decode())
+                     for audience in ((SEARCH,), (SEARCH, FETCH)))  # alice's: the session's and the call's
+    before = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"),
+                         broad)
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
-    asked = _standalone(session, _sampling(0))
-    stream, delivered, notices = session.resume(before, NARROW)
+    asked = _standalone(session, _sampling(0), broad)
+    stream, delivered, notices = session.resume(before, narrow)
     assert (stream, delivered, notices[0]["error"]) == (None, [], "insufficient_audience")
     assert (notices[0]["event_id"], notices[0]["required_resources"]) == (asked, [FETCH])
-    assert session.resume(before, BROAD)[1] == [asked]
+    assert session.resume(before, broad)[1] == [asked]
     assert _guarded_post(store, _answer(0), headers=_bearer(SEARCH))[::2] == (403, None)
     assert _guarded_post(store, _answer(0), headers=[])[::2] == (403, None)  # nobody's token: nobody's call
     assert _guarded_post(store, _answer(0), headers=_bearer(SEARCH, FETCH))[0] == 200
@@ -747,6 +750,25 @@ def test_a_standalone_event_requires_what_the_calls_in_flight_when_it_was_stored
     Session(elsewhere)
     run(elsewhere.storage.require("s1", "_GET_stream", Requirement.of([])))
     assert elsewhere._alone("s1", run(store.storage.get("s1", asked))).requirement is None  # unknown: refused
+
+
+def test_a_standalone_event_stored_while_another_principals_call_ran_is_theirs_on_replay_too():
+    """Live, a GET stream stops at it; a replay passes no GET chunk through that check (a session the SDK dropped,
+    answered from the storage): the opener's resume from her own cursor was replayed a sampling request of the
+    call another user posted into her session. Stored while both ran, it is nobody's to replay."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)
+    alice, bob = (store.tokens.from_authorization(_bearer(SEARCH, FETCH, sub=sub)[0][1].decode())
+                  for sub in ("alice", "bob"))
+    hers = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"), alice)
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH, sub="bob"))[0] == 200
+    asked = _standalone(session, _sampling(0), alice)  # the SDK's message router: the opener's context
+    _, delivered, (notice,) = session.resume(hers, alice)
+    assert (delivered, notice["error"], notice["event_id"]) == ([], "principal_mismatch", asked)
+    assert store._alone("s1", run(store.storage.get("s1", asked))).subject == bob.subject_hash
+    assert _guarded_post(store, _tools_call(6, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
+    both = _standalone(session, _sampling(1), alice)
+    assert store._alone("s1", run(store.storage.get("s1", both))).subject not in (alice.subject_hash, bob.subject_hash)
 
 
 def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its_token_may_not_see():

@@ -132,6 +132,8 @@ _REOPEN_EVERY_S: Final = 10.0
 _TAIL_WAIT_S: Final = 1.0  # how long one wait for the owner's next event blocks before checking it is alive
 _log = logging.getLogger(__name__)
 _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and the principal (hash) that posted it
+_SEVERAL_PRINCIPALS: Final = "several"  # a standalone event stored while two principals' calls ran: nobody's
+
 
 
 @dataclass(slots=True)
@@ -368,13 +370,18 @@ class GuardedEventStore(EventStore):
 
     def _alone(self, session_id: str, event: StoredEvent) -> StoredEvent:
         """``event``, requiring what it may carry: on the standalone stream, what the calls in flight when it was
-        stored required too (unknown, so refused, when this process did not see it stored)."""
+        stored required too, and theirs to see (unknown, so refused, when this process did not see it stored), as
+        ``_live_alone`` holds it live: a replay from the storage (the SDK dropped the session, or another replica's)
+        passes no GET chunk through that check."""
         if event.stream_id != STANDALONE_STREAM_ID or event.requirement is None:
             return event
         owners = self._in_flight.alone(session_id, event.event_id)
-        requirement = None if owners is None else functools.reduce(
-            operator.or_, (owner[0] for owner in owners), event.requirement)
-        return dataclasses.replace(event, requirement=requirement)
+        if owners is None:
+            return dataclasses.replace(event, requirement=None)
+        requirement = functools.reduce(operator.or_, (owner[0] for owner in owners), event.requirement)
+        principals = {owner[1] for owner in owners}
+        return dataclasses.replace(event, requirement=requirement,
+                                   subject=principals.pop() if len(principals) == 1 else _SEVERAL_PRINCIPALS)
 
     def _live_alone(self, request: _Request, stream: _GetStream, chunk: bytes) -> dict[str, Any] | None:
         """Why a GET stream may not go on with ``chunk``: one of its standalone events carries what a call its
