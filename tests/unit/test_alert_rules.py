@@ -4,6 +4,8 @@ each with a runbook, and together covering the detector's rule catalogue."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,27 @@ def test_each_detector_rule_pages_through_exactly_its_alert(tmp_path):
                                      "group_eval_order": groups, "tests": tests}))
     run = promtool("test", "rules", str(suite))
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _readme_route() -> dict[str, object]:
+    """The Alertmanager routing tree the README's Alerts reference gives (its one ``route:`` block)."""
+    readme = (ROOT / "README.md").read_text()
+    (block,) = re.findall(r"```yaml\n(route:\n.*?)```", readme, re.S)
+    return dict(yaml.safe_load(block)["route"])
+
+
+def test_the_readmes_alertmanager_route_pages_every_critical_alert_and_tickets_every_warning(tmp_path):
+    """Copied as it is, the README's route paged on-call for two warnings and left a critical alert
+    (MCPReplayCrossedStreams) to the default receiver."""
+    route = {"receiver": "default", **_readme_route()}  # Alertmanager's root must name one: "default" if it does not
+    receivers = sorted({route["receiver"], *(r["receiver"] for r in route["routes"])})  # type: ignore[index, union-attr]
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(yaml.safe_dump({"route": route, "receivers": [{"name": name} for name in receivers]}))
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool is installed by `make test` (Debian package prometheus-alertmanager)"
+    for alert in ALERTS:
+        severity = alert["labels"]["severity"]
+        routed = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config}",
+                                 f"alertname={alert['alert']}", f"severity={severity}", "tool=fetch"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        assert routed == (["on-call"] if severity == "critical" else ["tickets"]), alert["alert"]
