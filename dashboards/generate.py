@@ -37,10 +37,22 @@ ANY = 1e-6  # a threshold for "any at all" on a per-second rate (one event in ho
 # thresholds: (from this value up, colour); the first step is the base colour (Grafana's -Infinity)
 Steps = list[tuple[float | None, str]]
 QUIET_IS_GOOD: Steps = [(None, "green"), (ANY, "red")]
+# every query's min step: the chart's scrape interval (serviceMonitor.interval), so that $__rate_interval spans at least
+# four scrapes (Grafana takes a query's min step for the scrape interval); with the data source's default 15 s it
+# spanned two, and one missed scrape blanked a panel
+SCRAPE_INTERVAL = "30s"
 
 
 def _query(expr: str, legend: str = "", ref: str = "A") -> prometheus.Dataquery:
-    return prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).exemplar(True)
+    return (prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").ref_id(ref).exemplar(True)
+            .interval(SCRAPE_INTERVAL))
+
+
+def _either_side(metric: str, by: str = "", matchers: str = "") -> str:
+    """The per-second rate of ``metric`` as the side that saw more of it: with both sides instrumented each counts
+    the same resume or call once, and a sum across ``role`` counted it twice."""
+    inner = f"sum by (role{', ' + by if by else ''}) (rate({metric}{{{SEL}{matchers}}}[$__rate_interval]))"
+    return f"max by ({by}) ({inner})" if by else f"max({inner})"
 
 
 def _variables(board: dashboard.Dashboard, metric: str = "mcp_stream_detector_build_info") -> dashboard.Dashboard:
@@ -166,18 +178,20 @@ def overview() -> dashboard.Dashboard:
                 steps=[(None, "green"), (1, "orange")]))
             .with_panel(_stat(
                 5, "Audience gaps",
-                "Resumes per second whose token lacks a resource the pending call requires: any at all raises "
-                "MCPResumeAudienceNarrowerThanNeeded.",
-                "reqps", f"sum(rate(mcp_stream_audience_gaps_total{{{SEL}}}[$__rate_interval]))",
+                "Resumes per second whose token lacks a resource the pending call requires, as the side (client or "
+                "server) that saw more: any at all raises MCPResumeAudienceNarrowerThanNeeded.",
+                "reqps", _either_side("mcp_stream_audience_gaps_total"),
                 alert="MCPResumeAudienceNarrowerThanNeeded", steps=[(None, "green"), (ANY, "orange")]))
             .with_panel(_stat(
                 6, "Refused resumes",
-                "Resumes the replay guard answered with an explicit error frame: the invariant working.",
-                "reqps", f'sum(rate(mcp_stream_resumes_total{{{SEL}, outcome="refused"}}[$__rate_interval]))'))
+                "Resumes the replay guard answered with an explicit error frame, as the side that saw more: the "
+                "invariant working.",
+                "reqps", _either_side("mcp_stream_resumes_total", matchers=', outcome="refused"')))
             .with_panel(_stat(
                 7, "Tool calls",
-                "tools/call operations finished per second, all outcomes, as the SDK's spans saw them.",
-                "reqps", f"sum(rate(mcp_stream_calls_total{{{SEL}}}[$__rate_interval]))"))
+                "tools/call operations finished per second, all outcomes, as the SDK's spans of the side that saw more "
+                "of them saw them.",
+                "reqps", _either_side("mcp_stream_calls_total")))
             .with_row(_row(8, "Calls"))
             .with_panel(_series(
                 9, "Tool call outcomes",
@@ -194,16 +208,18 @@ def overview() -> dashboard.Dashboard:
             .with_row(_row(11, "Resumes and audiences"))
             .with_panel(_series(
                 12, "Resumes by outcome",
-                "Resume streams per second: delivered, progressed, empty (clean end, nothing sent: the "
-                "incident's shape), refused (explicit error frame), dropped, closed, http_error.",
+                "Resume streams per second, as the side that saw more of each outcome: delivered, progressed, empty "
+                "(clean end, nothing sent: the incident's shape), refused (explicit error frame), dropped, closed, "
+                "http_error.",
                 "reqps",
-                _query(f"sum by (outcome) (rate(mcp_stream_resumes_total{{{SEL}}}[$__rate_interval]))",
+                _query(_either_side("mcp_stream_resumes_total", "outcome"),
                        "{{outcome}}"), span=8))
             .with_panel(_series(
                 13, "Audience gaps by tool",
-                "Resumes per second whose token lacks a resource or scope the pending call of that tool requires.",
+                "Resumes per second whose token lacks a resource or scope the pending call of that tool requires, as "
+                "the side that saw more.",
                 "reqps",
-                _query(f"sum by (tool) (rate(mcp_stream_audience_gaps_total{{{SEL}}}[$__rate_interval]))",
+                _query(_either_side("mcp_stream_audience_gaps_total", "tool"),
                        "{{tool}}"), span=8, alert="MCPResumeAudienceNarrowerThanNeeded", steps=QUIET_IS_GOOD))
             .with_panel(_series(
                 14, "Calls in flight and stuck",

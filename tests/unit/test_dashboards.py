@@ -160,3 +160,31 @@ def test_the_panels_of_metrics_with_exemplars_draw_them_and_quantiles_aggregate_
                     if "histogram_quantile" in target["expr"]:
                         assert "sum by (le) (" in target["expr"], target["expr"]
     assert any("operation_duration_seconds_bucket" in expr for expr in drawn)
+
+
+def _role_metrics() -> set[str]:
+    """The metrics the README's reference labels by ``role``: each side counts what it saw."""
+    readme = (ROOT / "README.md").read_text()
+    return {m[1] for m in re.finditer(r"^\| `(\w+)` \| counter \| ([\w, ]+) \|", readme, re.M)
+            if "role" in m[2].split(", ")}
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_no_panel_adds_the_client_and_server_counts_of_one_thing(name):
+    """With both sides instrumented, as recommended, each side counts the same resume or call: a sum across ``role``
+    showed the overview's audience gaps, refused resumes and tool calls twice over."""
+    role_metrics = _role_metrics()
+    assert {"mcp_stream_audience_gaps_total", "mcp_stream_resumes_total", "mcp_stream_calls_total"} <= role_metrics
+    for title, expr in queries(BOARDS[name]):
+        for metric in role_metrics & set(re.findall(r"\b\w+_total\b", expr)):
+            inner = re.search(r"sum(?: by \(([^)]*)\))? \(rate\(" + metric, expr)
+            assert inner and "role" in (inner[1] or ""), f"{title}: {expr}"
+
+
+def test_every_query_steps_at_least_the_charts_scrape_interval_so_a_rate_spans_four_scrapes():
+    values = yaml.safe_load((ROOT / "helm" / "mcp-stream-exporter" / "values.yaml").read_text())
+    assert values["serviceMonitor"]["interval"] == generate.SCRAPE_INTERVAL
+    for board in BOARDS.values():
+        for panel in panels(board):
+            for target in panel.get("targets", ()):
+                assert target.get("interval") == generate.SCRAPE_INTERVAL, panel.get("title")
