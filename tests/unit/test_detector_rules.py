@@ -724,6 +724,22 @@ def test_a_resume_the_guard_refused_explicitly_is_no_silent_loss_when_the_caller
         ["clean_end_pending"], ["stored_not_delivered"])
 
 
+def test_a_client_that_resumes_again_after_a_refusal_never_told_its_caller_and_its_stored_result_is_lost():
+    """Without ``resolve_refusals`` the SDK drops the guard's error frame and reconnects with the same cursor until
+    its caller's timeout: refused again and again, the caller is told nothing, as in the incident. The server's
+    spans alone cannot tell (the SDK may resume on for no caller after the resolver failed the call)."""
+    def refused(at: float) -> list[Span]:
+        return [replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE, at=at),
+                stream(SV, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=at),
+                stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=at)]
+
+    again = [*refused(2.0), *refused(3.0)]
+    for spans in ([*_stored_with_no_stream(), *again], [*again[::-1], *_stored_with_no_stream()]):
+        assert rules(run(spans, after_s=60)) == ["stored_not_delivered"]
+        assert rules(run([s for s in spans if s.attributes[sc.ROLE] == SV], after_s=60)) == []
+    assert rules(run([*_stored_with_no_stream(), *refused(2.0)], after_s=60)) == []  # once: the resolver's case
+
+
 def test_a_stream_that_ended_before_the_clean_end_does_not_stop_its_clock_whatever_order_spans_come_in():
     dropped = stream(C, "post", "dropped", pending=("3",), last="6", events=2)
     empty_resume = stream(C, "resume", "clean", pending=("3",), cursor="6", at=2.0)

@@ -52,7 +52,8 @@ _NEVER_RESUMED: tuple[int, int, int, int] = (0, 0, 0, 0)  # ... and by every cal
 _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
 # bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came;
-# the clean-end clock stands for its client's POST; a server closed its POST as it accepted its session's DELETE
+# the clean-end clock stands for its client's POST; a server closed its POST as it accepted its session's DELETE;
+# its client resumed it again after a refusal, its caller still waiting (``told``)
 _CLIENT_GAVE_UP = 1
 CANCEL_RACED = 2
 CANCEL_LATE = 4
@@ -60,6 +61,7 @@ _RUNNING = 8
 _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
+_REFUSALS_IGNORED = 128
 _MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
@@ -179,6 +181,10 @@ class CallState:
         """A resume of it that ``role`` saw, refused explicitly or not (``told``)."""
         at = (0 if refused else 1) + (0 if role == "client" else 2)
         resumed = list(self.resumed)
+        if refused and role == "client" and resumed[0]:
+            # refused again, the call still awaited: the SDK drops the error frame and reconnects (no resolver failed
+            # the call at the first): its caller is told nothing, and waits until its timeout
+            self.flags |= _REFUSALS_IGNORED
         resumed[at] = max(resumed[at], start_ns if refused else end_ns)
         self.resumed = (resumed[0], resumed[1], resumed[2], resumed[3])
 
@@ -188,7 +194,9 @@ class CallState:
         compares its own clock's times; a resume not refused that one side saw end after a refusal started (a retry,
         which a gateway may answer before the server sees it; or another client's resume of the stream at the same
         time, such as one with a wider token: its caller was told nothing) makes it judged again, whatever the other
-        side saw."""
+        side saw; so does a client's spans showing it refused twice while its caller waited (``resumed_as``)."""
+        if self.flags & _REFUSALS_IGNORED:
+            return False
         client_refused, client_retried, server_refused, server_retried = self.resumed
         return ((client_refused > client_retried or server_refused > server_retried)
                 and client_retried <= client_refused and server_retried <= server_refused)
