@@ -105,7 +105,10 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"service": {"grpcPort": 70000}},
     {"ingestToken": {"token": "typo for value"}},
     {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
-], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource"])
+    {"probes": {"startup": {"failureThreshold": 0}}},
+    {"probes": {"liveness": {"timeout": 5}}},
+], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource",
+        "zero-startup-budget", "unknown-probe-key"])
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
@@ -319,3 +322,44 @@ def test_the_detectors_args_are_settings_serve_accepts_on_the_ports_the_service_
     assert ports == {"http": config.port, "otlp-grpc": config.grpc_port, "otlp-http": config.otlp_http_port}
     (service,) = [o for o in objects if o["kind"] == "Service" and "clusterIP" not in o["spec"]]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+
+
+def _container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_the_startup_budget_and_the_liveness_timeout_come_from_probes_values():
+    """The restore of a large snapshot can outlast the 60 s startup budget (the detector answers /healthz after it),
+    and a busy detector may answer its liveness probe late: both are values the runbooks name."""
+    container = _container(_render(CHART, {}, ()))
+    assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] == 60
+    assert container["livenessProbe"]["timeoutSeconds"] == 1
+    values = {"probes": {"startup": {"periodSeconds": 5, "failureThreshold": 120}, "liveness": {"timeoutSeconds": 4}}}
+    container = _container(_render(CHART, values, ()))
+    assert (container["startupProbe"]["periodSeconds"], container["startupProbe"]["failureThreshold"]) == (5, 120)
+    assert container["livenessProbe"]["timeoutSeconds"] == 4
+    runbook = (ROOT / "docs" / "runbooks" / "MCPStreamExporterRestarting.md").read_text()
+    for value in ("probes.startup.failureThreshold", "probes.liveness.timeoutSeconds"):
+        assert f"`{value}`" in runbook
+
+
+def test_the_chart_values_the_runbooks_name_exist():
+    """A runbook told the on-call to raise "the probe's timeout" and to set `statefulSet: true`, neither of which the
+    schema accepts. Every backticked dotted name (or `name: value`) led by a top-level value is a value here."""
+    values = _values()
+    not_values = {"service.name"}  # the OpenTelemetry resource attribute
+    named = []
+    for runbook in sorted((ROOT / "docs" / "runbooks").glob("*.md")):
+        for path, value in re.findall(r"`([a-z][A-Za-z]*(?:\.[A-Za-z]+)*)(?:: ([^`]+))?`", runbook.read_text()):
+            if path.split(".")[0] in values and path not in not_values:
+                named.append((runbook.name, path, value))
+    assert {path for _, path, _ in named} >= {"snapshot.enabled", "statefulSet.enabled", "replicaCount",
+                                               "probes.startup.failureThreshold", "probes.liveness.timeoutSeconds"}
+    for runbook, path, value in named:
+        node: Any = values
+        for key in path.split("."):
+            assert isinstance(node, dict) and key in node, f"{runbook}: `{path}` is no chart value"
+            node = node[key]
+        assert not (value and isinstance(node, dict)), f"{runbook}: `{path}: {value}` sets a whole section"

@@ -106,11 +106,12 @@ spec:
           protocol: TCP
       startupProbe:
         httpGet: {path: /healthz, port: http}
-        periodSeconds: 2
-        failureThreshold: 30
+        periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+        failureThreshold: {{ .Values.probes.startup.failureThreshold }}
       livenessProbe:
         httpGet: {path: /healthz, port: http}
         periodSeconds: 10
+        timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
       readinessProbe:
         httpGet: {path: /readyz, port: http}
         periodSeconds: 5
