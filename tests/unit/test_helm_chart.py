@@ -7,6 +7,7 @@ prometheus-operator CRDs vendored in tests/fixtures/crd, with and without those 
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import re
@@ -20,6 +21,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from helm_python import _native
 from promtool import check_rules
 from yamllint import linter
@@ -66,6 +71,22 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _validator(schema: dict[str, Any]) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER)
+
+
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for ``name`` and its key, as PEM files in ``directory`` (what a kubernetes.io/tls Secret holds)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=36500))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    return directory / "tls.crt", directory / "tls.key"
 
 
 def _crd_schema(name: str) -> dict[str, Any]:
@@ -202,9 +223,10 @@ def test_the_collector_example_keeps_spans_with_a_session_and_spans_without_in_p
                     "traces/no-session": [['attributes["mcp.session.id"] != nil']]}
 
 
-def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
-            kube: str = KUBE_VERSIONS[0]) -> list[dict[str, Any]]:
-    """``helm template RELEASE CHART -f values --api-versions ... --kube-version ...``, in-process.
+def _manifests(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
+               kube: str = KUBE_VERSIONS[0]) -> dict[str, str]:
+    """``helm template RELEASE CHART -f values --api-versions ... --kube-version ...``, in-process: each template's
+    output (NOTES.txt included) by its path.
 
     helm-python-sdk's ``Chart.render`` does not pass capabilities through; its native render (Helm's
     ``engine.Render`` after ``ToRenderValues``, which also checks values.schema.json) takes them as the
@@ -215,8 +237,20 @@ def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
     loaded = helm_python.Chart.load(chart)
     manifests: dict[str, str] = json.loads(
         _native.call_string("helm_render", loaded._raw(), json.dumps(values), json.dumps(options)))
+    return manifests
+
+
+def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
+            kube: str = KUBE_VERSIONS[0]) -> list[dict[str, Any]]:
+    """The objects ``helm template`` renders (see ``_manifests``)."""
+    manifests = _manifests(chart, values, api_versions, kube)
     return [obj for path, text in sorted(manifests.items()) if path.endswith(".yaml")
             for obj in yaml.safe_load_all(text) if obj]
+
+
+def _notes(values: dict[str, Any], api_versions: tuple[str, ...]) -> str:
+    """NOTES.txt as ``helm install`` prints it."""
+    return _manifests(CHART, values, api_versions)[f"{CHART.name}/templates/NOTES.txt"]
 
 
 def _validate(obj: dict[str, Any], kube: str = KUBE_VERSIONS[0]) -> list[str]:
@@ -317,6 +351,10 @@ def test_the_detectors_args_are_settings_serve_accepts_on_the_ports_the_service_
     for policy in [o["data"]["policy.json"] for o in objects if o["metadata"]["name"].endswith("-policy")]:
         (tmp_path / "policy.json").write_text(policy)  # the ConfigMap the pod mounts, here
         args = [f"--policy={tmp_path / 'policy.json'}" if a.startswith("--policy=") else a for a in args]
+    if any(a.startswith("--tls-cert=") for a in args):  # the Secret the pod mounts, here
+        cert, key = _self_signed(tmp_path, "mcp-stream-exporter.monitoring.svc")
+        args = [f"--tls-cert={cert}" if a.startswith("--tls-cert=") else
+                f"--tls-key={key}" if a.startswith("--tls-key=") else a for a in args]
     config = load(args).config
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": config.port, "otlp-grpc": config.grpc_port, "otlp-http": config.otlp_http_port}
@@ -363,3 +401,49 @@ def test_the_chart_values_the_runbooks_name_exist():
             assert isinstance(node, dict) and key in node, f"{runbook}: `{path}` is no chart value"
             node = node[key]
         assert not (value and isinstance(node, dict)), f"{runbook}: `{path}: {value}` sets a whole section"
+
+
+def test_with_tls_the_detector_mounts_the_secret_and_its_probes_and_scrapes_speak_https():
+    """Through extraArgs alone, the probes stayed on HTTP against an HTTPS server (the startup probe killed the pod)
+    and the ServiceMonitor scraped http (up 0, MCPStreamExporterDown paged)."""
+    tls_config = {"ca": {"secret": {"name": "detector-tls", "key": "ca.crt"}},
+                  "serverName": "mcp-stream-exporter.monitoring.svc"}
+    values = {"tls": {"secretName": "detector-tls"}, "serviceMonitor": {"tlsConfig": tls_config},
+              "toolPolicy": {"tools": {"search": ["https://mcp.example.com/tools/search"]}}}
+    objects = _render(CHART, values, (MONITORING,))
+    container = _container(objects)
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "detector-tls"
+    assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key"}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (policy,) = [m for m in container["volumeMounts"] if m["name"] == "policy"]
+    assert mount["readOnly"] and not Path(mount["mountPath"]).is_relative_to(policy["mountPath"])
+    assert {f"--tls-cert={mount['mountPath']}/tls.crt", f"--tls-key={mount['mountPath']}/tls.key"} <= set(
+        container["args"])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == tls_config
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    findings = [r["annotations"]["findings_url"] for g in rule["spec"]["groups"] for r in g["rules"]
+                if "findings_url" in r.get("annotations", {})]
+    assert findings and all(url.startswith("https://{{ $labels.instance }}/ui/") for url in findings)
+    notes = _notes(values, (MONITORING,))
+    assert "https://mcp-stream-exporter.monitoring.svc:4318/v1/traces" in notes and "http://" not in notes
+    assert "tlsConfig is empty" not in notes
+
+
+def test_without_tls_the_probes_and_scrapes_stay_on_http_and_a_tls_config_is_not_used():
+    objects = _render(CHART, {"serviceMonitor": {"tlsConfig": {"insecureSkipVerify": True}}}, (MONITORING,))
+    container = _container(objects)
+    assert not [a for a in container["args"] if a.startswith("--tls-")]
+    assert all(container[p]["httpGet"]["scheme"] == "HTTP" for p in ("startupProbe", "livenessProbe", "readinessProbe"))
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert "scheme" not in monitor["spec"]["endpoints"][0] and "tlsConfig" not in monitor["spec"]["endpoints"][0]
+
+
+def test_tls_without_a_tls_config_for_the_scrape_is_warned_of():
+    notes = _notes({"tls": {"secretName": "detector-tls"}}, (MONITORING,))
+    assert "WARNING: serviceMonitor.tlsConfig is empty" in notes

@@ -36,6 +36,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (printf "%s-ingest" (include "mcp-stream-exporter.fullname" .)) .Values.ingestToken.existingSecret }}
 {{- end }}
 
+{{- /* http, or https with tls.secretName; the probes' scheme is its upper case. */ -}}
+{{- define "mcp-stream-exporter.scheme" -}}
+{{- ternary "https" "http" (not (empty .Values.tls.secretName)) }}
+{{- end }}
+
 {{- /* The pod template of the Deployment and of the StatefulSet. */ -}}
 {{- define "mcp-stream-exporter.podTemplate" -}}
 metadata:
@@ -79,6 +84,10 @@ spec:
         {{- if .Values.toolPolicy }}
         - --policy=/etc/mcp-stream-exporter/policy.json
         {{- end }}
+        {{- if .Values.tls.secretName }}
+        - --tls-cert=/etc/mcp-stream-exporter-tls/tls.crt
+        - --tls-key=/etc/mcp-stream-exporter-tls/tls.key
+        {{- end }}
         {{- if .Values.snapshot.enabled }}
         - --snapshot-path=/var/lib/mcp-stream-exporter/ledger.db
         - --snapshot-interval-s={{ .Values.snapshot.intervalSeconds }}
@@ -105,15 +114,24 @@ spec:
           containerPort: {{ .Values.service.otlpHttpPort }}
           protocol: TCP
       startupProbe:
-        httpGet: {path: /healthz, port: http}
+        httpGet:
+          path: /healthz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
         periodSeconds: {{ .Values.probes.startup.periodSeconds }}
         failureThreshold: {{ .Values.probes.startup.failureThreshold }}
       livenessProbe:
-        httpGet: {path: /healthz, port: http}
+        httpGet:
+          path: /healthz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
         periodSeconds: 10
         timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
       readinessProbe:
-        httpGet: {path: /readyz, port: http}
+        httpGet:
+          path: /readyz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
         periodSeconds: 5
       resources:
         {{- toYaml .Values.resources | nindent 8 }}
@@ -131,6 +149,11 @@ spec:
           mountPath: /etc/mcp-stream-exporter
           readOnly: true
         {{- end }}
+        {{- if .Values.tls.secretName }}
+        - name: tls
+          mountPath: /etc/mcp-stream-exporter-tls
+          readOnly: true
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir: {}
@@ -142,6 +165,14 @@ spec:
     - name: policy
       configMap:
         name: {{ include "mcp-stream-exporter.fullname" . }}-policy
+    {{- end }}
+    {{- with .Values.tls.secretName }}
+    - name: tls
+      secret:
+        secretName: {{ . }}
+        items:
+          - {key: tls.crt, path: tls.crt}
+          - {key: tls.key, path: tls.key}
     {{- end }}
   {{- with .Values.nodeSelector }}
   nodeSelector:
