@@ -128,8 +128,14 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
     {"probes": {"startup": {"failureThreshold": 0}}},
     {"probes": {"liveness": {"timeout": 5}}},
+    {"detector": {"extraArgs": ["--api-token=s3cret"]}},
+    {"detector": {"extraArgs": ["--metrics-password", "s3cret"]}},
+    {"detector": {"extraArgs": ["--tls-cert=/tls/tls.crt"]}},
+    {"metricsAuth": {"existingSecret": "Not A Name"}},
+    {"serviceMonitor": {"tlsConfig": {"caFile": "/etc/prometheus/ca.crt"}}},
 ], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource",
-        "zero-startup-budget", "unknown-probe-key"])
+        "zero-startup-budget", "unknown-probe-key", "secret-in-extra-args", "password-in-extra-args",
+        "tls-in-extra-args", "bad-secret-name", "unsafe-tls-config"])
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
@@ -355,6 +361,10 @@ def test_the_detectors_args_are_settings_serve_accepts_on_the_ports_the_service_
         cert, key = _self_signed(tmp_path, "mcp-stream-exporter.monitoring.svc")
         args = [f"--tls-cert={cert}" if a.startswith("--tls-cert=") else
                 f"--tls-key={key}" if a.startswith("--tls-key=") else a for a in args]
+    for env in container.get("env", []):  # each Secret's key, as the kubelet would set it
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert env["name"].removeprefix("MCP_STREAM_").lower() in ServiceConfig.model_fields, env["name"]
+        monkeypatch.setenv(env["name"], f"{ref['name']}/{ref['key']}")
     config = load(args).config
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": config.port, "otlp-grpc": config.grpc_port, "otlp-http": config.otlp_http_port}
@@ -447,3 +457,50 @@ def test_without_tls_the_probes_and_scrapes_stay_on_http_and_a_tls_config_is_not
 def test_tls_without_a_tls_config_for_the_scrape_is_warned_of():
     notes = _notes({"tls": {"secretName": "detector-tls"}}, (MONITORING,))
     assert "WARNING: serviceMonitor.tlsConfig is empty" in notes
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, str]]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])}
+
+
+def test_with_metrics_auth_the_detector_and_the_servicemonitor_read_the_same_secret_keys():
+    values = {"metricsAuth": {"existingSecret": "scrape-auth", "usernameKey": "user", "passwordKey": "pass"}}
+    objects = _render(CHART, values, (MONITORING,))
+    env = _env(_container(objects))
+    assert env["MCP_STREAM_METRICS_USER"] == {"name": "scrape-auth", "key": "user"}
+    assert env["MCP_STREAM_METRICS_PASSWORD"] == {"name": "scrape-auth", "key": "pass"}
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    basic = monitor["spec"]["endpoints"][0]["basicAuth"]
+    assert basic == {"username": env["MCP_STREAM_METRICS_USER"], "password": env["MCP_STREAM_METRICS_PASSWORD"]}
+    (plain,) = [o for o in _render(CHART, {}, (MONITORING,)) if o["kind"] == "ServiceMonitor"]
+    assert "basicAuth" not in plain["spec"]["endpoints"][0]
+    assert "basic auth" in _notes(values, ()) and "scrape-auth" in _notes(values, ())
+
+
+def test_with_an_api_token_the_detector_reads_it_from_its_secret_and_notes_send_it_as_a_bearer():
+    values = {"apiToken": {"existingSecret": "detector-api", "secretKey": "token"}}
+    assert _env(_container(_render(CHART, values, ()))) == {
+        "MCP_STREAM_API_TOKEN": {"name": "detector-api", "key": "token"}}
+    notes = _notes(values, ())
+    assert "get secret detector-api -o jsonpath='{.data.token}'" in notes
+    assert 'curl -H "Authorization: Bearer $TOKEN" http://127.0.0.1:9464/api/findings' in notes
+    assert "Bearer" not in _notes({}, ())
+
+
+def test_no_secret_value_is_ever_in_the_pods_args_or_plain_env():
+    """Through extraArgs, the tokens and the metrics password were in the pod's args: in plain text for whoever may
+    read the Deployment. Every secret now comes from a Secret by reference; the chart holds no value but the
+    ingest token it was asked to create a Secret for."""
+    values = _merge(yaml.safe_load((CHART / "ci" / "secured-values.yaml").read_text()),
+                    {"ingestToken": {"existingSecret": "", "value": "ingest-s3cret"}})
+    objects = _render(CHART, values, (MONITORING,))
+    container = _container(objects)
+    secret_flags = ("--ingest-token", "--api-token", "--metrics-user", "--metrics-password")
+    assert not [a for a in container["args"] if a.startswith(secret_flags)]
+    assert all(set(e) == {"name", "valueFrom"} for e in container["env"])
+    assert set(_env(container)) == {"MCP_STREAM_INGEST_TOKEN", "MCP_STREAM_API_TOKEN", "MCP_STREAM_METRICS_USER",
+                                    "MCP_STREAM_METRICS_PASSWORD"}
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    assert "ingest-s3cret" not in json.dumps(workload)
+    assert [o["kind"] for o in objects if "ingest-s3cret" in json.dumps(o) or "aW5nZXN0LXMzY3JldA" in json.dumps(o)
+            ] == ["Secret"]

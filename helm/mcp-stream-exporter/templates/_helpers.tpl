@@ -95,13 +95,34 @@ spec:
         {{- range .Values.detector.extraArgs }}
         - {{ . | quote }}
         {{- end }}
-      {{- if .Values.ingestToken.enabled }}
+      {{- if or .Values.ingestToken.enabled .Values.metricsAuth.existingSecret .Values.apiToken.existingSecret }}
       env:
+        {{- if .Values.ingestToken.enabled }}
         - name: MCP_STREAM_INGEST_TOKEN
           valueFrom:
             secretKeyRef:
               name: {{ include "mcp-stream-exporter.ingestSecretName" . }}
               key: {{ .Values.ingestToken.secretKey }}
+        {{- end }}
+        {{- with .Values.metricsAuth.existingSecret }}
+        - name: MCP_STREAM_METRICS_USER
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.metricsAuth.usernameKey }}
+        - name: MCP_STREAM_METRICS_PASSWORD
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.metricsAuth.passwordKey }}
+        {{- end }}
+        {{- with .Values.apiToken.existingSecret }}
+        - name: MCP_STREAM_API_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.apiToken.secretKey }}
+        {{- end }}
       {{- end }}
       ports:
         - name: http
