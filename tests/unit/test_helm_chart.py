@@ -133,9 +133,10 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"detector": {"extraArgs": ["--tls-cert=/tls/tls.crt"]}},
     {"metricsAuth": {"existingSecret": "Not A Name"}},
     {"serviceMonitor": {"tlsConfig": {"caFile": "/etc/prometheus/ca.crt"}}},
+    {"prometheusRule": {"runbookBaseUrl": 'https://wiki.example.com/"runbooks"'}},
 ], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource",
         "zero-startup-budget", "unknown-probe-key", "secret-in-extra-args", "password-in-extra-args",
-        "tls-in-extra-args", "bad-secret-name", "unsafe-tls-config"])
+        "tls-in-extra-args", "bad-secret-name", "unsafe-tls-config", "quote-in-runbook-base"])
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
@@ -504,3 +505,34 @@ def test_no_secret_value_is_ever_in_the_pods_args_or_plain_env():
     assert "ingest-s3cret" not in json.dumps(workload)
     assert [o["kind"] for o in objects if "ingest-s3cret" in json.dumps(o) or "aW5nZXN0LXMzY3JldA" in json.dumps(o)
             ] == ["Secret"]
+
+
+def _runbook_links(objects: list[dict[str, Any]], base: str) -> list[str]:
+    """The runbook links (to GitHub's docs/runbooks/, or to ``base``) of the rendered PrometheusRule and dashboards
+    ConfigMaps."""
+    shipped = [o for o in objects if o["kind"] == "PrometheusRule"
+               or (o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"]["labels"])]
+    urls = re.findall(r"https?://[^\s\"'\\)\]]+", "\n".join(json.dumps(o) for o in shipped))
+    return [u for u in urls if "/docs/runbooks/" in u or u.startswith(base)]
+
+
+@pytest.mark.parametrize("base", ["https://runbooks.internal.example/mcp", "https://runbooks.internal.example/mcp/"])
+def test_runbook_base_url_reaches_every_runbook_link_the_alerts_the_dashboards_and_the_detector(base, monkeypatch):
+    """An air-gapped cluster's alerts linked the mirror, its dashboards and findings page still linked GitHub."""
+    for name in [n for n in os.environ if n.upper().startswith("MCP_STREAM_")]:
+        monkeypatch.delenv(name)
+    root = base.rstrip("/")
+    github = _runbook_links(_render(CHART, {}, (MONITORING,)), root)
+    assert github and all(u.startswith("https://github.com/") for u in github)
+    objects = _render(CHART, {"prometheusRule": {"runbookBaseUrl": base}}, (MONITORING,))
+    mirrored = _runbook_links(objects, root)
+    assert len(mirrored) == len(github) and all(u.startswith(f"{root}/") for u in mirrored), mirrored
+    alerts = {p.stem for p in (ROOT / "docs" / "runbooks").glob("*.md")}
+    assert {u.removeprefix(f"{root}/") for u in mirrored} - {""} <= {f"{a}.md" for a in alerts}
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    for alert in (r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r):
+        assert alert["annotations"]["runbook_url"] == f"{root}/{alert['alert']}.md"
+    args = _container(objects)["args"]
+    assert f"--runbook-base-url={base}" in args
+    assert load(args[1:]).config.links().runbook("MCPResumeLoop") == f"{root}/MCPResumeLoop.md"
+    assert not [a for a in _container(_render(CHART, {}, ()))["args"] if a.startswith("--runbook-base-url")]

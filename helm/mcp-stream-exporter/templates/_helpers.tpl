@@ -41,6 +41,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- ternary "https" "http" (not (empty .Values.tls.secretName)) }}
 {{- end }}
 
+{{- /*
+A text (the alerts, a dashboard) whose runbook links' GitHub base is replaced by prometheusRule.runbookBaseUrl, the
+base the detector's findings page links to as well (--runbook-base-url). Call with (list TEXT .Values).
+*/ -}}
+{{- define "mcp-stream-exporter.runbookLinks" -}}
+{{- $text := index . 0 }}
+{{- with (index . 1).prometheusRule.runbookBaseUrl }}
+{{- $text = $text | replace "https://github.com/mcp-stream-exporter/mcp-stream-exporter/blob/main/docs/runbooks/" (printf "%s/" (trimSuffix "/" .)) }}
+{{- end }}
+{{- $text }}
+{{- end }}
+
 {{- /* The pod template of the Deployment and of the StatefulSet. */ -}}
 {{- define "mcp-stream-exporter.podTemplate" -}}
 metadata:
@@ -81,6 +93,9 @@ spec:
         - --max-queued-spans={{ .Values.detector.maxQueuedSpans }}
         - --max-memory-mb={{ .Values.detector.maxMemoryMb }}
         - --log-level={{ .Values.detector.logLevel }}
+        {{- with .Values.prometheusRule.runbookBaseUrl }}
+        - {{ printf "--runbook-base-url=%s" . | quote }}
+        {{- end }}
         {{- if .Values.toolPolicy }}
         - --policy=/etc/mcp-stream-exporter/policy.json
         {{- end }}
