@@ -7,6 +7,7 @@ prometheus-operator CRDs vendored in tests/fixtures/crd, with and without those 
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import re
@@ -20,6 +21,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from helm_python import _native
 from promtool import check_rules
 from yamllint import linter
@@ -68,6 +73,22 @@ def _validator(schema: dict[str, Any]) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER)
 
 
+def _self_signed(directory: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for ``name`` and its key, as PEM files in ``directory`` (what a kubernetes.io/tls Secret holds)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=36500))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    return directory / "tls.crt", directory / "tls.key"
+
+
 def _crd_schema(name: str) -> dict[str, Any]:
     crd = yaml.safe_load((CRDS / name).read_text())
     return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
@@ -105,7 +126,17 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"service": {"grpcPort": 70000}},
     {"ingestToken": {"token": "typo for value"}},
     {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
-], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource"])
+    {"probes": {"startup": {"failureThreshold": 0}}},
+    {"probes": {"liveness": {"timeout": 5}}},
+    {"detector": {"extraArgs": ["--api-token=s3cret"]}},
+    {"detector": {"extraArgs": ["--metrics-password", "s3cret"]}},
+    {"detector": {"extraArgs": ["--tls-cert=/tls/tls.crt"]}},
+    {"metricsAuth": {"existingSecret": "Not A Name"}},
+    {"serviceMonitor": {"tlsConfig": {"caFile": "/etc/prometheus/ca.crt"}}},
+    {"prometheusRule": {"runbookBaseUrl": 'https://wiki.example.com/"runbooks"'}},
+], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource",
+        "zero-startup-budget", "unknown-probe-key", "secret-in-extra-args", "password-in-extra-args",
+        "tls-in-extra-args", "bad-secret-name", "unsafe-tls-config", "quote-in-runbook-base"])
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
@@ -199,9 +230,10 @@ def test_the_collector_example_keeps_spans_with_a_session_and_spans_without_in_p
                     "traces/no-session": [['attributes["mcp.session.id"] != nil']]}
 
 
-def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
-            kube: str = KUBE_VERSIONS[0]) -> list[dict[str, Any]]:
-    """``helm template RELEASE CHART -f values --api-versions ... --kube-version ...``, in-process.
+def _manifests(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
+               kube: str = KUBE_VERSIONS[0]) -> dict[str, str]:
+    """``helm template RELEASE CHART -f values --api-versions ... --kube-version ...``, in-process: each template's
+    output (NOTES.txt included) by its path.
 
     helm-python-sdk's ``Chart.render`` does not pass capabilities through; its native render (Helm's
     ``engine.Render`` after ``ToRenderValues``, which also checks values.schema.json) takes them as the
@@ -212,8 +244,20 @@ def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
     loaded = helm_python.Chart.load(chart)
     manifests: dict[str, str] = json.loads(
         _native.call_string("helm_render", loaded._raw(), json.dumps(values), json.dumps(options)))
+    return manifests
+
+
+def _render(chart: Path, values: dict[str, Any], api_versions: tuple[str, ...],
+            kube: str = KUBE_VERSIONS[0]) -> list[dict[str, Any]]:
+    """The objects ``helm template`` renders (see ``_manifests``)."""
+    manifests = _manifests(chart, values, api_versions, kube)
     return [obj for path, text in sorted(manifests.items()) if path.endswith(".yaml")
             for obj in yaml.safe_load_all(text) if obj]
+
+
+def _notes(values: dict[str, Any], api_versions: tuple[str, ...]) -> str:
+    """NOTES.txt as ``helm install`` prints it."""
+    return _manifests(CHART, values, api_versions)[f"{CHART.name}/templates/NOTES.txt"]
 
 
 def _validate(obj: dict[str, Any], kube: str = KUBE_VERSIONS[0]) -> list[str]:
@@ -314,8 +358,181 @@ def test_the_detectors_args_are_settings_serve_accepts_on_the_ports_the_service_
     for policy in [o["data"]["policy.json"] for o in objects if o["metadata"]["name"].endswith("-policy")]:
         (tmp_path / "policy.json").write_text(policy)  # the ConfigMap the pod mounts, here
         args = [f"--policy={tmp_path / 'policy.json'}" if a.startswith("--policy=") else a for a in args]
+    if any(a.startswith("--tls-cert=") for a in args):  # the Secret the pod mounts, here
+        cert, key = _self_signed(tmp_path, "mcp-stream-exporter.monitoring.svc")
+        args = [f"--tls-cert={cert}" if a.startswith("--tls-cert=") else
+                f"--tls-key={key}" if a.startswith("--tls-key=") else a for a in args]
+    for env in container.get("env", []):  # each Secret's key, as the kubelet would set it
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert env["name"].removeprefix("MCP_STREAM_").lower() in ServiceConfig.model_fields, env["name"]
+        monkeypatch.setenv(env["name"], f"{ref['name']}/{ref['key']}")
     config = load(args).config
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": config.port, "otlp-grpc": config.grpc_port, "otlp-http": config.otlp_http_port}
     (service,) = [o for o in objects if o["kind"] == "Service" and "clusterIP" not in o["spec"]]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+
+
+def _container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def test_the_startup_budget_and_the_liveness_timeout_come_from_probes_values():
+    """The restore of a large snapshot can outlast the 60 s startup budget (the detector answers /healthz after it),
+    and a busy detector may answer its liveness probe late: both are values the runbooks name."""
+    container = _container(_render(CHART, {}, ()))
+    assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] == 60
+    assert container["livenessProbe"]["timeoutSeconds"] == 1
+    values = {"probes": {"startup": {"periodSeconds": 5, "failureThreshold": 120}, "liveness": {"timeoutSeconds": 4}}}
+    container = _container(_render(CHART, values, ()))
+    assert (container["startupProbe"]["periodSeconds"], container["startupProbe"]["failureThreshold"]) == (5, 120)
+    assert container["livenessProbe"]["timeoutSeconds"] == 4
+    runbook = (ROOT / "docs" / "runbooks" / "MCPStreamExporterRestarting.md").read_text()
+    for value in ("probes.startup.failureThreshold", "probes.liveness.timeoutSeconds"):
+        assert f"`{value}`" in runbook
+
+
+def test_the_chart_values_the_runbooks_name_exist():
+    """A runbook told the on-call to raise "the probe's timeout" and to set `statefulSet: true`, neither of which the
+    schema accepts. Every backticked dotted name (or `name: value`) led by a top-level value is a value here."""
+    values = _values()
+    not_values = {"service.name"}  # the OpenTelemetry resource attribute
+    named = []
+    for runbook in sorted((ROOT / "docs" / "runbooks").glob("*.md")):
+        for path, value in re.findall(r"`([a-z][A-Za-z]*(?:\.[A-Za-z]+)*)(?:: ([^`]+))?`", runbook.read_text()):
+            if path.split(".")[0] in values and path not in not_values:
+                named.append((runbook.name, path, value))
+    assert {path for _, path, _ in named} >= {"snapshot.enabled", "statefulSet.enabled", "replicaCount",
+                                               "probes.startup.failureThreshold", "probes.liveness.timeoutSeconds"}
+    for runbook, path, value in named:
+        node: Any = values
+        for key in path.split("."):
+            assert isinstance(node, dict) and key in node, f"{runbook}: `{path}` is no chart value"
+            node = node[key]
+        assert not (value and isinstance(node, dict)), f"{runbook}: `{path}: {value}` sets a whole section"
+
+
+def test_with_tls_the_detector_mounts_the_secret_and_its_probes_and_scrapes_speak_https():
+    """Through extraArgs alone, the probes stayed on HTTP against an HTTPS server (the startup probe killed the pod)
+    and the ServiceMonitor scraped http (up 0, MCPStreamExporterDown paged)."""
+    tls_config = {"ca": {"secret": {"name": "detector-tls", "key": "ca.crt"}},
+                  "serverName": "mcp-stream-exporter.monitoring.svc"}
+    values = {"tls": {"secretName": "detector-tls"}, "serviceMonitor": {"tlsConfig": tls_config},
+              "toolPolicy": {"tools": {"search": ["https://mcp.example.com/tools/search"]}}}
+    objects = _render(CHART, values, (MONITORING,))
+    container = _container(objects)
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "detector-tls"
+    assert {i["key"] for i in volumes["tls"]["secret"]["items"]} == {"tls.crt", "tls.key"}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (policy,) = [m for m in container["volumeMounts"] if m["name"] == "policy"]
+    assert mount["readOnly"] and not Path(mount["mountPath"]).is_relative_to(policy["mountPath"])
+    assert {f"--tls-cert={mount['mountPath']}/tls.crt", f"--tls-key={mount['mountPath']}/tls.key"} <= set(
+        container["args"])
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == tls_config
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    findings = [r["annotations"]["findings_url"] for g in rule["spec"]["groups"] for r in g["rules"]
+                if "findings_url" in r.get("annotations", {})]
+    assert findings and all(url.startswith("https://{{ $labels.instance }}/ui/") for url in findings)
+    notes = _notes(values, (MONITORING,))
+    assert "https://mcp-stream-exporter.monitoring.svc:4318/v1/traces" in notes and "http://" not in notes
+    assert "tlsConfig is empty" not in notes
+
+
+def test_without_tls_the_probes_and_scrapes_stay_on_http_and_a_tls_config_is_not_used():
+    objects = _render(CHART, {"serviceMonitor": {"tlsConfig": {"insecureSkipVerify": True}}}, (MONITORING,))
+    container = _container(objects)
+    assert not [a for a in container["args"] if a.startswith("--tls-")]
+    assert all(container[p]["httpGet"]["scheme"] == "HTTP" for p in ("startupProbe", "livenessProbe", "readinessProbe"))
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    assert "scheme" not in monitor["spec"]["endpoints"][0] and "tlsConfig" not in monitor["spec"]["endpoints"][0]
+
+
+def test_tls_without_a_tls_config_for_the_scrape_is_warned_of():
+    notes = _notes({"tls": {"secretName": "detector-tls"}}, (MONITORING,))
+    assert "WARNING: serviceMonitor.tlsConfig is empty" in notes
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, str]]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])}
+
+
+def test_with_metrics_auth_the_detector_and_the_servicemonitor_read_the_same_secret_keys():
+    values = {"metricsAuth": {"existingSecret": "scrape-auth", "usernameKey": "user", "passwordKey": "pass"}}
+    objects = _render(CHART, values, (MONITORING,))
+    env = _env(_container(objects))
+    assert env["MCP_STREAM_METRICS_USER"] == {"name": "scrape-auth", "key": "user"}
+    assert env["MCP_STREAM_METRICS_PASSWORD"] == {"name": "scrape-auth", "key": "pass"}
+    (monitor,) = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    basic = monitor["spec"]["endpoints"][0]["basicAuth"]
+    assert basic == {"username": env["MCP_STREAM_METRICS_USER"], "password": env["MCP_STREAM_METRICS_PASSWORD"]}
+    (plain,) = [o for o in _render(CHART, {}, (MONITORING,)) if o["kind"] == "ServiceMonitor"]
+    assert "basicAuth" not in plain["spec"]["endpoints"][0]
+    assert "basic auth" in _notes(values, ()) and "scrape-auth" in _notes(values, ())
+
+
+def test_with_an_api_token_the_detector_reads_it_from_its_secret_and_notes_send_it_as_a_bearer():
+    values = {"apiToken": {"existingSecret": "detector-api", "secretKey": "token"}}
+    assert _env(_container(_render(CHART, values, ()))) == {
+        "MCP_STREAM_API_TOKEN": {"name": "detector-api", "key": "token"}}
+    notes = _notes(values, ())
+    assert "get secret detector-api -o jsonpath='{.data.token}'" in notes
+    assert 'curl -H "Authorization: Bearer $TOKEN" http://127.0.0.1:9464/api/findings' in notes
+    assert "Bearer" not in _notes({}, ())
+
+
+def test_no_secret_value_is_ever_in_the_pods_args_or_plain_env():
+    """Through extraArgs, the tokens and the metrics password were in the pod's args: in plain text for whoever may
+    read the Deployment. Every secret now comes from a Secret by reference; the chart holds no value but the
+    ingest token it was asked to create a Secret for."""
+    values = _merge(yaml.safe_load((CHART / "ci" / "secured-values.yaml").read_text()),
+                    {"ingestToken": {"existingSecret": "", "value": "ingest-s3cret"}})
+    objects = _render(CHART, values, (MONITORING,))
+    container = _container(objects)
+    secret_flags = ("--ingest-token", "--api-token", "--metrics-user", "--metrics-password")
+    assert not [a for a in container["args"] if a.startswith(secret_flags)]
+    assert all(set(e) == {"name", "valueFrom"} for e in container["env"])
+    assert set(_env(container)) == {"MCP_STREAM_INGEST_TOKEN", "MCP_STREAM_API_TOKEN", "MCP_STREAM_METRICS_USER",
+                                    "MCP_STREAM_METRICS_PASSWORD"}
+    (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+    assert "ingest-s3cret" not in json.dumps(workload)
+    assert [o["kind"] for o in objects if "ingest-s3cret" in json.dumps(o) or "aW5nZXN0LXMzY3JldA" in json.dumps(o)
+            ] == ["Secret"]
+
+
+def _runbook_links(objects: list[dict[str, Any]], base: str) -> list[str]:
+    """The runbook links (to GitHub's docs/runbooks/, or to ``base``) of the rendered PrometheusRule and dashboards
+    ConfigMaps."""
+    shipped = [o for o in objects if o["kind"] == "PrometheusRule"
+               or (o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"]["labels"])]
+    urls = re.findall(r"https?://[^\s\"'\\)\]]+", "\n".join(json.dumps(o) for o in shipped))
+    return [u for u in urls if "/docs/runbooks/" in u or u.startswith(base)]
+
+
+@pytest.mark.parametrize("base", ["https://runbooks.internal.example/mcp", "https://runbooks.internal.example/mcp/"])
+def test_runbook_base_url_reaches_every_runbook_link_the_alerts_the_dashboards_and_the_detector(base, monkeypatch):
+    """An air-gapped cluster's alerts linked the mirror, its dashboards and findings page still linked GitHub."""
+    for name in [n for n in os.environ if n.upper().startswith("MCP_STREAM_")]:
+        monkeypatch.delenv(name)
+    root = base.rstrip("/")
+    github = _runbook_links(_render(CHART, {}, (MONITORING,)), root)
+    assert github and all(u.startswith("https://github.com/") for u in github)
+    objects = _render(CHART, {"prometheusRule": {"runbookBaseUrl": base}}, (MONITORING,))
+    mirrored = _runbook_links(objects, root)
+    assert len(mirrored) == len(github) and all(u.startswith(f"{root}/") for u in mirrored), mirrored
+    alerts = {p.stem for p in (ROOT / "docs" / "runbooks").glob("*.md")}
+    assert {u.removeprefix(f"{root}/") for u in mirrored} - {""} <= {f"{a}.md" for a in alerts}
+    (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
+    for alert in (r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r):
+        assert alert["annotations"]["runbook_url"] == f"{root}/{alert['alert']}.md"
+    args = _container(objects)["args"]
+    assert f"--runbook-base-url={base}" in args
+    assert load(args[1:]).config.links().runbook("MCPResumeLoop") == f"{root}/MCPResumeLoop.md"
+    assert not [a for a in _container(_render(CHART, {}, ()))["args"] if a.startswith("--runbook-base-url")]

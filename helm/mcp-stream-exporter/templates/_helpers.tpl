@@ -36,6 +36,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (printf "%s-ingest" (include "mcp-stream-exporter.fullname" .)) .Values.ingestToken.existingSecret }}
 {{- end }}
 
+{{- /* http, or https with tls.secretName; the probes' scheme is its upper case. */ -}}
+{{- define "mcp-stream-exporter.scheme" -}}
+{{- ternary "https" "http" (not (empty .Values.tls.secretName)) }}
+{{- end }}
+
+{{- /*
+A text (the alerts, a dashboard) whose runbook links' GitHub base is replaced by prometheusRule.runbookBaseUrl, the
+base the detector's findings page links to as well (--runbook-base-url). Call with (list TEXT .Values).
+*/ -}}
+{{- define "mcp-stream-exporter.runbookLinks" -}}
+{{- $text := index . 0 }}
+{{- with (index . 1).prometheusRule.runbookBaseUrl }}
+{{- $text = $text | replace "https://github.com/mcp-stream-exporter/mcp-stream-exporter/blob/main/docs/runbooks/" (printf "%s/" (trimSuffix "/" .)) }}
+{{- end }}
+{{- $text }}
+{{- end }}
+
 {{- /* The pod template of the Deployment and of the StatefulSet. */ -}}
 {{- define "mcp-stream-exporter.podTemplate" -}}
 metadata:
@@ -76,8 +93,15 @@ spec:
         - --max-queued-spans={{ .Values.detector.maxQueuedSpans }}
         - --max-memory-mb={{ .Values.detector.maxMemoryMb }}
         - --log-level={{ .Values.detector.logLevel }}
+        {{- with .Values.prometheusRule.runbookBaseUrl }}
+        - {{ printf "--runbook-base-url=%s" . | quote }}
+        {{- end }}
         {{- if .Values.toolPolicy }}
         - --policy=/etc/mcp-stream-exporter/policy.json
+        {{- end }}
+        {{- if .Values.tls.secretName }}
+        - --tls-cert=/etc/mcp-stream-exporter-tls/tls.crt
+        - --tls-key=/etc/mcp-stream-exporter-tls/tls.key
         {{- end }}
         {{- if .Values.snapshot.enabled }}
         - --snapshot-path=/var/lib/mcp-stream-exporter/ledger.db
@@ -86,13 +110,34 @@ spec:
         {{- range .Values.detector.extraArgs }}
         - {{ . | quote }}
         {{- end }}
-      {{- if .Values.ingestToken.enabled }}
+      {{- if or .Values.ingestToken.enabled .Values.metricsAuth.existingSecret .Values.apiToken.existingSecret }}
       env:
+        {{- if .Values.ingestToken.enabled }}
         - name: MCP_STREAM_INGEST_TOKEN
           valueFrom:
             secretKeyRef:
               name: {{ include "mcp-stream-exporter.ingestSecretName" . }}
               key: {{ .Values.ingestToken.secretKey }}
+        {{- end }}
+        {{- with .Values.metricsAuth.existingSecret }}
+        - name: MCP_STREAM_METRICS_USER
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.metricsAuth.usernameKey }}
+        - name: MCP_STREAM_METRICS_PASSWORD
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.metricsAuth.passwordKey }}
+        {{- end }}
+        {{- with .Values.apiToken.existingSecret }}
+        - name: MCP_STREAM_API_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.apiToken.secretKey }}
+        {{- end }}
       {{- end }}
       ports:
         - name: http
@@ -105,14 +150,24 @@ spec:
           containerPort: {{ .Values.service.otlpHttpPort }}
           protocol: TCP
       startupProbe:
-        httpGet: {path: /healthz, port: http}
-        periodSeconds: 2
-        failureThreshold: 30
+        httpGet:
+          path: /healthz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
+        periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+        failureThreshold: {{ .Values.probes.startup.failureThreshold }}
       livenessProbe:
-        httpGet: {path: /healthz, port: http}
+        httpGet:
+          path: /healthz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
         periodSeconds: 10
+        timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
       readinessProbe:
-        httpGet: {path: /readyz, port: http}
+        httpGet:
+          path: /readyz
+          port: http
+          scheme: {{ include "mcp-stream-exporter.scheme" . | upper }}
         periodSeconds: 5
       resources:
         {{- toYaml .Values.resources | nindent 8 }}
@@ -130,6 +185,11 @@ spec:
           mountPath: /etc/mcp-stream-exporter
           readOnly: true
         {{- end }}
+        {{- if .Values.tls.secretName }}
+        - name: tls
+          mountPath: /etc/mcp-stream-exporter-tls
+          readOnly: true
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir: {}
@@ -141,6 +201,14 @@ spec:
     - name: policy
       configMap:
         name: {{ include "mcp-stream-exporter.fullname" . }}-policy
+    {{- end }}
+    {{- with .Values.tls.secretName }}
+    - name: tls
+      secret:
+        secretName: {{ . }}
+        items:
+          - {key: tls.crt, path: tls.crt}
+          - {key: tls.key, path: tls.key}
     {{- end }}
   {{- with .Values.nodeSelector }}
   nodeSelector:
