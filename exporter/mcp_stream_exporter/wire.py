@@ -109,7 +109,9 @@ def _classify(obj: Any) -> WireMessage:
 
 _FAST_RESPONSE = re.compile(r'\{"jsonrpc":"2\.0","id":(?:"([^"\\]*)"|(-?\d+)),"(result|error)":')
 _FAST_NOTIFICATION = re.compile(r'\{"jsonrpc":"2\.0","method":"([^"\\]+)"')
-_FAST_ERROR_CODE = re.compile(r'\{"code":(-?\d+)[,}]')
+# a code of up to 18 digits (any int64): a longer one goes to the full parse, which reads up to Python's 4,300 digits
+# and past them none (not JSON, as the SDK's parser refuses it); ``int()`` of it here raised into the SDK's read
+_FAST_ERROR_CODE = re.compile(r'\{"code":(-?\d{1,18})[,}]')
 _TOOL_ERROR = '"isError":true'
 
 

@@ -300,3 +300,14 @@ def test_a_retry_too_long_for_an_int_is_ignored_as_httpx2_ignores_it_never_raise
     frames, _ = _parse([wire])
     assert [(f.data, f.type, f.retry) for f in frames] == _httpx2_frames(wire.replace(b"\r\n", b"\n"))
     assert whole_frame(wire) is None
+
+
+def test_an_error_code_past_pythons_int_digit_limit_reads_as_not_json_and_never_raises():
+    """A hostile server's ``{"code": <5,000 digits>}``: ``int()`` of it raised ValueError out of the client's tap,
+    which killed the SDK's transport (and the session) where the plain SDK fails the one call it cannot parse."""
+    from mcp_stream_exporter.wire import classify_body, classify_frame
+
+    for digits, read in ((5000, []), (30, [10**29])):
+        data = '{"jsonrpc":"2.0","id":1,"error":{"code":' + "1" + "0" * (digits - 1) + ',"message":"m"}}'
+        assert [m.error_code for m in classify_frame(data)] == read
+        assert [m.error_code for m in classify_body(data.encode())] == read

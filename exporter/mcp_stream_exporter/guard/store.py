@@ -135,7 +135,6 @@ _Owner = tuple[Requirement, str | None]  # a call in flight's requirement and th
 _SEVERAL_PRINCIPALS: Final = "several"  # a standalone event stored while two principals' calls ran: nobody's
 
 
-
 @dataclass(slots=True)
 class _Request:
     """The HTTP request guard code runs for: its session (filled in when the initialize response
