@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks import _defects, _observer, client
 from mcp_stream_exporter.lab import serve
 
 from harness import after_grace, detector, ours, span_exporter, spans
@@ -169,3 +170,28 @@ async def test_a_health_checks_head_and_a_browsers_preflight_are_no_streams():
         await http.options(url, headers={"last-event-id": "1", "origin": "http://app.example",
                                          "access-control-request-method": "GET"})
     assert ours(spans(), sc.SPAN_STREAM) == []
+
+
+@pytest.mark.parametrize("mode", ["legacy", STATELESS])
+@pytest.mark.parametrize("json_response", [False, True], ids=["sse", "json"])
+async def test_a_defect_in_the_hooks_reading_never_reaches_the_application(json_response, mode, monkeypatch, caplog):
+    """Every reader the hooks call on a request, an answer or a call raises (as ``int()`` of a hostile server's
+    5,000-digit error code once did, out of the client's tap, killing the SDK's transport): the application's calls
+    answer as without the hooks, and the defect is logged once, as a warning."""
+    def defect(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a defect of the hooks")
+
+    for module in (_observer, client):
+        for reader in ("can_ask", "request_message", "read_body", "result_id", "classify_frame", "classify_body",
+                       "message_frame", "empty_frames", "whole_frame", "read_message"):
+            if hasattr(module, reader):
+                monkeypatch.setattr(module, reader, defect)
+    monkeypatch.setattr(_defects, "_reported", False)
+    caplog.set_level(logging.DEBUG, logger="mcp_stream_exporter.hooks")
+    mcp = _server()
+    app = instrument_server(mcp, json_response=json_response, streamable_http_path="/")
+    async with _mounted(mcp, app) as port, instrument_client() as http:
+        results = await _results(f"http://127.0.0.1:{port}/mcp/", http, mode)
+    assert [r[:2] for r in results] == ["t0", "t1", "t2"]
+    reported = [r for r in caplog.records if r.name == "mcp_stream_exporter.hooks"]
+    assert reported and [r.levelno for r in reported if r.levelno >= logging.WARNING] == [logging.WARNING]

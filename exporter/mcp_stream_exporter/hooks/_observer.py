@@ -38,6 +38,7 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.headers import pick, values
+from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._owners import SessionOwners
 from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._spans import Call, CallKey, Stream, lacks
@@ -68,8 +69,8 @@ class _Exchange:
     """One HTTP request to the MCP endpoint and its response, as the observer sees them."""
 
     __slots__ = ("asked_in", "body", "calls", "cancelled", "complete", "context", "cursor", "decoder", "deferred",
-                 "disconnected", "held", "held_bytes", "json_body", "method", "observer", "oversized", "parser",
-                 "pending", "protocol_version", "scope", "start_ns", "status", "stream", "tracker", "unread")
+                 "disconnected", "failed", "held", "held_bytes", "json_body", "method", "observer", "oversized",
+                 "parser", "pending", "protocol_version", "scope", "start_ns", "status", "stream", "tracker", "unread")
 
     def __init__(self, observer: WireObserver, method: str, start_ns: int, cursor: str | None,
                  scope: request_scope.RequestScope, protocol_version: str | None) -> None:
@@ -107,6 +108,7 @@ class _Exchange:
         self.disconnected = False
         self.oversized = False
         self.decoder: Decoder | None = None  # an answer a middleware inside the observed app compressed
+        self.failed = False  # the hooks failed to read it (``_defects``): left unobserved from then on
 
     def decoded(self, message: Message) -> Message:
         """A compressed answer's body message, as the app's SDK wrote it."""
@@ -254,63 +256,83 @@ class WireObserver:
             async def observed_receive() -> Message:
                 nonlocal deleting
                 message = await receive()
-                kind = message["type"]
-                if kind == "http.request":
-                    if ex.method == "POST" and not ex.oversized:
-                        self._on_body(ex, message)
-                    elif (ex.method == "DELETE" and rs.session_id is not None and deleting is None
-                          and not message.get("more_body", False)):
-                        # read whole: the SDK acts on none before (its body limit reads every body first), so one
-                        # whose body is held back ends nothing, and no stream waits on it
-                        deleting = (rs.session_id, tracker.deleting(rs.session_id))
-                elif kind == "http.disconnect":
-                    if ex.method == "DELETE" and rs.session_id is not None and deleting is None:
-                        deleting = (rs.session_id, tracker.deleting(rs.session_id))  # the SDK acts on it as it is
-                    ex.disconnected = True
-                    stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
-                    if stream is not None:
-                        tracker.end_stream(stream, sc.END_DROPPED, ex.status)
+                if ex.failed:
+                    return message
+                try:
+                    kind = message["type"]
+                    if kind == "http.request":
+                        if ex.method == "POST" and not ex.oversized:
+                            self._on_body(ex, message)
+                        elif (ex.method == "DELETE" and rs.session_id is not None and deleting is None
+                              and not message.get("more_body", False)):
+                            # read whole: the SDK acts on none before (its body limit reads every body first), so one
+                            # whose body is held back ends nothing, and no stream waits on it
+                            deleting = (rs.session_id, tracker.deleting(rs.session_id))
+                    elif kind == "http.disconnect":
+                        if ex.method == "DELETE" and rs.session_id is not None and deleting is None:
+                            deleting = (rs.session_id, tracker.deleting(rs.session_id))  # the SDK acts on it as it is
+                        ex.disconnected = True
+                        stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
+                        if stream is not None:
+                            tracker.end_stream(stream, sc.END_DROPPED, ex.status)
+                except Exception:  # the hooks' reading never fails the application's
+                    self._failed(ex)
                 return message
 
             def observed_send(message: Message) -> Awaitable[None]:  # send's own awaitable: no coroutine of ours
                 nonlocal deleting
-                kind = message["type"]
-                if kind == "http.response.body":
-                    if not message.get("more_body", False):
-                        ex.complete = True
-                    self._on_response_body(ex, message if ex.decoder is None else ex.decoded(message))
-                elif kind == "http.response.start":
-                    self._on_response_start(ex, message)
-                    if ex.status == 404 or rs.session_id is not ex.asked_in:  # a 404, or a session opened
-                        self._owned(ex, scope)
-                    if deleting is not None:
-                        if 200 <= ex.status < 300:
-                            self.owners.ended(deleting[0])
-                        tracker.deleted(*deleting, ex.status)
-                        deleting = None
+                if ex.failed:
+                    return send(message)
+                try:
+                    kind = message["type"]
+                    if kind == "http.response.body":
+                        if not message.get("more_body", False):
+                            ex.complete = True
+                        self._on_response_body(ex, message if ex.decoder is None else ex.decoded(message))
+                    elif kind == "http.response.start":
+                        self._on_response_start(ex, message)
+                        if ex.status == 404 or rs.session_id is not ex.asked_in:  # a 404, or a session opened
+                            self._owned(ex, scope)
+                        if deleting is not None:
+                            if 200 <= ex.status < 300:
+                                self.owners.ended(deleting[0])
+                            tracker.deleted(*deleting, ex.status)
+                            deleting = None
+                except Exception:
+                    self._failed(ex)
                 return send(message)
 
             try:
                 await app(scope, observed_receive, observed_send)
             finally:
-                if deleting is not None:  # never answered
-                    tracker.deleted(*deleting, None)
                 request_scope.unbind(token)
                 if outer is None:
                     del scope[_EXCHANGE]
                 else:
                     scope[_EXCHANGE] = outer
-                if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them
-                    self.read_unread(ex)
-                stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
-                if stream is not None:
-                    # an app that returned or failed (a cancel at shutdown) before its body's last message leaves
-                    # a response its client reads as cut short, not ended
-                    complete = ex.complete and not ex.disconnected
-                    tracker.end_stream(stream, sc.END_CLEAN if complete else sc.END_DROPPED, ex.status)
-                ex.release()
+                try:
+                    if deleting is not None:  # never answered
+                        tracker.deleted(*deleting, None)
+                    if not ex.failed:
+                        if ex.unread is not None:  # calls the SDK's middleware never saw, and no stream read them
+                            self.read_unread(ex)
+                        stream = ex.stream if ex.deferred is None else ex.open(ex.deferred)
+                        if stream is not None:
+                            # an app that returned or failed (a cancel at shutdown) before its body's last message
+                            # leaves a response its client reads as cut short, not ended
+                            complete = ex.complete and not ex.disconnected
+                            tracker.end_stream(stream, sc.END_CLEAN if complete else sc.END_DROPPED, ex.status)
+                    ex.release()
+                except Exception:
+                    self._failed(ex)
 
         return observed
+
+    @staticmethod
+    def _failed(ex: _Exchange) -> None:
+        """The hooks could not read this exchange (``_defects``): it goes on unobserved."""
+        _defects.report("an exchange")
+        ex.failed = True
 
     def _owned(self, ex: _Exchange, scope: Scope) -> None:
         """Who opened a session its first answer names; and a 404 the SDK gave another principal than that, which

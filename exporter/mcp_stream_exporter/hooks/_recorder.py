@@ -20,6 +20,7 @@ from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import AuthView
 from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID, request_id_of, stream_id_of
+from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._spans import Call, SpanStarter, auth_attributes, known_missing, requirement_attributes
 from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
 
@@ -264,7 +265,10 @@ class _ObservedEventStore(EventStore):
                     self._recorder.store_failed(rs.session_id, error)
             raise
         rs = request_scope.current()
-        self._recorder.on_stored(rs.session_id if rs else None, stream_id, event_id, message)
+        try:
+            self._recorder.on_stored(rs.session_id if rs else None, stream_id, event_id, message)
+        except Exception:  # the hooks' reading never fails the application's (a store that raised fails the session)
+            _defects.report("a stored event")
         return event_id
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:

@@ -25,6 +25,7 @@ from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import Attributes
 
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._spans import Terminal
 
 if TYPE_CHECKING:
@@ -99,7 +100,10 @@ class SdkSpans(SpanProcessor):
             # a healthy call's span has where its result came (``annotate``): the rest are told apart below
             values = attributes._dict if type(attributes) is BoundedAttributes else attributes  # not Mapping's ``in``
             if values is None or sc.TERMINAL_STREAM_KIND not in values:
-                self._unanswered(span, context[_SPAN_ID], bound)
+                try:
+                    self._unanswered(span, context[_SPAN_ID], bound)
+                except Exception:  # the hooks' reading never fails the SDK's span
+                    _defects.report("a call's end")
 
     def _unanswered(self, span: ReadableSpan, span_id: int, bound: tuple[Tracker, Call] | None) -> None:
         """The SDK's span of a call ended, and its caller with it, with no word of a result written on it: the call

@@ -10,6 +10,7 @@ changes nothing: resolving a refused resume's pending calls is the guard's (``gu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -47,6 +48,7 @@ from mcp_stream_exporter.exchange import (
     read_message,
     stream_kind,
 )
+from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._sdk_spans import SdkSpans, annotate
 from mcp_stream_exporter.hooks._spans import Call, CallKey, DeviationTracer, Identify, Stream, Terminal, lacks
 from mcp_stream_exporter.hooks._tracking import BROKEN_IN_PROCESS, HOLD_BYTES, HOLD_PIECES, HeldFrame, Tracker
@@ -162,123 +164,135 @@ class ClientInstrumentation:
         return self._start_call(msg, session_id, protocol_version, view, start, stateless, False)
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
-        start = time.time_ns()
-        headers = _picked(request.headers, REQUEST_HEADERS)
-        session_id = headers.get(SESSION_ID)
-        protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
-        view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
-        requested = self._request_calls(request, session_id, protocol_version, view, start)
-        pending: PendingAnswer | None = None
-        early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
-        if isinstance(requested, list):
-            calls = requested
-        else:
-            calls = []
-            msg, stateless = requested
-            answer = functools.partial(self._answer, msg, session_id, protocol_version, view, start, stateless)
-            if stateless:
-                pending = answer
+        try:
+            start = time.time_ns()
+            headers = _picked(request.headers, REQUEST_HEADERS)
+            session_id = headers.get(SESSION_ID)
+            protocol_version = headers.get(PROTOCOL_VERSION) or self._protocol_version
+            view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
+            requested = self._request_calls(request, session_id, protocol_version, view, start)
+            pending: PendingAnswer | None = None
+            early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
+            if isinstance(requested, list):
+                calls = requested
             else:
-                assert msg.id is not None  # a call's
-                key = (session_id, msg.id)
-                early = _Pending(answer, self.tracker, key)
-                if self.tracker.pend(key, early):
-                    pending = early
-                else:  # its id taken by a call pending still (MCP forbids it): started as any other
-                    early = None
-                    calls.append(_started(answer, None))
-        cursor = headers.get(LAST_EVENT_ID)
-        if cursor:
-            if pending is not None:
-                calls.append(_started(pending, early))
-                pending = None
-            calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
-        # the client's DELETE of its session: the streams the server closes as it accepts it end with the session
-        deleting = None
-        if request.method == "DELETE" and session_id is not None:
-            deleting = (session_id, self.tracker.deleting(session_id))
+                calls = []
+                msg, stateless = requested
+                answer = functools.partial(self._answer, msg, session_id, protocol_version, view, start, stateless)
+                if stateless:
+                    pending = answer
+                else:
+                    assert msg.id is not None  # a call's
+                    key = (session_id, msg.id)
+                    early = _Pending(answer, self.tracker, key)
+                    if self.tracker.pend(key, early):
+                        pending = early
+                    else:  # its id taken by a call pending still (MCP forbids it): started as any other
+                        early = None
+                        calls.append(_started(answer, None))
+            cursor = headers.get(LAST_EVENT_ID)
+            if cursor:
+                if pending is not None:
+                    calls.append(_started(pending, early))
+                    pending = None
+                calls.extend(self.tracker.calls_of_cursor(session_id, cursor))
+            # the client's DELETE of its session: the streams the server closes as it accepts it end with the session
+            deleting = None
+            if request.method == "DELETE" and session_id is not None:
+                deleting = (session_id, self.tracker.deleting(session_id))
+        except Exception:  # the hooks' reading never fails the application's: the request goes unobserved
+            _defects.report("a request")
+            return await inner.handle_async_request(request)
         try:
             response = await inner.handle_async_request(request)
         except BaseException as failed:
-            if deleting is not None:
-                self.tracker.deleted(*deleting, None)
-            if pending is not None:
-                calls.append(_started(pending, early))
-            stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None, CONTENT_NONE)
-            if stream is not None:  # cancelled before the answer began (a timeout): the client gave up, as below
-                self.tracker.end_stream(stream, sc.END_DROPPED if isinstance(failed, Exception) else sc.END_CLOSED)
+            try:
+                if deleting is not None:
+                    self.tracker.deleted(*deleting, None)
+                if pending is not None:
+                    calls.append(_started(pending, early))
+                stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, None,
+                                    CONTENT_NONE)
+                if stream is not None:  # cancelled before the answer began (a timeout): the client gave up, as below
+                    self.tracker.end_stream(stream, sc.END_DROPPED if isinstance(failed, Exception) else sc.END_CLOSED)
+            except Exception:
+                _defects.report("a request")
             raise
-        if deleting is not None:
-            self.tracker.deleted(*deleting, response.status_code)
-        response_headers = _picked(response.headers, RESPONSE_HEADERS)
-        if session_id is None:
-            session_id = response_headers.get(SESSION_ID)
-        content = content_of(response_headers.get(CONTENT_TYPE, ""))
-        status = response.status_code
-        # a proxy's gzip: the answer read decoded, every line of the header as httpx2 reads them
-        decoder = (decoder_for(response.headers.get_list(CONTENT_ENCODING)) if CONTENT_ENCODING in response_headers
-                   else None)
-        if pending is not None and 300 <= status < 400:
-            # no answer: a redirect (the SDK sends the request again where it points, or fails it); its call is left
-            # to the request that follows
-            if early is not None:
-                early.forget()
-            if early is None or early.call is None:
-                return response
-        elif 300 <= status < 400 and calls and all(call.stateless and call.span is None for call in calls):
-            return response  # the same, for stateless calls started as they went out (another's break: a re-issue?)
-        if pending is not None:
-            # most likely its result and no more: a JSON body; a resumable session's SSE answer, held. Unless a
-            # look-up started it already
-            if (early is None or early.call is None) and status < 300 and request.method == "POST" and (
-                    content == CONTENT_JSON or (early is not None and content == CONTENT_SSE)):
+        try:
+            if deleting is not None:
+                self.tracker.deleted(*deleting, response.status_code)
+            response_headers = _picked(response.headers, RESPONSE_HEADERS)
+            if session_id is None:
+                session_id = response_headers.get(SESSION_ID)
+            content = content_of(response_headers.get(CONTENT_TYPE, ""))
+            status = response.status_code
+            # a proxy's gzip: the answer read decoded, every line of the header as httpx2 reads them
+            decoder = (decoder_for(response.headers.get_list(CONTENT_ENCODING)) if CONTENT_ENCODING in response_headers
+                       else None)
+            if pending is not None and 300 <= status < 400:
+                # no answer: a redirect (the SDK sends the request again where it points, or fails it); its call is left
+                # to the request that follows
+                if early is not None:
+                    early.forget()
+                if early is None or early.call is None:
+                    return response
+            elif 300 <= status < 400 and calls and all(call.stateless and call.span is None for call in calls):
+                return response  # the same, for stateless calls started as they went out (another's break: a re-issue?)
+            if pending is not None:
+                # most likely its result and no more: a JSON body; a resumable session's SSE answer, held. Unless a
+                # look-up started it already
+                if (early is None or early.call is None) and status < 300 and request.method == "POST" and (
+                        content == CONTENT_JSON or (early is not None and content == CONTENT_SSE)):
+                    assert isinstance(response.stream, httpx2.AsyncByteStream)
+                    assert not isinstance(requested, list)
+                    opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
+                                               start, status, content)
+                    sse = content == CONTENT_SSE
+                    tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener, decoder)
+                    tap.pending, tap.pending_id = pending, requested[0].id
+                    if sse:  # its chunks known by their heads while they show the healthy path
+                        tap.held, tap.unparsed = [], []
+                    if early is not None:  # counted as a stream carrying it once it starts (``_TapStream.started``)
+                        early.tap = tap
+                        tap.hold(session_id)
+                    response.stream = tap
+                    return response
+                calls.append(_started(pending, early))
+            single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
+            if status < 300 and request.method == "POST" and (
+                    (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
                 assert isinstance(response.stream, httpx2.AsyncByteStream)
-                assert not isinstance(requested, list)
                 opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor,
                                            start, status, content)
                 sse = content == CONTENT_SSE
                 tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener, decoder)
-                tap.pending, tap.pending_id = pending, requested[0].id
-                if sse:  # its chunks known by their heads while they show the healthy path
-                    tap.held, tap.unparsed = [], []
-                if early is not None:  # counted as a stream carrying it once it starts (``_TapStream.started``)
-                    early.tap = tap
+                if sse:  # its frames read as they pass, and kept until it ends
+                    tap.held = []
+                    if single:  # its chunks known by their heads while they show the healthy path
+                        tap.unparsed = []
+                if sse or not calls[0].stateless:  # a stateless call's JSON answer: nothing else can need it first
                     tap.hold(session_id)
+                if not single:
+                    tap.held_stream()  # not the healthy path's shape: a stream from its start
                 response.stream = tap
                 return response
-            calls.append(_started(pending, early))
-        single = len(calls) == 1 and not cursor and calls[0].span is None  # most likely its result and no more
-        if status < 300 and request.method == "POST" and (
-                (content == CONTENT_SSE and calls) or (content == CONTENT_JSON and single)):
+            stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
+            if stream is None:
+                return response
+            # a redirect delivers nothing, and is no clean end either; nor does an error, but for the JSON-RPC error a
+            # POST's calls may be answered with at an HTTP error status (400, 404), which the SDK hands its caller
+            answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST"
+                                       and bool(calls))
+            if content == CONTENT_NONE or not answers:
+                self.tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
+                return response
             assert isinstance(response.stream, httpx2.AsyncByteStream)
-            opener = functools.partial(self._open, request, session_id, protocol_version, calls, view, cursor, start,
-                                       status, content)
-            sse = content == CONTENT_SSE
-            tap = _TapStream(response.stream, self.tracker, None, sse, status, calls, opener, decoder)
-            if sse:  # its frames read as they pass, and kept until it ends
-                tap.held = []
-                if single:  # its chunks known by their heads while they show the healthy path
-                    tap.unparsed = []
-            if sse or not calls[0].stateless:  # a stateless call's JSON answer: nothing else can need it first
-                tap.hold(session_id)
-            if not single:
-                tap.held_stream()  # not the healthy path's shape: a stream from its start
-            response.stream = tap
+            response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status, calls,
+                                         decoder=decoder)
             return response
-        stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
-        if stream is None:
+        except Exception:
+            _defects.report("an answer")
             return response
-        # a redirect delivers nothing, and is no clean end either; nor does an error, but for the JSON-RPC error a
-        # POST's calls may be answered with at an HTTP error status (400, 404), which the SDK hands its caller
-        answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST"
-                                   and bool(calls))
-        if content == CONTENT_NONE or not answers:
-            self.tracker.end_stream(stream, sc.END_HTTP_ERROR if status >= 300 else sc.END_CLEAN, status)
-            return response
-        assert isinstance(response.stream, httpx2.AsyncByteStream)
-        response.stream = _TapStream(response.stream, self.tracker, stream, content == CONTENT_SSE, status, calls,
-                                     decoder=decoder)
-        return response
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
         return _fingerprint(self.tokens.subject_salt, tool, arguments)
@@ -338,6 +352,7 @@ class _TapStream(httpx2.AsyncByteStream):
     pending: PendingAnswer | None = None
     pending_id: str | None = None
     _answered_early: _Pending | None = None  # a resumable session's pending call its result ended as it passed
+    _unread = False  # the hooks failed to read it (``_defects``): it passes on unread from then on
     _decoder: Decoder | None = None  # a compressed answer's: its chunks read decoded
 
     def __init__(self, inner: httpx2.AsyncByteStream, tracker: Tracker, stream: Stream | None, sse: bool,
@@ -365,20 +380,44 @@ class _TapStream(httpx2.AsyncByteStream):
         try:
             chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
-            if not self._exhausted:
+            if not self._exhausted and not self._unread:
                 self._exhausted = True
-                if self._decoder is not None and (tail := self._decoder.flush()):
-                    self._take(tail)
-                self._ended()
+                try:
+                    if self._decoder is not None and (tail := self._decoder.flush()):
+                        self._take(tail)
+                    self._ended()
+                except Exception:
+                    self._failed()
             raise
         except Exception:
-            self._end(sc.END_DROPPED)
+            self._end_as(sc.END_DROPPED)
             raise
         except BaseException:  # cancelled while reading: the client gave up on it
-            self._end(sc.END_CLOSED)
+            self._end_as(sc.END_CLOSED)
             raise
-        self._take(chunk if self._decoder is None else self._decoder(chunk))
+        if not self._unread:
+            try:
+                self._take(chunk if self._decoder is None else self._decoder(chunk))
+            except Exception:  # the hooks' reading never fails the application's
+                self._failed()
         return chunk
+
+    def _failed(self) -> None:
+        """The hooks could not read this answer (``_defects``): it passes on unread, and ends, for the hooks, as a
+        stream its client closed, which judges nothing."""
+        _defects.report("an answer")
+        self._unread = True
+        with contextlib.suppress(Exception):
+            self._end(sc.END_CLOSED)
+
+    def _end_as(self, reason: str) -> None:
+        """``_end``, where the application's own exception is on its way: one of the hooks' never replaces it."""
+        if self._unread:
+            return
+        try:
+            self._end(reason)
+        except Exception:
+            self._failed()
 
     def _take(self, chunk: bytes) -> None:
         """A chunk of the answer, as its reader will read it (decoded)."""
@@ -580,7 +619,7 @@ class _TapStream(httpx2.AsyncByteStream):
             self._tracker.end_stream(stream, sc.END_HTTP_ERROR if self._status >= 300 else reason, self._status)
 
     def aclose(self) -> Coroutine[Any, Any, None]:
-        self._end(sc.END_CLOSED)
+        self._end_as(sc.END_CLOSED)
         chunks = self._chunks
         # an exhausted generator has nothing to close: closing it anyway costs a coroutine
         if not self._exhausted and isinstance(chunks, types.AsyncGeneratorType) and not chunks.ag_running:
@@ -744,7 +783,11 @@ class _ReadingClient(httpx2.AsyncClient):
         message = kwargs.get("json")
         if (type(message) is dict and kwargs.get("content") is None and kwargs.get("data") is None
                 and kwargs.get("files") is None and isinstance(request.stream, httpx2.ByteStream)):
-            asked = read_message(message, request.content)
+            try:
+                asked = read_message(message, request.content)
+            except Exception:  # the hooks' reading never fails the application's: read off its bytes, or not at all
+                _defects.report("a request")
+                asked = None
             if asked is not None:
                 # with its body's stream: a redirect's request shares the extensions, and carries that body or none
                 request.extensions[_ASKED] = (request.stream, asked)

@@ -24,6 +24,7 @@ from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._observer import WireObserver
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
 from mcp_stream_exporter.hooks._spans import DeviationTracer
@@ -69,7 +70,10 @@ class ServerInstrumentation:
         awaitable, which the SDK awaits (pinned by tests/integration/test_sdk_contract.py), so every
         message the server receives is spared a coroutine of ours around its handler."""
         if ctx.method == TOOLS_CALL and ctx.request_id is not None:  # the SDK's own tools/call span is current
-            self.observer.dispatched(ctx.request, ctx.request_id, ctx.params, get_current())
+            try:
+                self.observer.dispatched(ctx.request, ctx.request_id, ctx.params, get_current())
+            except Exception:  # the hooks' reading never fails the application's
+                _defects.report("a call")
         return call_next(ctx)
 
 
