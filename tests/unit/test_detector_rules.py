@@ -66,9 +66,13 @@ def test_clean_end_pending_is_silent_when_the_result_arrives_on_a_later_resume()
     assert rules(run(spans, after_s=60)) == []
 
 
-def test_a_clean_end_with_an_error_frame_is_an_explicit_answer_not_a_silent_loss():
-    spans = [stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,))]
-    assert rules(run(spans, after_s=60)) == []
+def test_a_clean_end_with_an_error_frame_is_an_explicit_answer_not_a_silent_loss_where_its_client_heeds_it():
+    """The server sent it; a client with the resolver fails the call at it and closes the stream. One that read on
+    past it to the end (the SDK alone drops the frame) told its caller nothing: that clean end is silent."""
+    refusal = {"pending": ("3",), "cursor": "6", "error_frames": 1, "missing": (FETCH,)}
+    assert rules(run([stream(SV, "resume", "clean", **refusal)], after_s=60)) == []
+    assert rules(run([stream(C, "resume", "closed", **refusal)], after_s=60)) == []
+    assert rules(run([stream(C, "resume", "clean", **refusal)], after_s=60)) == ["clean_end_pending"]
 
 
 def test_client_and_server_views_of_one_loss_make_one_finding_with_both_roles():
@@ -724,20 +728,24 @@ def test_a_resume_the_guard_refused_explicitly_is_no_silent_loss_when_the_caller
         ["clean_end_pending"], ["stored_not_delivered"])
 
 
-def test_a_client_that_resumes_again_after_a_refusal_never_told_its_caller_and_its_stored_result_is_lost():
-    """Without ``resolve_refusals`` the SDK drops the guard's error frame and reconnects with the same cursor until
-    its caller's timeout: refused again and again, the caller is told nothing, as in the incident. The server's
-    spans alone cannot tell (the SDK may resume on for no caller after the resolver failed the call)."""
-    def refused(at: float) -> list[Span]:
+def test_a_refusal_the_client_read_on_past_told_its_caller_nothing_and_its_stored_result_is_lost():
+    """Without ``resolve_refusals`` the SDK drops the guard's error frame, reads its resume to the end the server
+    gives it (``clean``) and resumes again with the same cursor until its caller's timeout: its caller is told
+    nothing, as in the incident, from the first such refusal (its timeout may come before a second). With the
+    resolver the SDK gets the call's error at the frame and closes the stream (``closed``): told. The server's spans
+    alone cannot tell the two apart."""
+    def refused(at: float, client_end: str) -> list[Span]:
         return [replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE, at=at),
                 stream(SV, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=at),
-                stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=at)]
+                stream(C, "resume", client_end, pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=at)]
 
-    again = [*refused(2.0), *refused(3.0)]
-    for spans in ([*_stored_with_no_stream(), *again], [*again[::-1], *_stored_with_no_stream()]):
-        assert rules(run(spans, after_s=60)) == ["stored_not_delivered"]
-        assert rules(run([s for s in spans if s.attributes[sc.ROLE] == SV], after_s=60)) == []
-    assert rules(run([*_stored_with_no_stream(), *refused(2.0)], after_s=60)) == []  # once: the resolver's case
+    for unheeded in (refused(2.0, "clean"), [*refused(2.0, "clean"), *refused(3.0, "clean")]):
+        for spans in ([*_stored_with_no_stream(), *unheeded], [*unheeded[::-1], *_stored_with_no_stream()]):
+            (lost,) = run(spans, after_s=60).findings  # one loss: its clean end, the stored result joining it
+            assert (lost.rule, lost.evidence["also"]) == ("clean_end_pending", ["stored_not_delivered"])
+            assert rules(run([s for s in spans if s.attributes[sc.ROLE] == SV], after_s=60)) == []
+    heeded = [*refused(2.0, "closed"), *refused(3.0, "closed")]  # the resolver's, and a re-authorised resume's
+    assert rules(run([*_stored_with_no_stream(), *heeded], after_s=60)) == []
 
 
 def test_a_stream_that_ended_before_the_clean_end_does_not_stop_its_clock_whatever_order_spans_come_in():
@@ -801,10 +809,10 @@ def test_a_refusal_hides_no_loss_of_a_resume_not_refused_that_ran_beside_it_in_e
 
 def test_a_refused_resume_that_sent_events_first_and_said_so_while_open_still_tells_its_caller():
     """The guard's prefix mode, or a live tail cut by an error frame: the resume's span while open (its first
-    events) is no resume of its own."""
+    events) is no resume of its own. The resolver fails the call at the frame, and the SDK closes the stream."""
     moving = stream(C, "resume", sc.END_OPEN, pending=("3",), cursor="6", last="7", at=2.0)
     moving.end_ns = int(2.01 * S)
-    refused = stream(C, "resume", "clean", pending=("3",), cursor="6", last="7", error_frames=1, missing=(FETCH,),
+    refused = stream(C, "resume", "closed", pending=("3",), cursor="6", last="7", error_frames=1, missing=(FETCH,),
                      at=2.0)
     refused.end_ns = int(2.05 * S)
     for spans in ([*_stored_with_no_stream(), moving, refused], [moving, refused, *_stored_with_no_stream()]):
@@ -813,11 +821,14 @@ def test_a_refused_resume_that_sent_events_first_and_said_so_while_open_still_te
 
 
 def test_a_call_whose_resume_was_refused_explicitly_is_not_in_flight_nor_stuck_until_a_resume_not_refused():
-    """Its caller was told why (the guard's error frame; ``resolve_refusals`` fails the call at once)."""
+    """Its caller was told why (the guard's error frame; ``resolve_refusals`` fails the call at once, and the SDK
+    closes the stream); not when its client read on past the frame (no resolver: its caller still waits)."""
     dropped = [stream(role, "post", "dropped", pending=("3",), last="6") for role in (C, SV)]
-    refused = stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)
+    refused = stream(C, "resume", "closed", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)
     assert _in_flight([*dropped]) == (1, [])
     assert _in_flight([*dropped, refused]) == (0, [])
+    unheeded = stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, missing=(FETCH,), at=2.0)
+    assert _in_flight([*dropped, unheeded]) == (1, ["clean_end_pending"])
     detector = run([*dropped, refused], after_s=3600)
     detector.tick()
     assert detector.ledger.stuck == 0

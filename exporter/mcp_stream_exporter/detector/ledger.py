@@ -53,7 +53,7 @@ _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
 # bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came;
 # the clean-end clock stands for its client's POST; a server closed its POST as it accepted its session's DELETE;
-# its client resumed it again after a refusal, its caller still waiting (``told``)
+# its client read a refused resume of it to the end and did not fail it (``told``)
 _CLIENT_GAVE_UP = 1
 CANCEL_RACED = 2
 CANCEL_LATE = 4
@@ -61,7 +61,7 @@ _RUNNING = 8
 _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
-_REFUSALS_IGNORED = 128
+_REFUSAL_UNHEEDED = 128
 _MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
@@ -177,14 +177,13 @@ class CallState:
         client, server = _firsts(clean_seen)
         return 0 < client < answered[0] or 0 < server < answered[1]
 
-    def resumed_as(self, role: str, refused: bool, start_ns: int, end_ns: int) -> None:
-        """A resume of it that ``role`` saw, refused explicitly or not (``told``)."""
+    def resumed_as(self, role: str, refused: bool, start_ns: int, end_ns: int, unheeded: bool = False) -> None:
+        """A resume of it that ``role`` saw, refused explicitly or not (``told``); ``unheeded``: a refusal its client
+        read on past, to the stream's end, and did not fail the call at."""
         at = (0 if refused else 1) + (0 if role == "client" else 2)
         resumed = list(self.resumed)
-        if refused and role == "client" and resumed[0]:
-            # refused again, the call still awaited: the SDK drops the error frame and reconnects (no resolver failed
-            # the call at the first): its caller is told nothing, and waits until its timeout
-            self.flags |= _REFUSALS_IGNORED
+        if unheeded:
+            self.flags |= _REFUSAL_UNHEEDED
         resumed[at] = max(resumed[at], start_ns if refused else end_ns)
         self.resumed = (resumed[0], resumed[1], resumed[2], resumed[3])
 
@@ -194,8 +193,8 @@ class CallState:
         compares its own clock's times; a resume not refused that one side saw end after a refusal started (a retry,
         which a gateway may answer before the server sees it; or another client's resume of the stream at the same
         time, such as one with a wider token: its caller was told nothing) makes it judged again, whatever the other
-        side saw; so does a client's spans showing it refused twice while its caller waited (``resumed_as``)."""
-        if self.flags & _REFUSALS_IGNORED:
+        side saw; and a refusal its client did not heed told its caller nothing (``resumed_as``)."""
+        if self.flags & _REFUSAL_UNHEEDED:
             return False
         client_refused, client_retried, server_refused, server_retried = self.resumed
         return ((client_refused > client_retried or server_refused > server_retried)
@@ -461,10 +460,11 @@ class Ledger:
         if call.owed_since is not None:
             call.owed_since = now_ns
 
-    def resumed(self, call: CallState, role: str, refused: bool, start_ns: int, end_ns: int) -> None:
+    def resumed(self, call: CallState, role: str, refused: bool, start_ns: int, end_ns: int,
+                unheeded: bool = False) -> None:
         """A resume of the call, refused explicitly or not (``CallState.told``, which ends its being in flight)."""
         was = call.in_flight
-        call.resumed_as(role, refused, start_ns, end_ns)
+        call.resumed_as(role, refused, start_ns, end_ns, unheeded)
         self._in_flight += call.in_flight - was
 
     def delivered(self, call: CallState) -> None:

@@ -357,10 +357,12 @@ class RuleEngine:
             return
         if e.reason not in (sc.END_CLEAN, sc.END_DROPPED):
             return  # an HTTP error is loud; a stream the client closed was its own decision
-        # an error frame is the explicit answer; and nothing was lost at an end the server saw while its tool had
-        # not answered yet (``running``: the SDK ends a resume that replayed all there was while the call's POST is
-        # still open on the server, as it is when a proxy lost only the client's side of it)
-        silent = e.reason == sc.END_CLEAN and not e.error_frames and not running
+        # an error frame is the explicit answer, but to a client that read on past it to the stream's end (no resolver
+        # failed the call at it: the SDK drops the frame), whose caller it told nothing; and nothing was lost at an end
+        # the server saw while its tool had not answered yet (``running``: the SDK ends a resume that replayed all there
+        # was while the call's POST is still open on the server, as it is when a proxy lost only the client's side)
+        silent = (e.reason == sc.END_CLEAN and (not e.error_frames or e.at.role == sc.ROLE_CLIENT)
+                  and not running)
         self._seen_owed(call, e.at.role)
         self.ledger.owed(call, now_ns, e.at.role)
         if running:
@@ -444,8 +446,11 @@ class RuleEngine:
         assert resumes is not None
         explicit = e.error_frames > 0  # the server said why (the guard): not silent
         if e.reason not in (sc.END_OPEN, sc.END_HTTP_ERROR):  # one still open ends later; an HTTP error tells
+            # a refusal its client read on past to the stream's end: no resolver failed the call at its error frame
+            # (the SDK drops the frame and resumes again until its caller's timeout), and its caller is told nothing
+            unheeded = explicit and at.role == sc.ROLE_CLIENT and e.reason == sc.END_CLEAN
             for rid in e.pending_ids or e.request_ids:
-                self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns)
+                self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns, unheeded)
         # an HTTP error tells and carries nothing; a stream cut before anything came says nothing of what the server
         # answered (the guard's error frame may have been its first)
         if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR and (e.events or e.reason != sc.END_DROPPED):
