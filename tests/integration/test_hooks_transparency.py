@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import TokenReader
 from mcp_stream_exporter.hooks import _defects, _observer, client
 from mcp_stream_exporter.lab import serve
 
@@ -183,9 +184,10 @@ async def test_a_defect_in_the_hooks_reading_never_reaches_the_application(json_
 
     for module in (_observer, client):
         for reader in ("can_ask", "request_message", "read_body", "result_id", "classify_frame", "classify_body",
-                       "message_frame", "empty_frames", "whole_frame", "read_message"):
+                       "message_frame", "empty_frames", "whole_frame", "read_message", "pick", "_picked"):
             if hasattr(module, reader):
                 monkeypatch.setattr(module, reader, defect)
+    monkeypatch.setattr(TokenReader, "from_authorization", defect)
     monkeypatch.setattr(_defects, "_reported", False)
     caplog.set_level(logging.DEBUG, logger="mcp_stream_exporter.hooks")
     mcp = _server()

@@ -7,6 +7,7 @@ call refused by whatever enforces the policy (``guard.CallGuard``) is seen as it
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -109,6 +110,16 @@ class _Exchange:
         self.oversized = False
         self.decoder: Decoder | None = None  # an answer a middleware inside the observed app compressed
         self.failed = False  # the hooks failed to read it (``_defects``): left unobserved from then on
+
+    def abandon(self) -> None:
+        """The hooks could not read it (``_defects``): the tracker lets go of it and its calls, judging nothing."""
+        if self.unread is not None:
+            self.unread = None
+            self.tracker.read(self, self.asked_in)
+        if self.pending is not None and self.pending[3] is not None:
+            self.tracker.unpend(self.pending[3])
+        self.pending = None
+        self.tracker.abandon(self, self.calls, self.scope.session_id)
 
     def decoded(self, message: Message) -> Message:
         """A compressed answer's body message, as the app's SDK wrote it."""
@@ -243,11 +254,16 @@ class WireObserver:
                     or route_path(scope).rstrip("/") != self.path):
                 await app(scope, receive, send)
                 return
-            headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
-            rs = request_scope.RequestScope(headers.get(SESSION_ID),
-                                            self.tokens.from_authorization(headers.get(AUTHORIZATION)))
-            ex = _Exchange(self, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
-                           headers.get(PROTOCOL_VERSION))
+            try:
+                headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
+                rs = request_scope.RequestScope(headers.get(SESSION_ID),
+                                                self.tokens.from_authorization(headers.get(AUTHORIZATION)))
+                ex = _Exchange(self, scope.get("method", ""), time.time_ns(), headers.get(LAST_EVENT_ID), rs,
+                               headers.get(PROTOCOL_VERSION))
+            except Exception:  # the hooks' reading never fails the application's: the exchange goes unobserved
+                _defects.report("an exchange")
+                await app(scope, receive, send)
+                return
             token = request_scope.bind(rs)
             outer = scope.get(_EXCHANGE)  # another observer's, around this one (an app instrumented twice)
             scope[_EXCHANGE] = ex  # the SDK hands this scope to middleware as ctx.request.scope
@@ -330,9 +346,13 @@ class WireObserver:
 
     @staticmethod
     def _failed(ex: _Exchange) -> None:
-        """The hooks could not read this exchange (``_defects``): it goes on unobserved."""
+        """The hooks could not read this exchange (``_defects``): it goes on unobserved, and the tracker lets go of
+        it and its calls."""
         _defects.report("an exchange")
-        ex.failed = True
+        if not ex.failed:
+            ex.failed = True
+            with contextlib.suppress(Exception):
+                ex.abandon()
 
     def _owned(self, ex: _Exchange, scope: Scope) -> None:
         """Who opened a session its first answer names; and a 404 the SDK gave another principal than that, which
@@ -360,7 +380,7 @@ class WireObserver:
         is left pending (``_Exchange.pending``), as is a resumable session's whose SSE answer is held already:
         started only if its exchange shows anything but its result."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
-        if not isinstance(ex, _Exchange):
+        if not isinstance(ex, _Exchange) or ex.failed:
             return
         wire_id = str(request_id)
         for call in ex.calls:

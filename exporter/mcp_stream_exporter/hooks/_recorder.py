@@ -273,32 +273,40 @@ class _ObservedEventStore(EventStore):
 
     async def replay_events_after(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:
         recorder = self._recorder
-        rs = request_scope.current() or request_scope.RequestScope()
-        session_id = rs.session_id
-        stream_id, call = recorder.resumed_stream(session_id, last_event_id)
-        buffered = recorder.buffered_after(session_id, stream_id, last_event_id) if stream_id else []
+        try:
+            rs = request_scope.current() or request_scope.RequestScope()
+            session_id = rs.session_id
+            stream_id, call = recorder.resumed_stream(session_id, last_event_id)
+            buffered = recorder.buffered_after(session_id, stream_id, last_event_id) if stream_id else []
+            attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
+                                                sc.ERA: sc.ERA_RESUMABLE, sc.RESUME_CURSOR: last_event_id,
+                                                **auth_attributes(rs.auth)}
+            if session_id is not None:
+                attrs[sc.MCP_SESSION_ID] = session_id
+            parent = trace.set_span_in_context(recorder.tracker.span_of(call)) if call is not None else None
+        except Exception:  # the hooks' reading never fails the application's: the replay goes unobserved
+            _defects.report("a replay")
+            return await self._inner.replay_events_after(last_event_id, send_callback)
         sent: list[str] = []
         foreign: list[str] = []
         refusals = 0
 
         async def observed_send(event: EventMessage) -> None:
             nonlocal refusals
-            if event.event_id is None:
-                refusals += 1  # a frame without an id cannot be a replayed event: a refusal
-            else:
-                sent.append(event.event_id)
-                stored_on = recorder.stream_of(session_id, event.event_id)
-                # an event the store wrote and then raised on has no id known here: no other stream's
-                if stored_on != stream_id and (
-                        stored_on is not None or not recorder.tracker.store_failed_in(session_id)):
-                    foreign.append(event.event_id)
+            try:
+                if event.event_id is None:
+                    refusals += 1  # a frame without an id cannot be a replayed event: a refusal
+                else:
+                    sent.append(event.event_id)
+                    stored_on = recorder.stream_of(session_id, event.event_id)
+                    # an event the store wrote and then raised on has no id known here: no other stream's
+                    if stored_on != stream_id and (
+                            stored_on is not None or not recorder.tracker.store_failed_in(session_id)):
+                        foreign.append(event.event_id)
+            except Exception:
+                _defects.report("a replayed event")
             await send_callback(event)
 
-        attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER, sc.ERA: sc.ERA_RESUMABLE,
-                                            sc.RESUME_CURSOR: last_event_id, **auth_attributes(rs.auth)}
-        if session_id is not None:
-            attrs[sc.MCP_SESSION_ID] = session_id
-        parent = trace.set_span_in_context(recorder.tracker.span_of(call)) if call is not None else None
         span = recorder.tracer.start_span(sc.SPAN_NAME_REPLAY, context=parent, kind=SpanKind.INTERNAL,
                                            attributes=attrs)
         if call is not None:
@@ -310,9 +318,15 @@ class _ObservedEventStore(EventStore):
                     result = await self._inner.replay_events_after(last_event_id, observed_send)
                     interrupted = False
                 finally:
-                    span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign,
-                                                                   refusals, rs.auth, interrupted))
+                    try:
+                        span.set_attributes(recorder.replay_attributes(session_id, stream_id, buffered, sent, foreign,
+                                                                       refusals, rs.auth, interrupted))
+                    except Exception:
+                        _defects.report("a replay")
         finally:
             if call is not None:
-                recorder.tracker.replayed(call, sent)
+                try:
+                    recorder.tracker.replayed(call, sent)
+                except Exception:
+                    _defects.report("a replay")
         return result

@@ -733,6 +733,21 @@ class Tracker:
             if not held:
                 del self._held[session_id]
 
+    def abandon(self, holder: Holder | None, calls: Sequence[Call], session_id: str | None) -> None:
+        """The hooks could not read an exchange (``_defects``): let go of it and of its calls as if never seen,
+        judging nothing; a call whose span is open ends ``evicted`` (the hooks lost track of it, and it goes on)."""
+        if holder is not None:
+            self._unhold_holder(holder, calls, session_id)
+        for call in calls:
+            if call.done:
+                continue
+            if call.span is None:
+                call.done = True
+                if self._calls.get(call.key) is call:
+                    del self._calls[call.key]
+            else:
+                self._finish(call, sc.OUTCOME_EVICTED)
+
     def settle(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> None:
         """End a POST ``holder`` still holds, never opened as a stream, whose side has seen it carry nothing
         but its calls' results (each ended as it passed, ``answered``) after frames that end no call: the

@@ -292,6 +292,9 @@ class ClientInstrumentation:
             return response
         except Exception:
             _defects.report("an answer")
+            if early is not None:  # a call left pending: never looked up as one (``Tracker.pend``)
+                with contextlib.suppress(Exception):
+                    early.forget()
             return response
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
