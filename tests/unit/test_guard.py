@@ -752,10 +752,10 @@ def test_a_standalone_event_requires_what_the_calls_in_flight_when_it_was_stored
     assert elsewhere._alone("s1", run(store.storage.get("s1", asked))).requirement is None  # unknown: refused
 
 
-def test_a_standalone_event_stored_while_another_principals_call_ran_is_theirs_on_replay_too():
+def test_a_standalone_event_stored_while_another_principals_call_ran_is_nobodys_on_replay_too():
     """Live, a GET stream stops at it; a replay passes no GET chunk through that check (a session the SDK dropped,
     answered from the storage): the opener's resume from her own cursor was replayed a sampling request of the
-    call another user posted into her session. Stored while both ran, it is nobody's to replay."""
+    call another user posted into her session. It may be his call's or her session's own (a task's log): nobody's."""
     store = GuardedEventStore(POLICY)
     session = Session(store)
     alice, bob = (store.tokens.from_authorization(_bearer(SEARCH, FETCH, sub=sub)[0][1].decode())
@@ -765,10 +765,41 @@ def test_a_standalone_event_stored_while_another_principals_call_ran_is_theirs_o
     asked = _standalone(session, _sampling(0), alice)  # the SDK's message router: the opener's context
     _, delivered, (notice,) = session.resume(hers, alice)
     assert (delivered, notice["error"], notice["event_id"]) == ([], "principal_mismatch", asked)
-    assert store._alone("s1", run(store.storage.get("s1", asked))).subject == bob.subject_hash
-    assert _guarded_post(store, _tools_call(6, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
-    both = _standalone(session, _sampling(1), alice)
-    assert store._alone("s1", run(store.storage.get("s1", both))).subject not in (alice.subject_hash, bob.subject_hash)
+    assert store._alone("s1", run(store.storage.get("s1", asked))).subject not in (alice.subject_hash, bob.subject_hash)
+    assert session.resume(hers, bob)[1] == []
+
+
+def test_what_the_session_sends_tied_to_no_call_while_another_principals_call_runs_is_nobodys():
+    """Behind a gateway, Bob's call runs in Alice's session while her task logs on the standalone stream: the event
+    may be his call's or her session's own. Recorded as his call's alone, his GET read her log live (and, in prefix
+    mode, his replay did)."""
+    store = GuardedEventStore(POLICY, policy_mode="prefix")
+    session = Session(store)
+    alice, bob = (store.tokens.from_authorization(_bearer(SEARCH, FETCH, sub=sub)[0][1].decode())
+                  for sub in ("alice", "bob"))
+    first = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"), alice)
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH, sub="bob"))[0] == 200
+    log = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/message",
+                                                   params={"level": "info", "data": "hers"}), alice)
+    assert {owner[1] for owner in store._in_flight.alone("s1", log) or ()} == {alice.subject_hash, bob.subject_hash}
+    for who in (alice, bob):
+        _, delivered, (notice,) = session.resume(first, who)
+        assert (delivered, notice["error"]) == ([], "principal_mismatch")
+
+
+def test_a_post_the_sdk_has_not_taken_runs_no_call_that_standalone_events_could_be_of():
+    """The guard claims a POST's ids before the SDK authenticates it; until the SDK takes it (an answer below 400,
+    an event of its stream stored) it runs nothing: refused POSTs of another user, claimed while the opener's tool
+    sent a sampling request, made that request another principal's and cut the opener's own GET stream."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)
+    alice = store.tokens.from_authorization(_bearer(SEARCH, FETCH)[0][1].decode())
+    store._in_flight.claim("s1", [("9", (Requirement.of([FETCH]), "bob"))])  # Bob's POST, the SDK still deciding
+    asked = _standalone(session, _sampling(0), alice)
+    assert {owner[1] for owner in store._in_flight.alone("s1", asked) or ()} == {alice.subject_hash}
+    store._in_flight.taken("s1", ["9"])  # the SDK took it: its call may send there now
+    later = _standalone(session, _sampling(1), alice)
+    assert {owner[1] for owner in store._in_flight.alone("s1", later) or ()} == {alice.subject_hash, "bob"}
 
 
 def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its_token_may_not_see():
@@ -779,7 +810,7 @@ def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its
     alice = store.tokens.from_authorization(_bearer(SEARCH)[0][1].decode())  # her task's, after her call: hers
     first = _standalone(session, JSONRPCNotification(jsonrpc="2.0", method="notifications/tools/list_changed"), alice)
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH))[0] == 200
-    asked = _standalone(session, _sampling(0))
+    asked = _standalone(session, _sampling(0), alice)  # the SDK's message router: the opener's context
     frames = [f"event: message\r\nid: {event_id}\r\ndata: {{}}\r\n\r\n".encode() for event_id in (first, asked)]
 
     def get(headers):

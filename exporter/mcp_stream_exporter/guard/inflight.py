@@ -23,6 +23,7 @@ Owner = TypeVar("Owner")  # whose a call is: what a POST acting on it must hold 
 _ANSWERED = 1  # its response (or error) was stored
 _ENDED = 2  # the POST that carried it ended: its answer sent, or its stream closed (a server that polls)
 _FREE = _ANSWERED | _ENDED
+_TAKEN = 4  # the SDK took its POST (answered it below 400, or stored an event of its stream): it may run
 
 
 class _Known(Generic[Owner]):
@@ -159,12 +160,26 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(of)
         return (call[1],) if call is not None else ()
 
+    def taken(self, session_id: str, request_ids: Collection[str]) -> None:
+        """The SDK took the POST of these ids in flight (a response below 400, or an event of a stream of it
+        stored): their calls may run, and send on the standalone stream. Until then they run nothing: a POST the SDK
+        refuses (another user's token, a session it does not hold) never counts as a call in flight."""
+        held = self._sessions.get(session_id)
+        if held is None:
+            return
+        for request_id in request_ids:
+            key = self._key(request_id)
+            call = held.get(key)
+            if call is not None and not call[0] & _TAKEN:
+                held[key] = (call[0] | _TAKEN, call[1])
+
     def stored_alone(self, session_id: str, event_id: str, storer: Owner) -> None:
         """The server stored an event on its standalone stream (no call's): it may carry what any call in flight
-        sent there (a sampling request over a document a tool read), so it is theirs to see; with none in flight
-        (a tool's task that outlives its call), ``storer``'s: the owner of the request it was stored in."""
+        sent there (a sampling request over a document a tool read), or what the session's own tasks send (a tool's
+        task that outlives its call, the session's log): it is theirs to see, and ``storer``'s, the owner of the
+        request it was stored in (the session's opener)."""
         alone = self._known_of(session_id).alone
-        alone[event_id] = self._running(session_id) or (storer,)
+        alone[event_id] = tuple(dict.fromkeys((*self._running(session_id), storer)))
         if len(alone) > self._max_per_session:
             alone.popitem(last=False)
 
@@ -175,7 +190,8 @@ class InFlight(Generic[Owner]):
         return known.alone.get(event_id) if known is not None else None
 
     def _running(self, session_id: str) -> tuple[Owner, ...]:
-        return tuple(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
+        return tuple(dict.fromkeys(owner for done, owner in self._sessions.get(session_id, {}).values()
+                                   if done & _TAKEN))
 
     def answered(self, session_id: str, request_id: str) -> None:
         """Its response or error was stored."""
@@ -210,7 +226,7 @@ class InFlight(Generic[Owner]):
             call = held.get(key)
             if call is None:
                 continue
-            if call[0] | done != _FREE:
+            if (call[0] | done) & _FREE != _FREE:
                 held[key] = (call[0] | done, call[1])
                 continue
             del held[key]

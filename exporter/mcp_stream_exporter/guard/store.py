@@ -251,6 +251,8 @@ class GuardedEventStore(EventStore):
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
                 await self._require(request.session_id, stream_id, unrecorded)
+            if stream_id != STANDALONE_STREAM_ID:
+                self._in_flight.taken(request.session_id, (stream_id,))  # the SDK runs it: its answer may come first
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
@@ -533,6 +535,7 @@ class GuardedEventStore(EventStore):
                     await self._flush(request)  # the SDK took it: now what it asks counts
                     self._in_flight.accepted(request.session_id, [self._owner(request, msg) for msg in asked.requests
                                                                   if msg.id is not None], asked.answers)
+                    self._in_flight.taken(request.session_id, posted)
                 elif (message["type"] == "http.response.start" and request.session_id is None
                       and scope.get("method") == "POST" and message["status"] < 400):
                     # the SDK names a session in its refusals too (the one it made for the request and dropped)
