@@ -733,11 +733,10 @@ class Tracker:
             if not held:
                 del self._held[session_id]
 
-    def abandon(self, holder: Holder | None, calls: Sequence[Call], session_id: str | None) -> None:
-        """The hooks could not read an exchange (``_defects``): let go of it and of its calls as if never seen,
-        judging nothing; a call whose span is open ends ``evicted`` (the hooks lost track of it, and it goes on)."""
-        if holder is not None:
-            self._unhold_holder(holder, calls, session_id)
+    def abandon(self, holder: Holder, calls: Sequence[Call], session_id: str | None) -> None:
+        """(server) The hooks could not read an exchange (``_defects``): let go of it and of its calls as if never
+        seen, judging nothing; a call whose span is open ends ``evicted`` (the hooks lost track of it; it goes on)."""
+        self._unhold_holder(holder, calls, session_id)
         for call in calls:
             if call.done:
                 continue
