@@ -164,6 +164,7 @@ class ClientInstrumentation:
         return self._start_call(msg, session_id, protocol_version, view, start, stateless, False)
 
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
+        early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
         try:
             start = time.time_ns()
             headers = _picked(request.headers, REQUEST_HEADERS)
@@ -172,7 +173,6 @@ class ClientInstrumentation:
             view = self.tokens.from_authorization(headers.get(AUTHORIZATION))
             requested = self._request_calls(request, session_id, protocol_version, view, start)
             pending: PendingAnswer | None = None
-            early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
             if isinstance(requested, list):
                 calls = requested
             else:
@@ -202,6 +202,7 @@ class ClientInstrumentation:
                 deleting = (session_id, self.tracker.deleting(session_id))
         except Exception:  # the hooks' reading never fails the application's: the request goes unobserved
             _defects.report("a request")
+            self._forget(early)
             return await inner.handle_async_request(request)
         try:
             response = await inner.handle_async_request(request)
@@ -292,10 +293,15 @@ class ClientInstrumentation:
             return response
         except Exception:
             _defects.report("an answer")
-            if early is not None:  # a call left pending: never looked up as one (``Tracker.pend``)
-                with contextlib.suppress(Exception):
-                    early.forget()
+            self._forget(early)
             return response
+
+    @staticmethod
+    def _forget(early: _Pending | None) -> None:
+        """A call left pending (``Tracker.pend``) of a request the hooks failed to read: never looked up as one."""
+        if early is not None:
+            with contextlib.suppress(Exception):
+                early.forget()
 
     def _fingerprint(self, tool: str | None, arguments: Any) -> str:
         return _fingerprint(self.tokens.subject_salt, tool, arguments)
