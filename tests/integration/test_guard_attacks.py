@@ -417,11 +417,11 @@ async def test_what_a_tool_sends_on_the_standalone_stream_after_its_call_is_its_
     assert "principal_mismatch" in read_by["bob"] and "token_unverified" in read_by["forged"]
 
 
-async def test_a_call_another_user_posts_into_a_session_is_theirs_alone_and_the_session_stays_its_openers():
+async def test_another_user_can_neither_post_into_nor_end_a_session_the_sdk_binds_to_no_user():
     """Behind a gateway that authenticates for the SDK (which then binds a session to no user; with a verifier that
-    names no subject it binds one to a client app), Bob can post a call into Alice's session. The SDK stores the
-    call's events in the context of her initialize: read as hers, her resume from his progress was replayed his
-    result, and his own resume was refused. Nor may he end her session, calls or none."""
+    names no subject it binds one to a client app), Bob could post a call into Alice's session: the SDK stores the
+    call's events in the context of her initialize, and her resume from his progress was replayed his result. The
+    guard answers his POST as the SDK answers a credential not the session's, and refuses his DELETE."""
     issuer = TokenIssuer()
     everything = [BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE]
     alice, bob = issuer.mint(everything), issuer.mint(everything, subject="bob")
@@ -431,20 +431,16 @@ async def test_a_call_another_user_posts_into_a_session_is_theirs_alone_and_the_
             httpx.AsyncClient(timeout=10) as http:
         url = f"http://127.0.0.1:{port}/mcp"
         session_id = await open_session(http, url, alice)
-        refused_end = await http.delete(url, headers=headers(session_id, bob))
         posted = await http.post(url, headers=headers(session_id, bob), content=json.dumps({
             "jsonrpc": "2.0", "id": 100, "method": "tools/call", "params": {
                 "name": "fetch", "arguments": {"url": "victim-doc", "steps": 3}, "_meta": {"progressToken": "p"}}}))
-        event_ids = [line[3:].strip() for line in posted.text.splitlines() if line.startswith("id:")]
-        assert SECRET in posted.text and len(event_ids) >= 3  # the priming event, progress, the result
-        cursor = int(event_ids[1])  # his first progress event
-        by_alice = await resume(http, url, session_id, alice, cursor)
-        by_bob = await resume(http, url, session_id, bob, cursor)
-        still_hers = await http.post(url, headers=headers(session_id, alice), content=json.dumps(
-            {"jsonrpc": "2.0", "id": 101, "method": "tools/list"}))
-    assert leaked([by_alice]) == [] and "principal_mismatch" in by_alice
-    assert SECRET in by_bob
-    assert (refused_end.status_code, still_hers.status_code) == (403, 200)
+        refused_end = await http.delete(url, headers=headers(session_id, bob))
+        hers = await http.post(url, headers=headers(session_id, alice), content=json.dumps({
+            "jsonrpc": "2.0", "id": 100, "method": "tools/call", "params": {
+                "name": "fetch", "arguments": {"url": "victim-doc", "steps": 1}}}))
+    assert (posted.status_code, posted.json()["error"]["message"]) == (404, "Session not found")
+    assert refused_end.status_code == 403
+    assert hers.status_code == 200 and SECRET in hers.text  # her session, and her id 100, untouched by his POST
 
 
 async def test_a_session_header_sent_twice_gets_no_stream_and_deletes_nothing_whatever_the_method():

@@ -13,7 +13,7 @@ import pytest
 from mcp_types import JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
 from mcp_stream_exporter.asgi import route_path
-from mcp_stream_exporter.auth import AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
 from mcp_stream_exporter.exchange import read_body
 from mcp_stream_exporter.guard import (
     REFUSAL_METHOD,
@@ -787,19 +787,34 @@ def test_what_the_session_sends_tied_to_no_call_while_another_principals_call_ru
         assert (delivered, notice["error"]) == ([], "principal_mismatch")
 
 
-def test_a_post_the_sdk_has_not_taken_runs_no_call_that_standalone_events_could_be_of():
-    """The guard claims a POST's ids before the SDK authenticates it; until the SDK takes it (an answer below 400,
-    an event of its stream stored) it runs nothing: refused POSTs of another user, claimed while the opener's tool
-    sent a sampling request, made that request another principal's and cut the opener's own GET stream."""
+def test_a_post_of_another_principal_than_the_sessions_opener_is_answered_as_the_sdk_answers_it_and_claims_nothing():
+    """Behind a gateway the SDK binds a session to no user: Bob could post calls into Alice's session, whose events
+    and whose claims (even of POSTs the SDK then refused) made her standalone stream's events nobody's, a denial
+    of service. A POST whose token is not the opener's principal gets the SDK's own answer to a credential not the
+    session's, before the SDK sees it."""
     store = GuardedEventStore(POLICY)
-    session = Session(store)
+    Session(store)
     alice = store.tokens.from_authorization(_bearer(SEARCH, FETCH)[0][1].decode())
-    store._in_flight.claim("s1", [("9", (Requirement.of([FETCH]), "bob"))])  # Bob's POST, the SDK still deciding
-    asked = _standalone(session, _sampling(0), alice)
-    assert {owner[1] for owner in store._in_flight.alone("s1", asked) or ()} == {alice.subject_hash}
-    store._in_flight.taken("s1", ["9"])  # the SDK took it: its call may send there now
-    later = _standalone(session, _sampling(1), alice)
-    assert {owner[1] for owner in store._in_flight.alone("s1", later) or ()} == {alice.subject_hash, "bob"}
+    store._in_flight.opened("s1", (NO_REQUIREMENT, alice.subject_hash))  # her initialize, as ``_born`` records it
+    status, answer, reached = _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH, sub="bob"))
+    assert (status, json.loads(answer)["error"]["message"], reached) == (404, "Session not found", None)
+    assert store._in_flight.owner("s1", "5") is None
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH))[0] == 200  # hers, narrower or not
+
+
+def test_a_calls_events_are_the_principals_that_posted_it_where_the_sessions_opener_is_not_known():
+    """The opener is remembered for the most recently active sessions of the process: past them another principal's
+    POST reaches the SDK, whose message router stores the call's events in the opener's context. They are still its
+    poster's to replay, not the opener's (read as hers, her resume was replayed his result, and he was refused)."""
+    store = GuardedEventStore(POLICY)
+    session = Session(store)  # opened without its initialize seen here: its opener unknown
+    alice, bob = (store.tokens.from_authorization(_bearer(SEARCH, FETCH, sub=sub)[0][1].decode())
+                  for sub in ("alice", "bob"))
+    assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH, FETCH, sub="bob"))[0] == 200
+    ids = [session.store_event("5", message, alice) for message in (None, progress(0), result(5))]
+    _, delivered, (notice,) = session.resume(ids[0], alice)
+    assert (delivered, notice["error"]) == ([], "principal_mismatch")
+    assert session.resume(ids[0], bob)[1] == ids[1:]
 
 
 def test_a_get_stream_ends_with_an_error_frame_at_the_first_standalone_event_its_token_may_not_see():

@@ -43,7 +43,6 @@ def test_a_long_id_is_held_as_its_digest_and_a_batch_repeating_an_id_is_a_reuse(
 def test_a_call_in_flight_is_known_by_its_owner_and_so_is_each_request_the_server_awaits_an_answer_to():
     table: InFlight[str] = InFlight()
     assert table.claim("s1", [("5", "broad"), ("6", "narrow")]) is None
-    table.taken("s1", ["5", "6"])  # the SDK took the POST: its calls run
     assert (table.owner("s1", "5"), table.owner("s1", "7"), table.owner("s2", "5")) == ("broad", None, None)
     table.asked("s1", "0", "5")  # an elicitation sent on call 5's stream
     table.asked("s1", "1", "_GET_stream")  # on no call's stream: any call in flight may have sent it
@@ -89,10 +88,9 @@ def test_whose_calls_were_in_flight_is_kept_with_each_event_of_the_standalone_st
     table: InFlight[str] = InFlight(max_per_session=2)
     table.stored_alone("s1", "1", "storer")  # nothing in flight (a tool's task that outlived its call): its storer's
     assert table.claim("s1", [("5", "broad")]) is None
-    table.stored_alone("s1", "2", "storer")  # the SDK has not taken call 5's POST yet: nothing of it runs
-    table.taken("s1", ["5"])
-    table.stored_alone("s1", "3", "storer")  # a sampling request the tool of call 5 sent on no call's stream
-    assert [table.alone("s1", event_id) for event_id in "239"] == [("storer",), ("broad", "storer"), None]
+    table.stored_alone("s1", "2", "storer")  # a sampling request the tool of call 5 sent on no call's stream
+    table.stored_alone("s1", "3", "storer")
+    assert [table.alone("s1", event_id) for event_id in "239"] == [("broad", "storer"), ("broad", "storer"), None]
     assert table.alone("s1", "1") is None  # past the newest max_per_session: unknown, so refused
 
 

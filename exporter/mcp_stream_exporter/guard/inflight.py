@@ -23,7 +23,6 @@ Owner = TypeVar("Owner")  # whose a call is: what a POST acting on it must hold 
 _ANSWERED = 1  # its response (or error) was stored
 _ENDED = 2  # the POST that carried it ended: its answer sent, or its stream closed (a server that polls)
 _FREE = _ANSWERED | _ENDED
-_TAKEN = 4  # the SDK took its POST (answered it below 400, or stored an event of its stream): it may run
 
 
 class _Known(Generic[Owner]):
@@ -32,12 +31,13 @@ class _Known(Generic[Owner]):
     sent it), whose its calls have been, and whose calls were in flight when each event of the server's
     standalone stream was stored (what such an event may carry)."""
 
-    __slots__ = ("alone", "asked", "owners")
+    __slots__ = ("alone", "asked", "opener", "owners")
 
     def __init__(self) -> None:
         self.asked: dict[str, str | tuple[Owner, ...]] = {}
         self.owners: dict[Owner, None] = {}
         self.alone: OrderedDict[str, tuple[Owner, ...]] = OrderedDict()
+        self.opener: Owner | None = None
 
 
 class InFlight(Generic[Owner]):
@@ -101,6 +101,18 @@ class InFlight(Generic[Owner]):
         for server_request_id in answers:
             known.asked.pop(self._key(server_request_id), None)
 
+    def opened(self, session_id: str, opener: Owner) -> None:
+        """The session was opened by ``opener`` (its initialize, which the SDK took): whose the session is."""
+        known = self._known_of(session_id)
+        known.opener = opener
+        known.owners[opener] = None
+
+    def opener(self, session_id: str) -> Owner | None:
+        """Who opened the session; None when not known (opened elsewhere, or not among the ``max_sessions`` most
+        recently active)."""
+        known = self._known.get(session_id)
+        return known.opener if known is not None else None
+
     def owner(self, session_id: str, request_id: str) -> Owner | None:
         """Whose the request in flight under ``request_id`` is; None when none is."""
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
@@ -160,19 +172,6 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(of)
         return (call[1],) if call is not None else ()
 
-    def taken(self, session_id: str, request_ids: Collection[str]) -> None:
-        """The SDK took the POST of these ids in flight (a response below 400, or an event of a stream of it
-        stored): their calls may run, and send on the standalone stream. Until then they run nothing: a POST the SDK
-        refuses (another user's token, a session it does not hold) never counts as a call in flight."""
-        held = self._sessions.get(session_id)
-        if held is None:
-            return
-        for request_id in request_ids:
-            key = self._key(request_id)
-            call = held.get(key)
-            if call is not None and not call[0] & _TAKEN:
-                held[key] = (call[0] | _TAKEN, call[1])
-
     def stored_alone(self, session_id: str, event_id: str, storer: Owner) -> None:
         """The server stored an event on its standalone stream (no call's): it may carry what any call in flight
         sent there (a sampling request over a document a tool read), or what the session's own tasks send (a tool's
@@ -190,8 +189,7 @@ class InFlight(Generic[Owner]):
         return known.alone.get(event_id) if known is not None else None
 
     def _running(self, session_id: str) -> tuple[Owner, ...]:
-        return tuple(dict.fromkeys(owner for done, owner in self._sessions.get(session_id, {}).values()
-                                   if done & _TAKEN))
+        return tuple(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
 
     def answered(self, session_id: str, request_id: str) -> None:
         """Its response or error was stored."""
@@ -226,7 +224,7 @@ class InFlight(Generic[Owner]):
             call = held.get(key)
             if call is None:
                 continue
-            if (call[0] | done) & _FREE != _FREE:
+            if call[0] | done != _FREE:
                 held[key] = (call[0] | done, call[1])
                 continue
             del held[key]

@@ -251,8 +251,6 @@ class GuardedEventStore(EventStore):
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
                 await self._require(request.session_id, stream_id, unrecorded)
-            if stream_id != STANDALONE_STREAM_ID:
-                self._in_flight.taken(request.session_id, (stream_id,))  # the SDK runs it: its answer may come first
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
@@ -535,7 +533,6 @@ class GuardedEventStore(EventStore):
                     await self._flush(request)  # the SDK took it: now what it asks counts
                     self._in_flight.accepted(request.session_id, [self._owner(request, msg) for msg in asked.requests
                                                                   if msg.id is not None], asked.answers)
-                    self._in_flight.taken(request.session_id, posted)
                 elif (message["type"] == "http.response.start" and request.session_id is None
                       and scope.get("method") == "POST" and message["status"] < 400):
                     # the SDK names a session in its refusals too (the one it made for the request and dropped)
@@ -582,7 +579,8 @@ class GuardedEventStore(EventStore):
 
     def _admit(self, request: _Request, body: bytes | None, asked: Asked) -> tuple[int, str] | None:
         """Whether a POST may reach the SDK: None, or its refusal (status, message). Refused: a request whose id is
-        the key the SDK gives the standalone stream; in a session, an ``initialize``, a body
+        the key the SDK gives the standalone stream; in a session, a token of another principal than its opener's
+        (the SDK's own 404), an ``initialize``, a body
         too large to read its request ids from (``body`` None), more requests than one POST may carry, a
         cancel or an answer acting on a call in flight whose events the token may not see, or a request id
         the session has in flight (``InFlight``). Synchronous: no other request runs between the check and
@@ -594,6 +592,12 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it
+        opener = self._in_flight.opener(session_id)
+        if opener is not None and self._covers(request.auth, *opener) is not None:
+            # another principal's (or an unverified) token: the session is not theirs, whatever the SDK binds it to
+            # (behind a gateway nothing; with a verifier that names no subject, the client app): answered as the SDK
+            # answers a credential not the session's, as if the session did not exist
+            return 404, "Session not found"
         if any(msg.method == INITIALIZE for msg in asked.requests):
             # the SDK takes it, and every call running in the session then sees its capabilities (a narrower token
             # could turn another call's sampling off, or on for a client that never answers it)
@@ -686,8 +690,8 @@ class GuardedEventStore(EventStore):
                 del self._unopened[next(iter(self._unopened))]
         for request_id, requirement in request.pending:  # the initialize POST: taken, as its session is born
             self._unrecorded[(session_id, request_id)] = requirement
-        # its opener is whose the session is: another principal may not end it (``_may_end``), calls or none
-        self._in_flight.accepted(session_id, [(NO_REQUIREMENT, request.auth.subject_hash)], ())
+        # whose the session is: another principal may neither post into it (``_admit``) nor end it (``_may_end``)
+        self._in_flight.opened(session_id, (NO_REQUIREMENT, request.auth.subject_hash))
         await self._flush(request)
 
     async def _reopen(self, session_id: str) -> None:
