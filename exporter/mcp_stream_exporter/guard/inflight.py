@@ -51,8 +51,8 @@ class InFlight(Generic[Owner]):
     ``7``; one longer than ``max_id`` is held as its digest, so what a POST can pin is bounded whatever its ids.
 
     Beside them, per session (the ``max_sessions`` most recently active), the server's requests awaiting
-    answers (at most ``max_per_session``; an answer to one let go is refused, as unknown) and the owners of
-    its calls (what ending the session ends)."""
+    answers (at most ``max_per_session``; an answer to one let go is refused, as unknown), the owners of
+    its calls (what ending the session ends) and its opener (whose the session is)."""
 
     def __init__(self, *, max_sessions: int = 100_000, max_per_session: int = 1_000, max_id: int = 256,
                  max_past: int = 10_000) -> None:
