@@ -802,6 +802,21 @@ def test_a_post_of_another_principal_than_the_sessions_opener_is_answered_as_the
     assert _guarded_post(store, _tools_call(5, "fetch"), headers=_bearer(SEARCH))[0] == 200  # hers, narrower or not
 
 
+def test_the_openers_own_token_reaches_the_sdk_when_it_expired_or_did_not_verify_and_another_principals_does_not():
+    """The binding reads the principal off the claims: the opener's own token that expired (or that a key fetch
+    failed to verify) gets the SDK's 401, and its client a fresh one, not a 404 that loses the session."""
+    store = GuardedEventStore(POLICY, token_reader=TokenReader(key="k" * 32))
+    Session(store)
+    expired = jwt.encode({"iss": "https://issuer.example", "sub": "alice", "aud": [SEARCH, FETCH], "exp": 1},
+                         "k" * 32, algorithm="HS256")
+    alice = store.tokens.from_authorization(f"Bearer {expired}")
+    assert alice.verification == "failed"
+    store._in_flight.opened("s1", (NO_REQUIREMENT, alice.subject_hash))
+    assert _guarded_post(store, _tools_call(5, "search"), headers=[(b"authorization", f"Bearer {expired}".encode())],
+                         status=401)[0] == 401  # the SDK's answer
+    assert _guarded_post(store, _tools_call(6, "search"), headers=_bearer(SEARCH, FETCH, sub="bob"))[0] == 404
+
+
 def test_a_calls_events_are_the_principals_that_posted_it_where_the_sessions_opener_is_not_known():
     """The opener is remembered for the most recently active sessions of the process: past them another principal's
     POST reaches the SDK, whose message router stores the call's events in the opener's context. They are still its

@@ -459,6 +459,12 @@ class GuardedEventStore(EventStore):
                 await refuse_request(send, 400, "more than one Mcp-Session-Id or Authorization header")
                 return
             cursors = values(raw_headers, LAST_EVENT_ID)
+            if (scope.get("method") == "GET" and request.session_id is not None and (not cursors or not cursors[0])
+                    and self.mode == "enforce" and self._not_the_openers(request, request.session_id)):
+                # a fresh GET takes the session's one standalone stream: another principal's would lock its opener
+                # out of what the server sends tied to no call (the SDK's 409 for a second one)
+                await refuse_request(send, 404, "Session not found")
+                return
             # the SDK's 404 for a session it does not hold is also its answer to a credential not the session's;
             # answered from the storage only for a token that names its principal, which the events are bound to,
             # and only on the endpoint: elsewhere the router's 404 comes before the SDK checks the token at all
@@ -592,11 +598,7 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it
-        opener = self._in_flight.opener(session_id)
-        if opener is not None and self._covers(request.auth, *opener) is not None:
-            # another principal's (or an unverified) token: the session is not theirs, whatever the SDK binds it to
-            # (behind a gateway nothing; with a verifier that names no subject, the client app): answered as the SDK
-            # answers a credential not the session's, as if the session did not exist
+        if self._not_the_openers(request, session_id):
             return 404, "Session not found"
         if any(msg.method == INITIALIZE for msg in asked.requests):
             # the SDK takes it, and every call running in the session then sees its capabilities (a narrower token
@@ -621,6 +623,15 @@ class GuardedEventStore(EventStore):
         _log.warning("a POST reuses a request id in flight in its session: %s",
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, refusal
+
+    def _not_the_openers(self, request: _Request, session_id: str) -> bool:
+        """Whether the request's token names another principal than the one that opened the session (as this process
+        knows it): the session is not theirs, whatever the SDK binds it to (behind a gateway nothing; with a verifier
+        that names no subject, the client app), and the request is answered as the SDK answers a credential not the
+        session's, as if the session did not exist. By the claims, verified or not: the opener's own token that expired,
+        or that a key fetch failed to verify, reaches the SDK, whose 401 gets its client a fresh one."""
+        opener = self._in_flight.opener(session_id)
+        return opener is not None and request.auth.subject_hash != opener[1]
 
     def _owner(self, request: _Request, msg: WireMessage) -> _Owner:
         return requirement_of(self.policy, msg.tool), request.auth.subject_hash
