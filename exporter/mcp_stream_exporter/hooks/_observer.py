@@ -113,9 +113,7 @@ class _Exchange:
 
     def abandon(self) -> None:
         """The hooks could not read it (``_defects``): the tracker lets go of it and its calls, judging nothing."""
-        if self.unread is not None:
-            self.unread = None
-            self.tracker.read(self, self.asked_in)
+        self.take_unread()
         if self.pending is not None and self.pending[3] is not None:
             self.tracker.unpend(self.pending[3])
         self.pending = None

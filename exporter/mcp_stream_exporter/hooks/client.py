@@ -389,14 +389,15 @@ class _TapStream(httpx2.AsyncByteStream):
         try:
             chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
-            if not self._exhausted and not self._unread:
-                self._exhausted = True
-                try:
-                    if self._decoder is not None and (tail := self._decoder.flush()):
-                        self._take(tail)
-                    self._ended()
-                except Exception:
-                    self._failed()
+            if not self._exhausted:
+                self._exhausted = True  # so ``aclose`` spares the inner iterator's close, read or not
+                if not self._unread:
+                    try:
+                        if self._decoder is not None and (tail := self._decoder.flush()):
+                            self._take(tail)
+                        self._ended()
+                    except Exception:
+                        self._failed()
             raise
         except Exception:
             self._end_as(sc.END_DROPPED)
