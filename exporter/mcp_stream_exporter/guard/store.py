@@ -237,6 +237,7 @@ class GuardedEventStore(EventStore):
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
         subject = request.auth.subject_hash if request is not None else None
+        unrequired = False  # what its stream requires is not recorded: it goes unstored (``_require``)
         if request is not None and request.session_id is not None:
             if stream_id != STANDALONE_STREAM_ID:
                 # a call's events are the principal's that posted it: the SDK's message router stores them in the
@@ -250,12 +251,16 @@ class GuardedEventStore(EventStore):
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
-                await self._require(request.session_id, stream_id, unrecorded)
+                unrequired = not await self._require(request.session_id, stream_id, unrecorded)
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
                 self._in_flight.asked(request.session_id, str(message.id), stream_id)
         if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
+            return f"unstored-{next(self._unstored)}"
+        if unrequired:
+            if request is not None and request.session_id is not None and message is not None:
+                self._losses.lost(request.session_id, stream_id)  # sent live: no resume has it
             return f"unstored-{next(self._unstored)}"
         try:
             event_id = await self.storage.append(request.session_id if request is not None else None, stream_id,
@@ -743,13 +748,19 @@ class GuardedEventStore(EventStore):
             if requirement is not None:
                 await self._require(session_id, request_id, requirement)
 
-    async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
+    async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> bool:
+        """Record what the stream's events require; False when the storage failed to: the requirement is kept to
+        try again at the stream's next event, and no event of the stream is stored until it is recorded (a request id
+        used before still has its earlier call's requirement there, narrower, which each event would be stored with)."""
         if self._unopened:  # the first thing a call of it records
             await self._reopen(session_id)
         try:
             await self.storage.require(session_id, stream_id, requirement)
-        except StorageError:  # not recorded: the stream's events are refused, never replayed
-            _log.exception("guard storage: a requirement not recorded; its stream cannot be resumed")
+        except StorageError:
+            _log.exception("guard storage: a requirement not recorded; its stream's events go unstored until it is")
+            self._unrecorded[(session_id, stream_id)] = requirement
+            return False
+        return True
 
     async def _replay_elsewhere(self, scope: Scope, request: _Request, cursor: str, receive: Receive,
                                 send: Send) -> bool:
