@@ -31,13 +31,9 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy
 from mcp_stream_exporter.guard.refusals import RefusalResolver
-from mcp_stream_exporter.hooks import (
-    ClientInstrumentation,
-    ClientTap,
-    ServerInstrumentation,
-    instrument_server,
-)
+from mcp_stream_exporter.hooks import ClientInstrumentation, ClientTap, instrument_server
 from mcp_stream_exporter.hooks.client import reads_messages
+from mcp_stream_exporter.hooks.server import builds
 
 # the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
 _instruments = ("mcp >= 2.3, < 3",)
@@ -87,10 +83,10 @@ class _Options:
 
     def server_app(self, wrapped: Callable[..., Any], instance: MCPServer, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-        """``MCPServer.streamable_http_app``: the app ``instrument_server`` builds, unless the server is
-        already instrumented (by hand, or this is ``instrument_server`` building it: it installs its
-        middleware first)."""
-        if any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in instance.middleware):
+        """``MCPServer.streamable_http_app``: the app ``instrument_server`` builds, unless this is
+        ``instrument_server`` building it (by hand, or for this wrapper). Each app built is instrumented: one
+        built again from the same server is served on its own."""
+        if builds(instance):
             return wrapped(*args, **kwargs)
         return instrument_server(instance, policy=self.policy, token_reader=self.token_reader,
                                  tracer_provider=self.tracer_provider, **kwargs)

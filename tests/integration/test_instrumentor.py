@@ -5,6 +5,7 @@ each stream once."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.mcpserver import MCPServer
+from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
@@ -110,6 +113,37 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
     plain = MCPServer("plain")
     plain.streamable_http_app()
     assert not any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in plain.middleware)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["by hand", "instrumentor"])
+async def test_an_app_built_again_from_one_server_is_observed_by_its_own_hooks_and_stays_a_starlette_app(how, caplog):
+    """An app factory run twice over one server (a test's fixture, an app rebuilt): the app served is observed by
+    its own hooks, whatever the other app's left on the server (its middleware), and keeps the Starlette API the
+    SDK's app has (a CORS middleware added, its state, its routes), with the hooks or under the instrumentor."""
+    span_exporter().clear()
+    server = _echo_server()
+    instrumentor = McpStreamInstrumentor()
+    if how == "instrumentor":
+        instrumentor.instrument()
+    try:
+        build = server.streamable_http_app if how == "instrumentor" else lambda: instrument_server(server)
+        build()
+        app = build()
+        assert isinstance(app, Starlette) and app.routes
+        app.add_middleware(CORSMiddleware, allow_origins=["*"])
+        app.state.built = how
+        with caplog.at_level(logging.WARNING, logger="mcp_stream_exporter"):
+            async with (serve(app) as port,
+                        Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp"), mode="legacy") as client):
+                assert (await client.call_tool("echo", {"text": "hello"})).content[0].text == "hello"
+    finally:
+        if how == "instrumentor":
+            instrumentor.uninstrument()
+    assert not [r for r in caplog.records if r.name.startswith("mcp_stream_exporter.hooks")]
+    kinds = sorted(s.attributes[sc.STREAM_KIND] for s in ours(spans(), sc.SPAN_STREAM)
+                   if s.attributes[sc.ROLE] == sc.ROLE_SERVER)
+    assert kinds == [sc.STREAM_KIND_DELETE, sc.STREAM_KIND_GET]
 
 
 @pytest.mark.anyio

@@ -378,8 +378,8 @@ class WireObserver:
         is left pending (``_Exchange.pending``), as is a resumable session's whose SSE answer is held already:
         started only if its exchange shows anything but its result."""
         ex = getattr(request, "scope", {}).get(_EXCHANGE)
-        if not isinstance(ex, _Exchange) or ex.failed:
-            return
+        if not isinstance(ex, _Exchange) or ex.observer is not self or ex.failed:
+            return  # another app's exchange (``instrument_server`` run twice on one server): its own middleware's
         wire_id = str(request_id)
         for call in ex.calls:
             if call.key[1] == wire_id:

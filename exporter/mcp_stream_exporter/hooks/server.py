@@ -12,6 +12,7 @@ all three.
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from contextvars import ContextVar
 from typing import Any, cast
 
 from mcp.server.context import CallNext, HandlerResult, ServerMiddleware, ServerRequestContext
@@ -77,6 +78,15 @@ class ServerInstrumentation:
         return call_next(ctx)
 
 
+# the server whose app ``instrument_server`` is building now: the instrumentor leaves that build to it
+_building: ContextVar[MCPServer | None] = ContextVar("mcp_stream_building", default=None)
+
+
+def builds(server: MCPServer) -> bool:
+    """Whether ``instrument_server`` is building ``server``'s app now (its ``streamable_http_app`` call)."""
+    return _building.get() is server
+
+
 def instrument_server(
     target: MCPServer | ASGIApp,
     *,
@@ -90,8 +100,10 @@ def instrument_server(
     """The one call a server author adds: returns the instrumented ASGI app to serve.
 
     Given an ``MCPServer``, builds its Streamable HTTP app (``app_options`` go to
-    ``streamable_http_app``) with the event store wrapped and the linking middleware installed. Given
-    an ASGI app already built, only the wire is observed: pass the server to get the rest.
+    ``streamable_http_app``) with the event store wrapped and the linking middleware installed, and returns
+    that Starlette app, observed around its whole middleware stack (``add_middleware``, ``state``, ``routes``
+    and its lifespan are the app's as without the hooks). Given an ASGI app already built, only the wire is
+    observed: pass the server to get the rest.
     """
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   path=streamable_http_path)
@@ -99,8 +111,20 @@ def instrument_server(
         return instr.asgi(target)
     target.middleware.append(cast(ServerMiddleware[Any], instr.middleware))  # the SDK awaits what it returns
     store = instr.event_store(event_store) if event_store is not None else None
-    app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
-    if isinstance(event_store, request_scope.ExchangeAware):
-        # e.g. the guard: inside the observer, so the wire we see is theirs
-        app = event_store.asgi(app, streamable_http_path)
-    return instr.asgi(app)
+    building = _building.set(target)
+    try:
+        app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
+    finally:
+        _building.reset(building)
+    build = app.build_middleware_stack
+
+    def observed_stack() -> ASGIApp:
+        """What Starlette serves, built at the app's first call (after any ``add_middleware``), observed whole."""
+        stack: ASGIApp = build()
+        if isinstance(event_store, request_scope.ExchangeAware):
+            # e.g. the guard: inside the observer, so the wire we see is theirs
+            stack = event_store.asgi(stack, streamable_http_path)
+        return instr.asgi(stack)
+
+    app.build_middleware_stack = observed_stack  # type: ignore[method-assign]  # as OTel's FastAPI instrumentor
+    return app
