@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 from mcp.server.streamable_http import EventMessage
-from mcp_types import JSONRPCNotification, JSONRPCResponse
+from mcp_types import JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
 
 from mcp_stream_exporter.auth import AuthView, Requirement, ToolPolicy
 from mcp_stream_exporter.exchange import STANDALONE_STREAM_ID
@@ -436,6 +436,26 @@ async def test_an_answer_stored_here_that_the_storage_no_longer_has_ends_the_tai
     storage, store, ids = await a_session()
     answer = await stored(store, "2", result(2))
     del storage._sessions["s1"].events[answer]  # what the older copy did not have
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        await resume(store, ids[1], BROAD, sent)
+    assert ids_of(sent) == [ids[2], None]
+    assert notice(sent[-1]) == {**notice(sent[-1]), "error": "unknown_cursor", "cursor": ids[2]}
+
+
+@pytest.mark.parametrize("lose", ["the request", "both"])
+async def test_a_request_of_the_servers_stored_here_that_the_storage_no_longer_has_ends_the_tail(monkeypatch, lose):
+    """The same for what the tool stored after the cursor and then waits on (an elicitation): its answer never comes,
+    so neither does the call's: the tail says so instead of waiting with it until the client's timeout. (``both``: a
+    progress stored after it is gone too.)"""
+    monkeypatch.setattr(guard_store, "_TAIL_WAIT_S", 0.01)
+    storage, store, ids = await a_session()
+    asked = await stored(store, "2", JSONRPCRequest(jsonrpc="2.0", id=9, method="elicitation/create", params={}))
+    gone = [asked]
+    if lose == "both":
+        gone.append(await stored(store, "2", progress(3)))
+    for event_id in gone:
+        del storage._sessions["s1"].events[event_id]  # what the older copy did not have
     sent: list[EventMessage] = []
     with anyio.fail_after(BOUND_S):
         await resume(store, ids[1], BROAD, sent)

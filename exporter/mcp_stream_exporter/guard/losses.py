@@ -21,7 +21,7 @@ _MAX_LOSSES: Final = 64  # placed losses a stream keeps: past them, any resume o
 # sessions whose newest stored event is known (some 200 B each), the most recently stored: a loss in one no longer
 # known is placed before every event (as the client got it live)
 _MAX_SESSIONS: Final = 100_000
-_MAX_ANSWERS: Final = 10_000  # streams whose answer this process stored, the newest (some 250 B each)
+_MAX_LATEST: Final = 10_000  # streams whose newest event this process stored, the newest (some 250 B each)
 
 
 def _order(event_id: str) -> tuple[int, ...]:
@@ -31,6 +31,10 @@ def _order(event_id: str) -> tuple[int, ...]:
         return tuple(int(part) for part in event_id.split("-", 1))
     except ValueError:
         return ()
+
+
+def _newer(kept: str | None, event_id: str) -> str:
+    return kept if kept is not None and _order(kept) > _order(event_id) else event_id
 
 
 class _Lost:
@@ -49,20 +53,18 @@ class StoreLosses:
     def __init__(self) -> None:
         self._newest: OrderedDict[str, str] = OrderedDict()  # the newest event this process stored, by session
         self._lost: dict[_Stream, _Lost] = {}
-        self._answers: OrderedDict[_Stream, str] = OrderedDict()  # the answer this process stored, by stream
+        self._latest: OrderedDict[_Stream, str] = OrderedDict()  # the newest event this process stored, by stream
 
-    def kept(self, session_id: str, stream_id: str, event_id: str, answer: bool) -> None:
-        """``event_id`` was stored; ``answer``: the stream's last (a response or error). Stores resolve in any order
-        (a Redis reply read after a later one's): the newest by the storage's order is kept."""
-        newest = self._newest.pop(session_id, None)
-        self._newest[session_id] = (newest if newest is not None and _order(newest) > _order(event_id)
-                                    else event_id)
+    def kept(self, session_id: str, stream_id: str, event_id: str) -> None:
+        """``event_id`` of ``stream_id`` was stored. Stores resolve in any order (a Redis reply read after a later
+        one's): the newest by the storage's order is kept, of the session and of the stream."""
+        self._newest[session_id] = _newer(self._newest.pop(session_id, None), event_id)
         if len(self._newest) > _MAX_SESSIONS:
             self._newest.popitem(last=False)
-        if answer:
-            self._answers[(session_id, stream_id)] = event_id
-            if len(self._answers) > _MAX_ANSWERS:
-                self._answers.popitem(last=False)
+        key = (session_id, stream_id)
+        self._latest[key] = _newer(self._latest.pop(key, None), event_id)
+        if len(self._latest) > _MAX_LATEST:
+            self._latest.popitem(last=False)
 
     def lost(self, session_id: str, stream_id: str) -> None:
         """An event of the stream was not stored."""
@@ -76,16 +78,18 @@ class StoreLosses:
             lost.after.append(self._newest.get(session_id))
 
     def reused(self, session_id: str, stream_id: str) -> None:
-        """A new call takes the stream's id (its request, accepted): what an earlier call of the id lost or answered
-        is not its."""
+        """A new call takes the stream's id (its request, accepted): what an earlier call of the id lost or stored is
+        not its."""
         key = (session_id, stream_id)
         self._lost.pop(key, None)
-        self._answers.pop(key, None)
+        self._latest.pop(key, None)
 
-    def answer(self, session_id: str, stream_id: str) -> str | None:
-        """The id of the stream's answer, if this process stored it (a storage restored from an older copy may have
-        lost it since: a live tail waiting for it would wait forever)."""
-        return self._answers.get((session_id, stream_id))
+    def stored_after(self, session_id: str, stream_id: str, cursor: str) -> str | None:
+        """The id of the stream's newest event, if this process stored it after ``cursor`` (a storage restored from an
+        older copy may have lost it since: a live tail waiting for it, or for what comes after it, would wait
+        forever)."""
+        latest = self._latest.get((session_id, stream_id))
+        return latest if latest is not None and _order(latest) > _order(cursor) else None
 
     def first_after(self, session_id: str, stream_id: str | None, cursor: str, stored: Sequence[str]) -> int | None:
         """Of ``stored`` (the ids of every event stored after ``cursor`` in the session, in order, priming events

@@ -274,7 +274,7 @@ class GuardedEventStore(EventStore):
         if event_id is None:  # failed, or dropped for a session the storage no longer holds (a resume: session_ended)
             event_id = f"unstored-{next(self._unstored)}"
         elif request is not None and request.session_id is not None:
-            self._losses.kept(request.session_id, stream_id, event_id, _terminal(message))
+            self._losses.kept(request.session_id, stream_id, event_id)
         if stream_id == STANDALONE_STREAM_ID and request is not None and request.session_id is not None:
             # the SDK sends it live, stored or not: to the session's principal at least (its message router stores
             # in the context of the request that opened the session)
@@ -839,9 +839,10 @@ class GuardedEventStore(EventStore):
             if gap is not None:
                 await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
-            answer = self._losses.answer(session_id, stream_id) if not events else None
-            if answer is not None and await self._gone(storage, session_id, answer):
-                # stored here, and not in the storage any more (restored from an older copy): never coming either
+            latest = self._losses.stored_after(session_id, stream_id, after) if not events else None
+            if latest is not None and await self._gone(storage, session_id, latest):
+                # stored here after what was sent, and not in the storage any more (restored from an older copy, or
+                # evicted): never coming, nor what waits on it (an elicitation's tool waits for its answer forever)
                 await send(refusal_notice(plain(UNKNOWN_CURSOR, delivered)))
                 return
 
