@@ -302,6 +302,26 @@ async def test_a_cursor_redis_could_not_hold_is_an_unknown_cursor_never_a_store_
         assert _store_errors() == errors_before
 
 
+async def test_an_event_is_stored_with_its_calls_requirement_whatever_redis_recorded_for_its_stream(redis_server):
+    """The call's requirement goes with each event in the one script that stores it: a request id used again, whose
+    new requirement Redis failed to record, still has the earlier call's, narrower, which the event would be
+    stored with; it is widened there instead, within the session's cap of streams."""
+    storage = RedisEventStorage.from_url(redis_server.url, prefix="widen", max_calls_per_session=2)
+    search, fetch = Requirement.of(["https://mcp.example.com/search"]), Requirement.of(["https://mcp.example.com/fetch"])
+    try:
+        await storage.open("s")
+        await storage.require("s", "1", search)
+        stored = [await storage.get("s", event_id or "") for event_id in (
+            await storage.append("s", "1", None, None),  # no call known: the stream's as recorded
+            await storage.append("s", "1", None, None, fetch),
+            await storage.append("s", "2", None, None, fetch),  # a stream recorded by its first event
+            await storage.append("s", "3", None, None, fetch))]  # past the cap of streams: recorded nowhere
+        assert [event.requirement if event else None for event in stored] == [search, search | fetch, fetch, None]
+        assert [await storage.requirement("s", stream) for stream in "123"] == [search | fetch, fetch, None]
+    finally:
+        await storage.aclose()
+
+
 async def test_hundreds_of_live_tails_at_once_hold_a_bounded_number_of_connections_and_fail_nothing(redis_server):
     """Each live tail waits in Redis on a connection of its own, and redis-py's pool has no bound: one client
     resuming its own stream hundreds of times at once took Redis's every connection, paging on-call and leaving

@@ -443,17 +443,21 @@ async def test_an_answer_stored_here_that_the_storage_no_longer_has_ends_the_tai
     assert notice(sent[-1]) == {**notice(sent[-1]), "error": "unknown_cursor", "cursor": ids[2]}
 
 
-@pytest.mark.parametrize("lose", ["the request", "both"])
+@pytest.mark.parametrize("lose", ["the request", "both", "the request, another stream's event kept"])
 async def test_a_request_of_the_servers_stored_here_that_the_storage_no_longer_has_ends_the_tail(monkeypatch, lose):
     """The same for what the tool stored after the cursor and then waits on (an elicitation): its answer never comes,
     so neither does the call's: the tail says so instead of waiting with it until the client's timeout. (``both``: a
-    progress stored after it is gone too.)"""
+    progress stored after it is gone too; or another call's event, stored after it, is still there, and the tail reads
+    past the request's place.)"""
     monkeypatch.setattr(guard_store, "_TAIL_WAIT_S", 0.01)
     storage, store, ids = await a_session()
     asked = await stored(store, "2", JSONRPCRequest(jsonrpc="2.0", id=9, method="elicitation/create", params={}))
     gone = [asked]
     if lose == "both":
         gone.append(await stored(store, "2", progress(3)))
+    elif lose != "the request":
+        await store.record_call("s1", "3", "search")
+        await stored(store, "3", progress(1))
     for event_id in gone:
         del storage._sessions["s1"].events[event_id]  # what the older copy did not have
     sent: list[EventMessage] = []

@@ -63,10 +63,9 @@ if not at then return 0 end
 local now = redis.call('TIME')
 return now[1] * 1000 + math.floor(now[2] / 1000) - tonumber(at) - tonumber(window)
 """
-_REQUIRE: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local current = redis.call('HGET', KEYS[2], ARGV[1])
-if not current and redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -2 end
+# what a stream's events require, widened by one given (resources, scopes): written, and returned; nil past the cap of
+# streams a session records (``_REQUIRE``'s ARGV[4]), for a stream it has none for yet
+_WIDEN: Final = """
 local function union(a, b)
   local seen, out = {}, {}
   for _, list in ipairs({a, b}) do
@@ -77,22 +76,37 @@ local function union(a, b)
   table.sort(out)
   return out
 end
-local resources, scopes = cjson.decode(ARGV[2]), cjson.decode(ARGV[3])
-if current then
-  local c = cjson.decode(current)
-  resources, scopes = union(c.r, resources), union(c.s, scopes)
+local function widen(key, stream, resources, scopes, max_streams)
+  local current = redis.call('HGET', key, stream)
+  if not current and redis.call('HLEN', key) >= max_streams then return nil end
+  if current then
+    local c = cjson.decode(current)
+    resources, scopes = union(c.r, resources), union(c.s, scopes)
+  end
+  local widened = cjson.encode({r = resources, s = scopes})
+  redis.call('HSET', key, stream, widened)
+  return widened
 end
-redis.call('HSET', KEYS[2], ARGV[1], cjson.encode({r = resources, s = scopes}))
+"""
+_REQUIRE: Final = _WIDEN + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if not widen(KEYS[2], ARGV[1], cjson.decode(ARGV[2]), cjson.decode(ARGV[3]), tonumber(ARGV[4])) then return -2 end
 for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
 return 0
 """
 
 # the oldest events go while the session holds more than ARGV[4] of them or ARGV[6] bytes (its newest always stays);
 # each entry keeps its size ('z'), the session's total is KEYS[4]
-_APPEND: Final = """
+# (ARGV[9] streams at most, as ``_REQUIRE``); ARGV[7], ARGV[8]: the event's call's requirement, resources and scopes
+# ('' when not known), which widens the stream's before it is copied into the event
+_APPEND: Final = _WIDEN + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 if redis.call('EXISTS', KEYS[3]) == 0 then redis.call('DEL', KEYS[4]) end  -- its events evicted, its total with them
-local requirement = redis.call('HGET', KEYS[2], ARGV[1]) or ''
+local requirement = redis.call('HGET', KEYS[2], ARGV[1])
+if ARGV[7] ~= '' then
+  requirement = widen(KEYS[2], ARGV[1], cjson.decode(ARGV[7]), cjson.decode(ARGV[8]), tonumber(ARGV[9])) or requirement
+end
+requirement = requirement or ''
 local size = string.len(ARGV[2])
 local id = redis.call('XADD', KEYS[3], '*', 's', ARGV[1], 'm', ARGV[2], 'r', requirement, 'u', ARGV[3], 'z', size)
 local total = redis.call('INCRBY', KEYS[4], size)
@@ -215,7 +229,7 @@ class RedisEventStorage:
             await self._redis.delete(*self._keys(session_id))
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
-                     subject: str | None) -> str | None:
+                     subject: str | None, requirement: Requirement | None = None) -> str | None:
         if session_id is None:  # no session at all (initialize's priming event): nothing to keep
             return None
         if len(session_id) > _MAX_SESSION_ID:
@@ -225,7 +239,7 @@ class RedisEventStorage:
         async with self._op("append"):
             stored = await self._append(keys=self._keys(session_id),
                                         args=[stream_id, body, subject or "", self._max_events, self._ttl_ms,
-                                              self._max_bytes])
+                                              self._max_bytes, *_requirement_args(requirement), self._max_calls])
         if not stored:
             self._evicted(1, "session_gone")
             return None
@@ -253,8 +267,7 @@ class RedisEventStorage:
             return
         async with self._op("require"):
             done = await self._require(keys=self._keys(session_id),
-                                       args=[stream_id, json.dumps(sorted(requirement.resources)),
-                                             json.dumps(sorted(requirement.scopes)), self._max_calls, self._ttl_ms])
+                                       args=[stream_id, *_requirement_args(requirement), self._max_calls, self._ttl_ms])
         if int(done) != 0:
             self._evicted(1, "session_gone" if int(done) == -1 else "cap")
 
@@ -354,6 +367,13 @@ def _holds(event_id: str) -> bool:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _requirement_args(requirement: Requirement | None) -> tuple[str, str]:
+    """A requirement as the scripts take it: its resources and its scopes, each a JSON list ('' and '': none)."""
+    if requirement is None:
+        return "", ""
+    return json.dumps(sorted(requirement.resources)), json.dumps(sorted(requirement.scopes))
 
 
 def _requirement(raw: Any) -> Requirement | None:

@@ -69,9 +69,11 @@ class EventStorage(Protocol):
         ...
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
-                     subject: str | None) -> str | None:
-        """Keep an event with the requirement its stream has now, atomically; its event id, or None
-        when the session is not open (the event is dropped, and counted)."""
+                     subject: str | None, requirement: Requirement | None = None) -> str | None:
+        """Keep an event with the requirement its stream has now, widened by ``requirement`` (its call's, as ``require``
+        widens it, within the same cap), atomically: an event is never kept with less than its call requires, even
+        when recording that failed before (a request id used again still has its earlier call's). Its event id, or
+        None when the session is not open (the event is dropped, and counted)."""
         ...
 
     async def get(self, session_id: str, event_id: str) -> StoredEvent | None: ...
@@ -237,14 +239,17 @@ class InMemoryEventStorage:
             self._owner_bytes.pop(owner, None)
 
     async def append(self, session_id: str | None, stream_id: str, message: JSONRPCMessage | None,
-                     subject: str | None) -> str | None:
+                     subject: str | None, requirement: Requirement | None = None) -> str | None:
         session = self._touch(session_id)
         if session is None:
             self.evictions += session_id is not None  # no session at all (initialize's priming) drops nothing
             return None
         seq = next(self._seq)
         event_id = str(seq)
-        kept = (seq, stream_id, encoded(message), session.requirements.get(stream_id), subject)
+        recorded = session.requirements.get(stream_id)
+        if requirement is not None and (recorded is not None or len(session.requirements) < self._max_calls):
+            recorded = session.requirements[stream_id] = requirement if recorded is None else recorded | requirement
+        kept = (seq, stream_id, encoded(message), recorded, subject)
         size = _size(kept)
         if session.subject is None and subject is not None:  # its first event a principal's: its bytes are theirs
             held = session.size

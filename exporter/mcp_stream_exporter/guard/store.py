@@ -237,7 +237,9 @@ class GuardedEventStore(EventStore):
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
         request = _current.get()
         subject = request.auth.subject_hash if request is not None else None
-        unrequired = False  # what its stream requires is not recorded: it goes unstored (``_require``)
+        # what its call requires, as this process knows it: stored with the event, whatever the storage recorded for
+        # its stream (an id used before may still have its earlier call's there, when recording this one's failed)
+        requirement: Requirement | None = None
         if request is not None and request.session_id is not None:
             if stream_id != STANDALONE_STREAM_ID:
                 # a call's events are the principal's that posted it: the SDK's message router stores them in the
@@ -246,25 +248,23 @@ class GuardedEventStore(EventStore):
                 owner = (self._in_flight.owner(request.session_id, stream_id)
                          or self._in_flight.past(request.session_id, stream_id))
                 if owner is not None:
-                    subject = owner[1]
+                    requirement, subject = owner
             if self._unopened:
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
-                unrequired = not await self._require(request.session_id, stream_id, unrecorded)
+                await self._require(request.session_id, stream_id, unrecorded)
+                if requirement is None:
+                    requirement = unrecorded
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
                 self._in_flight.asked(request.session_id, str(message.id), stream_id)
         if len(stream_id) > _MAX_ID:  # its requirement was never recorded either: nothing to resume
             return f"unstored-{next(self._unstored)}"
-        if unrequired:
-            if request is not None and request.session_id is not None and message is not None:
-                self._losses.lost(request.session_id, stream_id)  # sent live: no resume has it
-            return f"unstored-{next(self._unstored)}"
         try:
             event_id = await self.storage.append(request.session_id if request is not None else None, stream_id,
-                                                 message, subject)
+                                                 message, subject, requirement)
         except StorageError:
             _log.exception("guard storage: event of stream %s not stored; a resume from it will be refused",
                            stream_id)
@@ -748,19 +748,13 @@ class GuardedEventStore(EventStore):
             if requirement is not None:
                 await self._require(session_id, request_id, requirement)
 
-    async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> bool:
-        """Record what the stream's events require; False when the storage failed to: the requirement is kept to
-        try again at the stream's next event, and no event of the stream is stored until it is recorded (a request id
-        used before still has its earlier call's requirement there, narrower, which each event would be stored with)."""
+    async def _require(self, session_id: str, stream_id: str, requirement: Requirement) -> None:
         if self._unopened:  # the first thing a call of it records
             await self._reopen(session_id)
         try:
             await self.storage.require(session_id, stream_id, requirement)
-        except StorageError:
-            _log.exception("guard storage: a requirement not recorded; its stream's events go unstored until it is")
-            self._unrecorded[(session_id, stream_id)] = requirement
-            return False
-        return True
+        except StorageError:  # each event of its call is stored with it all the same (``store_event``)
+            _log.exception("guard storage: a requirement not recorded; its call's events carry it as they are stored")
 
     async def _replay_elsewhere(self, scope: Scope, request: _Request, cursor: str, receive: Receive,
                                 send: Send) -> bool:
@@ -809,7 +803,7 @@ class GuardedEventStore(EventStore):
         replayed one is, until the stream's terminal event. An event the token may not see, the session's end,
         its owner gone (``elsewhere``: another process's), events evicted under it or the storage failing end it
         with an error frame whose cursor is the last event sent, never silently; the client leaving cancels it."""
-        after = delivered
+        after = own = delivered  # ``own``: the newest event of ``stream_id`` read (``after`` passes other streams')
         scope = None if self.replay == "session" else stream_id
         while True:
             try:
@@ -824,6 +818,8 @@ class GuardedEventStore(EventStore):
             gap = self._losses.first_after(session_id, scope, after, [e.event_id for e in events])
             for stored in events if gap is None else events[:gap]:
                 after = stored.event_id
+                if stored.stream_id == stream_id:
+                    own = after
                 if not self._carries(stream_id, stored):
                     continue
                 event = self._alone(session_id, stored)
@@ -839,7 +835,7 @@ class GuardedEventStore(EventStore):
             if gap is not None:
                 await send(refusal_notice(plain(STORE_UNAVAILABLE, delivered)))
                 return
-            latest = self._losses.stored_after(session_id, stream_id, after) if not events else None
+            latest = self._losses.stored_after(session_id, stream_id, own)
             if latest is not None and await self._gone(storage, session_id, latest):
                 # stored here after what was sent, and not in the storage any more (restored from an older copy, or
                 # evicted): never coming, nor what waits on it (an elicitation's tool waits for its answer forever)
