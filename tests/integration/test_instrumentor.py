@@ -116,18 +116,20 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("how", ["by hand", "instrumentor"])
+@pytest.mark.parametrize("how", ["by hand", "instrumentor", "instrumentor, then by hand"])
 async def test_an_app_built_again_from_one_server_is_observed_by_its_own_hooks_and_stays_a_starlette_app(how, caplog):
     """An app factory run twice over one server (a test's fixture, an app rebuilt): the app served is observed by
-    its own hooks, whatever the other app's left on the server (its middleware), and keeps the Starlette API the
-    SDK's app has (a CORS middleware added, its state, its routes), with the hooks or under the instrumentor."""
+    its own hooks, whatever the other app's left on the server (its middleware), once (``instrument_server`` given
+    the app the instrumentor built), and keeps the Starlette API the SDK's app has (a CORS middleware added, its
+    state, its routes), with the hooks or under the instrumentor."""
     span_exporter().clear()
     server = _echo_server()
     instrumentor = McpStreamInstrumentor()
-    if how == "instrumentor":
+    if how != "by hand":
         instrumentor.instrument()
     try:
-        build = server.streamable_http_app if how == "instrumentor" else lambda: instrument_server(server)
+        build = {"by hand": lambda: instrument_server(server), "instrumentor": server.streamable_http_app,
+                 "instrumentor, then by hand": lambda: instrument_server(server.streamable_http_app())}[how]
         build()
         app = build()
         assert isinstance(app, Starlette) and app.routes
@@ -138,7 +140,7 @@ async def test_an_app_built_again_from_one_server_is_observed_by_its_own_hooks_a
                         Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp"), mode="legacy") as client):
                 assert (await client.call_tool("echo", {"text": "hello"})).content[0].text == "hello"
     finally:
-        if how == "instrumentor":
+        if how != "by hand":
             instrumentor.uninstrument()
     assert not [r for r in caplog.records if r.name.startswith("mcp_stream_exporter.hooks")]
     kinds = sorted(s.attributes[sc.STREAM_KIND] for s in ours(spans(), sc.SPAN_STREAM)

@@ -11,6 +11,7 @@ all three.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Awaitable
 from contextvars import ContextVar
 from typing import Any, cast
@@ -80,6 +81,7 @@ class ServerInstrumentation:
 
 # the server whose app ``instrument_server`` is building now: the instrumentor leaves that build to it
 _building: ContextVar[MCPServer | None] = ContextVar("mcp_stream_building", default=None)
+_observed: weakref.WeakSet[ASGIApp] = weakref.WeakSet()  # the apps it built: observed whole already
 
 
 def builds(server: MCPServer) -> bool:
@@ -103,8 +105,11 @@ def instrument_server(
     ``streamable_http_app``) with the event store wrapped and the linking middleware installed, and returns
     that Starlette app, observed around its whole middleware stack (``add_middleware``, ``state``, ``routes``
     and its lifespan are the app's as without the hooks). Given an ASGI app already built, only the wire is
-    observed: pass the server to get the rest.
+    observed: pass the server to get the rest; one it built already (under the instrumentor, an app the SDK's
+    ``streamable_http_app`` returned) is returned as it is, so that no exchange is observed twice.
     """
+    if not isinstance(target, MCPServer) and target in _observed:
+        return target
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   path=streamable_http_path)
     if not isinstance(target, MCPServer):
@@ -127,4 +132,5 @@ def instrument_server(
         return instr.asgi(stack)
 
     app.build_middleware_stack = observed_stack  # type: ignore[method-assign]  # as OTel's FastAPI instrumentor
+    _observed.add(app)
     return app
