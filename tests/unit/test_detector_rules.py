@@ -172,6 +172,20 @@ def test_session_expired_in_flight_fires_on_a_404_while_a_call_is_owed():
     assert rules(run([owed, expired, delivered], after_s=6)) == []  # the delivery's span came after the 404's
 
 
+def test_a_404_while_a_call_is_owed_is_no_expiry_once_its_caller_is_told_by_a_refused_resume_it_heeded():
+    """A replica answering from shared storage for a session whose owner died refuses the call's resume
+    (``session_owner_gone``), and the SDK's standalone GET, reconnected to it, gets 404: the caller the resolver told
+    at the frame (the client closes the stream) lost nothing silently; one whose client read on past it did."""
+    owed = stream(C, "post", "dropped", pending=("3",), last="6")
+    standalone_gone = stream(C, "get", "http_error", ids=(), tool=None, status=404, at=1.0)
+    heeded = stream(C, "resume", "closed", pending=("3",), cursor="6", error_frames=1, at=1.3)
+    for spans in ([owed, standalone_gone, heeded], [owed, heeded, standalone_gone]):
+        assert rules(run(spans, after_s=60)) == []
+    unheeded = stream(C, "resume", "clean", pending=("3",), cursor="6", error_frames=1, at=1.3)
+    for spans in ([owed, standalone_gone, unheeded], [owed, unheeded, standalone_gone]):
+        assert rules(run(spans, after_s=60)) == ["session_expired_in_flight"]
+
+
 def test_a_404_after_the_client_deleted_its_session_is_no_expiry_and_the_clean_end_stays_the_loss():
     # the server's view of the incident's end: the SDK client, resuming on after its caller gave up, sends a
     # resume or a notification after its own DELETE; whichever comes first, the loss is the clean end's

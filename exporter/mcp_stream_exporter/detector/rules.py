@@ -570,7 +570,8 @@ class RuleEngine:
     def _check_expired(self, call: CallState, now_ns: int) -> None:
         """A request on its session got 404 while it was owed; not delivered a grace later, with no DELETE of its
         client's seen (spans come in any order): it went with the session, which nothing can deliver it from (a
-        caller that gave up since was failed by that). Unless a clean end lost it while the session lived: a resume
+        caller that gave up since was failed by that); not once its caller was told (a refused resume it heeded: a
+        replica answering for a session whose owner died). Unless a clean end lost it while the session lived: a resume
         of it answered after that end (``_alive_after_clean_end``) makes the clean end the finding, judged first
         (this one joins it)."""
         if self.ledger.waiting(call, _STORE_FAILED):
@@ -581,7 +582,7 @@ class RuleEngine:
                 self.ledger.schedule(due, _EXPIRED, call)
                 return
             self._check_clean_end(call, now_ns)
-        if not call.reached_caller and not self.ledger.deleted(call.scope):
+        if not call.reached_caller and not call.told and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
                 "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
             self.ledger.given_up(call)
