@@ -215,6 +215,7 @@ async def test_a_call_whose_replica_died_ends_with_an_error_frame_not_a_silent_e
             await lab.call("fetch", FETCH, timeout=15, resume_from=cursor)
     assert refused.value.code == REFUSED_ERROR_CODE  # explicit and at once, not the caller's timeout
     assert Refusal.from_data(refused.value.data).error == "session_owner_gone"
+    assert "is gone and the call did not finish: re-issue it" in refused.value.message  # not "re-authorise"
     assert ("GET", 200) in other.requests
 
 

@@ -146,6 +146,11 @@ class _ResolvingStream(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+_REASON_CHARS: Final = 64
+_DETAIL_CHARS: Final = 300
+_MISSING: Final = "missing_resources"
+
+
 def _refused(request_id: str, data: str) -> bytes:
     """A JSON-RPC error for a call whose resume the server refused with an ``event: error`` frame, with
     the frame's data. No ``id:`` line: the cursor stays where the server left it."""
@@ -153,11 +158,13 @@ def _refused(request_id: str, data: str) -> bytes:
         detail: Any = json.loads(data)
     except ValueError:
         detail = {"error": data}
-    reason = detail.get("error", "error") if isinstance(detail, dict) else "error"
-    message = (f"resume refused by the server ({reason}): "
-               f"required {detail.get('missing_resources', []) if isinstance(detail, dict) else []} "
-               f"not in the token's audience; re-authorise and resume from cursor "
-               f"{detail.get('cursor') if isinstance(detail, dict) else None}, or re-issue the call")
+    known = detail if isinstance(detail, dict) else {}
+    reason, what = known.get("error", "error"), known.get("detail")
+    # the server's own words for why (the guard's say what to do: re-authorise, or re-issue), bounded
+    missing = f"; missing {str(known[_MISSING])[:_DETAIL_CHARS]}" if known.get(_MISSING) else ""
+    message = (f"resume refused by the server ({str(reason)[:_REASON_CHARS]}): "
+               f"{what[:_DETAIL_CHARS] if isinstance(what, str) else 'see the error data'}{missing}; "
+               f"cursor {str(known.get('cursor'))[:_REASON_CHARS]}")
     error = {"jsonrpc": "2.0", "id": int(request_id) if request_id.isdigit() else request_id,
              "error": {"code": REFUSED_ERROR_CODE, "message": message, "data": detail}}
     return render(SSEFrame(json.dumps(error), event="message"))
