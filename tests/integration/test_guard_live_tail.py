@@ -21,6 +21,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import JSONRPCResponse
 from pydantic import AnyHttpUrl
 
+from mcp_stream_exporter.auth import Requirement
 from mcp_stream_exporter.guard import GuardedEventStore, InMemoryEventStorage
 from mcp_stream_exporter.guard.redis_storage import RedisEventStorage
 from mcp_stream_exporter.guard.storage import StoredEvent
@@ -53,8 +54,9 @@ class HeldReplay:
         await self.answered.wait()
         return read
 
-    async def append(self, session_id: str | None, stream_id: str, message: Any, subject: str | None) -> str | None:
-        event_id = await super().append(session_id, stream_id, message, subject)  # type: ignore[misc]
+    async def append(self, session_id: str | None, stream_id: str, message: Any, subject: str | None,
+                     requirement: Requirement | None = None) -> str | None:
+        event_id = await super().append(session_id, stream_id, message, subject, requirement)  # type: ignore[misc]
         if isinstance(message, JSONRPCResponse) and stream_id == "1":
             self.answered.set()
         return event_id
