@@ -574,6 +574,16 @@ def test_a_post_the_sdk_answers_sessionless_holds_no_id_in_the_session_it_names(
     assert _guarded_post(store, _tools_call(5))[0] == 200  # the session's own id 5 is not taken
 
 
+def test_a_compressed_post_body_is_refused_in_enforce_mode_as_its_request_ids_cannot_be_read():
+    """A middleware inside the guard that decompresses request bodies would hand the SDK calls the guard never read:
+    an id in flight taken by another call (its result on the newcomer's stream), requirements never recorded."""
+    for mode, expected in (("enforce", (415, None)), ("observe", (200, _tools_call(5, "fetch")))):
+        store = GuardedEventStore(POLICY, mode=mode)
+        run(store.open_session("s1"))
+        assert _guarded_post(store, _tools_call(5, "fetch"), headers=[(b"content-encoding", b"gzip")])[::2] == expected
+        assert _guarded_post(store, _tools_call(6), headers=[(b"content-encoding", b"identity")])[0] == 200
+
+
 def test_a_post_with_its_session_or_token_header_twice_is_refused():
     store = GuardedEventStore(POLICY)
     run(store.open_session("s1"))

@@ -489,6 +489,13 @@ class GuardedEventStore(EventStore):
             # whose requests stay in flight until their answers are stored)
             answered_here = True
             if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
+                if codings(values(raw_headers, CONTENT_ENCODING)) and self.mode == "enforce":
+                    # a body a middleware inside decompresses: its request ids cannot be read, so neither checked
+                    # (another call's id taken) nor what they require recorded (fails closed, as a coded GET stream)
+                    _current.reset(token)
+                    await refuse_request(send, 415, "a compressed request body: the replay guard cannot read its "
+                                                    "request ids (decompress outside the guard's ASGI layer)")
+                    return
                 read, body = await read_post(receive)
                 asked = as_the_sdk_reads(body) if body else NOTHING_ASKED
                 requests = asked.requests
