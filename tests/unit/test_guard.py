@@ -505,7 +505,7 @@ def test_a_request_id_longer_than_the_cap_is_neither_recorded_nor_stored():
 
 def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None = "s1", chunks: int = 1,
                   headers: list[tuple[bytes, bytes]] | None = None,
-                  status: int = 200) -> tuple[int, bytes, bytes | None]:
+                  status: int = 200, method: str = "POST") -> tuple[int, bytes, bytes | None]:
     """One POST through the guard's ASGI layer to an app that reads its whole body and answers with an SSE
     stream it leaves without the answer (the call runs on, as after a dropped connection), or with ``status``
     (the SDK refusing it: 401, 404): (status, what the client got, the body the app read; None when the app
@@ -535,7 +535,7 @@ def _guarded_post(store: GuardedEventStore, body: bytes, *, session: str | None 
         await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
 
     sent_headers = [(b"mcp-session-id", session.encode())] if session else []
-    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": "POST",
+    asyncio.run(store.asgi(app)({"type": "http", "path": "/mcp", "method": method,
                                  "headers": sent_headers + (headers or [])}, receive, send))
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), seen[0] if seen else None
 
@@ -853,6 +853,10 @@ def test_the_openers_own_token_reaches_the_sdk_when_it_expired_or_did_not_verify
     assert _guarded_post(store, _tools_call(5, "search"), headers=[(b"authorization", f"Bearer {expired}".encode())],
                          status=401)[0] == 401  # the SDK's answer
     assert _guarded_post(store, _tools_call(6, "search"), headers=_bearer(SEARCH, FETCH, sub="bob"))[0] == 404
+    # ending the session takes a verified token, the opener's own too: where nothing in front of the SDK authenticates,
+    # a forged one claiming the opener would end it
+    assert _guarded_post(store, b"", headers=[(b"authorization", f"Bearer {expired}".encode())], status=401,
+                         method="DELETE")[::2] == (403, None)
 
 
 def test_a_calls_events_are_the_principals_that_posted_it_where_the_sessions_opener_is_not_known():
