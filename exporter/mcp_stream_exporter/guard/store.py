@@ -254,8 +254,8 @@ class GuardedEventStore(EventStore):
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
             if unrecorded is not None:  # the SDK runs the request: its answer may come before its response starts
                 await self._require(request.session_id, stream_id, unrecorded)
-                if requirement is None:
-                    requirement = unrecorded
+                # the POST's own, with its id's call in flight: another call's, when observe mode let it reuse the id
+                requirement = unrecorded if requirement is None else requirement | unrecorded
             if _terminal(message):
                 self._in_flight.answered(request.session_id, stream_id)
             elif isinstance(message, JSONRPCRequest):  # the server asks the client something (for this call)
