@@ -40,7 +40,7 @@ from mcp_stream_exporter.exchange import (
 )
 from mcp_stream_exporter.headers import pick, values
 from mcp_stream_exporter.hooks import _defects
-from mcp_stream_exporter.hooks._owners import SessionOwners, server_principal
+from mcp_stream_exporter.hooks._owners import SessionOwners
 from mcp_stream_exporter.hooks._recorder import outcome_of
 from mcp_stream_exporter.hooks._spans import Call, CallKey, Stream, lacks
 from mcp_stream_exporter.hooks._tracking import HOLD_BYTES, HOLD_PIECES, HeldFrame, Requirements, Tracker
@@ -363,11 +363,11 @@ class WireObserver:
             return
         if ex.asked_in is None:
             if ex.status < 300:
-                self.owners.opened(session_id, server_principal(scope))
-        elif ex.cancelled and self.owners.same(session_id, server_principal(scope)):
+                self.owners.opened(session_id, scope)
+        elif ex.cancelled and self.owners.same(session_id, scope):
             for request_id in ex.cancelled:
                 self.tracker.cancelled_in_gone((session_id, request_id))
-        elif ex.stream is not None and self.owners.other(session_id, server_principal(scope)):
+        elif ex.stream is not None and self.owners.other(session_id, scope):
             ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
 
     def dispatched(self, request: Any, request_id: str | int, params: Any, context: Context) -> None:

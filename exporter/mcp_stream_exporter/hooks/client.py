@@ -49,7 +49,6 @@ from mcp_stream_exporter.exchange import (
     stream_kind,
 )
 from mcp_stream_exporter.hooks import _defects
-from mcp_stream_exporter.hooks._owners import SessionOwners
 from mcp_stream_exporter.hooks._sdk_spans import SdkSpans, annotate
 from mcp_stream_exporter.hooks._spans import Call, CallKey, DeviationTracer, Identify, Stream, Terminal, lacks
 from mcp_stream_exporter.hooks._tracking import BROKEN_IN_PROCESS, HOLD_BYTES, HOLD_PIECES, HeldFrame, Tracker
@@ -84,8 +83,6 @@ class ClientInstrumentation:
             self._sdk_spans.watch(self.tracker)
         self._protocol_version: str | None = None
         self._identify: Identify = self._fingerprint  # bound once, not per call
-        # who opened each session, by its token's claims: the SDK's 404 to another principal is no expiry
-        self._owners = SessionOwners()
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
                        protocol_version: str | None, view: AuthView,
@@ -225,13 +222,9 @@ class ClientInstrumentation:
         try:
             if deleting is not None:
                 self.tracker.deleted(*deleting, response.status_code)
-                if 200 <= response.status_code < 300:
-                    self._owners.ended(deleting[0])
             response_headers = _picked(response.headers, RESPONSE_HEADERS)
             if session_id is None:
                 session_id = response_headers.get(SESSION_ID)
-                if session_id is not None and response.status_code < 300 and view.subject_hash is not None:
-                    self._owners.opened(session_id, view.subject_hash)
             content = content_of(response_headers.get(CONTENT_TYPE, ""))
             status = response.status_code
             # a proxy's gzip: the answer read decoded, every line of the header as httpx2 reads them
@@ -287,11 +280,6 @@ class ClientInstrumentation:
             stream = self._open(request, session_id, protocol_version, calls, view, cursor, start, status, content)
             if stream is None:
                 return response
-            if (status == 404 and session_id is not None and view.subject_hash is not None
-                    and self._owners.other(session_id, view.subject_hash)):
-                # the SDK's answer to a token of another principal than the session's opener's (a refresh that
-                # changed the user): the session may live on
-                stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
             # a redirect delivers nothing, and is no clean end either; nor does an error, but for the JSON-RPC error a
             # POST's calls may be answered with at an HTTP error status (400, 404), which the SDK hands its caller
             answers = status < 300 or (status >= 400 and content == CONTENT_JSON and request.method == "POST"
