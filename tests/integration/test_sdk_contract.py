@@ -63,6 +63,9 @@ def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store(
     instrument_server(server)
     assert len(server.middleware) == before + 1
     assert "event_store" in inspect.signature(MCPServer.streamable_http_app).parameters
+    # the sessions it holds, by id: the server's hooks ask whether a 404's session is gone (``hooks.server._holds``)
+    assert server.session_manager._server_instances == {}
+    assert "self._server_instances.pop(session_id, None)" in inspect.getsource(type(server.session_manager))
 
 
 def test_the_server_runner_awaits_whatever_a_middleware_returns():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from opentelemetry.context import Context, get_current
@@ -242,6 +242,9 @@ class WireObserver:
         self.tokens = tokens
         self.path = path.rstrip("/")
         self.owners = SessionOwners()
+        # whether the SDK holds a session still (``instrument_server`` given the server); None: not known, and every
+        # 404 to another principal than a session's opener reads as the SDK's refusal of a live session
+        self.holds: Callable[[str], bool] | None = None
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
@@ -368,7 +371,10 @@ class WireObserver:
             for request_id in ex.cancelled:
                 self.tracker.cancelled_in_gone((session_id, request_id))
         elif ex.stream is not None and self.owners.other(session_id, scope):
-            ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
+            if self.holds is None or self.holds(session_id):
+                ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
+            else:  # gone (an idle timeout, a terminate): its 404 tells so, whoever asked
+                self.owners.ended(session_id)
 
     def dispatched(self, request: Any, request_id: str | int, params: Any, context: Context) -> None:
         """The ``tools/call`` the SDK's server middleware is about to run, in ``context`` (where the SDK's

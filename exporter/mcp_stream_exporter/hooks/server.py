@@ -12,7 +12,7 @@ all three.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -133,4 +133,12 @@ def instrument_server(
 
     app.build_middleware_stack = observed_stack  # type: ignore[method-assign]  # as OTel's FastAPI instrumentor
     _observed.add(app)
+    instr.observer.holds = _holds(target)
     return app
+
+
+def _holds(server: MCPServer) -> Callable[[str], bool] | None:
+    """Whether the server's session manager holds a session still: the SDK answers another principal 404 for a
+    live session and for one it dropped alike (pinned by tests/integration/test_sdk_contract.py)."""
+    sessions = getattr(server.session_manager, "_server_instances", None)
+    return sessions.__contains__ if isinstance(sessions, dict) else None
