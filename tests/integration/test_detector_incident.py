@@ -12,11 +12,10 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from mcp_stream_exporter import instrument_client
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
+from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.embedded import span_of
 from mcp_stream_exporter.lab import (
     BASE_RESOURCE,
@@ -162,30 +161,6 @@ async def test_the_sdks_404_to_another_principal_naming_a_live_session_is_marked
     (post,) = ours(spans(), "stream", sc.ROLE_SERVER, http__response__status_code=404,
                    mcp_stream__stream__kind=sc.STREAM_KIND_POST)
     assert (post.attributes or {}).get(sc.SESSION_OWNER) == sc.SESSION_OWNER_OTHER
-
-
-async def test_a_resume_with_another_users_token_is_the_loss_it_is_not_an_expiry_with_the_servers_spans():
-    """A refresh that changed the user (another ``sub``): the SDK answers the resume 404, as for a session that does
-    not exist, while the session lives and the tool's result is stored. The server's span of that 404 says so: the loss
-    pages as the result stored and never delivered (critical), not as the session's expiry, however the client's
-    unmarked 404s read; with the client's spans alone it reads as the expiry (a documented limit)."""
-    with detector() as (found, clock):
-        async with incident("legacy") as lab:
-            mallory = lab.issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE, FETCH_RESOURCE], subject="mallory")
-
-            def another_user() -> None:
-                lab.auth.token = mallory
-
-            lab.proxy.arm(b"fetch step 2", on_cut=another_user)
-            with pytest.raises(MCPError):  # its resumes refused: the SDK fails the call
-                await lab.call("fetch", {"url": "u", "steps": 4}, timeout=10)
-        assert [f.rule for f in after_grace(found, clock) if f.rule != "timeout_attributed"] == ["stored_not_delivered"]
-    clients = [s for s in spans() if (s.attributes or {}).get(sc.ROLE, sc.ROLE_CLIENT if s.kind is SpanKind.CLIENT
-                                                                      else sc.ROLE_SERVER) == sc.ROLE_CLIENT]
-    client_only = Detector(DetectorConfig(rules=RuleConfig(clean_end_grace_s=5.0)), clock=(alone := Clock()))
-    client_only.consume([span for span in map(span_of, clients) if span is not None])
-    assert [f.rule for f in after_grace(client_only, alone) if f.rule != "timeout_attributed"] == [
-        "session_expired_in_flight"]
 
 
 async def test_a_session_gone_is_the_expiry_it_is_whoever_asks_after_it_went():

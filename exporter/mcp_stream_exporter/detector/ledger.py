@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from mcp_stream_exporter.detector import sizes
 
@@ -282,10 +282,6 @@ class CallState:
         return self.client_deliveries > 0 or (self.terminal and self.late_cancel != CANCEL_LATE)
 
 
-SERVER_404_GONE: Final = 1  # a server's span of a 404 that tells the session is gone
-SERVER_404_OTHER: Final = 2  # a server's span of the SDK's 404 to another principal than the session's opener
-
-
 @dataclass(slots=True)
 class SessionState:
     scope: str
@@ -299,9 +295,6 @@ class SessionState:
     own_bytes: int = 0  # what its calls dict, resume windows and cursors are charged
     deleted: bool = False  # its client ended it (a DELETE the server accepted): a 404 after is no expiry
     expired: bool = False  # a request on it got 404 while it was not deleted: what it owes goes with it
-    # the 404s the server's spans showed (``SERVER_404_GONE``, ``SERVER_404_OTHER``): a client's 404 the server's hooks
-    # saw answered to another principal, with none of the session gone, is no expiry
-    server_404: int = 0
     # by each side's clock, client then server: the latest start of a resume of it that was answered (2xx; 0: none):
     # it still existed then (``CallState.ended_before``)
     answered: tuple[int, int] = _NEVER
@@ -508,11 +501,6 @@ class Ledger:
         """Whether the session's client deleted it (a DELETE the server accepted)."""
         session = self._sessions.get(scope)
         return session is not None and session.deleted
-
-    def server_404(self, scope: str) -> int:
-        """The 404s the server's spans showed in the session (``SERVER_404_GONE``, ``SERVER_404_OTHER``)."""
-        session = self._sessions.get(scope)
-        return session.server_404 if session is not None else 0
 
     def in_session(self, scope: str) -> list[CallState]:
         session = self._sessions.get(scope)
@@ -811,14 +799,12 @@ class Ledger:
                 "resumes": [[role, cursor, list(times), times.maxlen]
                             for (role, cursor), times in (s.resumes or {}).items()],
                 "cursors": [[s.cursors[i], list(s.cursors[i + 1])] for i in range(0, len(s.cursors), 2)],
-                "deleted": s.deleted, "expired": s.expired, "server_404": s.server_404, "answered": list(s.answered),
-                "done": list(s.done or ())}
+                "deleted": s.deleted, "expired": s.expired, "answered": list(s.answered), "done": list(s.done or ())}
 
     def load_session(self, s: dict[str, Any]) -> None:
         """Take one dumped session (at start, before any span), as the most recently active."""
         session = self._sessions[s["scope"]] = SessionState(s["scope"], s["last_ns"], deleted=s.get("deleted", False),
-                                                            expired=s.get("expired", False),
-                                                            server_404=s.get("server_404", 0))
+                                                            expired=s.get("expired", False))
         self._bytes += _SESSION_BYTES + _size(session.scope)
         for row in s["calls"]:
             values: dict[str, Any] = {k: tuple(v) if k in _TUPLES and v is not None else v

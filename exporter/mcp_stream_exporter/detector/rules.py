@@ -19,15 +19,7 @@ from typing import Any
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector.events import CallEnd, Common, Operation, Replay, StreamEnd, Token
 from mcp_stream_exporter.detector.findings import Finding, finding_id
-from mcp_stream_exporter.detector.ledger import (
-    CANCEL_LATE,
-    CANCEL_RACED,
-    SERVER_404_GONE,
-    SERVER_404_OTHER,
-    CallState,
-    Ledger,
-    SessionState,
-)
+from mcp_stream_exporter.detector.ledger import CANCEL_LATE, CANCEL_RACED, CallState, Ledger, SessionState
 
 CRITICAL = "critical"
 WARNING = "warning"
@@ -160,8 +152,6 @@ class RuleEngine:
         expired = e.status == 404 and not session.deleted and not e.other_owner
         in_flight_before = [c for c in self.ledger.in_session(at.scope) if c.in_flight] if expired else ()
         session.expired = session.expired or expired
-        if e.status == 404 and at.role == sc.ROLE_SERVER and not session.deleted:
-            session.server_404 |= SERVER_404_OTHER if e.other_owner else SERVER_404_GONE
         if e.kind == sc.STREAM_KIND_RESUME and e.status is not None and 200 <= e.status < 300:
             self.ledger.answered(session, at.role, at.start_ns)  # the session still existed as this resume started
         if e.kind == sc.STREAM_KIND_DELETE and e.status is not None and 200 <= e.status < 300:
@@ -592,17 +582,11 @@ class RuleEngine:
                 self.ledger.schedule(due, _EXPIRED, call)
                 return
             self._check_clean_end(call, now_ns)
-        if not call.reached_caller and not call.told and not self.ledger.deleted(call.scope) and self._gone(call):
+        if not call.reached_caller and not call.told and not self.ledger.deleted(call.scope):
             self._emit(RuleId.SESSION_EXPIRED_IN_FLIGHT, call, None, call.request_id, now_ns, lambda: {
                 "status": 404, "owed_seen_at": (call.owed_since or 0) / 1e9})
             self.ledger.given_up(call)
         self._check_clean_end(call, now_ns)  # held back for this judgement (its caller told: no silent loss then)
-
-    def _gone(self, call: CallState) -> bool:
-        """Whether its session's 404s tell it gone: not when the server's spans show the SDK's 404 to another
-        principal and none that tells the session gone, which is what the client's 404 was (a token of another user,
-        after a refresh: its hooks cannot tell, the session lives on and its result is judged as any other's)."""
-        return self.ledger.server_404(call.scope) != SERVER_404_OTHER
 
     def _alive_after_clean_end(self, call: CallState) -> bool:
         """Whether a resume of its session that started after the clean end that left it pending was answered
