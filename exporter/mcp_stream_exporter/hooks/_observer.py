@@ -370,11 +370,9 @@ class WireObserver:
         elif ex.cancelled and self.owners.same(session_id, scope):
             for request_id in ex.cancelled:
                 self.tracker.cancelled_in_gone((session_id, request_id))
-        elif ex.stream is not None and self.owners.other(session_id, scope):
-            if self.holds is None or self.holds(session_id):
-                ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
-            else:  # gone (an idle timeout, a terminate): its 404 tells so, whoever asked
-                self.owners.ended(session_id)
+        elif ex.stream is not None and self.owners.other(session_id, scope) and (
+                self.holds is None or self.holds(session_id)):  # else gone (idle timeout, terminate): as it tells
+            ex.stream.also({sc.SESSION_OWNER: sc.SESSION_OWNER_OTHER})
 
     def dispatched(self, request: Any, request_id: str | int, params: Any, context: Context) -> None:
         """The ``tools/call`` the SDK's server middleware is about to run, in ``context`` (where the SDK's
