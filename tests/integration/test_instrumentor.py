@@ -4,6 +4,7 @@ each stream once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -146,6 +147,18 @@ async def test_an_app_built_again_from_one_server_is_observed_by_its_own_hooks_a
     kinds = sorted(s.attributes[sc.STREAM_KIND] for s in ours(spans(), sc.SPAN_STREAM)
                    if s.attributes[sc.ROLE] == sc.ROLE_SERVER)
     assert kinds == [sc.STREAM_KIND_DELETE, sc.STREAM_KIND_GET]
+
+
+def test_an_asgi_app_of_any_kind_is_observed_an_unhashable_one_too():
+    """Only an app ``instrument_server`` built is returned as it is: any other, a dataclass's instance included
+    (unhashable), is wrapped."""
+
+    @dataclasses.dataclass
+    class App:
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None: ...
+
+    app = App()
+    assert instrument_server(app) is not app
 
 
 @pytest.mark.anyio

@@ -21,6 +21,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from opentelemetry import trace
 from opentelemetry.context import get_current
+from starlette.applications import Starlette
 
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
@@ -81,7 +82,7 @@ class ServerInstrumentation:
 
 # the server whose app ``instrument_server`` is building now: the instrumentor leaves that build to it
 _building: ContextVar[MCPServer | None] = ContextVar("mcp_stream_building", default=None)
-_observed: weakref.WeakSet[ASGIApp] = weakref.WeakSet()  # the apps it built: observed whole already
+_observed: weakref.WeakSet[Starlette] = weakref.WeakSet()  # the apps it built: observed whole already
 
 
 def builds(server: MCPServer) -> bool:
@@ -108,7 +109,7 @@ def instrument_server(
     observed: pass the server to get the rest; one it built already (under the instrumentor, an app the SDK's
     ``streamable_http_app`` returned) is returned as it is, so that no exchange is observed twice.
     """
-    if not isinstance(target, MCPServer) and target in _observed:
+    if isinstance(target, Starlette) and target in _observed:  # (any other app may be unhashable: a dataclass's)
         return target
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   path=streamable_http_path)
