@@ -111,6 +111,7 @@ async def test_a_result_copied_onto_the_standalone_stream_is_a_duplicate_deliver
     assert {f.rule for f in findings} == {"duplicate_terminal"}
     assert len({f.request_id for f in findings}) == 3  # each call's copy, whichever of its two came first
     assert {f.evidence["deliveries"] for f in findings} == {2}
+    assert {f.tool for f in findings} == {"echo"}  # named on the copy's span where the first delivery left none
 
 
 async def test_a_result_read_once_past_the_hold_of_its_answer_is_one_delivery():

@@ -47,7 +47,7 @@ def stream(role: str, kind: str, reason: str, *, at: float = 1.0, session: str |
         sc.TERMINAL_REQUEST_IDS: terminal or None, sc.RESUME_CURSOR: cursor, sc.HTTP_RESPONSE_STATUS_CODE: status,
         sc.AUTH_AUDIENCE: audience, sc.AUTH_MISSING_RESOURCES: missing or None,
         sc.ERROR_FRAMES_COUNT: error_frames or None, sc.EVENT_FIRST_ID: first, sc.EVENT_LAST_ID: last,
-        sc.EVENTS_COUNT: events, sc.GEN_AI_TOOL_NAME: tool if len(ids) == 1 else None,
+        sc.EVENTS_COUNT: events, sc.GEN_AI_TOOL_NAME: tool if len(ids) == 1 or (not ids and terminal) else None,
         sc.REQUIRED_RESOURCES: (FETCH,) if pending and tool == "fetch" else None,
         sc.RUNNING_REQUEST_IDS: running or None, sc.REPEATED_REQUEST_IDS: repeated or None, sc.SESSION_OWNER: owner,
         sc.CALL_ARGUMENTS_HASH: fingerprint,

@@ -208,6 +208,21 @@ def test_unknown_cursor_fires_on_an_empty_answer_and_not_on_the_guards_explicit_
                              guard=sc.GUARD_UNKNOWN_CURSOR)])) == []
 
 
+def test_an_unknown_cursor_is_the_finding_of_the_call_whose_stream_it_resumed_with_its_tool():
+    """The replay's span names no call (the hooks' index of event ids dropped the cursor): the stream that ended at
+    the cursor tells whose it is, so the finding carries that call's request id and tool (its alert's label), and
+    the caller's give-up is attributed to it. Told by nobody, it stays the cursor's."""
+    dropped = stream(C, "post", "dropped", pending=("3",), last="6")
+    unknown = replay(sc.REPLAY_UNKNOWN_CURSOR, request_id=None, buffered=0)
+    (finding,) = run([dropped, unknown]).findings
+    assert (finding.rule, finding.request_id, finding.tool) == ("unknown_cursor", "3", "fetch")
+    (alone,) = run([unknown]).findings
+    assert (alone.rule, alone.request_id, alone.tool) == ("unknown_cursor", None, None)
+    named = replay(sc.REPLAY_UNKNOWN_CURSOR, request_id="3", buffered=0)  # the replay's own call first
+    (finding,) = run([stream(C, "post", "dropped", pending=("3",), last="5"), named]).findings
+    assert (finding.request_id, finding.tool) == ("3", "fetch")
+
+
 def test_cross_stream_replay_fires_on_foreign_events():
     assert "cross_stream_replay" in rules(run([replay(sc.REPLAY_COMPLETE, sent=4, foreign=("7", "9"))]))
     assert rules(run([replay(sc.REPLAY_COMPLETE, sent=4)])) == []
@@ -804,6 +819,8 @@ def test_a_copy_of_a_result_its_side_saw_delivered_on_the_healthy_path_is_a_dupl
     (finding,) = run([copied], after_s=60).findings
     assert (finding.rule, finding.request_id, finding.evidence["deliveries"]) == ("duplicate_terminal", "3", 2)
     assert rules(run([stream(C, "get", "closed", ids=(), terminal=("3",), tool=None)], after_s=60)) == []
+    (named,) = run([stream(C, "get", "closed", ids=(), terminal=("3",), repeated=("3",), tool="search")]).findings
+    assert (named.rule, named.tool) == ("duplicate_terminal", "search")  # the copy's span names the call's tool
 
 
 def test_a_refusal_hides_no_loss_of_a_resume_not_refused_that_ran_beside_it_in_either_order():

@@ -629,7 +629,7 @@ class WireObserver:
             self.tracker.unpend(key)
             self.tracker.result_out(key, pending[0].tool, head[0], held[-1][1], pending[0].traceparent)
             if key[0] is not None:
-                self.tracker.answered_healthy(key)
+                self.tracker.answered_healthy(key, pending[0].tool)
         elif not self._answered_by(calls, last):
             return False
         self.tracker.settle(ex, calls, ex.scope.session_id)

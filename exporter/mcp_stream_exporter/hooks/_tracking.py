@@ -278,7 +278,7 @@ class Tracker:
             OrderedDict() if role == sc.ROLE_SERVER else None)
         # the newest ``max_calls`` calls of a session answered on the healthy path (``answered_healthy``): a later
         # result of one is a repeat (a copy of it on another stream), which nothing else would tell
-        self._answered: OrderedDict[CallKey, None] = OrderedDict()
+        self._answered: OrderedDict[CallKey, str | None] = OrderedDict()  # (``answered_healthy``) -> its tool
         # (server) whether the server's event store tells it what is stored (``StoreRecorder``): only then does a call
         # with no result stored say its tool has not answered yet (``RUNNING_REQUEST_IDS``)
         self.sees_stores = False
@@ -586,13 +586,13 @@ class Tracker:
                 self.result_out(call.key, call.tool, terminal[1], time.time_ns(), call.traceparent)
             # its own POST, which leaves no span (another stream has one); a session's (a stateless id is no key)
             if terminal[0] == sc.STREAM_KIND_POST and call.key[0] is not None:
-                self.answered_healthy(call.key)
+                self.answered_healthy(call.key, call.tool)
 
-    def answered_healthy(self, key: CallKey) -> None:
+    def answered_healthy(self, key: CallKey, tool: str | None) -> None:
         """The call of ``key``, a session's, got its result on its POST on the healthy path, which leaves no span: a
-        later result of it on another stream is a repeat (``deliver``)."""
+        later result of it on another stream is a repeat (``deliver``), whose span names its tool."""
         answered = self._answered
-        answered[key] = None
+        answered[key] = tool if tool is None or len(tool) <= sc.MAX_CHARS else None
         if len(answered) > self._max_calls:
             answered.popitem(last=False)
 
@@ -1018,6 +1018,10 @@ class Tracker:
             attrs[sc.TERMINAL_REQUEST_IDS] = _listed(terminal_ids, stream.request_ids)
         if stream.repeated_ids:
             attrs[sc.REPEATED_REQUEST_IDS] = list(stream.repeated_ids)
+            if not stream.calls:  # copies alone, all of one tool's calls: that tool, as a stream of one call names it
+                tools = {self._answered.get((stream.session_id, request_id)) for request_id in terminal_ids}
+                if len(tools) == 1 and (tool := tools.pop()) is not None:
+                    attrs[sc.GEN_AI_TOOL_NAME] = tool
         # what its calls require, and what its token lacks of it: the pending calls'; on a resume, also those it
         # delivered (a server that handed them to a token lacking what they require: narrowed_resume)
         carried = stream.calls if stream.kind == sc.STREAM_KIND_RESUME else pending

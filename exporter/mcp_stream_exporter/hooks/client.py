@@ -153,7 +153,7 @@ class ClientInstrumentation:
                     annotate(sdk, terminal)
             if session_id is not None:  # a stateless call's id is no key
                 assert msg.id is not None  # a call's
-                self.tracker.answered_healthy((session_id, msg.id))
+                self.tracker.answered_healthy((session_id, msg.id), msg.tool)
             return None
         return self._start_late(msg, session_id, protocol_version, view, start, stateless)
 
