@@ -432,23 +432,6 @@ async def test_a_result_sent_into_a_connection_the_client_lost_is_one_loss_and_t
                                            {"tool": "fetch", "rule": "sent_not_received"}) == 1.0
 
 
-async def test_a_guarded_resume_of_a_call_whose_post_the_server_holds_open_still_gets_its_live_events():
-    """A proxy lost the client's side of fetch's POST while the server's stays open: the SDK sends the call's events
-    into it, and would end the client's resume once it replayed what was stored (it takes no live tail of a stream
-    whose POST it holds), a clean end with nothing, again at each retry until the tool answers. The guard sends the
-    call's live tail from its storage: one resume carries the rest of the call to its result, and nothing pages."""
-    span_exporter().clear()
-    with detector() as (found, clock):
-        async with incident("legacy", guarded=True, step_delay=0.2) as lab:
-            lab.proxy.arm(b"fetch step 1", half_open=True)
-            result = await lab.call("fetch", {"url": "u", "steps": 6}, timeout=20)
-            assert result.content and not result.is_error
-        assert after_grace(found, clock) == []
-    resumes = ours(spans(), sc.SPAN_STREAM, sc.ROLE_CLIENT, mcp_stream__stream__kind="resume")
-    (resumed,) = [s for s in resumes if s.attributes[sc.END_REASON] != sc.END_OPEN]  # (``open``: its progress span)
-    assert resumed.attributes[sc.TERMINAL_REQUEST_IDS]
-
-
 async def test_a_result_sent_into_a_lost_connection_is_found_with_the_servers_spans_alone_not_the_clients():
     """Only the server knows the result went out: the client's spans alone show a stream that dropped and a caller
     that gave up before resuming, which a slow tool shows too."""

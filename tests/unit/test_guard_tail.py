@@ -209,29 +209,27 @@ async def test_a_live_event_the_token_may_not_see_ends_the_tail_with_an_error_fr
     assert notice(refused)["cursor"] == ids[-1]
 
 
-async def test_a_call_is_tailed_here_while_its_post_is_open_and_the_standalone_stream_is_left_to_the_sdk():
-    """A proxy that lost the POST's client while the server's side stays open: the SDK sends the call's events to a
-    POST no one reads, and would end the client's resume after its replay, with nothing (a silent end). The resume
-    gets the call's live tail from the storage, as it does once the POST has ended. The standalone stream has no
-    answer to end a tail: the SDK keeps it."""
+async def test_only_a_call_whose_post_ended_is_tailed_here_and_the_standalone_stream_is_left_to_the_sdk():
+    """While the call's POST is open the SDK sends its events there and would send a resume none: the resume
+    ends after its replay. The standalone stream has no answer to end a tail: the SDK keeps it."""
     store = GuardedEventStore(POLICY)
     await store.open_session("s1")
     ids = await a_call(store, 2, "fetch")
     assert store._in_flight.claim("s1", [("2", (Requirement.of([FETCH]), None))]) is None  # its POST is open
+    sent: list[EventMessage] = []
+    with anyio.fail_after(BOUND_S):
+        assert await resume(store, ids[1], BROAD, sent) is None
+    assert ids_of(sent) == ids[2:]
+
+    store._in_flight.ended("s1", ["2"])  # the POST is gone, the call runs on
     answer: list[str] = []
 
     async def answered() -> None:
         answer.append(await stored(store, "2", result(2)))
 
-    sent: list[EventMessage] = []
-    with anyio.fail_after(BOUND_S):
-        assert await resume(store, ids[1], BROAD, sent, during=answered) is None
-    assert ids_of(sent) == ids[2:] + answer
-
-    store._in_flight.ended("s1", ["2"])  # the POST ends
     sent = []
     with anyio.fail_after(BOUND_S):
-        assert await resume(store, ids[1], BROAD, sent) is None  # its answer replayed: nothing to wait on
+        assert await resume(store, ids[1], BROAD, sent, during=answered) is None
     assert ids_of(sent) == ids[2:] + answer
 
     alone = await stored(store, STANDALONE_STREAM_ID, progress(0))

@@ -246,3 +246,9 @@ class InFlight(Generic[Owner]):
         if len(request_id) <= self._max_id:
             return request_id
         return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def posting(self, session_id: str, request_id: str) -> bool:
+        """Whether the POST that carried the request in flight under ``request_id`` is still open: the SDK sends
+        the call's events there, and would not hand a resume its live tail."""
+        call = self._sessions.get(session_id, {}).get(self._key(request_id))
+        return call is not None and not call[0] & _ENDED

@@ -345,6 +345,8 @@ class GuardedEventStore(EventStore):
                                                                   and cursor.stream_id == STANDALONE_STREAM_ID):
                 self._hold(request, cursor.stream_id)
                 return cursor.stream_id  # a storage it cannot wait on, or the standalone stream: the SDK's tail
+            if elsewhere is None and self._in_flight.posting(session_id, cursor.stream_id):
+                return None  # the call's POST is open: the SDK sends its events there, and would send none here
             self._hold(request, cursor.stream_id)
             await self._tail(storage, request.auth, session_id, cursor.stream_id, delivered, send_callback, elsewhere)
             return None
