@@ -342,6 +342,24 @@ def test_a_result_delivered_twice_on_one_stream_is_listed_twice_for_duplicate_te
     assert [f.rule for f in detector.findings] == ["duplicate_terminal"]
 
 
+@pytest.mark.parametrize(("tools", "named"), [(("search",), "search"), (("search", "search"), "search"),
+                                              (("search", "fetch"), None), (("é" * 5,), None), (("t" * 129,), None)])
+def test_a_stream_of_copies_of_healthy_path_results_names_their_one_tool_kept_short(tools, named):
+    """Copies alone of results their POSTs delivered on the healthy path (no span) name the calls' tool when they are
+    all of one; a name longer or other than MCP's tool names (128 ASCII characters) is kept by no answered call: a
+    client's own, kept for each of 10,000 calls."""
+    tracker, exporter = _tracker()
+    for rid, tool in enumerate(tools):
+        tracker.answered_healthy(("s", str(rid)), tool)
+    copies = tracker.open_stream(sc.STREAM_KIND_GET, "s", [], {}, ABSENT, 200)
+    for rid in range(len(tools)):
+        tracker.frame(copies, SSEFrame("x", id=f"e{rid}"), _response(rid))
+    tracker.end_stream(copies, sc.END_CLEAN)
+    (span,) = _by(exporter, sc.SPAN_STREAM)
+    assert span.attributes[sc.REPEATED_REQUEST_IDS] == tuple(str(rid) for rid in range(len(tools)))
+    assert span.attributes.get(sc.GEN_AI_TOOL_NAME) == named
+
+
 def test_a_streams_own_answered_calls_stay_listed_past_a_flood_of_other_results():
     tracker, exporter = _tracker()
     calls = [tracker.start_call("s", _request(n), None, ABSENT, stateless=False) for n in (1, 2)]

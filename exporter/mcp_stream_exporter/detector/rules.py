@@ -171,8 +171,8 @@ class RuleEngine:
             if rid not in calls and not e.request_ids:  # a stream its hooks tie to no call: what it carries may
                 if not self._awaited(at.scope, rid):   # reach no caller
                     continue
-                # the tool of every terminal it delivers, if it names one (copies of results delivered before)
-                calls[rid] = self._call(session, at, rid, now_ns, e.tool, ())
+                # a copy of a result delivered before: of the tool it names, if it names one (it delivers copies alone)
+                calls[rid] = self._call(session, at, rid, now_ns, e.tool if rid in e.repeated_ids else None, ())
             if rid in calls:
                 if rid in e.repeated_ids:  # its side saw it answered before, on a stream that left no span
                     calls[rid].delivered_to(at.role)
@@ -262,11 +262,9 @@ class RuleEngine:
             self._emit(RuleId.NARROWED_RESUME, call, at, subject, now_ns,
                        lambda: {**evidence(), **_gap(e.token, e.required)})
         if e.decision == sc.REPLAY_UNKNOWN_CURSOR and not explicit and e.sent == 0:
-            # the call whose stream it resumed: the replay's, else those of the stream that ended at the cursor
-            known = (e.request_id,) if e.request_id else self.ledger.cursor_calls(session, e.cursor)
-            for rid in known or (f"cursor:{e.cursor}",):
-                of = call if rid == e.request_id else self.ledger.find(at.scope, rid)
-                self._emit(RuleId.UNKNOWN_CURSOR, of, at, rid, now_ns, evidence)
+            # the cursor's, not a call's: the server's hooks know no call of a cursor unknown to them, and which stream
+            # ended there the other side's spans may tell only later (a finding per call would then depend on the order)
+            self._emit(RuleId.UNKNOWN_CURSOR, None, at, f"cursor:{e.cursor}", now_ns, evidence)
         if e.foreign_event_ids:
             self._emit(RuleId.CROSS_STREAM_REPLAY, call, at, subject, now_ns, lambda: {
                 **evidence(), "foreign_event_ids": list(e.foreign_event_ids)})

@@ -140,6 +140,7 @@ KeptStore = tuple[FrameFields, int, object]
 # long run of progress notifications or a hostile stream is followed as it goes, never kept whole.
 HOLD_BYTES = 64 * 1024
 HOLD_PIECES = 64
+_TOOL_NAME_CHARS = 128  # MCP's longest tool name (SHOULD): a longer one is kept by no call answered
 # A frame a held stream's side read at last (``None`` for a JSON body), its messages, and when it was seen.
 HeldFrame = tuple[SSEFrame | None, Sequence[WireMessage], int]
 
@@ -592,7 +593,8 @@ class Tracker:
         """The call of ``key``, a session's, got its result on its POST on the healthy path, which leaves no span: a
         later result of it on another stream is a repeat (``deliver``), whose span names its tool."""
         answered = self._answered
-        answered[key] = tool if tool is None or len(tool) <= sc.MAX_CHARS else None
+        # a name as MCP's tool names are (at most 128 ASCII characters) or none: a client's own, kept 10,000 times
+        answered[key] = tool if tool is not None and len(tool) <= _TOOL_NAME_CHARS and tool.isascii() else None
         if len(answered) > self._max_calls:
             answered.popitem(last=False)
 
