@@ -32,6 +32,9 @@ HERE = Path(__file__).resolve().parent
 TAGS = ["mcp-stream-exporter"]
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", instance=~"$instance"'  # every query: the linter's job and instance rules
+# a series every target has (``up``, the client libraries' ``process_*``), kept to the detectors': with the variables'
+# "All" (the linter's ``.+``) it would match whatever else Prometheus scrapes
+OF_DETECTORS = f"and on (job, instance) mcp_stream_detector_build_info{{{SEL}}}"
 DETECTOR_URL = "http://127.0.0.1:9464"  # the detector's external URL, a text box: its findings page is <url>/ui/
 ANY = 1e-6  # a threshold for "any at all" on a per-second rate (one event in hours still crosses it)
 # thresholds: (from this value up, colour); the first step is the base colour (Grafana's -Infinity)
@@ -242,7 +245,8 @@ def detector() -> dashboard.Dashboard:
                    "The detector's own health: is it up, taking spans, and keeping up.")
             .with_row(_row(1, "Ingest"))
             .with_panel(_stat(2, "Detectors up", "Detector targets Prometheus scrapes successfully; none: "
-                              "MCPStreamExporterDown (or MCPStreamExporterAbsent).", "short", f"sum(up{{{SEL}}})",
+                              "MCPStreamExporterDown (or MCPStreamExporterAbsent).", "short",
+                              f"sum(up{{{SEL}}} {OF_DETECTORS}) or vector(0)",
                               alert="MCPStreamExporterDown", steps=[(None, "red"), (1, "green")]))
             .with_panel(_stat(3, "Spans received", "Spans per second into the detector, all transports; none for "
                               "15 minutes while up: MCPStreamExporterNoSpans.", "reqps",
@@ -299,19 +303,21 @@ def detector() -> dashboard.Dashboard:
             .with_panel(_series(
                 15, "Memory", "The process's resident memory beside the detector's estimate of its state (its "
                 "budget is --max-memory-mb); keep resident memory under the pod's limit.", "bytes",
-                _query(f"sum by (instance) (process_resident_memory_bytes{{{SEL}}})", "resident {{instance}}"),
+                _query(f"sum by (instance) (process_resident_memory_bytes{{{SEL}}} {OF_DETECTORS})",
+                       "resident {{instance}}"),
                 _query(f"sum by (instance) (mcp_stream_detector_state_bytes{{{SEL}}})", "state {{instance}}", "B"),
                 span=6, alert="MCPStreamExporterDown"))
             .with_panel(_series(
                 16, "CPU", "CPU seconds per second of the process (1 is one core). Decoding runs on "
                 "--max-decoding threads, the ledger on one.", "short",
-                _query(f"sum by (instance) (rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval]))",
+                _query(f"sum by (instance) (rate(process_cpu_seconds_total{{{SEL}}}[$__rate_interval]) {OF_DETECTORS})",
                        "{{instance}}"), span=6))
             .with_panel(_series(
                 17, "Open file descriptors", "File descriptors the process holds (connections included) against its "
                 "limit; at the limit new connections fail.", "short",
-                _query(f"sum by (instance) (process_open_fds{{{SEL}}})", "open {{instance}}"),
-                _query(f"sum by (instance) (process_max_fds{{{SEL}}})", "limit {{instance}}", "B"), span=6)))
+                _query(f"sum by (instance) (process_open_fds{{{SEL}}} {OF_DETECTORS})", "open {{instance}}"),
+                _query(f"sum by (instance) (process_max_fds{{{SEL}}} {OF_DETECTORS})", "limit {{instance}}", "B"),
+                span=6)))
 
 
 def guard() -> dashboard.Dashboard:

@@ -63,8 +63,10 @@ class Webhook:
 
 
 class Stack:
-    def __init__(self, workdir: Path, prometheus_url: str, targets_file: Path, webhook: Webhook) -> None:
+    def __init__(self, workdir: Path, prometheus_url: str, targets_file: Path, webhook: Webhook,
+                 other_instance: str) -> None:
         self.workdir = workdir
+        self.other_instance = other_instance  # Alertmanager, scraped as a cluster's Prometheus scrapes much else
         self.url = prometheus_url
         self._targets_file = targets_file
         self._targets: dict[str, str] = {}
@@ -152,7 +154,9 @@ def prometheus_stack(workdir: Path) -> Iterator[Stack]:
             "rule_files": [str(RULES)],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
             "scrape_configs": [{"job_name": JOB, "file_sd_configs": [{"files": [str(targets)],
-                                                                      "refresh_interval": "1s"}]}],
+                                                                      "refresh_interval": "1s"}]},
+                               # another job's target, exporting the client libraries' ``up`` and ``process_*`` too
+                               {"job_name": "alertmanager", "static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}],
         }))
         prometheus = subprocess.Popen(
             [_binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
@@ -161,7 +165,7 @@ def prometheus_stack(workdir: Path) -> Iterator[Stack]:
             stdout=logs[1], stderr=subprocess.STDOUT)
         processes.insert(0, prometheus)
         stack = Stack(workdir, f"http://127.0.0.1:{_bound_port(workdir / 'prometheus.log', prometheus)}", targets,
-                      webhook)
+                      webhook, f"127.0.0.1:{am_port}")
         ready = stack.url
         wait_for(lambda: answers(f"http://127.0.0.1:{am_port}/-/ready") and answers(f"{ready}/-/ready"), 60,
                  "Prometheus and Alertmanager to be ready")

@@ -99,6 +99,16 @@ async def test_the_naive_incident_pages_through_alertmanager_and_fills_every_das
                         empty.append(f"{name}: {title}: {expr}")
             assert empty == []
 
+            # the variables' "All" (the linter's ``.+``) matches every target Prometheus scrapes: the detector's own
+            # panels (up, the process's memory, CPU and file descriptors) count the detectors alone
+            board = dashboards()["mcp-stream-detector.json"]
+            for title, expr in queries(board):
+                assert all(s["metric"].get("instance") != stack.other_instance
+                           for s in stack.query(substitute(expr, rate_interval="30s"))), title
+            (up,) = [expr for title, expr in queries(board) if title == "Detectors up"]
+            assert [s["value"][1] for s in stack.query(substitute(up))] == [
+                s["value"][1] for s in stack.query("count(mcp_stream_detector_build_info)")]
+
             # the latency panel's exemplars (Prometheus' exemplar storage on) lead to the lost call's trace
             (lost,) = [f for f in findings if f.rule == "clean_end_pending"]
             latency = [expr for _, expr in queries(dashboards()["mcp-stream-overview.json"])
