@@ -394,6 +394,18 @@ def test_the_startup_budget_and_the_liveness_timeout_come_from_probes_values():
         assert f"`{value}`" in runbook
 
 
+def test_a_new_ingest_token_from_values_rolls_the_pods_which_read_it_only_as_they_start():
+    """The token reaches the detector as an environment variable from the chart's Secret: an upgrade that changed only
+    the Secret left the pods on the old token, and every sender on the new one was refused (401)."""
+    def template(token: str) -> dict[str, Any]:
+        objects = _render(CHART, {"ingestToken": {"enabled": True, "value": token}}, ())
+        (workload,) = [o for o in objects if o["kind"] in {"Deployment", "StatefulSet"}]
+        return dict(workload["spec"]["template"])
+
+    assert template("old-token") != template("new-token")
+    assert template("old-token") == template("old-token")
+
+
 def test_the_chart_values_the_runbooks_name_exist():
     """A runbook told the on-call to raise "the probe's timeout" and to set `statefulSet: true`, neither of which the
     schema accepts. Every backticked dotted name (or `name: value`) led by a top-level value is a value here."""

@@ -63,6 +63,10 @@ metadata:
     {{- end }}
   annotations:
     checksum/policy: {{ toJson .Values.toolPolicy | sha256sum }}
+    {{- if and .Values.ingestToken.enabled (not .Values.ingestToken.existingSecret) }}
+    {{- /* the token is read from the Secret at start only: a new one rolls the pods */}}
+    checksum/ingest-token: {{ include (print $.Template.BasePath "/secret.yaml") . | sha256sum }}
+    {{- end }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
