@@ -188,8 +188,8 @@ class Detector:
 
     def stuck_calls(self, limit: int) -> tuple[list[dict[str, Any]], int]:
         """The calls ``mcp_stream_calls_stuck`` counts (in flight, no sign of life for ``stuck_after_s``), the first
-        ``limit`` as JSON, and how many there are: a stuck call has no finding, and this is how the on-call finds
-        its session, request id and trace."""
+        ``limit`` as JSON, and how many there are: a stuck call may have no finding, and this is how the on-call
+        finds its session, request id and trace."""
         with self.lock:
             now = self.clock()
             listed: list[dict[str, Any]] = []
