@@ -118,7 +118,7 @@ class StoreRecorder:
         items = iter(journal)
         try:
             for session, stream_id, event_id, kind in zip(items, items, items, items, strict=True):
-                key = _key(session, stream_id)
+                key = f"{session}\n{stream_id}"  # ``_key``, inlined (the session's None is in the journal already)
                 events = stored.get(key)
                 if events is None:  # a list, not a deque: a stream stores a few events, and a deque allocates 64
                     events = stored[key] = []
@@ -132,7 +132,7 @@ class StoreRecorder:
                 while held > max_indexed:  # many long streams: 10,000 of 1,000 events would hold some 700 MB
                     held -= len(stored.popitem(last=False)[1]) // 2
                 order += 1
-                event_key = _key(session, event_id)
+                event_key = f"{session}\n{event_id}"
                 stream_of_event[event_key] = stream_id
                 order_of_event[event_key] = order
                 if len(stream_of_event) > max_indexed:
