@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, LedgerLimits, RuleConfig, Span
+from mcp_stream_exporter.detector.events import _operation
 from mcp_stream_exporter.detector.findings import MAX_EVIDENCE_BYTES
 from mcp_stream_exporter.detector.metrics import OTHER
 from mcp_stream_exporter.detector.settings import load
@@ -108,6 +109,16 @@ def test_token_shaped_values_in_any_attribute_are_redacted_from_ledger_findings_
     assert "[redacted]" in kept
     for secret in (JWT, JWT.split(".")[2], "Bearer"):
         assert secret not in kept
+
+
+def test_a_token_in_the_exception_type_of_a_callers_failed_request_span_is_redacted_from_its_timeline():
+    """The exception an SDK span records says whatever its sender put in it: the timeline row of the caller's
+    give-up (on the findings page) showed it raw."""
+    bearer = f"Bearer {JWT}"
+    failed = dataclasses.replace(sdk_call(C, "fetch", request_id="3"), exception_types=(bearer,), error=True)
+    given_up = _operation(failed)
+    assert given_up.error_type == "[redacted]"
+    assert _operation(dataclasses.replace(failed, exception_types=("ConnectionError",))).error_type == "ConnectionError"
 
 
 @pytest.mark.parametrize("pad", [0, 400], ids=["short", "longer-than-the-bound"])

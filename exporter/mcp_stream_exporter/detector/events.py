@@ -455,8 +455,10 @@ def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple
     timed_out = (code in _TIMEOUT_CODES or error_type in ("timeout", "TimeoutError")
                  or "TimeoutError" in exception_types)
     if error_type is None and (error or exception_types):
-        # an exception type is as long as its sender made it (up to a span's bytes): cut like any string
-        error_type = "timeout" if timed_out else (exception_types[0][:MAX_CHARS] if exception_types else "error")
+        # an exception type is as long as its sender made it (up to a span's bytes), and says what it likes (a token
+        # too): cut and redacted like any string the timeline shows
+        error_type = ("timeout" if timed_out else redact(exception_types[0][:MAX_CHARS]) if exception_types
+                      else "error")
     role = KIND_CLIENT if kind == KIND_CLIENT else KIND_SERVER
     transport, version = a.get(sc.NETWORK_TRANSPORT), a.get(sc.MCP_PROTOCOL_VERSION)  # often absent: read once
     return Operation(role, method, tool, trace_id, span_id, start_ns, max(0, end_ns - start_ns) / 1e9, error_type,
