@@ -388,7 +388,7 @@ def test_at_the_connection_limit_a_body_still_coming_after_its_grace_makes_way_f
             sock.close()
 
 
-def test_at_the_connection_limit_a_body_within_its_grace_keeps_its_slot_and_the_new_client_gets_503():
+def test_at_the_connection_limit_a_body_within_its_grace_keeps_its_slot_and_the_new_client_gets_503_to_retry():
     registry = CollectorRegistry()
     limits = ConnectionLimits(max_connections=4, header_timeout_s=60, idle_timeout_s=60, body_grace_s=60)
     with _bounded_server(limits, registry) as port:
@@ -398,7 +398,9 @@ def test_at_the_connection_limit_a_body_within_its_grace_keeps_its_slot_and_the_
             coming.append(sock)
         late = socket.create_connection(("127.0.0.1", port), timeout=15)
         late.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        assert _answer(late).startswith(b"HTTP/1.1 503 ")
+        head, _, reason = _answer(late).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1" in head  # as ingest's overload answers
+        assert reason.startswith(b"busy: every connection is serving a request")
         assert _closed(registry, "busy") == 1 and _closed(registry, "slow_body") == 0
         assert select.select(coming, [], [], 0.2)[0] == []  # none of them was closed
         for sock in [*coming, late]:

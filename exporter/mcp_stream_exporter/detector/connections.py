@@ -27,7 +27,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _MAX_HEADER_BYTES = 16 * 1024  # a request whose head is larger is refused (400)
 _HEAD_END = re.compile(rb"\n\r?\n")  # where h11 finds a head's end
-_BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_BUSY_REASON = b"busy: every connection is serving a request (--max-connections); retry\n"
+# as ingest's own overload answers: a Retry-After a sender's exporter waits out, and the reason
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\nretry-after: 1\r\n"
+         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_BUSY_REASON), _BUSY_REASON))
 _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 # why a connection was closed before the app answered its request, or while it waited idle for the next
 # (the metric's label values)
