@@ -521,6 +521,32 @@ def test_the_json_log_line_of_an_error_carries_its_cause():
     assert "RuntimeError: the cause" in line["exception"] and "Traceback" in line["exception"]
 
 
+def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_resource_exhausted():
+    """gRPC's own limit of RPCs at once refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters take as
+    final and drop the batch: ten senders at once (the Collector's default consumers) lost a quarter of theirs. Past
+    the decoding slots a sender waits its turn or is told UNAVAILABLE (retry with backoff); a request too large for the
+    bodies the detector may hold is too."""
+    queue = IngestQueue(Detector(), IngestLimits(max_decoding=1, decoding_wait_s=0.2, max_buffered_bytes=64 * 1024))
+    server, port = serve_grpc(queue, "127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+            held = _slots_taken(queue)
+            sent = [export.future(_body(_stream_span(f"s{n}")), timeout=30) for n in range(24)]
+            codes = [future.exception().code() for future in sent]  # type: ignore[union-attr]
+            assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+            for slot in held:
+                slot.__exit__(None, None, None)
+            assert ExportTraceServiceResponse.FromString(export(_body(_stream_span("after")))).partial_success \
+                .rejected_spans == 0
+            with pytest.raises(grpc.RpcError) as refused:
+                export(_body(*[_stream_span(f"big{n}") for n in range(400)]))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
+        queue.close()
+
+
 def test_otlp_grpc_decodes_as_http_does_bounded_and_span_by_span():
     detector = Detector()
     queue = IngestQueue(detector, IngestLimits(max_spans_per_request=10, max_decoding=1, decoding_wait_s=0.05))

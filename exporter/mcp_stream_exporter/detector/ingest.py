@@ -373,6 +373,10 @@ class _TraceService:
             if not bearer_matches(str(sent), self._token):
                 rejected.labels("unauthorized").inc()
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
+        if not self._queue.reserve(len(body)):  # the request bodies held at once, HTTP's and gRPC's together
+            rejected.labels("busy").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the detector holds as many request bodies as it may; retry "
+                                                       "with backoff")
         try:
             with self._queue.decoding():
                 outcome = receive(self._queue, decode_protobuf(body, self._queue.limits), "otlp_grpc")
@@ -380,10 +384,19 @@ class _TraceService:
             rejected.labels(exc.metric_reason).inc()
             status = grpc.StatusCode.UNAVAILABLE if exc.status == 429 else grpc.StatusCode.INVALID_ARGUMENT
             context.abort(status, exc.reason)
+        finally:
+            self._queue.release(len(body))
         if outcome is None:  # OTLP/gRPC: UNAVAILABLE is retryable with backoff
             rejected.labels("queue_full").inc()
             context.abort(grpc.StatusCode.UNAVAILABLE, "ingest queue full; retry with backoff")
         return partial_success(outcome)
+
+
+# Handlers that may hold a request and wait for a decoding slot (beside those decoding): a sender past them waits for a
+# thread, not refused. gRPC's own limit past that refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters
+# take as final and drop the batch: every refusal of a request whose turn can come is this service's UNAVAILABLE
+_WAITING_HANDLERS = 16
+_MOST_RPCS = 512  # gRPC's own bound on RPCs held at once (a flood of connections): past it, its RESOURCE_EXHAUSTED
 
 
 def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = None,
@@ -393,8 +406,9 @@ def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = Non
     connection = connection or ConnectionLimits()
     limits = queue.limits
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=limits.max_decoding, thread_name_prefix="mcp-stream-otlp-grpc"),
-        maximum_concurrent_rpcs=4 * limits.max_decoding,  # beyond: RESOURCE_EXHAUSTED, the sender retries
+        futures.ThreadPoolExecutor(max_workers=limits.max_decoding + _WAITING_HANDLERS,
+                                   thread_name_prefix="mcp-stream-otlp-grpc"),
+        maximum_concurrent_rpcs=_MOST_RPCS,
         options=[("grpc.max_receive_message_length", min(limits.max_body_bytes, limits.max_decompressed_bytes)),
                  ("grpc.max_connection_idle_ms", int(connection.idle_timeout_s * 1000)),
                  ("grpc.max_concurrent_streams", 16)])
