@@ -151,7 +151,7 @@ def _narrowed_resume(session: str) -> Span:
 
 PAYLOADS = ["<img src=x onerror=alert('img')>", "\"><script>alert('script')</script>",
             "'><svg onload=alert('svg')>", "javascript:alert('href')", "<iframe src=javascript:alert('frame')>",
-            "</td></tr></table><b id=injected>bold</b>"]
+            "</td></tr></table><b id=injected>bold</b>", "W" * 200]  # the last: no break in it, as an id may be
 
 
 def _value(v: Any) -> dict[str, Any]:
@@ -229,6 +229,12 @@ def _inert(page: Page) -> None:
     assert found["elements"] == 0 and found["handlers"] == 0 and found["hrefs"] == [], found
 
 
+def _fits(page: Page) -> bool:
+    """Whether the page is no wider than its window: a long unbroken value (a tool name MCP allows, an id) must wrap,
+    not push the columns after it, a finding's gap line among them, off the screen."""
+    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
+
+
 def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tmp_path: Path):
     flags = ("--api-token=" + API_TOKEN, "--clean-end-grace-s=0.2", f"--trace-url-template={TEMPO}",
              "--runbook-base-url=https://wiki.example.com/runbooks")
@@ -253,6 +259,7 @@ def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tm
             _inert(page)
             text = page.locator("main").inner_text()
             assert all(f"tool {p}" in text for p in PAYLOADS), text  # shown as text, not parsed
+            assert _fits(page)
             page.wait_for_selector("#refreshed:text-matches('^refreshed')", timeout=20_000)
             # ... and after a live refresh swapped the rows in
             _inert(page)
@@ -261,6 +268,7 @@ def test_html_and_script_in_every_span_string_render_as_text_and_nothing_runs(tm
                     page.goto(f"{service.url}/ui/findings/{f['id']}{suffix}")
                     assert page.locator("h1").count() == 1
                     _inert(page)
+                    assert _fits(page)
                     assert page.locator("a.trace").first.get_attribute("href") == TEMPO.format(trace_id="7e" * 16)
                     assert all(a.get_attribute("href").startswith("https://wiki.example.com/runbooks/MCP")
                                for a in page.locator("a.runbook").all())
