@@ -524,15 +524,15 @@ def test_the_json_log_line_of_an_error_carries_its_cause():
 def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_resource_exhausted():
     """gRPC's own limit of RPCs at once refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters take as
     final and drop the batch: ten senders at once (the Collector's default consumers) lost a quarter of theirs. Past
-    the decoding slots a sender waits its turn or is told UNAVAILABLE (retry with backoff); a request too large for the
-    bodies the detector may hold is too."""
+    the decoding slots, 16 senders wait their turn or are told UNAVAILABLE (retry with backoff); a request too large
+    for the bodies the detector may hold is too."""
     queue = IngestQueue(Detector(), IngestLimits(max_decoding=1, decoding_wait_s=0.2, max_buffered_bytes=64 * 1024))
     server, port = serve_grpc(queue, "127.0.0.1", 0)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
             held = _slots_taken(queue)
-            sent = [export.future(_body(_stream_span(f"s{n}")), timeout=30) for n in range(24)]
+            sent = [export.future(_body(_stream_span(f"s{n}")), timeout=30) for n in range(16)]
             codes = [future.exception().code() for future in sent]  # type: ignore[union-attr]
             assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
             for slot in held:

@@ -392,11 +392,12 @@ class _TraceService:
         return partial_success(outcome)
 
 
-# Handlers that may hold a request and wait for a decoding slot (beside those decoding): a sender past them waits for a
-# thread, not refused. gRPC's own limit past that refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters
-# take as final and drop the batch: every refusal of a request whose turn can come is this service's UNAVAILABLE
-_WAITING_HANDLERS = 16
-_MOST_RPCS = 512  # gRPC's own bound on RPCs held at once (a flood of connections): past it, its RESOURCE_EXHAUSTED
+# RPCs gRPC holds waiting for a decoding thread, beside those decoding: a sender among them waits its turn (or its own
+# deadline), and is refused only as this service refuses, UNAVAILABLE (retryable). Past them gRPC's own
+# RESOURCE_EXHAUSTED, without RetryInfo, which some OTLP exporters take as final: 8 in all took a quarter of ten
+# senders' batches (the Collector's default consumers). Each holds its message (up to --max-body-bytes) outside the
+# bodies' budget: 16 more cost some 90 MB under a flood of 4 MiB bodies, as many threads some 600 MB
+_WAITING_RPCS = 16
 
 
 def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = None,
@@ -406,9 +407,8 @@ def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = Non
     connection = connection or ConnectionLimits()
     limits = queue.limits
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=limits.max_decoding + _WAITING_HANDLERS,
-                                   thread_name_prefix="mcp-stream-otlp-grpc"),
-        maximum_concurrent_rpcs=_MOST_RPCS,
+        futures.ThreadPoolExecutor(max_workers=limits.max_decoding, thread_name_prefix="mcp-stream-otlp-grpc"),
+        maximum_concurrent_rpcs=limits.max_decoding + _WAITING_RPCS,
         options=[("grpc.max_receive_message_length", min(limits.max_body_bytes, limits.max_decompressed_bytes)),
                  ("grpc.max_connection_idle_ms", int(connection.idle_timeout_s * 1000)),
                  ("grpc.max_concurrent_streams", 16)])
