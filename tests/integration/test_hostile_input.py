@@ -524,9 +524,10 @@ def test_the_json_log_line_of_an_error_carries_its_cause():
 def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_resource_exhausted():
     """gRPC's own limit of RPCs at once refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters take as
     final and drop the batch: ten senders at once (the Collector's default consumers) lost a quarter of theirs. Past
-    the decoding slots, 16 senders wait their turn or are told UNAVAILABLE (retry with backoff); a request too large
-    for the bodies the detector may hold is too."""
-    queue = IngestQueue(Detector(), IngestLimits(max_decoding=1, decoding_wait_s=0.2, max_buffered_bytes=64 * 1024))
+    the decoding slots, 16 senders wait their turn or are told UNAVAILABLE (retry with backoff); one whose body does
+    not fit beside the bodies held is too."""
+    queue = IngestQueue(Detector(), IngestLimits(max_decoding=1, decoding_wait_s=0.2, max_buffered_bytes=64 * 1024,
+                                                 max_body_bytes=64 * 1024))
     server, port = serve_grpc(queue, "127.0.0.1", 0)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -539,9 +540,11 @@ def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_
                 slot.__exit__(None, None, None)
             assert ExportTraceServiceResponse.FromString(export(_body(_stream_span("after")))).partial_success \
                 .rejected_spans == 0
+            assert queue.reserve(40 * 1024)  # another request's body, held
             with pytest.raises(grpc.RpcError) as refused:
-                export(_body(*[_stream_span(f"big{n}") for n in range(400)]))
+                export(_body(*[_stream_span(f"big{n}") for n in range(100)]))  # some 38 KiB: fits alone, not beside it
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            queue.release(40 * 1024)
     finally:
         server.stop(None)
         queue.close()

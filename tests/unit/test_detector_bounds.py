@@ -119,6 +119,8 @@ def test_a_token_in_the_exception_type_of_a_callers_failed_request_span_is_redac
     given_up = _operation(failed)
     assert given_up.error_type == "[redacted]"
     assert _operation(dataclasses.replace(failed, exception_types=("ConnectionError",))).error_type == "ConnectionError"
+    cut = _operation(dataclasses.replace(failed, exception_types=("x" * 236 + JWT,)))  # cut inside its header
+    assert cut.error_type is not None and "[redacted]" in cut.error_type and JWT[:12] not in cut.error_type
 
 
 @pytest.mark.parametrize("pad", [0, 400], ids=["short", "longer-than-the-bound"])

@@ -99,6 +99,7 @@ def test_the_policy_file_gives_the_tool_labels(tmp_path):
     (["--clean-end-grace-s=-1"], "--clean-end-grace-s=-1: Input should be greater than or equal to 0"),
     (["--max-memory-mb=0"], "--max-memory-mb=0: Input should be greater than or equal to 1"),
     (["--max-sessions=ten"], "--max-sessions=ten: Input should be a valid integer"),
+    (["--max-buffered-bytes=65536"], "--max-buffered-bytes (65536) must be at least --max-body-bytes (4194304)"),
     (["--metrics-user=prom"], "--metrics-user needs --metrics-password"),
     (["--metrics-password=x"], "--metrics-password needs --metrics-user"),
     (["--tls-cert=/no/cert.pem"], "--tls-cert and --tls-key go together"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.auth import canonical_resources
-from mcp_stream_exporter.redaction import redact, redact_id
+from mcp_stream_exporter.redaction import redact, redact_cut, redact_id
 
 KIND_CLIENT = "client"
 KIND_SERVER = "server"
@@ -457,7 +457,7 @@ def operation(kind: str, name: str, a: Mapping[str, Any], exception_types: tuple
     if error_type is None and (error or exception_types):
         # an exception type is as long as its sender made it (up to a span's bytes), and says what it likes (a token
         # too): cut and redacted like any string the timeline shows
-        error_type = ("timeout" if timed_out else redact(exception_types[0][:MAX_CHARS]) if exception_types
+        error_type = ("timeout" if timed_out else redact_cut(exception_types[0], MAX_CHARS) if exception_types
                       else "error")
     role = KIND_CLIENT if kind == KIND_CLIENT else KIND_SERVER
     transport, version = a.get(sc.NETWORK_TRANSPORT), a.get(sc.MCP_PROTOCOL_VERSION)  # often absent: read once

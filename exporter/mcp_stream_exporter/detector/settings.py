@@ -146,6 +146,9 @@ class ServiceConfig(BaseSettings):
         if len(set(fixed)) < len(fixed):
             raise ValueError(f"--port, --grpc-port and --otlp-http-port must differ (got {self.port}, "
                              f"{self.grpc_port}, {self.otlp_http_port})")
+        if self.max_buffered_bytes < self.max_body_bytes:  # a body past the bodies' budget: told to retry for ever
+            raise ValueError(f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least --max-body-bytes "
+                             f"({self.max_body_bytes})")
         if self.metrics_user and not self.metrics_password:
             raise ValueError("--metrics-user needs --metrics-password (or MCP_STREAM_METRICS_PASSWORD)")
         if self.metrics_password and not self.metrics_user:
