@@ -465,7 +465,7 @@ class GuardedEventStore(EventStore):
                 return
             cursors = values(raw_headers, LAST_EVENT_ID)
             if (scope.get("method") == "GET" and request.session_id is not None and (not cursors or not cursors[0])
-                    and self.mode == "enforce" and self._not_the_openers(request, request.session_id)):
+                    and self.mode == "enforce" and self._not_the_openers(request.auth, request.session_id)):
                 # a fresh GET takes the session's one standalone stream: another principal's would lock its opener
                 # out of what the server sends tied to no call (the SDK's 409 for a second one)
                 await refuse_request(send, 404, "Session not found")
@@ -610,7 +610,7 @@ class GuardedEventStore(EventStore):
         session_id = request.session_id
         if session_id is None:
             return None  # initialize: its session is born with it
-        if self._not_the_openers(request, session_id):
+        if self._not_the_openers(request.auth, session_id):
             return 404, "Session not found"
         if any(msg.method == INITIALIZE for msg in asked.requests):
             # the SDK takes it, and every call running in the session then sees its capabilities (a narrower token
@@ -636,14 +636,14 @@ class GuardedEventStore(EventStore):
                      "refused" if self.mode == "enforce" else "let through (observe mode)")
         return 409, refusal
 
-    def _not_the_openers(self, request: _Request, session_id: str) -> bool:
+    def _not_the_openers(self, auth: AuthView, session_id: str) -> bool:
         """Whether the request's token names another principal than the one that opened the session (as this process
         knows it): the session is not theirs, whatever the SDK binds it to (behind a gateway nothing; with a verifier
         that names no subject, the client app), and the request is answered as the SDK answers a credential not the
         session's, as if the session did not exist. By the claims, verified or not: the opener's own token that expired,
         or that a key fetch failed to verify, reaches the SDK, whose 401 gets its client a fresh one."""
         opener = self._in_flight.opener(session_id)
-        return opener is not None and request.auth.subject_hash != opener[1]
+        return opener is not None and auth.subject_hash != opener[1]
 
     def _owner(self, request: _Request, msg: WireMessage) -> _Owner:
         return requirement_of(self.policy, msg.tool), request.auth.subject_hash
