@@ -318,3 +318,12 @@ class ToolPolicy:
         missing = view.missing(requirement)
         self._gaps[tool] = (view, requirement, missing)
         return requirement, missing
+
+
+def checked_policy(policy: object) -> ToolPolicy:
+    """``policy``, refused at once unless it is a ``ToolPolicy``: a path or a mapping taken for one would fail every
+    reading of it later, where nothing says why (the hooks would leave every exchange unobserved)."""
+    if not isinstance(policy, ToolPolicy):
+        raise TypeError(f"policy must be a ToolPolicy (ToolPolicy.from_file(path) or ToolPolicy.from_mapping(data)), "
+                        f"not {type(policy).__name__}")
+    return policy

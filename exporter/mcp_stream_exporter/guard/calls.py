@@ -13,7 +13,7 @@ from typing import Any
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.shared.exceptions import MCPError
 
-from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.exchange import AUTHORIZATION
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE, TOOLS_CALL
 
@@ -25,7 +25,7 @@ class CallGuard:
     a verified token grants anything; a failed one never does)."""
 
     def __init__(self, policy: ToolPolicy, *, token_reader: TokenReader | None = None) -> None:
-        self.policy = policy
+        self.policy = checked_policy(policy)
         self.tokens = token_reader or TokenReader()
 
     async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:

@@ -59,10 +59,19 @@ from mcp_types import (
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from opentelemetry import trace
 from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp, Message, Receive, Scope, Send, route_path
-from mcp_stream_exporter.auth import ABSENT, NO_REQUIREMENT, AuthView, Requirement, TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import (
+    ABSENT,
+    NO_REQUIREMENT,
+    AuthView,
+    Requirement,
+    TokenReader,
+    ToolPolicy,
+    checked_policy,
+)
 from mcp_stream_exporter.coding import codings
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
@@ -196,7 +205,7 @@ class GuardedEventStore(EventStore):
     def __init__(self, policy: ToolPolicy, *, mode: Mode = "enforce", policy_mode: Policy = "all_or_nothing",
                  replay: ReplayScope = "stream", storage: EventStorage | None = None,
                  token_reader: TokenReader | None = None, opaque: Opaque = "refuse") -> None:
-        self.policy = policy
+        self.policy = checked_policy(policy)
         self.mode = mode
         self.policy_mode = policy_mode
         self.replay = replay
@@ -873,10 +882,13 @@ class GuardedEventStore(EventStore):
             return SESSION_OWNER_GONE
         return None
 
-    def serve(self, server: MCPServer, **app_options: Any) -> ASGIApp:
-        """Without the hooks: the server's Streamable HTTP app with this store, guarded."""
-        return self.asgi(server.streamable_http_app(event_store=self, **app_options),
-                         app_options.get("streamable_http_path", "/mcp"))
+    def serve(self, server: MCPServer, **app_options: Any) -> Starlette:
+        """Without the hooks: the server's Streamable HTTP app with this store, guarded around its whole middleware
+        stack as ``instrument_server`` observes it (``add_middleware``, ``state``, ``routes`` as without the guard)."""
+        app = server.streamable_http_app(event_store=self, **app_options)
+        build, path = app.build_middleware_stack, app_options.get("streamable_http_path", "/mcp")
+        app.build_middleware_stack = lambda: self.asgi(build(), path)  # type: ignore[method-assign]
+        return app
 
 
 def _request_refusal(request: _Request | None, cursor: str) -> dict[str, Any]:

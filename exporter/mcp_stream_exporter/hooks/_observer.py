@@ -8,8 +8,9 @@ call refused by whatever enforces the policy (``guard.CallGuard``) is seen as it
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.context import Context, get_current
@@ -59,6 +60,9 @@ from mcp_stream_exporter.wire import (
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 # what Streamable HTTP sends: a health check's HEAD or a browser's CORS preflight (OPTIONS) is no stream
 _MCP_METHODS = frozenset({"POST", "GET", "DELETE"})
+# what only an MCP client sends (after its ``initialize``): a request elsewhere that carries one is told of
+_MCP_HEADERS: Mapping[bytes, str] = {n.encode(): n for n in (SESSION_ID, PROTOCOL_VERSION)}
+_log = logging.getLogger("mcp_stream_exporter.hooks")
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
 DECISION_UNKNOWN_TOOL = "unknown_tool"
@@ -245,6 +249,7 @@ class WireObserver:
         # whether the SDK holds a session still (``instrument_server`` given the server); None: not known, and every
         # 404 to another principal than a session's opener reads as the SDK's refusal of a live session
         self.holds: Callable[[str], bool] | None = None
+        self._endpoint_seen = False  # until a request comes to the endpoint, one elsewhere may say why (``_elsewhere``)
 
     def asgi(self, app: ASGIApp) -> ASGIApp:
         """Wrap the ASGI app: every exchange on the MCP endpoint becomes a stream span."""
@@ -253,8 +258,11 @@ class WireObserver:
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
             if (scope["type"] != "http" or scope["method"] not in _MCP_METHODS
                     or route_path(scope).rstrip("/") != self.path):
+                if not self._endpoint_seen and scope["type"] == "http":
+                    self._elsewhere(scope)
                 await app(scope, receive, send)
                 return
+            self._endpoint_seen = True
             try:
                 headers = pick(scope.get("headers", ()), REQUEST_HEADERS, True)  # lowered
                 rs = request_scope.RequestScope(headers.get(SESSION_ID),
@@ -344,6 +352,16 @@ class WireObserver:
                     self._failed(ex)
 
         return observed
+
+    def _elsewhere(self, scope: Scope) -> None:
+        """A request to another path than the endpoint's that carries MCP's headers, before any came to the endpoint:
+        most likely the hooks were given the endpoint's path as the SDK's app routes it, and observe an app that
+        mounts that one under a prefix. They would observe nothing, silently: said once, as a warning."""
+        if pick(scope.get("headers", ()), _MCP_HEADERS, True):
+            self._endpoint_seen = True
+            _log.warning("MCP requests come to %r, which these hooks do not observe: they observe %r. Give "
+                         "instrument_server the endpoint's path as the app it observes routes it "
+                         "(streamable_http_path=...)", route_path(scope)[:200], self.path or "/")
 
     @staticmethod
     def _failed(ex: _Exchange) -> None:

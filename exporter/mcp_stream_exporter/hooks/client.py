@@ -25,7 +25,7 @@ from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TI
 from opentelemetry import trace
 
 from mcp_stream_exporter import semconv as sc
-from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import AuthView, TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.coding import Decoder, decoder_for
 from mcp_stream_exporter.exchange import (
     AUTHORIZATION,
@@ -74,7 +74,7 @@ class ClientInstrumentation:
         tracer_provider: trace.TracerProvider | None = None,
         max_calls: int = 10_000,
     ) -> None:
-        self.policy = policy
+        self.policy = policy if policy is None else checked_policy(policy)
         self.tokens = token_reader or TokenReader()
         self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls,
                                broken=BROKEN_IN_PROCESS)

@@ -11,6 +11,7 @@ all three.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
@@ -26,7 +27,7 @@ from starlette.applications import Starlette
 from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.asgi import ASGIApp
-from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.hooks import _defects
 from mcp_stream_exporter.hooks._observer import WireObserver
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
@@ -53,8 +54,8 @@ class ServerInstrumentation:
         tracer = DeviationTracer(tracer_provider)
         self.tracker = Tracker(tracer, sc.ROLE_SERVER, max_calls=max_calls)
         requirements = Requirements(max_calls)
-        self.observer = WireObserver(self.tracker, requirements, policy or ToolPolicy(),
-                                     token_reader or TokenReader(), path)
+        policy = ToolPolicy() if policy is None else checked_policy(policy)
+        self.observer = WireObserver(self.tracker, requirements, policy, token_reader or TokenReader(), path)
         self.recorder = StoreRecorder(self.tracker, tracer, requirements,
                                       max_events_per_stream=max_events_per_stream, max_streams=max_streams)
 
@@ -109,6 +110,7 @@ def instrument_server(
     observed: pass the server to get the rest; one it built already (under the instrumentor, an app the SDK's
     ``streamable_http_app`` returned) is returned as it is, so that no exchange is observed twice.
     """
+    _refuse_misuse(target, event_store)
     if isinstance(target, Starlette) and target in _observed:  # (any other app may be unhashable: a dataclass's)
         return target
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
@@ -136,6 +138,20 @@ def instrument_server(
     _observed.add(app)
     instr.observer.holds = _holds(target)
     return app
+
+
+def _refuse_misuse(target: object, event_store: object) -> None:
+    """What is no server, no ASGI app or no event store, refused at once: taken for one, it would fail at the app's
+    first request or first store, where nothing points back to this call."""
+    if inspect.ismethod(target) and isinstance(target.__self__, MCPServer):
+        raise TypeError("instrument_server takes the MCPServer itself, or the app its streamable_http_app() returned, "
+                        "not the method")
+    if not isinstance(target, MCPServer) and not callable(target):
+        raise TypeError(f"instrument_server takes an MCPServer or an ASGI app, not {type(target).__name__}")
+    if event_store is not None and (isinstance(event_store, type) or not all(
+            callable(getattr(event_store, method, None)) for method in ("store_event", "replay_events_after"))):
+        what = f"the class {event_store.__name__}" if isinstance(event_store, type) else type(event_store).__name__
+        raise TypeError(f"event_store must be an EventStore instance, not {what}")
 
 
 def _holds(server: MCPServer) -> Callable[[str], bool] | None:
