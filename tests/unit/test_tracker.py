@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import time
 import types
@@ -298,8 +299,8 @@ def test_a_clients_call_whose_post_brought_no_event_id_ends_with_it_for_nothing_
     assert tracker.call(("s", "1")) is None
 
 
-def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there():
-    tracker, exporter = _tracker()
+def test_a_server_sending_another_calls_terminal_on_a_stream_delivers_that_call_there():
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
     mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
     other = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [mine], {}, ABSENT, 200)
@@ -312,8 +313,34 @@ def test_terminal_for_another_call_is_recorded_on_the_stream_as_delivered_there(
     assert other.done and not mine.done
 
 
+def test_another_calls_response_in_a_clients_sse_answers_the_streams_own_call_and_not_the_one_it_names():
+    """The SDK client hands any response in the SSE of a stream it opened for one request to that request's caller,
+    as its result (``foreign_result``: a wrong answer, not a timeout); a JSON answer goes by its id."""
+    for kind in (sc.STREAM_KIND_RESUME, sc.STREAM_KIND_POST):
+        tracker, exporter = _tracker()
+        mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+        other = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
+        stream = tracker.open_stream(kind, "s", [mine], {}, ABSENT, 200)
+        tracker.frame(stream, SSEFrame("x", id="e9"), _response(2))
+        tracker.end_stream(stream, sc.END_CLEAN)
+        span = next(s for s in _by(exporter, sc.SPAN_STREAM) if s.attributes.get(sc.TERMINAL_REQUEST_IDS))
+        assert span.attributes[sc.STREAM_REQUEST_IDS] == ("1",)
+        assert span.attributes[sc.TERMINAL_REQUEST_IDS] == ("2",)
+        assert sc.PENDING_REQUEST_IDS not in span.attributes
+        assert mine.done and not other.done
+        detector = Detector(DetectorConfig(), clock=itertools.repeat(span.end_time).__next__)
+        detector.consume([span_of(s) for s in exporter.get_finished_spans()])
+        assert [f.rule for f in detector.findings] == ["foreign_result"]
+    tracker, _ = _tracker()
+    mine = tracker.start_call("s", _request(1), None, ABSENT, stateless=False)
+    other = tracker.start_call("s", _request(2), None, ABSENT, stateless=False)
+    stream = tracker.open_stream(sc.STREAM_KIND_POST, "s", [mine], {}, ABSENT, 200)
+    tracker.frame(stream, None, _response(2))
+    assert other.done and not mine.done
+
+
 def test_a_stream_flooded_with_other_calls_results_still_tells_the_detector_its_own_call_is_pending():
-    tracker, exporter = _tracker()
+    tracker, exporter = _tracker(sc.ROLE_SERVER)
     call = tracker.start_call("s", _request(1), "2025-11-25", ABSENT, stateless=False)
     stream = tracker.open_stream(sc.STREAM_KIND_RESUME, "s", [call], {}, ABSENT, 200)
     for n in range(2, 2 + 3 * sc.MAX_ITEMS):

@@ -200,6 +200,9 @@ _HEALTHY_OUTCOMES = frozenset({sc.OUTCOME_RESULT, sc.OUTCOME_TOOL_ERROR, sc.OUTC
 # request again with another token (the SDK's OAuth provider does): that one is the call's, under the same id
 _REFUSED = frozenset(range(400, 500)) - {401, 403, 407, 408, 429}
 _TERMINAL_KINDS = frozenset({sc.FRAME_RESPONSE, sc.FRAME_ERROR})  # ``WireMessage.is_terminal``
+# (client) the streams the SDK opens for one request, in whose SSE it takes the first response of any id as that
+# request's
+_ONE_REQUEST_STREAMS = frozenset({sc.STREAM_KIND_POST, sc.STREAM_KIND_RESUME})
 
 
 def _terminal_attributes(terminal: Terminal) -> dict[str, AttributeValue]:
@@ -828,7 +831,7 @@ class Tracker:
             stream.events += 1
             stream.event(sc.EVENT_FRAME, (msg.kind, event_id, event_type, msg.id, msg.method), timestamp)
             if msg.id is not None and msg.is_terminal:
-                self._terminal(stream, msg, event_id)
+                self._terminal(stream, msg, event_id, frame is not None)
         if stream.kind == sc.STREAM_KIND_RESUME and event_id is not None and messages:
             seen = timestamp or time.time_ns()
             if seen - stream.moved >= _MOVING_EVERY_NS:
@@ -859,7 +862,7 @@ class Tracker:
             attrs[sc.EVENT_ID] = frame.id
         stream.event(sc.EVENT_ERROR_FRAME, attrs, timestamp)
 
-    def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
+    def _terminal(self, stream: Stream, msg: WireMessage, event_id: str | None, framed: bool) -> None:
         assert msg.id is not None
         # every delivery while the list is short (a second one of a call is duplicate_terminal), then only
         # the first of each of the stream's own calls: a server that answers a stream with results without
@@ -867,12 +870,12 @@ class Tracker:
         ids = stream.terminal_ids
         if len(ids) < sc.MAX_ITEMS or (msg.id not in ids and msg.id in stream.request_ids):
             stream.terminal_ids = (*ids, msg.id)
-        self.deliver(stream, msg, event_id)
+        self.deliver(stream, msg, event_id, framed)
 
-    def deliver(self, stream: Stream, msg: WireMessage, event_id: str | None) -> None:
-        """A terminal event for ``msg.id`` came on ``stream``: its call ends, if it was still pending. The
-        client delivers those of a held stream as they pass: its call ends when its result came, while
-        the SDK's own span is open, and the rest of the stream stays held."""
+    def deliver(self, stream: Stream, msg: WireMessage, event_id: str | None, framed: bool = True) -> None:
+        """A terminal event for ``msg.id`` came on ``stream`` (in an SSE frame, or ``framed`` False, as a JSON
+        body): its call ends, if it was still pending. The client delivers those of a held stream as they pass: its
+        call ends when its result came, while the SDK's own span is open, and the rest of the stream stays held."""
         assert msg.id is not None
         key = (stream.session_id, msg.id)
         call: Call | None = None
@@ -881,9 +884,16 @@ class Tracker:
                 call = own
                 break
         else:
-            call = self.call(key)
-            if call is not None:
-                self._unhold(call)  # another stream's call: what its own stream holds comes first
+            if (framed and self._role == sc.ROLE_CLIENT and len(stream.calls) == 1 and not stream.calls[0].done
+                    and stream.kind in _ONE_REQUEST_STREAMS):
+                # the SDK client gives any response in an SSE stream it opened for one request to that request's
+                # caller, as its result (``foreign_result``): that call is answered, wrongly, and the one the id names
+                # is not (a JSON answer goes by its id, to the call it names)
+                call = stream.calls[0]
+            else:
+                call = self.call(key)
+                if call is not None:
+                    self._unhold(call)  # another stream's call: what its own stream holds comes first
         if call is None or call.done:  # delivered before: a duplicate, unless
             if (call is not None and call.ended_by == (stream.kind, event_id) and call in stream.calls) or (
                     self._role == sc.ROLE_SERVER and stream.kind == sc.STREAM_KIND_RESUME):
