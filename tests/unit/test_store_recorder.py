@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
-from mcp_types import JSONRPCNotification
-from opentelemetry.sdk.trace import TracerProvider
+import asyncio
 
+import pytest
+from mcp.server.streamable_http import EventCallback, EventMessage, EventStore
+from mcp_types import JSONRPCMessage, JSONRPCNotification
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from mcp_stream_exporter import scope as request_scope
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.auth import ABSENT
+from mcp_stream_exporter.hooks import ServerInstrumentation
 from mcp_stream_exporter.hooks._recorder import StoreRecorder
 from mcp_stream_exporter.hooks._spans import DeviationTracer
 from mcp_stream_exporter.hooks._tracking import Requirements, Tracker
@@ -78,3 +86,62 @@ def test_the_events_kept_of_all_streams_are_as_many_as_the_index_holds_oldest_st
     assert sum(len(events) // 2 for events in recorder._stored.values()) <= 100
     assert recorder.buffered_after("s", "4", "unknown-cursor") == [f"e4-{n}" for n in range(60)]
     assert recorder.buffered_after("s", "0", "unknown-cursor") == []
+
+
+class _Replaying(EventStore):
+    """Numbers what it stores; replays the ids it is told, and stores ``meanwhile`` events of another session
+    after the first, as a busy server's other sessions do while a replay waits on its client."""
+
+    def __init__(self, replay: list[str], meanwhile: int = 0) -> None:
+        self.stored = 0
+        self.replay, self.meanwhile = replay, meanwhile
+        self.store: EventStore = self
+
+    async def store_event(self, stream_id: str, message: JSONRPCMessage | None) -> str:
+        self.stored += 1
+        return f"e{self.stored}"
+
+    async def replay_events_after(self, last_event_id: str, send_callback: EventCallback) -> str:
+        for n, event_id in enumerate(self.replay):
+            await send_callback(EventMessage(_progress(), event_id))
+            if n == 0:
+                other = request_scope.bind(request_scope.RequestScope("other", ABSENT))
+                try:
+                    for _ in range(self.meanwhile):
+                        await self.store.store_event("9", _progress())
+                finally:
+                    request_scope.unbind(other)
+        return "7"
+
+
+def _replayed(inner: _Replaying) -> tuple[str, ...] | None:
+    """The foreign event ids of one replay of session ``s``'s stream ``7`` from its first event, its four events
+    stored first (an index of ten events)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    store = ServerInstrumentation(tracer_provider=provider, max_streams=1).event_store(inner)
+    inner.store = store
+
+    async def sent(event: EventMessage) -> None:
+        return None
+
+    async def run() -> None:
+        bound = request_scope.bind(request_scope.RequestScope("s", ABSENT))
+        try:
+            for _ in range(4):
+                await store.store_event("7", _progress())
+            await store.replay_events_after("e1", sent)
+        finally:
+            request_scope.unbind(bound)
+
+    asyncio.run(run())
+    (replay,) = [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == sc.SPAN_REPLAY]
+    return replay.attributes.get(sc.REPLAY_FOREIGN_EVENT_IDS)  # type: ignore[return-value]
+
+
+def test_a_replay_names_foreign_an_id_the_store_never_returned_but_not_one_the_index_let_go_of_meanwhile():
+    """The index holds ten events here: twenty of another session stored while the replay waits push the
+    replayed stream's own events out of it, and its later events read as unknown, not as another stream's."""
+    assert _replayed(_Replaying(["e2", "e3", "e4"], meanwhile=20)) is None
+    assert _replayed(_Replaying(["e2", "x9", "e4"])) == ("x9",)

@@ -60,6 +60,10 @@ class StoreRecorder:
         # (session, event id) -> whose event it is, and where it came in store order (what came before it)
         self._stream_of_event: OrderedDict[str, str] = OrderedDict()
         self._order_of_event: dict[str, int] = {}
+        # how many events the index let go of (its bound), oldest first: a replay's event it does not know, when it
+        # let go of none since the replay began, is one the store never returned (the cursor's stream's events are
+        # newer than the cursor, which the replay found)
+        self.forgotten = 0
         self._store_order = 0
         self._max_events_per_stream = max_events_per_stream
         self._max_streams = max_streams
@@ -137,6 +141,7 @@ class StoreRecorder:
                 order_of_event[event_key] = order
                 if len(stream_of_event) > max_indexed:
                     del order_of_event[stream_of_event.popitem(last=False)[0]]
+                    self.forgotten += 1
         finally:  # what was indexed keeps its order, whatever stopped the rest
             self._store_order, self._held_events = order, held
 
@@ -277,6 +282,7 @@ class _ObservedEventStore(EventStore):
             rs = request_scope.current() or request_scope.RequestScope()
             session_id = rs.session_id
             stream_id, call = recorder.resumed_stream(session_id, last_event_id)
+            forgotten = recorder.forgotten  # brought up to date by that look-up
             buffered = recorder.buffered_after(session_id, stream_id, last_event_id) if stream_id else []
             attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
                                                 sc.ERA: sc.ERA_RESUMABLE, sc.RESUME_CURSOR: last_event_id,
@@ -299,9 +305,10 @@ class _ObservedEventStore(EventStore):
                 else:
                     sent.append(event.event_id)
                     stored_on = recorder.stream_of(session_id, event.event_id)
-                    # an event the store wrote and then raised on has no id known here: no other stream's
-                    if stored_on != stream_id and (
-                            stored_on is not None or not recorder.tracker.store_failed_in(session_id)):
+                    # an id not known here is one the store never returned, unless the store wrote it and then raised,
+                    # or the index let go of it as the replay went on (``stream_of`` brings the count up to date)
+                    if stored_on != stream_id and (stored_on is not None or not (
+                            recorder.tracker.store_failed_in(session_id) or recorder.forgotten != forgotten)):
                         foreign.append(event.event_id)
             except Exception:
                 _defects.report("a replayed event")
