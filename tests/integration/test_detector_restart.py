@@ -33,12 +33,19 @@ def _counts(service) -> dict[tuple[str, str], float]:
             and sample.labels.get("tool") == "fetch"}
 
 
+def _unjudged(service) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(service.metrics())
+               for sample in family.samples if sample.name == "mcp_stream_detector_unjudged_calls_total")
+
+
 def _lost_fetch(service) -> bool:
     return any(f["rule"] == "clean_end_pending" and f["tool"] == "fetch" for f in service.findings())
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
-async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
+async def test_a_call_pending_across_a_restart_is_still_flagged_unless_a_crash_may_have_lost_its_spans(tmp_path, stop):
+    """A crash loses what the detector took in after its last snapshot (its senders do not send it again): a call
+    delivered then would page as lost, so a call the snapshot held owed is not judged, only counted."""
     async with incident("legacy") as lab:
         await play_incident(lab)
     body = encode_spans(spans()).SerializeToString()
@@ -57,14 +64,18 @@ async def test_a_call_pending_across_a_restart_is_still_flagged(tmp_path, stop):
 
     with detector_process(*flags) as second:
         assert _snapshot_time(second) >= posted  # restored
-        wait_for(lambda: _lost_fetch(second), 20, "clean_end_pending for fetch after the restart")
+        if stop == "sigkill":
+            wait_for(lambda: _unjudged(second) >= 1, 20, "the calls the snapshot held owed, counted as not judged")
+            assert not _lost_fetch(second)  # its timer dropped at the restore (tests/unit/test_snapshot.py)
+        else:
+            wait_for(lambda: _lost_fetch(second), 20, "clean_end_pending for fetch after the restart")
         (narrowed,) = [f for f in second.findings() if f["rule"] == "narrowed_resume"]
         assert narrowed["evidence"]["missing_resources"]
         # counted by the detector that found it, never again by the one that restored it: a process younger than
         # the alerts' window pages for whatever it counts (alerts/mcp-stream-exporter.yaml)
         counted = _counts(second)
         assert counted.get(("mcp_stream_findings_total", "narrowed_resume"), 0) == 0
-        assert counted[("mcp_stream_silent_losses_total", "clean_end_pending")] == 1
+        assert counted.get(("mcp_stream_silent_losses_total", "clean_end_pending"), 0) == (stop == "sigterm")
         outputs = (tmp_path / "ledger.db").read_bytes() + (second.metrics() + str(second.findings())).encode()
     for token in TOKENS_USED:  # no raw token in the snapshot, the metrics or the findings
         assert token.encode() not in outputs and token.split(".")[2].encode() not in outputs

@@ -478,6 +478,20 @@ class Ledger:
         call.timed_out = True
         self._in_flight -= was
 
+    def unjudge(self) -> int:
+        """Let go of the judging of every call owed a result (``Snapshots``: their spans may be lost): its grace
+        timers dropped, no longer in flight (not counted stuck). Spans of it that come later are judged as they come.
+        Returns how many there were."""
+        owed = 0
+        for session in self._sessions.values():
+            for call in session.all():
+                if call.timers or call.in_flight:
+                    owed += 1
+                    call.timers = 0
+                    self.given_up(call)
+        self._timers = []
+        return owed
+
     def answered(self, session: SessionState, role: str, start_ns: int) -> None:
         """A resume of ``session`` that ``role`` saw start at ``start_ns`` (its clock) was answered (2xx)."""
         answered = session.answered

@@ -320,6 +320,11 @@ class DetectorMetrics:
             "mcp_stream_detector_snapshot_timestamp_seconds", "When the ledger was last written to (or read from) "
             "its SQLite snapshot; 0 with snapshots off. Older than --snapshot-interval-s means writes fail and a "
             "restart would lose more than the interval.", registry=registry)
+        self.unjudged_calls = Counter(
+            "mcp_stream_detector_unjudged_calls", "Calls a restore from the snapshot did not judge: owed a result as "
+            "it was taken, and their spans may be lost since (a crash after it; a downtime longer than "
+            "--senders-retry-s). A loss among them is not found. Rises at a crash; after a deploy, raise "
+            "--senders-retry-s to what the senders retry, or shorten the downtime.", registry=registry)
         self.ingest_queue_spans = Gauge(
             "mcp_stream_detector_ingest_queue_spans", "Spans accepted over OTLP and waiting for the ledger; at "
             "--max-queued-spans (or the queue's share of --max-memory-mb) ingest answers 429. 0 when embedded.",

@@ -97,7 +97,7 @@ def run(config: ServiceConfig) -> int:
     detector = Detector(config.detector_config())
     snapshots = None
     if config.snapshot_path:
-        snapshots = Snapshots(detector, config.snapshot_path, config.snapshot_interval_s)
+        snapshots = Snapshots(detector, config.snapshot_path, config.snapshot_interval_s, config.senders_retry_s)
         try:
             snapshots.restore()
         except SnapshotLocked as exc:

@@ -110,6 +110,9 @@ class ServiceConfig(BaseSettings):
     # what survives a restart
     snapshot_path: Path | None = Field(None, description="SQLite file: the ledger and findings survive restarts")
     snapshot_interval_s: Seconds = Field(30.0, description="a SIGKILL loses at most this much")
+    senders_retry_s: Seconds = Field(10.0, description="how long span senders retry (an OTel SDK 10, a Collector "
+                                                       "300): after a longer downtime, or a crash, the calls a "
+                                                       "snapshot held owed are not judged")
     # what it says and links to
     log_level: LogLevel = Field("info", description="JSON logs on stderr from this level up")
     trace_url_template: str | None = Field(None, description="the findings page's trace links, e.g. "

@@ -56,12 +56,17 @@ class SnapshotLocked(RuntimeError):
 
 
 class Snapshots:
-    """Save ``detector``'s state to ``path`` every ``interval_s`` seconds and at :meth:`close`."""
+    """Save ``detector``'s state to ``path`` every ``interval_s`` seconds and at :meth:`close`. ``senders_retry_s``:
+    how long the span senders retry a batch the detector did not take (an OTel SDK's OTLP exporter 10 s by default,
+    a Collector's 300 s): a downtime longer than that loses spans for good."""
 
-    def __init__(self, detector: Detector, path: str | Path, interval_s: float = 30.0) -> None:
+    def __init__(self, detector: Detector, path: str | Path, interval_s: float = 30.0,
+                 senders_retry_s: float = 10.0) -> None:
         self.detector = detector
         self.path = Path(path)
         self.interval_s = interval_s
+        self.senders_retry_s = senders_retry_s
+        self._final = False  # the snapshot read was written at a shutdown, nothing taken in after it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_file: int | None = None
@@ -110,12 +115,26 @@ class Snapshots:
         if taken_ns is None:
             return False
         with self.detector.lock:  # its graces resume where they were: what came in the downtime comes now
-            self.detector.ledger.postpone(self.detector.clock() - taken_ns)
+            downtime = self.detector.clock() - taken_ns
+            self.detector.ledger.postpone(downtime)
+            if not self._final or downtime > self.senders_retry_s * 1e9:
+                self._unjudged(downtime)
         self.detector.metrics.snapshot_time.set(taken_ns / 1e9)
         log.info("snapshot restored", extra={"path": str(self.path), "taken_at": taken_ns / 1e9,
                                              "sessions": self.detector.ledger.sessions,
                                              "calls": self.detector.ledger.calls})
         return True
+
+    def _unjudged(self, downtime_ns: int) -> None:
+        """Spans of the calls owed a result as the snapshot was taken may be lost for good: taken in after it and
+        before a crash, or sent in a downtime their senders gave up retrying. Judged, those calls would page as lost
+        if their result came then: none is, as none would be without a snapshot. Counted and logged."""
+        unjudged = self.detector.ledger.unjudge()
+        self.detector.metrics.unjudged_calls.inc(unjudged)
+        log.warning("snapshot restored after a crash or a downtime past the senders' retry: the calls it held owed "
+                    "a result are not judged (their spans may be lost)",
+                    extra={"calls": unjudged, "final": self._final, "downtime_s": round(downtime_ns / 1e9, 1),
+                           "senders_retry_s": self.senders_retry_s})
 
     def _read(self) -> int | None:
         with closing(self._connect()) as db:
@@ -139,6 +158,7 @@ class Snapshots:
                 return None
             with self.detector.lock:
                 try:
+                    self._final = True  # a format of before says not: judged, as it was then
                     if fmt == 1:
                         ledger, findings = db.execute("SELECT ledger, findings FROM snapshot WHERE id = 1").fetchone()
                         self.detector.ledger.load(json.loads(ledger))
@@ -169,6 +189,7 @@ class Snapshots:
                 rest[kind].extend(items)
             else:
                 raise ValueError(f"unknown row kind {kind[:40]!r}")
+        self._final = rest.get("final", True) is True  # a snapshot of before says not: judged, as it was then
         ledger.load_rest(rest)  # after the sessions: timers are checked against them
         self.detector.findings.load(found)
 
@@ -193,8 +214,9 @@ class Snapshots:
 
     # --- save ---
 
-    def save(self) -> int:
-        """Write the detector's state now; returns the snapshot's size in bytes (0 if refused)."""
+    def save(self, final: bool = False) -> int:
+        """Write the detector's state now (``final``: at shutdown, ingest drained); returns the snapshot's size in
+        bytes (0 if refused)."""
         if self._refused:
             return 0
         self._hold_lock()
@@ -219,7 +241,7 @@ class Snapshots:
                 with detector.lock:
                     taken_ns = detector.clock()
                     finding_ids = [f.id for f in detector.findings]
-                    rest = {**detector.ledger.dump_rest(), "seen": seen}
+                    rest = {**detector.ledger.dump_rest(), "seen": seen, "final": final}
                 rows.add_all("findings", self._chunks(finding_ids, _FINDINGS_PER_LOCK, self._findings))
                 for kind in ("sdk_spans", "issued", "timers"):
                     rows.add_all(kind, iter([rest.pop(kind)]))
@@ -256,10 +278,10 @@ class Snapshots:
         while not self._stop.wait(self.interval_s):
             self._save_logged()
 
-    def _save_logged(self) -> None:
+    def _save_logged(self, final: bool = False) -> None:
         try:
             started = time.monotonic()
-            size = self.save()
+            size = self.save(final)
             log.debug("snapshot written", extra={"bytes": size, "seconds": time.monotonic() - started})
         except Exception as exc:  # keep serving; the timestamp metric goes stale and the error is counted
             self._failed("snapshot failed", exc)
@@ -269,7 +291,7 @@ class Snapshots:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        self._save_logged()
+        self._save_logged(final=True)
         if self._lock_file is not None:
             os.close(self._lock_file)  # releases the flock
             self._lock_file = None

@@ -110,6 +110,7 @@ spec:
         {{- if .Values.snapshot.enabled }}
         - --snapshot-path=/var/lib/mcp-stream-exporter/ledger.db
         - --snapshot-interval-s={{ .Values.snapshot.intervalSeconds }}
+        - --senders-retry-s={{ .Values.snapshot.sendersRetrySeconds }}
         {{- end }}
         {{- range .Values.detector.extraArgs }}
         - {{ . | quote }}
