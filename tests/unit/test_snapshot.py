@@ -119,6 +119,25 @@ def test_a_restore_after_a_crash_or_a_downtime_past_the_senders_retry_judges_non
         assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)  # a clean end that came after
 
 
+def test_a_restore_counts_again_the_losses_no_scrape_saw_within_the_alerts_window(tmp_path):
+    """Counters start at 0 in a new process: a loss counted after the last scrape would page nowhere. Counted again,
+    it pages; one a scrape saw is not (its count was there), nor one older than the alert rules' 10 minutes."""
+    for scraped_after, down_s, counted in ((False, 1, 1), (True, 1, 0), (False, 601, 0)):
+        clock = Clock()
+        before = _fed(clock, _incident_so_far())
+        before.scraped_ns = clock.now
+        _judged(before, clock)  # the loss is found, a grace later
+        assert before.metrics.silent_losses.labels("fetch", "clean_end_pending")._value.get() == 1
+        if scraped_after:
+            before.scraped_ns = clock.now
+        path = tmp_path / f"{scraped_after}-{down_s}.db"
+        Snapshots(before, path).close()
+        clock.now += down_s * S
+        restarted = Detector(CONFIG, clock=clock)
+        assert Snapshots(restarted, path, senders_retry_s=down_s).restore()
+        assert restarted.metrics.silent_losses.labels("fetch", "clean_end_pending")._value.get() == counted
+
+
 def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_finding(tmp_path):
     clock = Clock()
     before = _fed(clock, _incident_so_far())

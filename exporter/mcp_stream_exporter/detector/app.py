@@ -259,7 +259,10 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
             return Response("authentication required", status_code=401,
                             headers={"WWW-Authenticate": 'Basic realm="metrics"'})
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(detector.registry), media_type=content_type)
+        scraped_ns = detector.clock()  # before: a finding counted as it is encoded is counted again at a restore
+        body = encoder(detector.registry)
+        detector.scraped_ns = scraped_ns
+        return Response(body, media_type=content_type)
 
     def api_guard(request: Request) -> None:
         if not _bearer_ok(request, access.api_token):

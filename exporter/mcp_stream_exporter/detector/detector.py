@@ -98,6 +98,9 @@ class Detector:
         self.rules = RuleEngine(self.ledger, self.config.rules, self._found, self.findings.get,
                                 self.metrics.contradicted)
         self._on_finding = on_finding
+        # when /metrics was last read (the detector's clock): a finding counted after it Prometheus has not seen,
+        # and a restore counts it again (``Snapshots``)
+        self.scraped_ns = 0
 
     def read(self, spans: Iterable[Span | Lifecycle | Rejected | OperationCounts],
              transport: str) -> tuple[list[Event], Outcome]:

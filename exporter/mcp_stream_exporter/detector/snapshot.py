@@ -43,6 +43,7 @@ log = logging.getLogger("mcp_stream_exporter.detector")
 # ends (they were the other way round): a row of before is read as it is, a close approximation of a rare case
 _FORMAT = 4
 _CHUNK_BYTES = 1024 * 1024  # a row's JSON, about
+_ALERT_WINDOW_NS = 600 * 10**9  # what alerts/mcp-stream-exporter.yaml's recording rules count a finding over
 _SESSIONS_PER_LOCK = 256  # sessions copied per hold of the detector's lock
 _FINDINGS_PER_LOCK = 512
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS meta (id INTEGER PRIMARY KEY CHECK (id = 1), format INTEGER NOT NULL, "
@@ -67,6 +68,7 @@ class Snapshots:
         self.interval_s = interval_s
         self.senders_retry_s = senders_retry_s
         self._final = False  # the snapshot read was written at a shutdown, nothing taken in after it
+        self._scraped_ns: int | None = None  # when the detector that wrote it was last scraped (None: not said)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock_file: int | None = None
@@ -119,11 +121,26 @@ class Snapshots:
             self.detector.ledger.postpone(downtime)
             if not self._final or downtime > self.senders_retry_s * 1e9:
                 self._unjudged(downtime)
+            if self._scraped_ns is not None:
+                self._count_unscraped(self._scraped_ns)
         self.detector.metrics.snapshot_time.set(taken_ns / 1e9)
         log.info("snapshot restored", extra={"path": str(self.path), "taken_at": taken_ns / 1e9,
                                              "sessions": self.detector.ledger.sessions,
                                              "calls": self.detector.ledger.calls})
         return True
+
+    def _count_unscraped(self, scraped_ns: int) -> None:
+        """Count again the findings the detector that wrote the snapshot counted after it was last scraped: no
+        Prometheus saw them, and this process's counters start at 0, so they would page nowhere. Only those of the
+        alert rules' window (10 minutes): an older one would page as new. One Prometheus saw, counted again, pages
+        as it would have: its count was there already."""
+        detector = self.detector
+        detector.scraped_ns = scraped_ns
+        since = max(scraped_ns, detector.clock() - _ALERT_WINDOW_NS)
+        for finding in detector.findings:
+            if finding.detected_ns > since:
+                detector.metrics.finding(finding)
+        detector.metrics.flush()
 
     def _unjudged(self, downtime_ns: int) -> None:
         """Spans of the calls owed a result as the snapshot was taken may be lost for good: taken in after it and
@@ -190,6 +207,8 @@ class Snapshots:
             else:
                 raise ValueError(f"unknown row kind {kind[:40]!r}")
         self._final = rest.get("final", True) is True  # a snapshot of before says not: judged, as it was then
+        scraped_ns = rest.get("scraped_ns")
+        self._scraped_ns = scraped_ns if isinstance(scraped_ns, int) else None
         ledger.load_rest(rest)  # after the sessions: timers are checked against them
         self.detector.findings.load(found)
 
@@ -241,7 +260,8 @@ class Snapshots:
                 with detector.lock:
                     taken_ns = detector.clock()
                     finding_ids = [f.id for f in detector.findings]
-                    rest = {**detector.ledger.dump_rest(), "seen": seen, "final": final}
+                    rest = {**detector.ledger.dump_rest(), "seen": seen, "final": final,
+                            "scraped_ns": detector.scraped_ns}
                 rows.add_all("findings", self._chunks(finding_ids, _FINDINGS_PER_LOCK, self._findings))
                 for kind in ("sdk_spans", "issued", "timers"):
                     rows.add_all(kind, iter([rest.pop(kind)]))
