@@ -145,3 +145,17 @@ def test_a_replay_names_foreign_an_id_the_store_never_returned_but_not_one_the_i
     replayed stream's own events out of it, and its later events read as unknown, not as another stream's."""
     assert _replayed(_Replaying(["e2", "e3", "e4"], meanwhile=20)) is None
     assert _replayed(_Replaying(["e2", "x9", "e4"])) == ("x9",)
+
+
+def test_an_event_id_a_store_gave_on_two_streams_of_a_session_is_neither_streams_and_resumes_none():
+    """MCP wants event ids unique in a session; a store numbering each stream from 1 is not. A resume from such an id
+    was taken for the last stream that stored it, whose call (answered, healthy) was paged truncated."""
+    recorder = _recorder()
+    recorder.on_stored("s", "2", "1", _progress())
+    recorder.on_stored("s", "3", "1", _progress())
+    recorder.on_stored("s", "3", "2", _progress())
+    recorder.on_stored("t", "9", "1", _progress())  # another session's is its own
+    assert recorder.stream_of("s", "1") is None and recorder.reused("s", "1")
+    assert recorder.stream_of("s", "2") == "3" and not recorder.reused("s", "2")
+    assert recorder.stream_of("t", "1") == "9"
+    assert recorder.resumed_stream("s", "1") == (None, None)

@@ -64,6 +64,9 @@ class StoreRecorder:
         # let go of none since the replay began, is one the store never returned (the cursor's stream's events are
         # newer than the cursor, which the replay found)
         self.forgotten = 0
+        # events whose id the store gave on more than one stream of their session (MCP wants them unique: a store
+        # numbering each stream from 1): no one stream's, and a cursor of one continues no stream it can tell
+        self._reused: set[str] = set()
         self._store_order = 0
         self._max_events_per_stream = max_events_per_stream
         self._max_streams = max_streams
@@ -116,7 +119,8 @@ class StoreRecorder:
         if not self._journal:
             return
         journal, self._journal = self._journal, []
-        stored, stream_of_event, order_of_event = self._stored, self._stream_of_event, self._order_of_event
+        stored, stream_of_event, order_of_event, reused = (self._stored, self._stream_of_event, self._order_of_event,
+                                                           self._reused)
         max_events, max_streams, max_indexed = 2 * self._max_events_per_stream, self._max_streams, self._max_indexed
         order, held = self._store_order, self._held_events
         items = iter(journal)
@@ -137,17 +141,27 @@ class StoreRecorder:
                     held -= len(stored.popitem(last=False)[1]) // 2
                 order += 1
                 event_key = f"{session}\n{event_id}"
-                stream_of_event[event_key] = stream_id
+                if stream_of_event.setdefault(event_key, stream_id) != stream_id:
+                    reused.add(event_key)
                 order_of_event[event_key] = order
                 if len(stream_of_event) > max_indexed:
-                    del order_of_event[stream_of_event.popitem(last=False)[0]]
+                    gone = stream_of_event.popitem(last=False)[0]
+                    del order_of_event[gone]
+                    reused.discard(gone)
                     self.forgotten += 1
         finally:  # what was indexed keeps its order, whatever stopped the rest
             self._store_order, self._held_events = order, held
 
     def stream_of(self, session_id: str | None, event_id: str) -> str | None:
+        """The stream the event was stored on; None if not known, or if its id was given on several (``reused``)."""
         self._catch_up()
-        return self._stream_of_event.get(_key(session_id, event_id))
+        key = _key(session_id, event_id)
+        return None if key in self._reused else self._stream_of_event.get(key)
+
+    def reused(self, session_id: str | None, event_id: str) -> bool:
+        """Whether the store gave the event's id on more than one stream of the session."""
+        self._catch_up()
+        return _key(session_id, event_id) in self._reused
 
     def skipped(self, session_id: str | None, buffered: Sequence[str], sent: Sequence[str]) -> int:
         """Buffered events not sent that were stored before the last event sent: a client that takes
@@ -182,7 +196,8 @@ class StoreRecorder:
         the client's next cursor is then that event, and the replay after it is still this call's."""
         stored_on = self.stream_of(session_id, cursor)
         carried = self.tracker.calls_of_cursor(session_id, cursor)
-        if len(carried) == 1 and stream_id_of(carried[0].key[1]) != stored_on and stored_on is not None:
+        if len(carried) == 1 and stream_id_of(carried[0].key[1]) != stored_on and (
+                stored_on is not None or self.reused(session_id, cursor)):
             return stream_id_of(carried[0].key[1]), carried[0]
         owner = request_id_of(stored_on) if stored_on else None
         return stored_on, self.tracker.call((session_id, owner)) if owner else None
@@ -306,9 +321,11 @@ class _ObservedEventStore(EventStore):
                     sent.append(event.event_id)
                     stored_on = recorder.stream_of(session_id, event.event_id)
                     # an id not known here is one the store never returned, unless the store wrote it and then raised,
-                    # or the index let go of it as the replay went on (``stream_of`` brings the count up to date)
+                    # or the index let go of it as the replay went on (``stream_of`` brings the count up to date), or
+                    # the store gave it on several streams
                     if stored_on != stream_id and (stored_on is not None or not (
-                            recorder.tracker.store_failed_in(session_id) or recorder.forgotten != forgotten)):
+                            recorder.tracker.store_failed_in(session_id) or recorder.forgotten != forgotten
+                            or recorder.reused(session_id, event.event_id))):
                         foreign.append(event.event_id)
             except Exception:
                 _defects.report("a replayed event")
