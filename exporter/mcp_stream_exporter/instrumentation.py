@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
 
-from mcp_stream_exporter.auth import TokenReader, ToolPolicy
+from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.guard.refusals import RefusalResolver
 from mcp_stream_exporter.hooks import ClientInstrumentation, ClientTap, instrument_server
 from mcp_stream_exporter.hooks.client import reads_messages
@@ -67,7 +67,7 @@ class McpStreamInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
 def _policy(given: ToolPolicy | None) -> ToolPolicy | None:
     if given is not None:
-        return given
+        return checked_policy(given)
     path = os.environ.get(POLICY_ENV)
     return ToolPolicy.from_file(path) if path else None
 

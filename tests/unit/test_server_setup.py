@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from mcp_stream_exporter import ToolPolicy, instrument_client, instrument_server
 from mcp_stream_exporter.guard import CallGuard, GuardedEventStore
 from mcp_stream_exporter.hooks import ServerInstrumentation
+from mcp_stream_exporter.instrumentation import McpStreamInstrumentor
 
 _POLICY = ToolPolicy({})
 
@@ -26,7 +27,8 @@ async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-def _request(app: Any, path: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> list[dict[str, Any]]:
+def _request(app: Any, path: str, headers: tuple[tuple[bytes, bytes], ...] = (), method: str = "POST"
+             ) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -35,7 +37,7 @@ def _request(app: Any, path: str, headers: tuple[tuple[bytes, bytes], ...] = ())
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": "POST", "path": path, "headers": list(headers)}, receive, send))
+    asyncio.run(app({"type": "http", "method": method, "path": path, "headers": list(headers)}, receive, send))
     return sent
 
 
@@ -56,6 +58,7 @@ def test_instrument_server_refuses_what_is_no_event_store(store: Any) -> None:
 def test_every_policy_taker_refuses_what_is_no_policy(policy: Any) -> None:
     for take in (lambda: instrument_server(MCPServer("x"), policy=policy),
                  lambda: instrument_client(policy=policy),
+                 lambda: McpStreamInstrumentor().instrument(policy=policy),
                  lambda: GuardedEventStore(policy),
                  lambda: CallGuard(policy)):
         with pytest.raises(TypeError, match="policy must be a ToolPolicy"):
@@ -68,11 +71,15 @@ def test_hooks_say_once_that_mcp_requests_come_to_a_path_they_do_not_observe(cap
     with caplog.at_level(logging.WARNING, logger="mcp_stream_exporter.hooks"):
         _request(app, "/health")
         assert not caplog.records  # no MCP header: any other route of the app
-        _request(app, "/api/mcp", ((b"mcp-protocol-version", b"2025-11-25"),))
+        _request(app, "/api/mcp", ((b"mcp-protocol-version", b"2025-11-25"),))  # an initialize carries no session
+        _request(app, "/.well-known/oauth-protected-resource/mcp", ((b"mcp-session-id", b"s1"),), "GET")  # discovery
+        assert not caplog.records
+        _request(app, "/api/mcp", ((b"mcp-session-id", b"s1"),))
         _request(app, "/api/mcp", ((b"mcp-session-id", b"s1"),))
     assert [r.getMessage() for r in caplog.records] == [
-        "MCP requests come to '/api/mcp', which these hooks do not observe: they observe '/mcp'. Give "
-        "instrument_server the endpoint's path as the app it observes routes it (streamable_http_path=...)"]
+        "MCP requests come to '/api/mcp', which these hooks do not observe: they observe '/mcp'. If that is the "
+        "endpoint they are for, give instrument_server its path as the app it observes routes it "
+        "(streamable_http_path=...)"]
 
 
 def test_hooks_that_observe_their_endpoint_say_nothing_of_mcp_requests_elsewhere(

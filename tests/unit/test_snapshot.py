@@ -94,21 +94,22 @@ def test_the_detectors_downtime_counts_against_no_grace_what_its_exporters_held_
 
 
 def test_a_restore_after_a_crash_or_a_downtime_past_the_senders_retry_judges_none_of_the_calls_it_held_owed(tmp_path):
-    """Their spans may be lost for good (taken in after the snapshot and before the crash; sent in a downtime their
-    senders gave up retrying): a call delivered then would page as lost. None is judged, as without a snapshot, and
+    """Their spans may be lost for good (taken in after the snapshot and before the crash, or not applied before a
+    shutdown's last snapshot; sent in a downtime their senders gave up retrying): a call delivered then would page as
+    lost. None is judged, as without a snapshot, and
     they are counted; spans of them that come later are judged as they come."""
-    for crashed, down_s in ((True, 1), (False, 11)):
+    for stop, down_s in (("crash", 1), ("undrained", 1), ("late", 11)):
         clock = Clock()
         before = _fed(clock, _incident_so_far())
-        path = tmp_path / f"{crashed}.db"
+        path = tmp_path / f"{stop}.db"
         snapshots = Snapshots(before, path)
-        if crashed:
+        if stop == "crash":
             snapshots.save()
             snapshots._lock_file, lock_file = None, snapshots._lock_file  # a crash: no final snapshot
             assert lock_file is not None
             os.close(lock_file)
-        else:
-            snapshots.close()
+        else:  # a shutdown whose ingest did not apply all it had accepted in time loses the rest, as a crash does
+            snapshots.close(drained=stop != "undrained")
         clock.now += down_s * S
         restarted = Detector(CONFIG, clock=clock)
         assert Snapshots(restarted, path).restore()
@@ -116,6 +117,7 @@ def test_a_restore_after_a_crash_or_a_downtime_past_the_senders_retry_judges_non
         assert restarted.metrics.unjudged_calls._value.get() == 1
         assert restarted.ledger.in_flight == 0
         restarted.consume([stream(C, "resume", "clean", pending=("3",), cursor="41", at=5.0)])
+        assert restarted.ledger.in_flight == 1  # owed again
         assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)  # a clean end that came after
 
 

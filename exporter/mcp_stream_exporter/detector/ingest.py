@@ -344,11 +344,13 @@ class IngestQueue:
         with self._cond:
             return self._cond.wait_for(lambda: self._queued == 0, timeout_s)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Apply what was accepted, within ``timeout_s``; whether all of it was."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._worker.join(timeout_s)
+        return not self._worker.is_alive()
 
 
 def receive(queue: IngestQueue, batch: Batch, transport: str) -> Outcome | None:

@@ -132,9 +132,9 @@ def run(config: ServiceConfig) -> int:
     server.run(sockets=[listener] if otlp_http is None else [listener, otlp_http])
     if grpc_server is not None:
         grpc_server.stop(grace=5).wait()
-    queue.close()  # drain what was accepted before exiting
+    drained = queue.close()  # apply what was accepted before exiting
     if snapshots is not None:
-        snapshots.close()  # after the drain: the final snapshot holds every accepted span
+        snapshots.close(drained)  # after the drain: final if it holds every accepted span
     log.info("detector stopped", extra={"findings": len(detector.findings)})
     return 0
 

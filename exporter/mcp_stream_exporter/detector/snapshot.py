@@ -306,12 +306,13 @@ class Snapshots:
         except Exception as exc:  # keep serving; the timestamp metric goes stale and the error is counted
             self._failed("snapshot failed", exc)
 
-    def close(self) -> None:
-        """Stop the periodic writes and write the final snapshot (after ingest has drained)."""
+    def close(self, drained: bool = True) -> None:
+        """Stop the periodic writes and write the last snapshot: final when ``drained`` (every span accepted applied;
+        else what was left is lost, as at a crash)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        self._save_logged(final=True)
+        self._save_logged(final=drained)
         if self._lock_file is not None:
             os.close(self._lock_file)  # releases the flock
             self._lock_file = None

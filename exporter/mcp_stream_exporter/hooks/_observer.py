@@ -60,8 +60,8 @@ from mcp_stream_exporter.wire import (
 _EXCHANGE = "mcp_stream.exchange"  # where the observer leaves its _Exchange in the ASGI scope
 # what Streamable HTTP sends: a health check's HEAD or a browser's CORS preflight (OPTIONS) is no stream
 _MCP_METHODS = frozenset({"POST", "GET", "DELETE"})
-# what only an MCP client sends (after its ``initialize``): a request elsewhere that carries one is told of
-_MCP_HEADERS: Mapping[bytes, str] = {n.encode(): n for n in (SESSION_ID, PROTOCOL_VERSION)}
+# what only an MCP client's requests to its endpoint carry (after ``initialize``): a POST elsewhere with it is told of
+_MCP_HEADERS: Mapping[bytes, str] = {SESSION_ID.encode(): SESSION_ID}
 _log = logging.getLogger("mcp_stream_exporter.hooks")
 DECISION_ALLOWED = "allowed"
 DECISION_REFUSED = "refused"
@@ -258,7 +258,7 @@ class WireObserver:
         async def observed(scope: Scope, receive: Receive, send: Send) -> None:
             if (scope["type"] != "http" or scope["method"] not in _MCP_METHODS
                     or route_path(scope).rstrip("/") != self.path):
-                if not self._endpoint_seen and scope["type"] == "http":
+                if not self._endpoint_seen and scope["type"] == "http" and scope["method"] == "POST":
                     self._elsewhere(scope)
                 await app(scope, receive, send)
                 return
@@ -354,14 +354,16 @@ class WireObserver:
         return observed
 
     def _elsewhere(self, scope: Scope) -> None:
-        """A request to another path than the endpoint's that carries MCP's headers, before any came to the endpoint:
+        """A POST of an MCP session to another path than the endpoint's, before any request came to the endpoint:
         most likely the hooks were given the endpoint's path as the SDK's app routes it, and observe an app that
-        mounts that one under a prefix. They would observe nothing, silently: said once, as a warning."""
+        mounts that one under a prefix. They would observe nothing, silently: said once, as a warning (another
+        server's endpoint in the same app, observed by hooks of its own, reads the same: the warning says so)."""
         if pick(scope.get("headers", ()), _MCP_HEADERS, True):
+            path = route_path(scope).rstrip("/")
             self._endpoint_seen = True
-            _log.warning("MCP requests come to %r, which these hooks do not observe: they observe %r. Give "
-                         "instrument_server the endpoint's path as the app it observes routes it "
-                         "(streamable_http_path=...)", route_path(scope)[:200], self.path or "/")
+            _log.warning("MCP requests come to %r, which these hooks do not observe: they observe %r. If that is the "
+                         "endpoint they are for, give instrument_server its path as the app it observes routes it "
+                         "(streamable_http_path=...)", path[:200] or "/", self.path or "/")
 
     @staticmethod
     def _failed(ex: _Exchange) -> None:

@@ -60,10 +60,6 @@ class StoreRecorder:
         # (session, event id) -> whose event it is, and where it came in store order (what came before it)
         self._stream_of_event: OrderedDict[str, str] = OrderedDict()
         self._order_of_event: dict[str, int] = {}
-        # how many events the index let go of (its bound), oldest first: a replay's event it does not know, when it
-        # let go of none since the replay began, is one the store never returned (the cursor's stream's events are
-        # newer than the cursor, which the replay found)
-        self.forgotten = 0
         # events whose id the store gave on more than one stream of their session (MCP wants them unique: a store
         # numbering each stream from 1): no one stream's, and a cursor of one continues no stream it can tell
         self._reused: set[str] = set()
@@ -148,7 +144,6 @@ class StoreRecorder:
                     gone = stream_of_event.popitem(last=False)[0]
                     del order_of_event[gone]
                     reused.discard(gone)
-                    self.forgotten += 1
         finally:  # what was indexed keeps its order, whatever stopped the rest
             self._store_order, self._held_events = order, held
 
@@ -157,6 +152,11 @@ class StoreRecorder:
         self._catch_up()
         key = _key(session_id, event_id)
         return None if key in self._reused else self._stream_of_event.get(key)
+
+    def knows(self, session_id: str | None, event_id: str) -> bool:
+        """Whether the index holds the event (however many streams it was given on)."""
+        self._catch_up()
+        return _key(session_id, event_id) in self._stream_of_event
 
     def reused(self, session_id: str | None, event_id: str) -> bool:
         """Whether the store gave the event's id on more than one stream of the session."""
@@ -297,7 +297,6 @@ class _ObservedEventStore(EventStore):
             rs = request_scope.current() or request_scope.RequestScope()
             session_id = rs.session_id
             stream_id, call = recorder.resumed_stream(session_id, last_event_id)
-            forgotten = recorder.forgotten  # brought up to date by that look-up
             buffered = recorder.buffered_after(session_id, stream_id, last_event_id) if stream_id else []
             attrs: dict[str, AttributeValue] = {sc.SPAN: sc.SPAN_REPLAY, sc.ROLE: sc.ROLE_SERVER,
                                                 sc.ERA: sc.ERA_RESUMABLE, sc.RESUME_CURSOR: last_event_id,
@@ -321,11 +320,11 @@ class _ObservedEventStore(EventStore):
                     sent.append(event.event_id)
                     stored_on = recorder.stream_of(session_id, event.event_id)
                     # an id not known here is one the store never returned, unless the store wrote it and then raised,
-                    # or the index let go of it as the replay went on (``stream_of`` brings the count up to date), or
-                    # the store gave it on several streams
+                    # or gave it on several streams, or the index let go of it: it lets go of the oldest first, so of
+                    # the cursor before any event after it
                     if stored_on != stream_id and (stored_on is not None or not (
-                            recorder.tracker.store_failed_in(session_id) or recorder.forgotten != forgotten
-                            or recorder.reused(session_id, event.event_id))):
+                            recorder.tracker.store_failed_in(session_id) or recorder.reused(session_id, event.event_id)
+                            or not recorder.knows(session_id, last_event_id))):
                         foreign.append(event.event_id)
             except Exception:
                 _defects.report("a replayed event")

@@ -884,12 +884,14 @@ class Tracker:
                 call = own
                 break
         else:
-            if (framed and self._role == sc.ROLE_CLIENT and len(stream.calls) == 1 and not stream.calls[0].done
+            if (framed and self._role == sc.ROLE_CLIENT and len(stream.calls) == 1
                     and stream.kind in _ONE_REQUEST_STREAMS):
-                # the SDK client gives any response in an SSE stream it opened for one request to that request's
-                # caller, as its result (``foreign_result``): that call is answered, wrongly, and the one the id names
-                # is not (a JSON answer goes by its id, to the call it names)
+                # the SDK client gives the first response in an SSE stream it opened for one request to that request's
+                # caller, as its result (``foreign_result``), and reads no further: that call is answered, wrongly, and
+                # the one the id names is not (a JSON answer goes by its id, to the call it names)
                 call = stream.calls[0]
+                if call.done:
+                    return
             else:
                 call = self.call(key)
                 if call is not None:
