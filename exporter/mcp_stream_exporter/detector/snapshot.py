@@ -1,8 +1,10 @@
 """The detector's state in SQLite: written periodically and at shutdown, read back at start.
 
 A call pending across a restart is still flagged when its grace period runs out: the ledger (calls,
-resumes, grace-period timers, look-ups) and the findings are the snapshot. Counters are not: Prometheus
-handles a counter reset. JSON, never pickle: a snapshot file is data, not code. Tokens never reach
+resumes, grace-period timers, look-ups) and the findings are the snapshot; not after a crash, or a downtime longer
+than the span senders retry, when spans of those calls may be lost for good (``_unjudged``). Counters are not:
+Prometheus handles a counter reset, but a finding counted after the last scrape is counted again
+(``_count_unscraped``). JSON, never pickle: a snapshot file is data, not code. Tokens never reach
 the ledger (and token-shaped values are redacted at ingest), so they never reach the file.
 
 It scales with the ledger and never stalls ingest: the state is written as many rows of at most about
