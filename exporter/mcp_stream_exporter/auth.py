@@ -99,14 +99,18 @@ ABSENT = AuthView()
 
 
 def _expiry(exp: Any) -> float | None:
-    """A token's ``exp`` as a time; None for none, or for one no float holds (``10**400``: read by anyone's
-    forged token before any signature is checked, it may not raise)."""
-    if not isinstance(exp, int | float) or isinstance(exp, bool):
+    """A token's ``exp`` as a time, read as PyJWT reads it when it verifies one (``int(exp)``: a number, or a string
+    of digits); None for none, or for one no float holds (``10**400``: read by anyone's forged token before any
+    signature is checked, it may not raise). One of any other form is past already: its view is never served from a
+    cache, and is read again, as PyJWT takes it, every time (a view cached without an expiry outlived the token)."""
+    if exp is None:
         return None
     try:
-        return float(exp)
+        return float(exp if isinstance(exp, int | float) and not isinstance(exp, bool) else int(exp))
     except OverflowError:
         return None
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _as_set(value: Any, *, split: bool) -> frozenset[str]:

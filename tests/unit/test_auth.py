@@ -248,3 +248,19 @@ def test_any_claims_anyone_can_forge_make_a_view_never_an_error(payload):
     guard's and the hooks' ASGI layers answer 500 to anyone."""
     view = TokenReader().read(_forged(payload))
     assert view.verification in ("unverified", "opaque")
+
+
+def test_a_verified_tokens_view_is_cached_no_longer_than_its_expiry_whatever_form_pyjwt_reads_it_in():
+    """PyJWT verifies an ``exp`` of digits in a string as the number; a view cached without that expiry was served,
+    ``verified``, long after the token had expired. An ``exp`` of no form PyJWT reads is never cached."""
+    key = "a key of at least thirty-two bytes, for HS256"
+    now = [1_000.0]
+    reader = TokenReader(key=key, clock=lambda: now[0])
+    expiring = jwt.encode({"aud": "https://a.example", "exp": "1060"}, key, algorithm="HS256")
+    odd = jwt.encode({"aud": "https://a.example", "exp": ["1060"]}, key, algorithm="HS256")
+    first = reader.read(expiring)
+    assert first.expires_at == 1_060.0
+    assert reader.read(expiring) is first
+    now[0] = 1_061.0
+    assert reader.read(expiring) is not first  # read again: PyJWT then says whether it still verifies
+    assert reader.read(odd) is not reader.read(odd)
