@@ -10,9 +10,11 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig, snapshot
+from mcp_stream_exporter.detector.app import create_app
 from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 
 from spans import FETCH, SEARCH, S, call, cancelled_late, replay, stream
@@ -138,6 +140,24 @@ def test_a_restore_counts_again_the_losses_no_scrape_saw_within_the_alerts_windo
         restarted = Detector(CONFIG, clock=clock)
         assert Snapshots(restarted, path, senders_retry_s=down_s).restore()
         assert restarted.metrics.silent_losses.labels("fetch", "clean_end_pending")._value.get() == counted
+
+
+def test_a_2026_call_re_issued_before_an_unjudged_restore_is_no_loss_when_its_broken_stream_comes_after(tmp_path):
+    """Its call span and its re-issue's start came before the crash; the stream that broke, which the SDK ends after
+    its caller re-issued, after the restore: the re-issue is still matched against when the stream broke."""
+    era = {"session": None, "era": sc.ERA_STATELESS, "fingerprint": "f00d"}
+    clock = Clock()
+    before = _fed(clock, [call(C, sc.OUTCOME_NO_TERMINAL, at=1.0, **era),
+                          call(C, sc.OUTCOME_REISSUED, at=1.5, request_id="4", trace="t2", stream_kind=None, **era)])
+    snapshots = Snapshots(before, tmp_path / "ledger.db")
+    snapshots.save()
+    snapshots._lock_file, lock_file = None, snapshots._lock_file  # a crash: no final snapshot
+    assert lock_file is not None
+    os.close(lock_file)
+    restarted = Detector(CONFIG, clock=clock)
+    assert Snapshots(restarted, tmp_path / "ledger.db").restore()
+    restarted.consume([stream(C, "post", "dropped", at=2.0, pending=("3",), **era)])
+    assert _judged(restarted, clock) == set()
 
 
 def test_the_restored_ledger_merges_the_other_sides_later_spans_into_the_same_finding(tmp_path):
@@ -382,3 +402,13 @@ def test_a_delivery_applied_while_the_sessions_are_copied_is_applied_again_when_
     assert Snapshots(restarted, tmp_path / "ledger.db").restore()
     restarted.consume(delivery)
     assert _judged(restarted, clock) == set()
+
+
+def test_a_scrape_reads_its_time_between_batches():
+    """A batch holds the detector's lock from the time its findings are stamped with to their count: a scrape that
+    read its time within one would say it saw a finding whose count it did not, which a restore would then skip."""
+    held: list[bool] = []
+    detector = Detector(CONFIG, clock=lambda: held.append(detector.lock.locked()) or 100 * S)
+    held.clear()
+    assert TestClient(create_app(detector)).get("/metrics").status_code == 200
+    assert held == [True] and detector.scraped_ns == 100 * S

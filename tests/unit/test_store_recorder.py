@@ -92,9 +92,9 @@ class _Replaying(EventStore):
     """Numbers what it stores; replays the ids it is told, and stores ``meanwhile`` events of another session
     after the first, as a busy server's other sessions do while a replay waits on its client."""
 
-    def __init__(self, replay: list[str], meanwhile: int = 0) -> None:
+    def __init__(self, replay: list[str], meanwhile: int = 0, before: int = 0) -> None:
         self.stored = 0
-        self.replay, self.meanwhile = replay, meanwhile
+        self.replay, self.meanwhile, self.before = replay, meanwhile, before
         self.store: EventStore = self
 
     async def store_event(self, stream_id: str, message: JSONRPCMessage | None) -> str:
@@ -105,18 +105,22 @@ class _Replaying(EventStore):
         for n, event_id in enumerate(self.replay):
             await send_callback(EventMessage(_progress(), event_id))
             if n == 0:
-                other = request_scope.bind(request_scope.RequestScope("other", ABSENT))
-                try:
-                    for _ in range(self.meanwhile):
-                        await self.store.store_event("9", _progress())
-                finally:
-                    request_scope.unbind(other)
+                await self._others(self.meanwhile)
         return "7"
+
+    async def _others(self, count: int) -> None:
+        """``count`` events of another session, stored through the observed store."""
+        other = request_scope.bind(request_scope.RequestScope("other", ABSENT))
+        try:
+            for _ in range(count):
+                await self.store.store_event("9", _progress())
+        finally:
+            request_scope.unbind(other)
 
 
 def _replayed(inner: _Replaying) -> tuple[str, ...] | None:
-    """The foreign event ids of one replay of session ``s``'s stream ``7`` from its first event, its four events
-    stored first (an index of ten events)."""
+    """The foreign event ids of one replay of session ``s``'s stream ``7`` from its first event (four events, after
+    the first of them ``before`` of another session; an index of ten events)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -129,7 +133,9 @@ def _replayed(inner: _Replaying) -> tuple[str, ...] | None:
     async def run() -> None:
         bound = request_scope.bind(request_scope.RequestScope("s", ABSENT))
         try:
-            for _ in range(4):
+            await store.store_event("7", _progress())
+            await inner._others(inner.before)  # push the cursor, e1, out of the index
+            for _ in range(3):
                 await store.store_event("7", _progress())
             await store.replay_events_after("e1", sent)
         finally:
@@ -140,11 +146,14 @@ def _replayed(inner: _Replaying) -> tuple[str, ...] | None:
     return replay.attributes.get(sc.REPLAY_FOREIGN_EVENT_IDS)  # type: ignore[return-value]
 
 
-def test_a_replay_names_foreign_an_id_the_store_never_returned_but_not_one_the_index_let_go_of_meanwhile():
+def test_a_replay_names_foreign_an_id_the_store_never_returned_but_not_one_the_index_let_go_of():
     """The index holds ten events here: twenty of another session stored while the replay waits push the
     replayed stream's own events out of it, and its later events read as unknown, not as another stream's."""
     assert _replayed(_Replaying(["e2", "e3", "e4"], meanwhile=20)) is None
     assert _replayed(_Replaying(["e2", "x9", "e4"])) == ("x9",)
+    # the cursor let go of before the replay (its stream quiet while the server stored on): the replay continues no
+    # stream known here, and nothing it sends is another stream's
+    assert _replayed(_Replaying(["e22", "e23", "e24"], before=20)) is None
 
 
 def test_an_event_id_a_store_gave_on_two_streams_of_a_session_is_neither_streams_and_resumes_none():
@@ -159,3 +168,37 @@ def test_an_event_id_a_store_gave_on_two_streams_of_a_session_is_neither_streams
     assert recorder.stream_of("s", "2") == "3" and not recorder.reused("s", "2")
     assert recorder.stream_of("t", "1") == "9"
     assert recorder.resumed_stream("s", "1") == (None, None)
+
+
+def test_a_replay_from_a_cursor_given_on_two_streams_names_none_of_its_events_foreign():
+    """Which stream it continues is not known: none of what it sends is another's (stream 3's own "2" was)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    recorder = ServerInstrumentation(tracer_provider=provider).recorder
+
+    class PerStream(_Replaying):
+        async def store_event(self, stream_id: str, message: JSONRPCMessage | None) -> str:
+            return {"2": "1", "3": "1"}[stream_id] if not self.stored else str(self.stored)
+
+    inner = PerStream(["2"])
+    store = recorder.event_store(inner)
+
+    async def run() -> None:
+        bound = request_scope.bind(request_scope.RequestScope("s", ABSENT))
+        try:
+            await store.store_event("2", _progress())
+            await store.store_event("3", _progress())
+            inner.stored = 2
+            await store.store_event("3", _progress())  # "2", stream 3's alone
+
+            async def sent(event: EventMessage) -> None:
+                return None
+
+            await store.replay_events_after("1", sent)
+        finally:
+            request_scope.unbind(bound)
+
+    asyncio.run(run())
+    (replay,) = [s for s in exporter.get_finished_spans() if s.attributes[sc.SPAN] == sc.SPAN_REPLAY]
+    assert sc.REPLAY_FOREIGN_EVENT_IDS not in replay.attributes

@@ -259,7 +259,8 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
             return Response("authentication required", status_code=401,
                             headers={"WWW-Authenticate": 'Basic realm="metrics"'})
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        scraped_ns = detector.clock()  # before: a finding counted as it is encoded is counted again at a restore
+        with detector.lock:  # between batches: a finding of a batch before this is counted, one after is not yet
+            scraped_ns = detector.clock()
         body = encoder(detector.registry)
         detector.scraped_ns = scraped_ns
         return Response(body, media_type=content_type)

@@ -480,9 +480,10 @@ class Ledger:
 
     def unjudge(self) -> int:
         """Let go of the judging of every call owed a result (``Snapshots``: their spans may be lost): its grace
-        timers dropped, and what they would have judged from (its clean end, its result stored, its stream broken),
-        no longer in flight (not counted stuck). Spans of it that come later are judged as they come: a stream that
-        ends without its result makes it owed again. Returns how many there were."""
+        timers dropped, and what they would have judged from (its clean end, its result stored; not when its stream
+        broke, which a re-issue is matched against), no longer in flight (not counted stuck). Spans of it that come
+        later are judged as they come: a stream that ends without its result makes it owed again. Returns how many
+        there were."""
         owed = 0
         for session in self._sessions.values():
             for call in session.all():
@@ -490,8 +491,7 @@ class Ledger:
                     owed += 1
                     self._in_flight -= call.in_flight
                     call.timers = 0
-                    call.owed_since = call.clean_since = call.clean_seen = None
-                    call.stored_since = call.broken_since = None
+                    call.owed_since = call.clean_since = call.clean_seen = call.stored_since = None
         self._timers = []
         return owed
 

@@ -319,10 +319,11 @@ class _ObservedEventStore(EventStore):
                 else:
                     sent.append(event.event_id)
                     stored_on = recorder.stream_of(session_id, event.event_id)
-                    # an id not known here is one the store never returned, unless the store wrote it and then raised,
-                    # or gave it on several streams, or the index let go of it: it lets go of the oldest first, so of
-                    # the cursor before any event after it
-                    if stored_on != stream_id and (stored_on is not None or not (
+                    # another stream's only beside the one the replay continues (none known: a cursor unknown here, or
+                    # given on several streams); an id not known here is one the store never returned, unless the
+                    # store wrote it and then raised, or gave it on several streams, or the index let go of it: it
+                    # lets go of the oldest first, so of the cursor before any event after it
+                    if stream_id is not None and stored_on != stream_id and (stored_on is not None or not (
                             recorder.tracker.store_failed_in(session_id) or recorder.reused(session_id, event.event_id)
                             or not recorder.knows(session_id, last_event_id))):
                         foreign.append(event.event_id)
