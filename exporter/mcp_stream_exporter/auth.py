@@ -106,7 +106,7 @@ def _expiry(exp: Any) -> float | None:
     if exp is None:
         return None
     try:
-        return float(exp if isinstance(exp, int | float) and not isinstance(exp, bool) else int(exp))
+        return float(int(exp))  # a fraction too: PyJWT compares its integer part
     except OverflowError:
         return None
     except (TypeError, ValueError):

@@ -264,3 +264,5 @@ def test_a_verified_tokens_view_is_cached_no_longer_than_its_expiry_whatever_for
     now[0] = 1_061.0
     assert reader.read(expiring) is not first  # read again: PyJWT then says whether it still verifies
     assert reader.read(odd) is not reader.read(odd)
+    fraction = jwt.encode({"aud": "https://a.example", "exp": 1_060.9}, key, algorithm="HS256")
+    assert reader.read(fraction).expires_at == 1_060.0  # PyJWT compares the integer part
