@@ -177,8 +177,8 @@ class Snapshots:
                 return None
             with self.detector.lock:
                 try:
-                    self._final = True  # a format of before says not: judged, as it was then
                     if fmt == 1:
+                        self._final = True  # it says not: judged, as it was then
                         ledger, findings = db.execute("SELECT ledger, findings FROM snapshot WHERE id = 1").fetchone()
                         self.detector.ledger.load(json.loads(ledger))
                         self.detector.findings.load(json.loads(findings))
