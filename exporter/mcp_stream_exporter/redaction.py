@@ -4,7 +4,7 @@ or shows: ledger, findings, labels, logs.
 A server's ``event: error`` frame may quote the request's credential; the hooks record its text only
 redacted. Producers should never put a credential in a span, but one that does must not see it come
 back on ``/metrics``, ``/api/findings``, in the snapshot file or in a log line. A
-``Bearer``/``Basic`` credential and anything shaped like a JWT (``eyJ...x.y.z``) is replaced.
+``Bearer``/``Basic``/``DPoP`` credential and anything shaped like a JWT (``eyJ...x.y.z``) is replaced.
 """
 
 from __future__ import annotations
@@ -14,12 +14,17 @@ import re
 from collections.abc import Callable
 
 REDACTED = "[redacted]"
-_TOKEN = re.compile(r"\b(?:bearer|basic)\s+[^\s,;\"']+|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*",
-                    re.IGNORECASE | re.ASCII)
+_SCHEMES = "bearer|basic|dpop"
+# the credential as written in a header, and as it is quoted, logged or URL-encoded: ``Bearer: x``, ``Bearer=x``,
+# ``Bearer "x"``, ``Bearer%20x``, any Unicode space between (a no-break space)
+_TOKEN = re.compile(rf"\b(?:{_SCHEMES})(?:[\s:=\"']|%[0-9a-f]{{2}})+[^\s,;\"']+"
+                    r"|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*", re.IGNORECASE)
 
 
-# without the word boundary: in encoded bytes a length byte may stand before the scheme, and may be a letter
-_TOKEN_BYTES = re.compile(_TOKEN.pattern.removeprefix(r"\b").encode(), re.IGNORECASE | re.ASCII)
+# without the word boundary: in encoded bytes a length byte may stand before the scheme, and may be a letter;
+# any byte of a non-ASCII character may be (part of) a space between scheme and credential
+_TOKEN_BYTES = re.compile(rf"(?:{_SCHEMES})(?:[\s:=\"'\x80-\xff]|%[0-9a-f]{{2}})+[^\s,;\"']"
+                          r"|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.".encode(), re.IGNORECASE)
 
 
 def holds_token(encoded: bytes) -> bool:

@@ -3,7 +3,9 @@ when a peer's text is cut, a token the cut splits is replaced too."""
 
 from __future__ import annotations
 
-from mcp_stream_exporter.redaction import REDACTED, redact, redact_cut, redact_id
+import pytest
+
+from mcp_stream_exporter.redaction import REDACTED, holds_token, redact, redact_cut, redact_id
 
 JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ1c2VyIn0.c2lnbmF0dXJlLWJ5dGVz"
 
@@ -11,6 +13,15 @@ JWT = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ1c2VyIn0.c2lnbmF0dXJlLWJ5dGVz"
 def test_free_text_loses_every_token_and_keeps_the_rest():
     assert redact(f"denied: Bearer {JWT}, token {JWT}") == f"denied: {REDACTED}, token {REDACTED}"
     assert redact("no credential here") == "no credential here"
+
+
+@pytest.mark.parametrize("written", ["Bearer: {}", "Bearer={}", 'Bearer "{}"', "Bearer%20{}", "Bearer\u00a0{}",
+                                     "Basic\u2003{}", "DPoP {}", "bearer  {}", "authorization='Basic {}'"])
+def test_a_credential_quoted_logged_or_url_encoded_is_replaced_and_its_bytes_are_told(written: str):
+    secret = "s3cr3tV4lue"
+    text = written.format(secret)
+    assert secret not in redact(f"session {text}") and secret not in redact_id(f"session {text}")
+    assert holds_token(f"session {text}".encode())
 
 
 def test_identifiers_keep_apart_once_redacted_and_never_show_the_token():
