@@ -143,3 +143,30 @@ def test_an_alert_s_links_for_a_tool_counted_as_other_find_its_findings():
         page = client.get("/ui/", params={"rule": "clean_end_pending", "tool": tool}).text
         assert "No findings match" not in page and "clean_end_pending" in page
     assert client.get("/api/findings", params={"tool": "search"}).json()["total"] == 0
+
+
+def test_a_flood_of_findings_alike_pages_back_to_the_older_one_it_pushed_off_the_first_page():
+    from mcp_stream_exporter.detector.findings import Finding
+    from mcp_stream_exporter.detector.ui import LIST_LIMIT
+
+    detector = Detector(DetectorConfig())
+    flood = LIST_LIMIT + 51
+
+    def finding(n: int, session: str) -> Finding:
+        return Finding(f"f{n}", "clean_end_pending", "critical", "legacy", "fetch", session, str(n), n, "lost")
+
+    detector.findings.add(finding(0, "the-real-one"))
+    for n in range(1, flood + 1):
+        detector.findings.add(finding(n, f"flood-{n}"))
+    client = TestClient(create_app(detector))
+    first = client.get("/ui/", params={"rule": "clean_end_pending", "tool": "fetch"}).text
+    assert "the-real-one" not in first and f"Showing 1&ndash;{LIST_LIMIT} of {flood + 1}" in first
+    older = re.search(r"<a href='/ui/\?([^']+)' rel='next'>", first)
+    assert older and "rel='prev'" not in first
+    second = client.get("/ui/?" + older.group(1).replace("&amp;", "&")).text
+    assert "the-real-one" in second and "flood-1'" in second and f"flood-{flood}'" not in second
+    assert "rel='prev'" in second and "rel='next'" not in second and "rule=clean_end_pending" in older.group(1)
+    assert "the-real-one" in client.get("/ui/", params={"offset": str(LIST_LIMIT), "part": "rows"}).text
+    for bad in ("-1", "x", "9" * 40):  # the newest page, never an error
+        assert "flood-" in client.get("/ui/", params={"offset": bad}).text
+    assert "No findings this far back" in client.get("/ui/", params={"offset": "100000"}).text

@@ -206,19 +206,20 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
 
     @app.get("/ui/", include_in_schema=False)
     def ui_list(request: Request, rule: str = "", severity: str = "", tool: str = "", session: str = "",
-                part: str = "") -> Response:
+                part: str = "", offset: str = "") -> Response:
         if not allowed(request):
             return login()
         filters = {"rule": rule if rule in RULES else "", "severity": severity if severity in _SEVERITIES else "",
                    "tool": tool[:200], "session": session[:200]}
+        start = int(offset) if offset.isdigit() and len(offset) < 10 else 0  # anything else: the newest
         with detector.lock:
-            rows, total, retained = _matching(detector, filters)
+            rows, total, retained = _matching(detector, filters, start)
             dropped = detector.timelines.evicted
         now = time.time()
-        table = _findings_table(rows, total, now)
+        table = _findings_table(rows, total, start, filters, now)
         if part:
             return page(table)
-        live = "/ui/?" + urlencode({**{k: v for k, v in filters.items() if v}, "part": "rows"})
+        live = "/ui/?" + urlencode({**_shown(filters, start), "part": "rows"})
         return page(_document("Findings", (
             _header(retained, dropped) + _filter_form(filters) +
             f"<section id='live-part' data-live='{_e(live)}'>{table}</section>"), live=True))
@@ -250,13 +251,19 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
 
 # --- the list ---
 
-def _matching(detector: Detector, filters: dict[str, str]) -> tuple[list[Finding], int, int]:
+def _matching(detector: Detector, filters: dict[str, str], start: int) -> tuple[list[Finding], int, int]:
+    """A page of the matching findings, newest first, from ``start``; how many match; how many are kept."""
     q = FindingQuery(filters["rule"] or None, filters["tool"] or None, filters["severity"] or None,
                      limit=max(1, len(detector.findings)))
     found, _ = detector.findings.query(q)
     if filters["session"]:
         found = [f for f in found if filters["session"] in (f.session_id or "")]
-    return found[:LIST_LIMIT], len(found), len(detector.findings)
+    return found[start:start + LIST_LIMIT], len(found), len(detector.findings)
+
+
+def _shown(filters: dict[str, str], start: int) -> dict[str, str]:
+    """The list's query: its filters set, and where its page starts unless at the newest."""
+    return {**{k: v for k, v in filters.items() if v}, **({"offset": str(start)} if start else {})}
 
 
 def _header(retained: int, dropped: int) -> str:
@@ -282,8 +289,11 @@ def _filter_form(filters: dict[str, str]) -> str:
             "<button type='submit'>Filter</button> <a href='/ui/'>clear</a></form>")
 
 
-def _findings_table(rows: list[Finding], total: int, now: float) -> str:
+def _findings_table(rows: list[Finding], total: int, start: int, filters: dict[str, str], now: float) -> str:
     if not rows:
+        if start and total:
+            return (f"<p class='empty'>No findings this far back: {_e(total)} match. "
+                    f"<a href='/ui/?{_e(urlencode(_shown(filters, 0)))}'>The newest</a></p>")
         return "<p class='empty'>No findings match. Nothing lost that the detector could see.</p>"
     body = "".join(
         f"<tr class='sev-{_e(f.severity)}'><td>{_when(f.detected_ns, now)}</td>"
@@ -292,7 +302,14 @@ def _findings_table(rows: list[Finding], total: int, now: float) -> str:
         f"<td>{_e(f.tool or '—')}</td><td>{_e(f.request_id or '—')}</td>"
         f"<td class='id' title='{_e(f.session_id or '')}'>{_e(_short(f.session_id or '—'))}</td>"
         f"<td>{_e(_gap_line(f))}</td></tr>" for f in rows)
-    more = f"<p class='muted'>Showing the newest {len(rows)} of {total}.</p>" if total > len(rows) else ""
+    more = ""
+    if total > len(rows):  # pages of the rest: a flood of findings alike must not hide an older one
+        pages = [f"<a href='/ui/?{_e(urlencode(_shown(filters, at)))}' rel='{rel}'>{label}</a>"
+                 for at, rel, label in ((max(0, start - LIST_LIMIT), "prev", "&larr; newer"),
+                                        (start + LIST_LIMIT, "next", "older &rarr;"))
+                 if (rel == "prev" and start) or (rel == "next" and start + LIST_LIMIT < total)]
+        more = (f"<p class='muted pages'>Showing {start + 1}&ndash;{start + len(rows)} of {total}, newest first. "
+                + " ".join(pages) + "</p>")
     return ("<table class='findings'><thead><tr><th>When</th><th>Severity</th><th>Rule</th><th>Tool</th>"
             f"<th>Request</th><th>Session</th><th>What happened</th></tr></thead><tbody>{body}</tbody></table>{more}")
 
