@@ -4,6 +4,7 @@ starve others. The real FastAPI app and ingest queue, in-process (TestClient) or
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import json
@@ -266,6 +267,63 @@ def test_request_bodies_held_at_once_are_bounded_in_bytes():
         queue.release(1000)
         assert client.post("/v1/traces", content=_body(_stream_span("small")),
                            headers={"content-type": PROTOBUF}).status_code == 200
+    queue.close()
+
+
+@pytest.mark.parametrize("grace", [0.0, 60.0])
+def test_a_body_still_coming_past_its_grace_makes_way_for_a_prompt_one_when_the_bodies_held_fill_the_buffer(grace):
+    """A few slow senders holding the bodies' buffer turned every sender away (429, and gRPC's UNAVAILABLE)
+    for their bodies' whole timeout; now the slowest make way (408). Within its grace a body keeps its room."""
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_buffered_bytes=1024, body_grace_s=grace))
+    app = create_app(detector, queue)
+    headers = [(b"content-type", PROTOBUF.encode()), (b"content-length", b"1000")]
+    body = _body(_stream_span("prompt", **{sc.RESUME_CURSOR: "c" * 200}))
+    assert 124 < len(body) < 1024
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        never = asyncio.Event()
+        parts = [{"type": "http.request", "body": b"x" * 900, "more_body": True}]
+
+        async def trickle() -> dict:
+            if parts:
+                return parts.pop()
+            await never.wait()
+            raise AssertionError
+
+        async def prompt() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        slow_answer: list[dict] = []
+        prompt_answer: list[dict] = []
+
+        async def keep(into: list[dict], message: dict) -> None:
+            into.append(message)
+
+        slow = asyncio.create_task(app({"type": "http", "method": "POST", "path": "/v1/traces", "headers": headers},
+                                       trickle, lambda m: keep(slow_answer, m)))
+        for _ in range(100):  # until its 900 bytes are held (no room for 200 more)
+            await asyncio.sleep(0)
+            if queue.reserve(200):
+                queue.release(200)
+            else:
+                break
+        await app({"type": "http", "method": "POST", "path": "/v1/traces",
+                   "headers": [(b"content-type", PROTOBUF.encode())]}, prompt, lambda m: keep(prompt_answer, m))
+        if grace:
+            slow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(slow, 10)
+        return slow_answer, prompt_answer
+
+    slow_answer, prompt_answer = asyncio.run(run())
+    if grace:
+        assert prompt_answer[0]["status"] == 429 and slow_answer == []
+    else:
+        assert prompt_answer[0]["status"] == 200 and slow_answer[0]["status"] == 408
+        assert (b"connection", b"close") in slow_answer[0]["headers"]
+        assert b"made way for another" in slow_answer[1]["body"]
+    assert queue.reserve(1024)  # every byte reserved was released
     queue.close()
 
 

@@ -44,3 +44,43 @@ def test_without_a_queue_the_gauge_says_zero_and_the_process_metrics_are_there()
 def test_the_exposition_passes_promtool():
     check = promtool("check", "metrics", stdin=generate_latest(Detector().registry).decode())
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_concurrent_scrapes_share_one_encoding_at_a_time_and_the_liveness_probe_answers_meanwhile():
+    import asyncio
+    import threading
+
+    import httpx
+    from prometheus_client.core import GaugeMetricFamily
+
+    from mcp_stream_exporter.detector.app import create_app
+
+    entered, release = threading.Event(), threading.Event()
+    collects: list[int] = []
+
+    class _Slow:  # a registry whose encoding takes as long as the test says
+        def collect(self) -> list[GaugeMetricFamily]:
+            collects.append(1)
+            entered.set()
+            assert release.wait(10)
+            return [GaugeMetricFamily("slow_encoding", "a test's", value=len(collects))]
+
+    detector = Detector()
+    detector.registry.register(_Slow())  # type: ignore[arg-type]
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(create_app(detector))
+        async with httpx.AsyncClient(transport=transport, base_url="http://detector") as client:
+            first = asyncio.create_task(client.get("/metrics"))
+            await asyncio.to_thread(entered.wait, 10)
+            entered.clear()
+            waiting = [asyncio.create_task(client.get("/metrics")) for _ in range(20)]
+            assert (await asyncio.wait_for(client.get("/healthz"), 10)).status_code == 200  # the encoding blocked
+            release.set()
+            answers = [await first, *await asyncio.gather(*waiting)]
+        assert all(a.status_code == 200 for a in answers)
+        assert "slow_encoding 1.0" in answers[0].text
+        assert all("slow_encoding 2.0" in a.text for a in answers[1:])  # the twenty waited for one encoding
+
+    asyncio.run(run())
+    assert len(collects) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from anyio import CapacityLimiter, move_on_after, to_thread
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from google.protobuf import json_format
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -71,6 +73,16 @@ def _retry_after(limits: IngestLimits) -> tuple[tuple[bytes, bytes], ...]:
     return ((b"retry-after", str(limits.retry_after_s).encode()),)
 
 
+@dataclass(slots=True, eq=False)
+class _Coming:
+    """A request body being read: since when, what of it is reserved in the bodies' buffer, its deadline."""
+
+    since: float
+    timeout: asyncio.Timeout
+    reserved: int = 0
+    evicted: bool = False  # made way for a prompt body (``_OtlpHttp._reserve``): its reservation released
+
+
 class _OtlpHttp:
     """``/v1/traces`` as plain ASGI in front of the FastAPI app: OTLP/HTTP requests are the service's
     traffic, and Starlette's request, response and middleware machinery cost about as much as reading a
@@ -88,6 +100,7 @@ class _OtlpHttp:
         self._rejected = queue.detector.metrics.requests_rejected
         self._slots = CapacityLimiter(queue.limits.max_decoding)  # requests decoding at once, waited for here
         self._threads = CapacityLimiter(queue.limits.max_decoding)  # the threads they decode on: never waited for
+        self._coming: set[_Coming] = set()  # the bodies being read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/traces":
@@ -173,35 +186,68 @@ class _OtlpHttp:
         to one refused while it comes; None if the client went away."""
         limits = self._limits
         chunks: list[bytes] = []
-        size = 0  # reserved, and released here unless the body is returned
+        size = 0
+        coming: _Coming | None = None  # reserved (``coming.reserved``), and released here unless returned
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline) as timeout:
+                coming = _Coming(asyncio.get_running_loop().time(), timeout)
+                self._coming.add(coming)
                 while True:
                     message = await messages()
+                    if coming.evicted:
+                        raise TimeoutError
                     if message["type"] != "http.request":
                         return None
                     chunk, more = message.get("body", b""), message.get("more_body", False)
                     if size + len(chunk) > limits.max_body_bytes:
                         refusal = self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
                         break
-                    if not self._queue.reserve(len(chunk)):
+                    if not self._reserve(len(chunk), coming):
                         refusal = self._refuse(429, "too many request bodies held; retry after the given delay",
                                                "busy", _retry_after(limits))
                         break
                     chunks.append(chunk)
                     size += len(chunk)
                     if not more:
-                        size = 0  # the caller's to release
+                        coming.reserved = 0  # the caller's to release
                         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except TimeoutError:
+            if coming is not None and coming.evicted:
+                return self._refuse(408, f"body still coming after {limits.body_grace_s} s with the buffer for "
+                                    "bodies full: it made way for another; send it faster, or retry",
+                                    "timeout", (_CLOSE,))
             return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout", (_CLOSE,))
         finally:
-            self._queue.release(size)
+            if coming is not None:
+                self._coming.discard(coming)
+                self._queue.release(coming.reserved)
         if not more:
             return refusal
         chunks.clear()  # not held while the rest is read
         return await self._unread(refusal, messages, None if length is None else length - size - len(chunk),
                                   deadline)
+
+    def _reserve(self, size: int, coming: _Coming) -> bool:
+        """Room for ``size`` more bytes of ``coming`` in the bodies' buffer; when it is full, made by the bodies
+        begun before it and still coming past ``body_grace_s``, the longest first, which are answered 408: a
+        few slow senders would otherwise hold it, and turn every sender away, until their bodies' timeout."""
+        if not self._queue.reserve(size):
+            now = asyncio.get_running_loop().time()
+            before = min(coming.since, now - self._limits.body_grace_s)
+            for other in sorted(self._coming, key=lambda c: c.since):
+                if other.since > before:
+                    return False
+                if other is not coming and other.reserved and not other.evicted:
+                    other.evicted = True
+                    self._queue.release(other.reserved)
+                    other.reserved = 0
+                    other.timeout.reschedule(now)  # wakes it, waiting on its sender, to answer 408
+                    if self._queue.reserve(size):
+                        break
+            else:
+                return False
+        coming.reserved += size
+        return True
 
     async def _unread(self, answer: _Answer, messages: Receive, rest: int | None, deadline: float) -> _Answer | None:
         """``answer`` to a request whose body is refused before it is all in, once the ``rest`` of it (None:
@@ -244,6 +290,45 @@ def _basic_ok(request: Request, creds: tuple[str, str] | None) -> bool:
     return creds is None or basic_matches(request.headers.get("authorization", ""), *creds)
 
 
+class _Scrapes:
+    """``/metrics`` encoded one scrape at a time, on a worker thread, and shared by the scrapes that waited for
+    it: a registry near its bounds takes some 0.6 s of CPU to encode, and concurrent scrapes each encoding it
+    held every thread of the pool and starved the event loop. A scrape that waited takes the encoding that
+    began after it came (as fresh as its own would be), else makes one; waiting holds no thread."""
+
+    def __init__(self, detector: Detector) -> None:
+        self._detector = detector
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None  # the running loop's
+        self._arrivals = 0
+        self._latest: dict[str, tuple[int, bytes]] = {}  # by content type: when its encoding began, the body
+
+    async def encoded(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
+        self._arrivals += 1
+        came = self._arrivals
+        async with self._lock_of(asyncio.get_running_loop()):
+            latest = self._latest.get(content_type)
+            if latest is not None and latest[0] > came:
+                return latest[1]
+            self._arrivals += 1
+            began = self._arrivals
+            body = await to_thread.run_sync(self._encode, encoder)
+            self._latest = {content_type: (began, body)}  # one kept: a body can be megabytes
+            return body
+
+    def _lock_of(self, loop: asyncio.AbstractEventLoop) -> asyncio.Lock:
+        if self._lock is None or self._lock[0] is not loop:  # an app served by one loop, then another (tests)
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
+
+    def _encode(self, encoder: Callable[[CollectorRegistry], bytes]) -> bytes:
+        detector = self._detector
+        with detector.lock:  # between batches: a finding of a batch before this is counted, one after is not yet
+            scraped_ns = detector.clock()
+        body = encoder(detector.registry)
+        detector.scraped_ns = scraped_ns
+        return body
+
+
 def create_app(detector: Detector, queue: IngestQueue | None = None, access: Access | None = None,
                links: UiLinks | None = None) -> ASGIApp:
     """The detector's app; with a queue, ``/v1/traces`` in front of it (:class:`_OtlpHttp`)."""
@@ -253,17 +338,15 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
     app = FastAPI(title="mcp-stream-exporter detector", docs_url=None, redoc_url=None, openapi_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
 
+    scrapes = _Scrapes(detector)
+
     @app.get("/metrics")
-    def scrape(request: Request) -> Response:
+    async def scrape(request: Request) -> Response:
         if not _basic_ok(request, access.metrics_basic_auth):
             return Response("authentication required", status_code=401,
                             headers={"WWW-Authenticate": 'Basic realm="metrics"'})
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        with detector.lock:  # between batches: a finding of a batch before this is counted, one after is not yet
-            scraped_ns = detector.clock()
-        body = encoder(detector.registry)
-        detector.scraped_ns = scraped_ns
-        return Response(body, media_type=content_type)
+        return Response(await scrapes.encoded(encoder, content_type), media_type=content_type)
 
     def api_guard(request: Request) -> None:
         if not _bearer_ok(request, access.api_token):
@@ -306,12 +389,14 @@ def create_app(detector: Detector, queue: IngestQueue | None = None, access: Acc
         return [{"id": r.id, "severity": r.severity, "eras": sorted(r.eras), "silent_loss": r.loss,
                  "summary": r.summary} for r in RULES.values()]
 
+    # on the event loop, never behind the thread pool the other handlers queue for: a liveness probe must not
+    # time out (and restart the pod, its state with it) because scrapes or API reads are slow
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz() -> Response:
+    async def readyz() -> Response:
         if queue is not None and not queue.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return JSONResponse({"status": "ready"})
