@@ -124,6 +124,18 @@ def test_a_narrowed_resume_cut_before_anything_came_is_no_finding_one_that_deliv
         "narrowed_resume"]
 
 
+def test_a_narrowed_resume_still_open_is_judged_at_its_end_where_an_error_frame_after_its_prefix_tells():
+    """The guard's prefix policy sends what the token covers, then its error frame: the resume's span of it so far
+    (``open``) cannot know of the frame yet, and raised a finding the refusal answered."""
+    narrowed = {"pending": ("3",), "cursor": "6", "audience": (SEARCH,), "missing": (FETCH,)}
+    for role in (C, SV):
+        so_far = stream(role, "resume", "open", events=1, first="7", last="7", **narrowed)
+        refused = stream(role, "resume", "clean", at=1.1, events=1, first="7", last="7", error_frames=1, **narrowed)
+        assert "narrowed_resume" not in rules(run([so_far, refused], after_s=1))
+        assert "narrowed_resume" in rules(run([so_far, stream(role, "resume", "clean", at=1.1, events=2, first="7",
+                                                              last="8", **narrowed)], after_s=1))
+
+
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():
     detector = run([replay(sc.REPLAY_TRUNCATED, missing=(FETCH,)),
                     stream(C, "resume", "clean", pending=("3",), cursor="6", audience=(SEARCH,), missing=(FETCH,))])

@@ -455,8 +455,10 @@ class RuleEngine:
             for rid in e.pending_ids or e.request_ids:
                 self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns, unheeded)
         # an HTTP error tells and carries nothing; a stream cut before anything came says nothing of what the server
-        # answered (the guard's error frame may have been its first)
-        if e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR and (e.events or e.reason != sc.END_DROPPED):
+        # answered (the guard's error frame may have been its first); one still open may yet be refused with an
+        # error frame (the guard's prefix policy sends what the token covers first): judged at its end
+        if (e.token.gap and not explicit and e.reason not in (sc.END_HTTP_ERROR, sc.END_OPEN)
+                and (e.events or e.reason != sc.END_DROPPED)):
             for rid in e.pending_ids or e.request_ids:
                 self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
                     "cursor": e.cursor,
