@@ -32,7 +32,8 @@ from promtool import promtool
 from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector, DetectorConfig, RuleConfig
 from mcp_stream_exporter.detector.app import Access, create_app
-from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue, serve_grpc
+from mcp_stream_exporter.detector.grpc_receiver import serve_grpc
+from mcp_stream_exporter.detector.ingest import IngestLimits, IngestQueue
 from mcp_stream_exporter.lab import serve
 
 from harness import Clock, answers, detector, detector_process, incident, logged, wait_for

@@ -36,7 +36,8 @@ from mcp_stream_exporter import semconv as sc
 from mcp_stream_exporter.detector import Detector
 from mcp_stream_exporter.detector.app import Access, create_app
 from mcp_stream_exporter.detector.connections import ConnectionLimits, server_config
-from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue, serve_grpc
+from mcp_stream_exporter.detector.grpc_receiver import serve_grpc
+from mcp_stream_exporter.detector.ingest import JSON, PROTOBUF, IngestLimits, IngestQueue
 from mcp_stream_exporter.detector.service import _JsonLogs
 
 TOKEN = "ingest-secret"
@@ -582,8 +583,8 @@ def test_the_json_log_line_of_an_error_carries_its_cause():
 def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_resource_exhausted():
     """gRPC's own limit of RPCs at once refuses RESOURCE_EXHAUSTED with no RetryInfo, which OTLP exporters take as
     final and drop the batch: ten senders at once (the Collector's default consumers) lost a quarter of theirs. Past
-    the decoding slots, 16 senders wait their turn or are told UNAVAILABLE (retry with backoff); one whose body does
-    not fit beside the bodies held is too."""
+    the decoding slots, 16 senders wait their turn or are told UNAVAILABLE (retry with backoff), and any more are told
+    so at once; one whose body does not fit beside the bodies held is too."""
     queue = IngestQueue(Detector(), IngestLimits(max_decoding=1, decoding_wait_s=0.2, max_buffered_bytes=64 * 1024,
                                                  max_body_bytes=64 * 1024))
     server, port = serve_grpc(queue, "127.0.0.1", 0)
@@ -591,7 +592,7 @@ def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
             held = _slots_taken(queue)
-            sent = [export.future(_body(_stream_span(f"s{n}")), timeout=30) for n in range(16)]
+            sent = [export.future(_body(_stream_span(f"s{n}")), timeout=30) for n in range(24)]
             codes = [future.exception().code() for future in sent]  # type: ignore[union-attr]
             assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
             for slot in held:
@@ -604,6 +605,69 @@ def test_otlp_grpc_senders_past_the_decoding_slots_are_answered_retryable_never_
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             queue.release(40 * 1024)
     finally:
+        server.stop(None)
+        queue.close()
+
+
+def _stalled(channel: grpc.Channel, never: threading.Event, metadata: list | None = None) -> grpc.Future:
+    """A call that sends its headers and never its message (its request iterator waits for ever)."""
+
+    def nothing():
+        never.wait(60)
+        return
+        yield  # a generator that yields nothing
+
+    path = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+    return channel.stream_unary(path).future(nothing(), timeout=60, metadata=metadata)
+
+
+def test_otlp_grpc_calls_that_never_send_their_message_hold_no_decoding_thread_and_make_way_past_their_grace():
+    """A thread-pool gRPC server gave each call a thread as its headers came, held until its message came: two that
+    never sent theirs stopped all gRPC ingest, token or not. Now a call without the token is refused on its headers,
+    one waiting for its message holds no thread, times out after the body's timeout, and at the limit of calls
+    waiting makes way past its grace (UNAVAILABLE: retry)."""
+    detector = Detector()
+    queue = IngestQueue(detector, IngestLimits(max_decoding=1, body_timeout_s=30, body_grace_s=0.0))
+    server, port = serve_grpc(queue, "127.0.0.1", 0, TOKEN)
+    never = threading.Event()
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    # a connection each (channels to one target share one unless told not to): 16 streams at most a connection
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(6)]
+    try:
+        assert _stalled(channels[0], never).exception(10).code() == grpc.StatusCode.UNAUTHENTICATED
+        stalled = [_stalled(channels[n % 5], never, auth) for n in range(64)]  # 13 or fewer a connection
+        one_ended = threading.Event()
+        for future in stalled:
+            future.add_done_callback(lambda _: one_ended.set())
+        export = channels[5].unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+        for n in range(3):  # the first takes the place of a stalled call; the next ones that place in turn
+            answer = ExportTraceServiceResponse.FromString(export(_body(_stream_span(f"g{n}")), timeout=10,
+                                                                  metadata=auth))
+            assert answer.partial_success.rejected_spans == 0
+        assert one_ended.wait(10)
+        (made_way,) = [f for f in stalled if f.done()]
+        assert made_way.exception().code() == grpc.StatusCode.UNAVAILABLE
+        assert "made way" in made_way.exception().details()
+    finally:
+        never.set()
+        for channel in channels:
+            channel.close()
+        server.stop(None)
+        queue.close()
+    assert detector.ledger.find("g2", "7") is not None
+
+
+def test_otlp_grpc_call_whose_message_never_comes_ends_at_the_bodys_timeout():
+    queue = IngestQueue(Detector(), IngestLimits(body_timeout_s=0.3))
+    server, port = serve_grpc(queue, "127.0.0.1", 0)
+    never = threading.Event()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            refused = _stalled(channel, never).exception(10)
+            assert refused.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "not received within" in refused.details()
+    finally:
+        never.set()
         server.stop(None)
         queue.close()
 

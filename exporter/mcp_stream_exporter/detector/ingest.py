@@ -1,4 +1,4 @@
-"""OTLP in: bodies received with limits, a bounded queue in front of the detector, and the gRPC receiver.
+"""OTLP in: bodies received with limits, and a bounded queue in front of the detector.
 
 Every refusal has a clear answer (OTLP/HTTP spec): 400 for a body that does not decode, 413 for one
 too large before or after decompression (a gzip bomb is refused while inflating, never inflated
@@ -21,18 +21,14 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import contextmanager
 from typing import Any, Final
 
-import grpc
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
 from mcp_stream_exporter.detector import sizes
-from mcp_stream_exporter.detector.connections import ConnectionLimits
-from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.detector import Detector, Event, Outcome
 from mcp_stream_exporter.detector.limits import IngestError, IngestLimits, busy
 from mcp_stream_exporter.detector.metrics import OperationCounts
@@ -40,7 +36,7 @@ from mcp_stream_exporter.detector.otlp import Batch, decode_protobuf
 from mcp_stream_exporter.redaction import redact
 
 __all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQueue", "busy", "decode",
-           "decode_protobuf", "decompress", "partial_success", "receive", "serve_grpc"]
+           "decode_protobuf", "decompress", "partial_success", "receive"]
 
 log = logging.getLogger("mcp_stream_exporter.detector")
 ExportRequest = trace_service_pb2.ExportTraceServiceRequest
@@ -359,69 +355,3 @@ def receive(queue: IngestQueue, batch: Batch, transport: str) -> Outcome | None:
     if events and not queue.offer(events):
         return None
     return outcome
-
-
-class _TraceService:
-    """OTLP/gRPC ``Export``, taking the request's bytes: decoded like an HTTP body (bounded, span by span)."""
-
-    def __init__(self, queue: IngestQueue, token: str | None) -> None:
-        self._queue = queue
-        self._token = token
-
-    def export(self, body: bytes, context: grpc.ServicerContext) -> Any:
-        rejected = self._queue.detector.metrics.requests_rejected
-        if self._token is not None:
-            sent = dict(context.invocation_metadata()).get("authorization", "")
-            if not bearer_matches(str(sent), self._token):
-                rejected.labels("unauthorized").inc()
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "a bearer token is required")
-        if not self._queue.reserve(len(body)):  # the request bodies held at once, HTTP's and gRPC's together
-            rejected.labels("busy").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the detector holds as many request bodies as it may; retry "
-                                                       "with backoff")
-        try:
-            with self._queue.decoding():
-                outcome = receive(self._queue, decode_protobuf(body, self._queue.limits), "otlp_grpc")
-        except IngestError as exc:
-            rejected.labels(exc.metric_reason).inc()
-            status = grpc.StatusCode.UNAVAILABLE if exc.status == 429 else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(status, exc.reason)
-        finally:
-            self._queue.release(len(body))
-        if outcome is None:  # OTLP/gRPC: UNAVAILABLE is retryable with backoff
-            rejected.labels("queue_full").inc()
-            context.abort(grpc.StatusCode.UNAVAILABLE, "ingest queue full; retry with backoff")
-        return partial_success(outcome)
-
-
-# RPCs gRPC holds waiting for a decoding thread, beside those decoding: a sender among them waits its turn (or its own
-# deadline), and is refused only as this service refuses, UNAVAILABLE (retryable). Past them gRPC's own
-# RESOURCE_EXHAUSTED, without RetryInfo, which some OTLP exporters take as final: 8 in all took a quarter of ten
-# senders' batches (the Collector's default consumers). Each holds its message (up to --max-body-bytes) outside the
-# bodies' budget: 16 more cost some 90 MB under a flood of 4 MiB bodies, as many threads some 600 MB
-_WAITING_RPCS = 16
-
-
-def serve_grpc(queue: IngestQueue, host: str, port: int, token: str | None = None,
-               tls: tuple[bytes, bytes] | None = None,
-               connection: ConnectionLimits | None = None) -> tuple[grpc.Server, int]:
-    """The OTLP/gRPC receiver (what the Collector's loadbalancing exporter speaks); returns it and its port."""
-    connection = connection or ConnectionLimits()
-    limits = queue.limits
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=limits.max_decoding, thread_name_prefix="mcp-stream-otlp-grpc"),
-        maximum_concurrent_rpcs=limits.max_decoding + _WAITING_RPCS,
-        options=[("grpc.max_receive_message_length", min(limits.max_body_bytes, limits.max_decompressed_bytes)),
-                 ("grpc.max_connection_idle_ms", int(connection.idle_timeout_s * 1000)),
-                 ("grpc.max_concurrent_streams", 16)])
-    service = _TraceService(queue, token)
-    handler: grpc.RpcMethodHandler[bytes, Any] = grpc.unary_unary_rpc_method_handler(
-        service.export, request_deserializer=None, response_serializer=ExportResponse.SerializeToString)  # raw bytes in
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "opentelemetry.proto.collector.trace.v1.TraceService", {"Export": handler}),))
-    address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, grpc.ssl_server_credentials([tls])) if tls
-             else server.add_insecure_port(address))
-    server.start()
-    return server, bound
-

@@ -23,7 +23,8 @@ from mcp_stream_exporter.asgi import ASGIApp, Receive, Scope, Send
 from mcp_stream_exporter.detector.app import create_app
 from mcp_stream_exporter.detector.connections import server_config
 from mcp_stream_exporter.detector.detector import Detector
-from mcp_stream_exporter.detector.ingest import IngestQueue, serve_grpc
+from mcp_stream_exporter.detector.grpc_receiver import serve_grpc
+from mcp_stream_exporter.detector.ingest import IngestQueue
 from mcp_stream_exporter.detector.settings import PROG, ConfigError, ServiceConfig, effective, load
 from mcp_stream_exporter.detector.snapshot import SnapshotLocked, Snapshots
 from mcp_stream_exporter.semconv import INSTRUMENTATION_VERSION

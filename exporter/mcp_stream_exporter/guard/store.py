@@ -196,10 +196,10 @@ class GuardedEventStore(EventStore):
     ``replay="stream"`` replays the cursor's stream (the SDK's shape); ``"session"`` every event of
     the session after the cursor (servers that replay session-wide): each event is checked against
     its own call's requirement either way; ``"session"`` replays other streams' messages, which an SDK
-    2.3 client hands the resumed stream's call as its own (docs/guard.md). ``opaque="refuse"`` refuses an opaque (non-JWT) token any
-    event that requires something, since its audience cannot be read; ``"allow"`` trusts the server's
-    own authentication for them. With a verifying ``token_reader`` only verified tokens count.
-    With a ``SharedEventStorage`` (e.g. ``RedisEventStorage``), a resume that reaches a server
+    2.3 client hands the resumed stream's call as its own (docs/guard.md). ``opaque="refuse"`` refuses
+    an opaque (non-JWT) token any event that requires something, since its audience cannot be read;
+    ``"allow"`` trusts the server's own authentication for them. With a verifying ``token_reader`` only
+    verified tokens count. With a ``SharedEventStorage`` (e.g. ``RedisEventStorage``), a resume that reaches a server
     process which does not hold the session is answered from the storage.
     """
 
