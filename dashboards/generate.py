@@ -147,6 +147,14 @@ def _quantiles(metric: str, matchers: str) -> list[prometheus.Dataquery]:
             for q, ref in ((0.5, "A"), (0.95, "B"), (0.99, "C"))]
 
 
+def _counted(counter: str) -> str:
+    """What ``counter`` counted per interval, a series born within it included: a counter's first sample (a tool seen
+    for the first time, a restarted detector's first finding of a rule) is already at its count, where ``increase()``
+    sees nothing, and the alert it pages shows as nothing (the alerts' recording rules count it)."""
+    selected = f"{counter}{{{SEL}}}"
+    return f"increase({selected}[$__rate_interval]) or ({selected} unless {selected} offset $__rate_interval)"
+
+
 def overview() -> dashboard.Dashboard:
     return (_board("MCP streams / Overview", "mcp-stream-overview",
                    "Lost tool results on resumable MCP streams: what was lost, why, and the resumes around it.")
@@ -157,8 +165,8 @@ def overview() -> dashboard.Dashboard:
                 "Anything above zero pages as MCPToolResultSilentlyLost; exemplars link to the trace, a click on a "
                 "series to the lost calls on the detector's findings page.",
                 "short",
-                _query(f"sum by (tool, rule) (increase(mcp_stream_silent_losses_total{{{SEL}}}[$__rate_interval]))",
-                       "{{tool}} {{rule}}"), alert="MCPToolResultSilentlyLost", steps=[(None, "green"), (1, "red")])
+                _query(f"sum by (tool, rule) ({_counted('mcp_stream_silent_losses_total')})", "{{tool}} {{rule}}"),
+                alert="MCPToolResultSilentlyLost", steps=[(None, "green"), (1, "red")])
                         .data_links([_findings_link(
                             "Lost calls of ${__field.labels.tool} (${__field.labels.rule})",
                             "?rule=${__field.labels.rule}&tool=${__field.labels.tool}")]))
@@ -167,8 +175,7 @@ def overview() -> dashboard.Dashboard:
                 "Findings raised by the detector per interval; a click on a series opens them on the detector's "
                 "findings page (/ui/?rule=<rule>), each with its call's timeline, or as JSON from /api/findings.",
                 "short",
-                _query(f"sum by (rule, severity) (increase(mcp_stream_findings_total{{{SEL}}}[$__rate_interval]))",
-                       "{{rule}} ({{severity}})"))
+                _query(f"sum by (rule, severity) ({_counted('mcp_stream_findings_total')})", "{{rule}} ({{severity}})"))
                         .data_links([_findings_link("Findings of rule ${__field.labels.rule}",
                                                     "?rule=${__field.labels.rule}"),
                                      _api_link("Findings of rule ${__field.labels.rule} (JSON)",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from promtool import check_rules
+from promtool import check_rules, promtool
 
 from panel_queries import DASHBOARDS, dashboards, panels, queries, substitute
 
@@ -78,8 +78,10 @@ def test_targets_follow_the_linter(name):
             assert window and window[1] == "$__rate_interval", f"target-rate-interval-rule {title}: {expr}"
         assert 'job=~"$job"' in expr, f"target-job-rule {title}"
         assert 'instance=~"$instance"' in expr, f"target-instance-rule {title}"
-        for counter in re.finditer(r"\b\w+_total\b", expr):
-            before = expr[:counter.start()]
+        # but a counter's series born within the interval, at its count (what increase() cannot see): ``_counted``
+        rated = re.sub(r"\((\w+_total\{[^}]*\}) unless \1 offset \$__rate_interval\)", "", expr)
+        for counter in re.finditer(r"\b\w+_total\b", rated):
+            before = rated[:counter.start()]
             assert RANGE_FUNCTIONS.search(before[-40:]), f"target-counter-agg-rule {title}: {counter[0]}"
 
 
@@ -188,3 +190,33 @@ def test_every_query_steps_at_least_the_charts_scrape_interval_so_a_rate_spans_f
         for panel in panels(board):
             for target in panel.get("targets", ()):
                 assert target.get("interval") == generate.SCRAPE_INTERVAL, panel.get("title")
+
+
+@pytest.mark.parametrize(("title", "counter", "by"), [
+    ("Silent losses by tool and rule", "mcp_stream_silent_losses_total", ("tool", "rule")),
+    ("Findings by rule", "mcp_stream_findings_total", ("rule", "severity"))])
+def test_a_counter_born_at_its_first_count_shows_on_its_panel_as_the_alert_it_pages_counts_it(tmp_path, title,
+                                                                                              counter, by):
+    """A tool first seen with a finding raised at once, or a restarted detector's first finding of a rule: the
+    series' first sample is already 1, which increase() never sees; the page fired and the panel showed nothing."""
+    (expr,) = [e for t, e in queries(BOARDS["mcp-stream-overview.json"]) if t == title]
+    born = {"job": "d", "instance": "i:9464", "tool": "other", "rule": "replay_truncated", "severity": "critical"}
+    counted = {**born, "tool": "fetch", "rule": "clean_end_pending"}  # from 0, as increase() sees it
+
+    def written(labels: dict[str, str], keep=None) -> str:
+        return "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items() if keep is None or k in keep) + "}"
+
+    def samples(value: int) -> list[dict[str, object]]:
+        return [{"labels": written(labels, by), "value": value} for labels in (born, counted)]
+
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": counter + written(born), "values": "_ _ _ 1 1 1 1 1"},
+                         {"series": counter + written(counted), "values": "0 0 0 1 1 1 1 1"}],
+        "promql_expr_test": [{"expr": substitute(expr, rate_interval="2m"), "eval_time": at, "exp_samples": samples(n)}
+                             for at, n in (("3m", 1), ("7m", 0))],
+    }]}
+    path = tmp_path / "panel_test.yaml"
+    path.write_text(yaml.safe_dump(tests))
+    run = promtool("test", "rules", str(path))
+    assert run.returncode == 0, run.stdout + run.stderr

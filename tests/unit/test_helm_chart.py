@@ -548,3 +548,27 @@ def test_runbook_base_url_reaches_every_runbook_link_the_alerts_the_dashboards_a
     assert f"--runbook-base-url={base}" in args
     assert load(args[1:]).config.links().runbook("MCPResumeLoop") == f"{root}/MCPResumeLoop.md"
     assert not [a for a in _container(_render(CHART, {}, ()))["args"] if a.startswith("--runbook-base-url")]
+
+
+@pytest.mark.parametrize("namespace", ["", "mcp-apps"])
+def test_the_guard_redis_secret_is_created_where_the_mcp_servers_that_mount_it_run(namespace):
+    """A pod reads a Secret of its own namespace only: one in the detector's is of no use to servers elsewhere."""
+    values = {"guardRedis": {"url": "rediss://:pw@redis:6379/0", "namespace": namespace}}
+    (secret,) = [o for o in _render(CHART, values, ()) if o["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "mcp-stream-exporter-guard-redis"  # as docs/guard.md names it
+    assert secret["metadata"]["namespace"] == (namespace or "monitoring")
+    assert _validate(secret) == []
+
+
+@pytest.mark.parametrize(("interval", "refused"), [("5s", "must not exceed serviceMonitor.interval"),
+                                                   ("3m", "must be at most 75s"), ("1m15s", None), ("15s", None)])
+def test_a_scrape_interval_that_would_scrape_nothing_or_silence_the_rate_alerts_is_refused(interval, refused):
+    """A timeout past the interval: the operator refuses the ServiceMonitor whole. An interval past 2.5 minutes: the
+    alerts' rates over 5 minutes never see two samples. Either was rendered, and failed silently."""
+    values = {"serviceMonitor": {"enabled": True, "interval": interval}}
+    if refused is None:
+        (monitor,) = [o for o in _render(CHART, values, (MONITORING,)) if o["kind"] == "ServiceMonitor"]
+        assert monitor["spec"]["endpoints"][0]["interval"] == interval
+        return
+    with pytest.raises(Exception, match=refused):
+        _render(CHART, values, (MONITORING,))

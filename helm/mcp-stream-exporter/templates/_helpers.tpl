@@ -240,3 +240,10 @@ Non-empty for yes. Call with (list .Values.<object>.enabled .Capabilities).
 yes
 {{- end -}}
 {{- end }}
+
+{{- /* A duration the values schema admits (minutes and seconds: 1m30s), in seconds. */}}
+{{- define "mcp-stream-exporter.seconds" -}}
+{{- $minutes := regexFind "[0-9]+m" . | trimSuffix "m" | default "0" | int -}}
+{{- $seconds := regexFind "[0-9]+s" . | trimSuffix "s" | default "0" | int -}}
+{{- add (mul $minutes 60) $seconds -}}
+{{- end }}
