@@ -587,13 +587,16 @@ async def test_a_user_cancel_between_a_polling_servers_stream_end_and_the_resume
         assert after_grace(found, clock) == []
 
 
+@pytest.mark.parametrize("window", ["replay", "priming"])
 @pytest.mark.parametrize("hints", [False, True], ids=["cancel", "resumption_hints"])
-async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_loss(hints):
+async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_loss(hints, window):
     """``poll`` closes its POST after its first step; the SDK resumes. The store's replay returns a second after it
-    read what it replays (a remote store), and the tool stores its result meanwhile: the SDK, which takes the resume
-    for the call's stream only once the replay returns, drops it. The resume stays open without it past its
-    caller's timeout (with resumption hints no cancel goes out, and it stays open while the client lives): the
-    server stored a result that no stream carried, and says so as it stores it."""
+    read what it replays (a remote store), or the priming event the SDK stores for the resumed stream after it is
+    stored a second later, and the tool stores its result meanwhile: the SDK, which takes the resume for the call's
+    stream only once the replay returned and that priming event went out, drops it. The resume stays open without
+    it past its caller's timeout (with resumption hints no cancel goes out, and it stays open while the client
+    lives): the server stored a result that no stream carried, and says so as it stores it. (The priming window
+    was missed: the hooks took the resume for the stream as its replay returned.)"""
     from mcp.shared.message import ClientMessageMetadata
     from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
 
@@ -605,7 +608,7 @@ async def test_a_result_stored_while_a_resume_replays_which_the_sdk_drops_is_a_l
 
     span_exporter().clear()
     with detector() as (found, clock):
-        async with incident("legacy", replay_latency_s=1.0, step_delay=0.1) as lab:
+        async with incident("legacy", step_delay=0.1, **{f"{window}_latency_s": 1.0}) as lab:
             with pytest.raises(MCPError):
                 await lab.client.session.send_request(
                     CallToolRequest(params=CallToolRequestParams(name="poll", arguments={"steps": 5})),

@@ -241,6 +241,25 @@ def test_the_session_manager_routes_a_non_handshake_version_sessionless_and_keys
         streamable_http.StreamableHTTPServerTransport)
 
 
+def test_the_message_router_sends_what_it_stored_only_on_a_request_stream_registered_as_the_store_returns():
+    """``hooks.server._routes``: right after a message is stored, with no await between, the SDK's message router
+    sends it on the request stream registered under the store's stream id, or drops it; a resumed stream is
+    registered only after its replay returned and its priming event went out; the transports are the session
+    manager's ``_server_instances``, by session id."""
+    from mcp.server import streamable_http, streamable_http_manager
+
+    router = inspect.getsource(streamable_http.StreamableHTTPServerTransport.connect)
+    stored = router.index("event_id = await self._event_store.store_event(request_stream_id, message)")
+    routed = router.index("if request_stream_id in self._request_streams:", stored)
+    assert "await" not in router[router.index("\n", stored):routed]
+    resume = inspect.getsource(streamable_http.StreamableHTTPServerTransport._replay_events)
+    replayed = resume.index("stream_id = await event_store.replay_events_after(last_event_id, send_event)")
+    primed = resume.index("await sse_stream_writer.send(priming_event)", replayed)
+    assert primed < resume.index("self._request_streams[stream_id] = anyio.create_memory_object_stream", primed)
+    assert "self._server_instances[session_id] = http_transport" in inspect.getsource(
+        streamable_http_manager.StreamableHTTPSessionManager)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("options", [{"mode": "legacy"}, {}])
 async def test_the_sdk_client_builds_each_post_from_its_message_as_json_which_httpx2_encodes_at_once(options):

@@ -7,7 +7,7 @@ A delegating ``EventStore``: every call goes to the author's store unchanged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
@@ -53,6 +53,9 @@ class StoreRecorder:
         self.tracker = tracker
         self.tracer = tracer
         self._requirements = requirements
+        # whether the SDK sends what a session stores on a stream, asked right after the store (``instrument_server``
+        # given the server); None: not known, and a stream open for the call is taken to carry it
+        self.routes: Callable[[str | None, object], bool | None] | None = None
         # (session, stream) -> its events' ids and frame kinds, alternating: no tuple for each event; as many events
         # in all as the index below keeps (``_held_events``), the oldest streams going first
         self._stored: OrderedDict[str, list[str]] = OrderedDict()
@@ -96,7 +99,9 @@ class StoreRecorder:
         call = self.tracker.call(key)
         if call is not None:
             call.event(sc.EVENT_STORED, fields)  # attributes built if it is a span
-            self.tracker.stored(call, event_id, outcome_of(message))
+            routes = self.routes
+            self.tracker.stored(call, event_id, outcome_of(message),
+                                routed=None if routes is None else routes(session_id, stream_id))
 
     def store_failed(self, session_id: str, error: Exception) -> None:
         """The author's store raised storing a message of the session (only the SDK's message router stores one):

@@ -601,16 +601,21 @@ class Tracker:
         if len(answered) > self._max_calls:
             answered.popitem(last=False)
 
-    def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None) -> None:
+    def stored(self, call: Call, event_id: str, outcome: str, at_ns: int | None = None,
+               routed: bool | None = None) -> None:
         """(server) The call's terminal event was stored (at ``at_ns``, else now; the first such store is the one
         kept). Its exchange (its answer's response yet to start: a JSON answer is stored before it is sent), a
         stream open for it, or a resume still replaying (``replayed``) may still carry it; with none, nothing
-        delivers it unless the client resumes (``unsent``)."""
+        delivers it unless the client resumes (``unsent``). ``routed``: whether the SDK sends it on a stream, where
+        the hooks know (``StoreRecorder.routes``): a resume whose replay returned takes the stream only once it sent
+        its priming event, and a result stored in between is dropped, as with no stream open."""
         if call.done or call.stateless:
             return
         if call.stored_result is None:
             call.stored_result = (event_id, outcome, time.time_ns() if at_ns is None else at_ns)
-        if not call.on_exchange and not call.open_streams and not call.replaying:
+        if call.replaying:
+            return  # ``replayed`` tells
+        if routed is False or (routed is None and not call.on_exchange and not call.open_streams):
             self.unsent(call, call.stored_result[2])
 
     def replayed(self, call: Call, sent: Collection[str]) -> None:

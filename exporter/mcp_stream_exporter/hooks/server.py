@@ -137,6 +137,7 @@ def instrument_server(
     app.build_middleware_stack = observed_stack  # type: ignore[method-assign]  # as OTel's FastAPI instrumentor
     _observed.add(app)
     instr.observer.holds = _holds(target)
+    instr.recorder.routes = _routes(target)
     return app
 
 
@@ -152,6 +153,22 @@ def _refuse_misuse(target: object, event_store: object) -> None:
             callable(getattr(event_store, method, None)) for method in ("store_event", "replay_events_after"))):
         what = f"the class {event_store.__name__}" if isinstance(event_store, type) else type(event_store).__name__
         raise TypeError(f"event_store must be an EventStore instance, not {what}")
+
+
+def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None]:
+    """Whether the SDK sends what a session stores on ``stream_id`` now: its message router, right after the store,
+    sends a message on the stream registered for it, and drops it if none is (a resume's replay returned and its
+    live tail not registered yet; no stream open). None: not known (pinned by
+    tests/integration/test_sdk_contract.py)."""
+    manager = server.session_manager
+
+    def routes(session_id: str | None, stream_id: object) -> bool | None:
+        sessions = getattr(manager, "_server_instances", None)
+        transport = sessions.get(session_id) if isinstance(sessions, dict) and session_id is not None else None
+        streams = getattr(transport, "_request_streams", None)
+        return stream_id in streams if isinstance(streams, dict) else None
+
+    return routes
 
 
 def _holds(server: MCPServer) -> Callable[[str], bool] | None:

@@ -66,15 +66,20 @@ class IncidentEventStore(EventStore):
     request ids and repeat across sessions), so many sessions can share one store without a replay
     crossing sessions: the fleet (``lab.fleet``) runs hundreds.
 
-    ``replay_latency_s`` is a remote store's: a replay returns that long after it read what it replays. Whatever
-    the call stores meanwhile the SDK drops (it takes the resume for the call's stream only once the replay
-    returns), as it does in the shorter window a store in memory leaves."""
+    ``replay_latency_s`` is a remote store's: a replay returns that long after it read what it replays; and
+    ``priming_latency_s``: the priming event the SDK stores for a resumed stream after its replay returns is stored
+    that long after. Whatever the call stores meanwhile the SDK drops (it takes the resume for the call's stream
+    only once the replay returned and its priming event went out), as it does in the shorter windows a store in
+    memory leaves."""
 
     def __init__(self, policy: ToolPolicy, *, max_events_per_stream: int = 1000,
-                 session_wide_filter: bool = False, replay_latency_s: float = 0.0) -> None:
+                 session_wide_filter: bool = False, replay_latency_s: float = 0.0,
+                 priming_latency_s: float = 0.0) -> None:
         self._policy = policy
         self._session_wide_filter = session_wide_filter
         self._replay_latency_s = replay_latency_s
+        self._priming_latency_s = priming_latency_s
+        self._resumed: set[_Key] = set()  # streams a replay returned, whose next priming event is a resume's
         self._ids = itertools.count(1)
         self._streams: dict[_Key, deque[_Entry]] = {}
         self._index: dict[EventId, _Entry] = {}
@@ -90,6 +95,11 @@ class IncidentEventStore(EventStore):
         return await call_next(ctx)
 
     async def store_event(self, stream_id: StreamId, message: JSONRPCMessage | None) -> EventId:
+        if message is None and self._resumed:
+            resumed = (_session(), stream_id)
+            if resumed in self._resumed:
+                self._resumed.discard(resumed)
+                await asyncio.sleep(self._priming_latency_s)
         entry = _Entry(str(next(self._ids)), stream_id, message, _session())
         buf = self._streams.setdefault((entry.session_id, stream_id), deque(maxlen=self._max))
         if len(buf) == buf.maxlen:
@@ -102,6 +112,8 @@ class IncidentEventStore(EventStore):
         stream_id = await self._replay(last_event_id, send_callback)
         if self._replay_latency_s:
             await asyncio.sleep(self._replay_latency_s)
+        if self._priming_latency_s and stream_id is not None:
+            self._resumed.add((_session(), stream_id))
         return stream_id
 
     async def _replay(self, last_event_id: EventId, send_callback: EventCallback) -> StreamId | None:

@@ -114,7 +114,7 @@ class Incident:
 async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_calls: bool = False,
                    resolve: bool = True, session_wide_filter: bool = False,
                    retry_interval: int = 200, step_delay: float = 0.05, json_response: bool = False,
-                   replay_latency_s: float = 0.0,
+                   replay_latency_s: float = 0.0, priming_latency_s: float = 0.0,
                    tracer_provider: trace.TracerProvider | None = None) -> AsyncIterator[Incident]:
     """``mode="legacy"`` negotiates the resumable era; ``None`` lets the SDK pick (2026-07-28).
     ``guarded`` serves with the replay guard instead of the incident's naive replay store;
@@ -122,7 +122,8 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_
     ``resolve`` wraps the client with the guard's resolver, so a refused resume fails its call at once;
     ``session_wide_filter`` makes the naive store skip what the token may not see and replay the rest
     of the session (``IncidentEventStore``), and ``replay_latency_s`` makes its replays return that much later, as
-    a remote store's do; ``json_response`` answers each POST with one JSON body."""
+    a remote store's do, ``priming_latency_s`` a resumed stream's priming event stored that much later;
+    ``json_response`` answers each POST with one JSON body."""
     issuer = TokenIssuer()
     policy = incident_policy()
     store: EventStore
@@ -131,7 +132,7 @@ async def incident(mode: str | None = "legacy", *, guarded: bool = False, guard_
         server = build_incident_server(issuer, step_delay=step_delay)
     else:
         store = naive = IncidentEventStore(policy, session_wide_filter=session_wide_filter,
-                                           replay_latency_s=replay_latency_s)
+                                           replay_latency_s=replay_latency_s, priming_latency_s=priming_latency_s)
         server = build_incident_server(issuer, store=naive, step_delay=step_delay)
     if guard_calls:
         server.middleware.append(CallGuard(policy))
