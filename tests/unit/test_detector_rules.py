@@ -134,6 +134,11 @@ def test_a_narrowed_resume_still_open_is_judged_at_its_end_where_an_error_frame_
         assert "narrowed_resume" not in rules(run([so_far, refused], after_s=1))
         assert "narrowed_resume" in rules(run([so_far, stream(role, "resume", "clean", at=1.1, events=2, first="7",
                                                               last="8", **narrowed)], after_s=1))
+        # one that never ends (the SDK keeps it open for no caller; a client that crashed): judged a grace later
+        assert "narrowed_resume" not in rules(run([so_far], after_s=1))
+        (finding,) = run([so_far], after_s=6).findings
+        assert (finding.rule, finding.evidence["end_reason"]) == ("narrowed_resume", "open")
+        assert "narrowed_resume" not in rules(run([so_far, refused], after_s=60))
 
 
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():

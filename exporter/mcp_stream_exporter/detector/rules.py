@@ -11,6 +11,7 @@ a loss from the absence of a span a sampler may drop: the SDK's spans only add c
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -123,6 +124,9 @@ _STORED = "stored"
 _EXPIRED = "expired"
 _STORE_FAILED = "store_failed"
 _SENT = "sent"  # the result went out and its client cancelled the call after, later than a race could explain
+_NARROWED_OPEN = "narrowed_open"  # a narrowed resume still open: judged a grace later unless its end told first
+# narrowed resumes still open held for that judgement; past them the oldest is judged at once
+_MAX_OPEN_NARROWED = 4096
 
 
 class RuleEngine:
@@ -139,6 +143,8 @@ class RuleEngine:
         self._stuck_after_ns = _ns(config.stuck_after_s)
         self._cancel_race_ns = _ns(config.cancel_race_s)
         self._stuck_counted_ns = 0  # when the stuck calls were last counted (every _STUCK_EVERY_NS)
+        # (call scope, request id) -> the span of a narrowed resume of it so far (``end.reason = open``)
+        self._open_narrowed: OrderedDict[tuple[str, str], StreamEnd] = OrderedDict()
 
     # --- events ---
 
@@ -296,6 +302,10 @@ class RuleEngine:
                 self._check_store_failed(call, now_ns)
             elif what == _SENT:
                 self._check_sent(call, now_ns)
+            elif what == _NARROWED_OPEN:
+                still_open = self._open_narrowed.pop((call.scope, call.request_id), None)
+                if still_open is not None:
+                    self._narrowed_resume(still_open, call, call.request_id, now_ns)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -457,15 +467,24 @@ class RuleEngine:
             for rid in e.pending_ids or e.request_ids:
                 self.ledger.resumed(calls[rid], at.role, explicit, at.start_ns, at.end_ns, unheeded)
         # an HTTP error tells and carries nothing; a stream cut before anything came says nothing of what the server
-        # answered (the guard's error frame may have been its first); one still open may yet be refused with an
-        # error frame (the guard's prefix policy sends what the token covers first): judged at its end
-        if (e.token.gap and not explicit and e.reason not in (sc.END_HTTP_ERROR, sc.END_OPEN)
-                and (e.events or e.reason != sc.END_DROPPED)):
-            for rid in e.pending_ids or e.request_ids:
-                self._emit(RuleId.NARROWED_RESUME, calls[rid], at, rid, now_ns, lambda: {
-                    "cursor": e.cursor,
-                    **_gap(e.token, e.required or calls[rid].required),  # noqa: B023 (called at once)
-                    "events": e.events, "end_reason": e.reason})
+        # answered (the guard's error frame may have been its first)
+        narrowed = (e.token.gap and not explicit and e.reason != sc.END_HTTP_ERROR
+                    and (e.events or e.reason != sc.END_DROPPED))
+        for rid in e.pending_ids or e.request_ids:
+            call = calls[rid]
+            key = (call.scope, rid)
+            if e.reason == sc.END_OPEN:
+                # one still open may yet be refused with an error frame (the guard's prefix policy sends what the
+                # token covers first): judged at its end, or a grace from now if it has not ended by then (a resume
+                # the SDK keeps open for no caller, or whose end is never told)
+                if narrowed and not call.finding(RuleId.NARROWED_RESUME):
+                    self._hold_open_narrowed(key, e, call, now_ns)
+                continue
+            held = self._open_narrowed.get(key)
+            if held is not None and held.cursor == e.cursor:  # its end tells
+                del self._open_narrowed[key]
+            if narrowed:
+                self._narrowed_resume(e, call, rid, now_ns)
         if e.cursor is None or progressed:
             return
         window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
@@ -476,9 +495,25 @@ class RuleEngine:
             # call's: the calls of the stream that ended at this cursor
             known = e.request_ids or self.ledger.cursor_calls(session, e.cursor)
             for rid in known or (f"cursor:{e.cursor}",):
-                call = calls.get(rid) or self.ledger.find(at.scope, rid)
-                self._emit(RuleId.RESUME_LOOP, call, at, rid, now_ns, lambda: {
-                    "cursor": e.cursor, "resumes": len(window), "window_s": (at.end_ns - window[0]) / 1e9})
+                self._emit(RuleId.RESUME_LOOP, calls.get(rid) or self.ledger.find(at.scope, rid), at, rid, now_ns,
+                           lambda: {"cursor": e.cursor, "resumes": len(window),
+                                    "window_s": (at.end_ns - window[0]) / 1e9})
+
+    def _narrowed_resume(self, e: StreamEnd, call: CallState, rid: str, now_ns: int) -> None:
+        self._emit(RuleId.NARROWED_RESUME, call, e.at, rid, now_ns, lambda: {
+            "cursor": e.cursor, **_gap(e.token, e.required or call.required), "events": e.events,
+            "end_reason": e.reason})
+
+    def _hold_open_narrowed(self, key: tuple[str, str], e: StreamEnd, call: CallState, now_ns: int) -> None:
+        held = self._open_narrowed
+        held[key] = e
+        held.move_to_end(key)
+        if len(held) > _MAX_OPEN_NARROWED:
+            (scope, rid), oldest = held.popitem(last=False)
+            oldest_call = self.ledger.find(scope, rid)
+            if oldest_call is not None:
+                self._narrowed_resume(oldest, oldest_call, rid, now_ns)
+        self.ledger.schedule(now_ns + self._clean_end_grace_ns, _NARROWED_OPEN, call)
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
         call.client_gave_up()

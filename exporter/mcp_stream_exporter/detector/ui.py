@@ -211,7 +211,7 @@ def mount_ui(app: FastAPI, detector: Detector, links: UiLinks, api_token: str | 
             return login()
         filters = {"rule": rule if rule in RULES else "", "severity": severity if severity in _SEVERITIES else "",
                    "tool": tool[:200], "session": session[:200]}
-        start = int(offset) if offset.isdigit() and len(offset) < 10 else 0  # anything else: the newest
+        start = int(offset) if offset.isascii() and offset.isdigit() and len(offset) < 10 else 0  # else the newest
         with detector.lock:
             rows, total, retained = _matching(detector, filters, start)
             dropped = detector.timelines.evicted
