@@ -15,15 +15,17 @@ from collections.abc import Callable
 
 REDACTED = "[redacted]"
 _SCHEMES = "bearer|basic|dpop"
-# the credential as written in a header, and as it is quoted, logged or URL-encoded: ``Bearer: x``, ``Bearer=x``,
-# ``Bearer "x"``, ``Bearer%20x``, any Unicode space between (a no-break space)
-_TOKEN = re.compile(rf"\b(?:{_SCHEMES})(?:[\s:=\"']|%[0-9a-f]{{2}})+[^\s,;\"']+"
+# what stands between scheme and credential as a header writes it, and as text quotes, logs or encodes it:
+# ``Bearer: x``, ``Bearer=x``, ``Bearer "x"``, ``Bearer+x`` (a form), ``Bearer%20x``, ``Bearer\u0020x`` (JSON),
+# ``Bearer&#32;x`` (HTML), any Unicode space or zero-width character between
+_ESCAPED = r"%[0-9a-f]{2}|\\u[0-9a-f]{4}|\\x[0-9a-f]{2}|&#x?[0-9a-f]+;|&nbsp;"
+_TOKEN = re.compile(rf"\b(?:{_SCHEMES})(?:[\s:=\"'+\u200b-\u200d\u2060\ufeff]|{_ESCAPED})+[^\s,;\"'&]+"
                     r"|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*", re.IGNORECASE)
 
 
 # without the word boundary: in encoded bytes a length byte may stand before the scheme, and may be a letter;
 # any byte of a non-ASCII character may be (part of) a space between scheme and credential
-_TOKEN_BYTES = re.compile(rf"(?:{_SCHEMES})(?:[\s:=\"'\x80-\xff]|%[0-9a-f]{{2}})+[^\s,;\"']"
+_TOKEN_BYTES = re.compile(rf"(?:{_SCHEMES})(?:[\s:=\"'+\x80-\xff]|{_ESCAPED})+[^\s,;\"'&]"
                           r"|eyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.".encode(), re.IGNORECASE)
 
 

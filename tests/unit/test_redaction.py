@@ -16,7 +16,9 @@ def test_free_text_loses_every_token_and_keeps_the_rest():
 
 
 @pytest.mark.parametrize("written", ["Bearer: {}", "Bearer={}", 'Bearer "{}"', "Bearer%20{}", "Bearer\u00a0{}",
-                                     "Basic\u2003{}", "DPoP {}", "bearer  {}", "authorization='Basic {}'"])
+                                     "Basic\u2003{}", "DPoP {}", "bearer  {}", "authorization='Basic {}'",
+                                     "Authorization=Bearer+{}", "authorization:Bearer\\u0020{}", "Bearer&#32;{}",
+                                     "Bearer&#x20;{}", "Bearer&nbsp;{}", "Bearer\u200b{}", "Bearer\\x20{}"])
 def test_a_credential_quoted_logged_or_url_encoded_is_replaced_and_its_bytes_are_told(written: str):
     secret = "s3cr3tV4lue"
     text = written.format(secret)
