@@ -7,6 +7,7 @@ spans arrive through the span processor, so ``/v1/traces`` is not mounted).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from mcp_stream_exporter.detector.findings import Query as FindingQuery
 from mcp_stream_exporter.detector.ingest import (
     JSON,
     PROTOBUF,
+    BodyHold,
     IngestError,
     IngestLimits,
     IngestQueue,
@@ -65,22 +67,19 @@ class _Answer:
     headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
+def _expire(timeout: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
+    """Bring a body's deadline to now (on its loop): it made way for another, and its receiver, waiting on its
+    sender, is to refuse it. Nothing if the body is past that wait already."""
+    with contextlib.suppress(RuntimeError):  # the deadline's scope exited, or it expires already
+        timeout.reschedule(loop.time())
+
+
 def _closing(answer: _Answer) -> _Answer:
     return replace(answer, headers=(*answer.headers, _CLOSE))
 
 
 def _retry_after(limits: IngestLimits) -> tuple[tuple[bytes, bytes], ...]:
     return ((b"retry-after", str(limits.retry_after_s).encode()),)
-
-
-@dataclass(slots=True, eq=False)
-class _Coming:
-    """A request body being read: since when, what of it is reserved in the bodies' buffer, its deadline."""
-
-    since: float
-    timeout: asyncio.Timeout
-    reserved: int = 0
-    evicted: bool = False  # made way for a prompt body (``_OtlpHttp._reserve``): its reservation released
 
 
 class _OtlpHttp:
@@ -100,7 +99,6 @@ class _OtlpHttp:
         self._rejected = queue.detector.metrics.requests_rejected
         self._slots = CapacityLimiter(queue.limits.max_decoding)  # requests decoding at once, waited for here
         self._threads = CapacityLimiter(queue.limits.max_decoding)  # the threads they decode on: never waited for
-        self._coming: set[_Coming] = set()  # the bodies being read
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/traces":
@@ -185,69 +183,58 @@ class _OtlpHttp:
         """The request's body, reserved in the queue's body buffer (the caller releases it); or the answer
         to one refused while it comes; None if the client went away."""
         limits = self._limits
+        queue = self._queue
+        loop = asyncio.get_running_loop()
         chunks: list[bytes] = []
         size = 0
-        coming: _Coming | None = None  # reserved (``coming.reserved``), and released here unless returned
+        hold: BodyHold | None = None
+        refusal: _Answer | None = None
+        more = True
         try:
             async with asyncio.timeout_at(deadline) as timeout:
-                coming = _Coming(asyncio.get_running_loop().time(), timeout)
-                self._coming.add(coming)
+
+                def wake() -> None:  # from whichever thread's reservation made room (gRPC's)
+                    loop.call_soon_threadsafe(_expire, timeout, loop)
+
+                hold = queue.hold(wake)
                 while True:
                     message = await messages()
-                    if coming.evicted:
-                        raise TimeoutError
                     if message["type"] != "http.request":
                         return None
                     chunk, more = message.get("body", b""), message.get("more_body", False)
+                    if hold.evicted:
+                        break
                     if size + len(chunk) > limits.max_body_bytes:
                         refusal = self._refuse(413, f"body exceeds {limits.max_body_bytes} bytes", "too_large")
                         break
-                    if not self._reserve(len(chunk), coming):
+                    if not queue.reserve(len(chunk), hold):
                         refusal = self._refuse(429, "too many request bodies held; retry after the given delay",
                                                "busy", _retry_after(limits))
                         break
                     chunks.append(chunk)
                     size += len(chunk)
                     if not more:
-                        coming.reserved = 0  # the caller's to release
+                        if not queue.keep(hold):  # made way as its last chunk came
+                            break
+                        hold = None  # the caller's to release
                         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except TimeoutError:
-            if coming is not None and coming.evicted:
-                return self._refuse(408, f"body still coming after {limits.body_grace_s} s with the buffer for "
-                                    "bodies full: it made way for another; send it faster, or retry",
-                                    "timeout", (_CLOSE,))
-            return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout", (_CLOSE,))
+            if hold is None or not hold.evicted:
+                return self._refuse(408, f"body not received within {limits.body_timeout_s} s", "timeout",
+                                    (_CLOSE,))
+            chunk = b""  # woken waiting for its next chunk
         finally:
-            if coming is not None:
-                self._coming.discard(coming)
-                self._queue.release(coming.reserved)
+            if hold is not None:
+                queue.let_go(hold)
+        if refusal is None:  # made way: retryable, as any refusal of a full buffer (a 408 would drop the batch)
+            refusal = self._refuse(429, f"the buffer for request bodies filled while this body was still coming after "
+                                   f"{limits.body_grace_s} s: it made way for another; retry after the given delay",
+                                   "busy", _retry_after(limits))
         if not more:
             return refusal
         chunks.clear()  # not held while the rest is read
         return await self._unread(refusal, messages, None if length is None else length - size - len(chunk),
                                   deadline)
-
-    def _reserve(self, size: int, coming: _Coming) -> bool:
-        """Room for ``size`` more bytes of ``coming`` in the bodies' buffer; when it is full, made by the bodies
-        begun before it and still coming past ``body_grace_s``, the longest first, which are answered 408: a
-        few slow senders would otherwise hold it, and turn every sender away, until their bodies' timeout."""
-        if not self._queue.reserve(size):
-            now = asyncio.get_running_loop().time()
-            before = min(coming.since, now - self._limits.body_grace_s)
-            for other in sorted(self._coming, key=lambda c: c.since):
-                if other.since > before:
-                    return False
-                if other is not coming and other.reserved and not other.evicted:
-                    other.evicted = True
-                    self._queue.release(other.reserved)
-                    other.reserved = 0
-                    other.timeout.reschedule(now)  # wakes it, waiting on its sender, to answer 408
-                    if self._queue.reserve(size):
-                        break
-            else:
-                return False
-        coming.reserved += size
-        return True
 
     async def _unread(self, answer: _Answer, messages: Receive, rest: int | None, deadline: float) -> _Answer | None:
         """``answer`` to a request whose body is refused before it is all in, once the ``rest`` of it (None:

@@ -4,8 +4,10 @@ A thread-pool gRPC server gives a call a thread as soon as its headers are in, a
 request's message with no bound but the sender's own deadline: two calls that never sent theirs held every
 decoding thread, and every sender behind them, for as long as they liked, token or not. Here waiting for a
 message holds no thread: the token is checked on the call's headers, a message must come within
-``body_timeout_s``, and when ``_MAX_RECEIVING`` calls wait for theirs, one waiting past ``body_grace_s`` makes way
-for a new one (the longest first), as a slow HTTP body does. Every refusal a retry may get past is
+``body_timeout_s``, and when as many calls wait for theirs as the bodies' buffer holds messages of the largest size
+(gRPC holds what of them has come, outside the buffer), one waiting past ``body_grace_s`` makes way for a new one
+(the longest first), as a slow HTTP body does. A message in whole is reserved in that buffer, where slow HTTP
+bodies make way for it. Every refusal a retry may get past is
 ``UNAVAILABLE``, never gRPC's own ``RESOURCE_EXHAUSTED``, which some OTLP exporters take as final.
 """
 
@@ -24,12 +26,10 @@ from grpc import aio
 from mcp_stream_exporter.detector.connections import ConnectionLimits
 from mcp_stream_exporter.detector.credentials import bearer_matches
 from mcp_stream_exporter.detector.ingest import IngestQueue, partial_success, receive
-from mcp_stream_exporter.detector.limits import IngestError
+from mcp_stream_exporter.detector.limits import IngestError, IngestLimits
 from mcp_stream_exporter.detector.otlp import decode_protobuf
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
-# calls waiting for their message at once; each costs a coroutine and gRPC's call state, no thread
-_MAX_RECEIVING = 64
 # calls with their message in, waiting for a decoding thread beside those decoding: a sender among them waits its
 # turn (or its own deadline). Each holds its message within the bodies' budget (``IngestQueue.reserve``)
 _WAITING_RPCS = 16
@@ -53,6 +53,8 @@ class _TraceService:
         self._executor = executor
         self._rejected = queue.detector.metrics.requests_rejected
         self._receiving: set[_Receiving] = set()
+        # calls waiting for their message at once: what of it has come gRPC holds, up to the largest message each
+        self._max_receiving = max(4, queue.limits.max_buffered_bytes // _largest_message(queue.limits))
         self._admitted = 0  # calls with their message in, decoding or waiting to
 
     async def export(self, requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, Any]) -> Any:
@@ -87,7 +89,7 @@ class _TraceService:
         limits = self._queue.limits
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if len(self._receiving) >= _MAX_RECEIVING and not self._make_way(now):
+        if len(self._receiving) >= self._max_receiving and not self._make_way(now):
             await self._refuse(context, "busy", grpc.StatusCode.UNAVAILABLE,
                                "as many senders are sending their batches as the detector takes at once; retry "
                                "with backoff")
@@ -132,6 +134,10 @@ class _TraceService:
         await context.abort(code, details)
 
 
+def _largest_message(limits: IngestLimits) -> int:
+    return min(limits.max_body_bytes, limits.max_decompressed_bytes)
+
+
 class GrpcReceiver:
     """The OTLP/gRPC receiver, served on an event loop of its own thread."""
 
@@ -147,7 +153,7 @@ class GrpcReceiver:
 
         async def start() -> tuple[aio.Server, int]:
             server = aio.server(options=[
-                ("grpc.max_receive_message_length", min(limits.max_body_bytes, limits.max_decompressed_bytes)),
+                ("grpc.max_receive_message_length", _largest_message(limits)),
                 ("grpc.max_connection_idle_ms", int(connection.idle_timeout_s * 1000)),
                 ("grpc.max_concurrent_streams", 16)])
             # raw bytes in; a stream of requests, of which one message is read, within a deadline
@@ -166,7 +172,16 @@ class GrpcReceiver:
     def stop(self, grace: float | None) -> threading.Event:
         """Stop taking calls, give those in progress ``grace`` seconds (None: none), and stop; the event is set
         once stopped (as a thread-pool gRPC server's ``stop`` answers)."""
-        asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        async def stop() -> None:
+            await self._server.stop(grace)
+            # the calls it cancelled, awaited: a loop closed under them logs tracebacks past the JSON logs
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
         self._loop.close()

@@ -20,8 +20,9 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Final
 
 from google.protobuf import json_format
@@ -35,7 +36,7 @@ from mcp_stream_exporter.detector.metrics import OperationCounts
 from mcp_stream_exporter.detector.otlp import Batch, decode_protobuf
 from mcp_stream_exporter.redaction import redact
 
-__all__ = ["JSON", "PROTOBUF", "Batch", "IngestError", "IngestLimits", "IngestQueue", "busy", "decode",
+__all__ = ["JSON", "PROTOBUF", "Batch", "BodyHold", "IngestError", "IngestLimits", "IngestQueue", "busy", "decode",
            "decode_protobuf", "decompress", "partial_success", "receive"]
 
 log = logging.getLogger("mcp_stream_exporter.detector")
@@ -261,6 +262,7 @@ class IngestQueue:
         self._tick_interval_s = tick_interval_s
         self._decoding = threading.BoundedSemaphore(limits.max_decoding)
         self._buffered = 0
+        self._holds: set[BodyHold] = set()  # bodies being received, which may make way (``reserve``)
         self._worker = threading.Thread(target=self._run, name="mcp-stream-detector-ingest", daemon=True)
         self._worker.start()
         detector.metrics.ingest_queue_spans.set_function(lambda: self._queued)  # read at scrape time
@@ -268,6 +270,11 @@ class IngestQueue:
     @property
     def queued(self) -> int:
         return self._queued
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of request bodies held (``reserve``)."""
+        return self._buffered
 
     @property
     def accepting(self) -> bool:
@@ -295,13 +302,58 @@ class IngestQueue:
         finally:
             self._decoding.release()
 
-    def reserve(self, size: int) -> bool:
-        """Room for ``size`` more bytes of request bodies (all requests together); False when full."""
+    def hold(self, wake: Callable[[], None]) -> BodyHold:
+        """A body about to be received, reserved chunk by chunk (``reserve``); ``wake`` (thread-safe, quick) tells
+        its receiver it made way for another (``BodyHold.evicted``)."""
+        hold = BodyHold(time.monotonic(), wake)
         with self._cond:
-            if self._buffered + size > self.limits.max_buffered_bytes:
+            self._holds.add(hold)
+        return hold
+
+    def keep(self, hold: BodyHold) -> bool:
+        """The body is in whole: what it reserved is its receiver's to ``release``; False if it made way first."""
+        with self._cond:
+            self._holds.discard(hold)
+            if hold.evicted:
+                return False
+            hold.reserved = 0
+            return True
+
+    def let_go(self, hold: BodyHold) -> None:
+        """The body will not be kept (refused, cut, made way): what it reserved is released."""
+        with self._cond:
+            self._holds.discard(hold)
+            self._buffered -= hold.reserved
+            hold.reserved = 0
+
+    def reserve(self, size: int, hold: BodyHold | None = None) -> bool:
+        """Room for ``size`` more bytes of request bodies (all requests together, HTTP's and gRPC's), for ``hold``
+        if given; False when full. When full, the bodies begun before this one and still coming past
+        ``body_grace_s`` make way, the longest first: a few slow senders would otherwise hold the buffer, and turn
+        every sender away, until their bodies' timeout."""
+        with self._cond:
+            if self._buffered + size > self.limits.max_buffered_bytes and not self._make_room(size, hold):
                 return False
             self._buffered += size
+            if hold is not None:
+                hold.reserved += size
             return True
+
+    def _make_room(self, size: int, hold: BodyHold | None) -> bool:
+        before = time.monotonic() - self.limits.body_grace_s
+        if hold is not None:
+            before = min(before, hold.since)
+        for other in sorted(self._holds, key=lambda h: h.since):
+            if other.since > before:
+                return False
+            if other is not hold and other.reserved and not other.evicted:
+                other.evicted = True
+                self._buffered -= other.reserved
+                other.reserved = 0
+                other.wake()
+                if self._buffered + size <= self.limits.max_buffered_bytes:
+                    return True
+        return False
 
     def release(self, size: int) -> None:
         with self._cond:
@@ -347,6 +399,17 @@ class IngestQueue:
             self._cond.notify_all()
         self._worker.join(timeout_s)
         return not self._worker.is_alive()
+
+
+@dataclass(slots=True, eq=False)
+class BodyHold:
+    """A request body being received: since when (``time.monotonic``), what of it is reserved in the bodies'
+    buffer, and whether it made way for another (its reservation released, its receiver woken to refuse it)."""
+
+    since: float
+    wake: Callable[[], None]
+    reserved: int = 0
+    evicted: bool = False
 
 
 def receive(queue: IngestQueue, batch: Batch, transport: str) -> Outcome | None:
