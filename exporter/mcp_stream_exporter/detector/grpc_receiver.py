@@ -101,7 +101,7 @@ class _TraceService:
                 body = await anext(requests, None)
         except TimeoutError:
             if receiving is not None and receiving.evicted:
-                await self._refuse(context, "timeout", grpc.StatusCode.UNAVAILABLE,
+                await self._refuse(context, "busy", grpc.StatusCode.UNAVAILABLE,
                                    f"message still coming after {limits.body_grace_s} s with as many senders "
                                    "sending: it made way for another; retry")
             await self._refuse(context, "timeout", grpc.StatusCode.DEADLINE_EXCEEDED,
