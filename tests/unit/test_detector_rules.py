@@ -417,26 +417,6 @@ def test_a_stored_result_its_client_cancelled_well_after_pages_stored_not_delive
                                                   {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
 
 
-def test_a_stored_result_whose_caller_the_sdk_failed_with_an_error_is_no_silent_loss_whichever_span_comes_first():
-    """Two drops in a row: the SDK fails the call to its caller ("reconnection attempts were exhausted"), which may
-    send it again. Its caller was told: no page of a silent loss (its server's spans alone cannot tell, and page)."""
-    failed = call(C, sc.OUTCOME_NO_TERMINAL, at=2.0)
-    drop, server_drop, stored = _stored_with_no_stream()
-    for spans in ([drop, server_drop, stored, failed], [failed, stored, drop, server_drop]):
-        detector = run(spans, after_s=60)
-        assert rules(detector) == []
-        assert detector.registry.get_sample_value("mcp_stream_silent_losses_total",
-                                                  {"tool": "fetch", "rule": "stored_not_delivered"}) is None
-        assert detector.registry.get_sample_value("mcp_stream_calls_in_flight") == 0
-    assert rules(run([server_drop, stored], after_s=60)) == ["stored_not_delivered"]
-    # a clean end that withheld it first (the incident's empty replay), then resumes that failed: the error its caller
-    # got names no cause (the clean end's finding, which the stored result joins)
-    emptied = stream(C, "resume", "clean", pending=("3",), cursor="6", at=1.5)
-    detector = run([drop, server_drop, stored, emptied, failed], after_s=60)
-    assert rules(detector) == ["clean_end_pending"] and next(iter(detector.findings)).evidence["also"] == [
-        "stored_not_delivered"]
-
-
 def test_stored_not_delivered_is_silent_when_a_resume_delivers_the_stored_result():
     delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15")
     assert rules(run([*_stored_with_no_stream(), delivered], after_s=60)) == []

@@ -53,8 +53,7 @@ _PAIR_BYTES = sizes.TUPLE + 2 * sizes.ITEM + 2 * sys.getsizeof(_LATEST_NS)
 _SEEN_FLOOR = 4096  # the retry window's newest spans, kept through memory pressure and across a restart
 # bits of ``CallState.flags``: ``cancelled``; ``late_cancel``'s values; ``running``; a server call span of it came;
 # the clean-end clock stands for its client's POST; a server closed its POST as it accepted its session's DELETE;
-# its client read a refused resume of it to the end and did not fail it (``told``); its client's SDK failed it to its
-# caller with an error (``sdk_failed``)
+# its client read a refused resume of it to the end and did not fail it (``told``)
 _CLIENT_GAVE_UP = 1
 CANCEL_RACED = 2
 CANCEL_LATE = 4
@@ -63,7 +62,6 @@ _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
 _REFUSAL_UNHEEDED = 128
-_FAILED_TO_CALLER = 256
 _MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
@@ -188,16 +186,6 @@ class CallState:
             self.flags |= _REFUSAL_UNHEEDED
         resumed[at] = max(resumed[at], start_ns if refused else end_ns)
         self.resumed = (resumed[0], resumed[1], resumed[2], resumed[3])
-
-    def failed_to_caller(self) -> None:
-        """Its client's SDK failed it to its caller with an error (a resumable call's ``no_terminal``: its resumes
-        ran out on errors, its stream broke without a cursor)."""
-        self.flags |= _FAILED_TO_CALLER
-
-    @property
-    def sdk_failed(self) -> bool:
-        """Its client's SDK failed it to its caller with an error (``failed_to_caller``)."""
-        return bool(self.flags & _FAILED_TO_CALLER)
 
     @property
     def told(self) -> bool:

@@ -243,8 +243,6 @@ class RuleEngine:
         elif e.outcome in _OVER_OUTCOMES:
             self.ledger.given_up(call)  # over, but no give-up of its client's: nothing for a finding to explain
             if e.outcome == sc.OUTCOME_NO_TERMINAL and at.role == sc.ROLE_CLIENT:
-                if call.era == sc.ERA_RESUMABLE:  # the SDK failed it with an error (``_check_stored``)
-                    call.failed_to_caller()
                 self._broken(call, at.end_ns, now_ns)
 
     def replay(self, e: Replay, now_ns: int) -> None:
@@ -572,12 +570,7 @@ class RuleEngine:
         return seen + self._clean_end_grace_ns
 
     def _check_stored(self, call: CallState, now_ns: int) -> None:
-        """Stored and never delivered: lost, but not once its caller was told (a refused resume; or drops its SDK
-        failed it at, with an error that says so, where no clean end withheld it silently before), nor when its
-        client's cancel raced the store."""
         if call.reached_caller or call.stored_since is None or call.told or call.late_cancel == CANCEL_RACED:
-            return
-        if call.sdk_failed and call.clean_since is None:
             return
         if call.clean_since is not None and not call.finding(RuleId.CLEAN_END_PENDING):
             # a clean end left it pending too: that is the finding (this one joins it), whichever clock ran out first
