@@ -417,6 +417,15 @@ def test_a_stored_result_its_client_cancelled_well_after_pages_stored_not_delive
                                                   {"tool": "fetch", "rule": "stored_not_delivered"}) == 1.0
 
 
+def test_a_stored_result_whose_caller_the_sdk_failed_after_its_resumes_failed_still_pages():
+    """Two drops in a row, or resumes answered 401: the SDK fails the call ("reconnection attempts were exhausted"),
+    an error that says nothing of the result: the tool ran, its caller does not know (and may run it again)."""
+    drop, server_drop, stored = _stored_with_no_stream()
+    for spans in ([drop, server_drop, stored, call(C, sc.OUTCOME_NO_TERMINAL, at=2.0)],
+                  [call(C, sc.OUTCOME_NO_TERMINAL, at=2.0), stored, drop, server_drop]):
+        assert rules(run(spans, after_s=60)) == ["stored_not_delivered"]
+
+
 def test_stored_not_delivered_is_silent_when_a_resume_delivers_the_stored_result():
     delivered = stream(C, "resume", "clean", cursor="6", terminal=("3",), last="15")
     assert rules(run([*_stored_with_no_stream(), delivered], after_s=60)) == []
