@@ -139,6 +139,15 @@ def test_a_narrowed_resume_still_open_is_judged_at_its_end_where_an_error_frame_
         (finding,) = run([so_far], after_s=6).findings
         assert (finding.rule, finding.evidence["end_reason"]) == ("narrowed_resume", "open")
         assert "narrowed_resume" not in rules(run([so_far, refused], after_s=60))
+        assert "narrowed_resume" not in rules(run([refused, so_far], after_s=60))  # its end came first
+        # a later resume still open is judged on its own grace, not on the timer an earlier one left
+        later = {**narrowed, "cursor": "7", "first": "8", "last": "8"}
+        again = stream(role, "resume", "open", at=4.0, events=1, **later)
+        refused_again = stream(role, "resume", "clean", at=4.1, events=1, error_frames=1, **later)
+        assert "narrowed_resume" not in rules(run([so_far, refused, again], after_s=2))
+        assert "narrowed_resume" not in rules(run([so_far, refused, again, refused_again], after_s=60))
+        (finding,) = run([so_far, refused, again], after_s=6).findings
+        assert (finding.rule, finding.evidence["cursor"]) == ("narrowed_resume", "7")
 
 
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():

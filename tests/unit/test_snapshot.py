@@ -73,6 +73,14 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
     assert ("clean_end_pending", "3", (C,)) in _judged(restarted, clock)
 
 
+def test_a_narrowed_resume_still_open_across_a_restart_is_judged_when_its_grace_runs_out(tmp_path):
+    narrowed = {"pending": ("3",), "cursor": "6", "audience": (SEARCH,), "missing": (FETCH,)}
+    clock = Clock()
+    before = _fed(clock, [stream(C, "resume", "open", events=1, first="7", last="7", **narrowed)])
+    restarted = _restarted(before, clock, tmp_path / "ledger.db")
+    assert ("narrowed_resume", "3", (C,)) in _judged(restarted, clock)
+
+
 def test_the_detectors_downtime_counts_against_no_grace_what_its_exporters_held_meanwhile_clears_the_call(tmp_path):
     """Down longer than the grace left, no longer than its senders retry (a Collector's queue): the delivery they held
     through the outage comes after the restart, and the call is judged with it; a call that was lost is still

@@ -62,6 +62,9 @@ _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
 _REFUSAL_UNHEEDED = 128
+# narrowed resumes still open held for their judgement (``hold_open_narrowed``); past them the oldest are let go of,
+# unjudged: a few hundred KB at most, outside the memory budget
+_MAX_OPEN_NARROWED = 4096
 _MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
@@ -343,6 +346,9 @@ class Ledger:
         self._seen: set[int] = set()
         self._seen_order: deque[int] = deque()
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
+        # (scope, request id) -> the spans so far of its narrowed resumes still open, each as its judgement needs it:
+        # [side, resume start, due, evidence, the span's common part] (``hold_open_narrowed``)
+        self._open_narrowed: OrderedDict[tuple[str, str], list[list[Any]]] = OrderedDict()
         self._seq = 0
         self._timer_bits: dict[str, int] = {}
         self._compact_at = _MIN_COMPACTION
@@ -493,7 +499,38 @@ class Ledger:
                     call.timers = 0
                     call.owed_since = call.clean_since = call.clean_seen = call.stored_since = None
         self._timers = []
+        self._open_narrowed.clear()  # their ends may be among the spans lost
         return owed
+
+    def hold_open_narrowed(self, call: CallState, role: str, start_ns: int, due_ns: int, evidence: dict[str, Any],
+                           common: dict[str, Any]) -> None:
+        """A narrowed resume of ``call`` still open (its span so far): judged at ``due_ns`` unless it ends first."""
+        key = (call.scope, call.request_id)
+        held = self._open_narrowed.setdefault(key, [])
+        if not any(h[0] == role and h[1] == start_ns for h in held):  # a span of it so far told again
+            held.append([role, start_ns, due_ns, evidence, common])
+        self._open_narrowed.move_to_end(key)
+        if len(self._open_narrowed) > _MAX_OPEN_NARROWED:
+            self._open_narrowed.popitem(last=False)
+
+    def ended_open_narrowed(self, call: CallState, role: str, start_ns: int) -> None:
+        """The resume ``role`` saw start at ``start_ns`` ended: its end is judged, not its span so far."""
+        key = (call.scope, call.request_id)
+        held = self._open_narrowed.get(key)
+        if held is not None:
+            held[:] = [h for h in held if h[0] != role or h[1] != start_ns]
+            if not held:
+                del self._open_narrowed[key]
+
+    def due_open_narrowed(self, call: CallState, now_ns: int) -> tuple[list[list[Any]], int | None]:
+        """The narrowed resumes of ``call`` still open whose judgement is due, taken; and when the next one is."""
+        key = (call.scope, call.request_id)
+        held = self._open_narrowed.pop(key, [])
+        due = [h for h in held if h[2] <= now_ns]
+        later = [h for h in held if h[2] > now_ns]
+        if later:
+            self._open_narrowed[key] = later
+        return due, min((h[2] for h in later), default=None)
 
     def answered(self, session: SessionState, role: str, start_ns: int) -> None:
         """A resume of ``session`` that ``role`` saw start at ``start_ns`` (its clock) was answered (2xx)."""
@@ -806,6 +843,7 @@ class Ledger:
             if call is not None:
                 call.timers |= self._timer_bit(what)
         self._seq = data["seq"]
+        self._open_narrowed = OrderedDict(((scope, rid), held) for scope, rid, held in data.get("open_narrowed", ()))
 
     def dump_session(self, scope: str) -> dict[str, Any] | None:
         """One session as JSON-able data (a snapshot row); None if it is gone."""
@@ -848,7 +886,8 @@ class Ledger:
         return {"evictions": dict(self.evictions),
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
                 "issued": [[origin, key, list(issues)] for (origin, key), issues in self._issued.items()],
-                "timers": list(self._timers), "seq": self._seq, "seen": self.dump_seen()}
+                "timers": list(self._timers), "seq": self._seq, "seen": self.dump_seen(),
+                "open_narrowed": [[scope, rid, held] for (scope, rid), held in self._open_narrowed.items()]}
 
     def dump_seen(self) -> list[int]:
         """The newest of the retry window (``first_sight``): what a batch that comes again after a restart skips."""

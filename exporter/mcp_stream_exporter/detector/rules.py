@@ -11,9 +11,8 @@ a loss from the absence of a span a sampler may drop: the SDK's spans only add c
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -125,8 +124,6 @@ _EXPIRED = "expired"
 _STORE_FAILED = "store_failed"
 _SENT = "sent"  # the result went out and its client cancelled the call after, later than a race could explain
 _NARROWED_OPEN = "narrowed_open"  # a narrowed resume still open: judged a grace later unless its end told first
-# narrowed resumes still open held for that judgement; past them the oldest is judged at once
-_MAX_OPEN_NARROWED = 4096
 
 
 class RuleEngine:
@@ -143,8 +140,6 @@ class RuleEngine:
         self._stuck_after_ns = _ns(config.stuck_after_s)
         self._cancel_race_ns = _ns(config.cancel_race_s)
         self._stuck_counted_ns = 0  # when the stuck calls were last counted (every _STUCK_EVERY_NS)
-        # (call scope, request id) -> the span of a narrowed resume of it so far (``end.reason = open``)
-        self._open_narrowed: OrderedDict[tuple[str, str], StreamEnd] = OrderedDict()
 
     # --- events ---
 
@@ -301,9 +296,7 @@ class RuleEngine:
             elif what == _SENT:
                 self._check_sent(call, now_ns)
             elif what == _NARROWED_OPEN:
-                still_open = self._open_narrowed.pop((call.scope, call.request_id), None)
-                if still_open is not None:
-                    self._narrowed_resume(still_open, call, call.request_id, now_ns)
+                self._check_open_narrowed(call, now_ns)
         self.ledger.expire(now_ns)
         if now_ns - self._stuck_counted_ns >= _STUCK_EVERY_NS:
             self._stuck_counted_ns = now_ns
@@ -470,19 +463,21 @@ class RuleEngine:
                     and (e.events or e.reason != sc.END_DROPPED))
         for rid in e.pending_ids or e.request_ids:
             call = calls[rid]
-            key = (call.scope, rid)
             if e.reason == sc.END_OPEN:
                 # one still open may yet be refused with an error frame (the guard's prefix policy sends what the
                 # token covers first): judged at its end, or a grace from now if it has not ended by then (a resume
-                # the SDK keeps open for no caller, or whose end is never told)
-                if narrowed and not call.finding(RuleId.NARROWED_RESUME):
-                    self._hold_open_narrowed(key, e, call, now_ns)
+                # the SDK keeps open for no caller, or whose end is never told); not once that end came (spans in
+                # any order): refused, or judged
+                if narrowed and not call.finding(RuleId.NARROWED_RESUME) and not _refused_since(call, at):
+                    due = now_ns + self._clean_end_grace_ns
+                    self.ledger.hold_open_narrowed(call, at.role, at.start_ns, due, _narrowed_evidence(e, call),
+                                                   asdict(at))
+                    self.ledger.schedule(due, _NARROWED_OPEN, call)
                 continue
-            held = self._open_narrowed.get(key)
-            if held is not None and held.cursor == e.cursor:  # its end tells
-                del self._open_narrowed[key]
+            self.ledger.ended_open_narrowed(call, at.role, at.start_ns)
             if narrowed:
-                self._narrowed_resume(e, call, rid, now_ns)
+                self._emit(RuleId.NARROWED_RESUME, call, at, rid, now_ns,
+                           lambda: _narrowed_evidence(e, call))  # noqa: B023 (called at once)
         if e.cursor is None or progressed:
             return
         window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
@@ -497,21 +492,17 @@ class RuleEngine:
                            lambda: {"cursor": e.cursor, "resumes": len(window),
                                     "window_s": (at.end_ns - window[0]) / 1e9})
 
-    def _narrowed_resume(self, e: StreamEnd, call: CallState, rid: str, now_ns: int) -> None:
-        self._emit(RuleId.NARROWED_RESUME, call, e.at, rid, now_ns, lambda: {
-            "cursor": e.cursor, **_gap(e.token, e.required or call.required), "events": e.events,
-            "end_reason": e.reason})
-
-    def _hold_open_narrowed(self, key: tuple[str, str], e: StreamEnd, call: CallState, now_ns: int) -> None:
-        held = self._open_narrowed
-        held[key] = e
-        held.move_to_end(key)
-        if len(held) > _MAX_OPEN_NARROWED:
-            (scope, rid), oldest = held.popitem(last=False)
-            oldest_call = self.ledger.find(scope, rid)
-            if oldest_call is not None:
-                self._narrowed_resume(oldest, oldest_call, rid, now_ns)
-        self.ledger.schedule(now_ns + self._clean_end_grace_ns, _NARROWED_OPEN, call)
+    def _check_open_narrowed(self, call: CallState, now_ns: int) -> None:
+        """A grace after a narrowed resume's span so far: one that has not ended since, nor been refused, is judged
+        on what it showed."""
+        due, later = self.ledger.due_open_narrowed(call, now_ns)
+        for _, _, _, evidence, common in due:
+            at = Common(**common)
+            if not call.finding(RuleId.NARROWED_RESUME) and not _refused_since(call, at):
+                self._emit(RuleId.NARROWED_RESUME, call, at, call.request_id, now_ns,
+                           lambda: evidence)  # noqa: B023 (called at once)
+        if later is not None:
+            self.ledger.schedule(later, _NARROWED_OPEN, call)
 
     def _timed_out(self, call: CallState, now_ns: int) -> None:
         call.client_gave_up()
@@ -711,6 +702,17 @@ def _call_key(tool: str, fingerprint: str | None) -> str:
     """What a re-issue must repeat: the tool and, when the producer records it, the arguments fingerprint."""
     return f"{tool}#{fingerprint or ''}"
 
+
+
+def _narrowed_evidence(e: StreamEnd, call: CallState) -> dict[str, Any]:
+    return {"cursor": e.cursor, **_gap(e.token, e.required or call.required), "events": e.events,
+            "end_reason": e.reason}
+
+
+def _refused_since(call: CallState, at: Common) -> bool:
+    """Whether a resume of ``call`` that ``at``'s side saw start no earlier than ``at`` was refused explicitly."""
+    refused_client, _, refused_server, _ = call.resumed
+    return (refused_client if at.role == sc.ROLE_CLIENT else refused_server) >= at.start_ns
 
 def _gap(token: Token, required: Iterable[str]) -> dict[str, Any]:
     return {"audience_held": list(token.audience), "required": list(required),
