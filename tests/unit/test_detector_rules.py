@@ -148,6 +148,27 @@ def test_a_narrowed_resume_still_open_is_judged_at_its_end_where_an_error_frame_
         assert "narrowed_resume" not in rules(run([so_far, refused, again, refused_again], after_s=60))
         (finding,) = run([so_far, refused, again], after_s=6).findings
         assert (finding.rule, finding.evidence["cursor"]) == ("narrowed_resume", "7")
+        # refused as the other side tells it (the guard's replay span; the other side's error frame), in any order
+        other = SV if role == C else C
+        told = stream(other, "resume", "clean", at=1.1, events=1, first="7", last="7", error_frames=1, **narrowed)
+        for spans in ([so_far, told],
+                      [so_far, replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE)]):
+            assert "narrowed_resume" not in rules(run(spans, after_s=60))
+        # its end names no call (its caller gave up as the error frame came): ended all the same
+        nameless = {**narrowed, "pending": (), "ids": ()}
+        refused_late = stream(role, "resume", "clean", events=1, error_frames=1, **nameless)  # the same start
+        for spans in ([so_far, refused_late], [refused_late, so_far]):
+            assert "narrowed_resume" not in rules(run(spans, after_s=60))
+
+
+def test_narrowed_resumes_held_open_are_bounded_a_call_and_in_all():
+    narrowed = {"pending": ("3",), "cursor": "6", "audience": (SEARCH,), "missing": (FETCH,)}
+    detector = run([stream(C, "resume", "open", at=1 + n / 100, events=1, **narrowed) for n in range(20)])
+    held = detector.ledger.dump_rest()["open_narrowed"]
+    assert [len(entries) for _, _, entries in held] == [8]  # the newest of one call's
+    many = Detector(clock=Clock())
+    many.consume([stream(C, "resume", "open", session=f"s{n}", events=1, **narrowed) for n in range(1100)])
+    assert sum(len(entries) for _, _, entries in many.ledger.dump_rest()["open_narrowed"]) == 1024
 
 
 def test_narrowed_resume_from_the_server_replay_and_the_client_stream_is_one_finding():

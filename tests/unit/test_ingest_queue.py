@@ -27,3 +27,25 @@ def test_a_batch_applied_in_parts_is_judged_once_all_of_it_is_in():
     finally:
         queue.close()
     assert list(detector.findings) == [] and detector.ledger.in_flight == 0
+
+
+def test_slow_bodies_make_way_only_when_that_makes_room_and_the_fewest_longest_first():
+    """A slow body evicted for nothing wastes its sender's upload and helps no one: none makes way unless enough do."""
+    queue = IngestQueue(Detector(), IngestLimits(max_buffered_bytes=1024, body_grace_s=0.0), tick_interval_s=3600)
+    woken: list[str] = []
+    try:
+        assert queue.reserve(900)  # a gRPC message in whole: it never makes way
+        slow = queue.hold(lambda: woken.append("slow"))
+        assert queue.reserve(20, slow)
+        assert not queue.reserve(200, queue.hold(lambda: woken.append("new"))) and woken == [] and not slow.evicted
+        later = queue.hold(lambda: woken.append("later"))
+        queue.release(900)
+        assert queue.reserve(500, later) and queue.reserve(400, slow)
+        assert queue.reserve(300)  # the longest-held (``slow``, 420) is enough
+        assert woken == ["slow"] and slow.evicted and not later.evicted and queue.buffered == 800
+        queue.let_go(slow)
+        queue.let_go(later)
+        queue.release(300)
+        assert queue.buffered == 0
+    finally:
+        queue.close()

@@ -340,20 +340,27 @@ class IngestQueue:
             return True
 
     def _make_room(self, size: int, hold: BodyHold | None) -> bool:
+        """Room made by the slow bodies begun before ``hold``, the longest first, as few as will do; none made way
+        if all of them would not make enough."""
         before = time.monotonic() - self.limits.body_grace_s
         if hold is not None:
             before = min(before, hold.since)
+        short = self._buffered + size - self.limits.max_buffered_bytes
+        slow: list[BodyHold] = []
         for other in sorted(self._holds, key=lambda h: h.since):
-            if other.since > before:
-                return False
+            if other.since > before or short <= 0:
+                break
             if other is not hold and other.reserved and not other.evicted:
-                other.evicted = True
-                self._buffered -= other.reserved
-                other.reserved = 0
-                other.wake()
-                if self._buffered + size <= self.limits.max_buffered_bytes:
-                    return True
-        return False
+                slow.append(other)
+                short -= other.reserved
+        if short > 0:
+            return False
+        for other in slow:
+            other.evicted = True
+            self._buffered -= other.reserved
+            other.reserved = 0
+            other.wake()
+        return True
 
     def release(self, size: int) -> None:
         with self._cond:

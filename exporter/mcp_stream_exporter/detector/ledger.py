@@ -62,9 +62,10 @@ _SERVER_ENDED = 16
 _CLOCK_CLIENT_POST = 32
 _POST_TERMINATED = 64
 _REFUSAL_UNHEEDED = 128
-# narrowed resumes still open held for their judgement (``hold_open_narrowed``); past them the oldest are let go of,
-# unjudged: a few hundred KB at most, outside the memory budget
-_MAX_OPEN_NARROWED = 4096
+# narrowed resumes still open held for their judgement (``hold_open_narrowed``), in all and a call; past them the
+# oldest are let go of, unjudged: about 1.3 KB each, 1.3 MB at most, outside the memory budget
+_MAX_OPEN_NARROWED = 1024
+_MAX_OPEN_NARROWED_A_CALL = 8
 _MAX_EARLY_TIMEOUTS = 2048  # client SDK spans that timed out before their call span came (``timed_out_early``)
 _UNIT = 16  # a call's charge is kept in these: a count under 257 is an int CPython shares, not 32 bytes a call
 _K = TypeVar("_K")
@@ -347,8 +348,11 @@ class Ledger:
         self._seen_order: deque[int] = deque()
         self._timers: list[tuple[int, int, str, str, str]] = []  # (due, seq, what, scope, request id)
         # (scope, request id) -> the spans so far of its narrowed resumes still open, each as its judgement needs it:
-        # [side, resume start, due, evidence, the span's common part] (``hold_open_narrowed``)
+        # [side, resume start, due, evidence, the span's common part, the other side's latest refusal then]
         self._open_narrowed: OrderedDict[tuple[str, str], list[list[Any]]] = OrderedDict()
+        self._open_narrowed_count = 0
+        # resumes that ended naming no call, by (scope, side, start): a span of one so far that comes after is not held
+        self._ended_nameless: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._seq = 0
         self._timer_bits: dict[str, int] = {}
         self._compact_at = _MIN_COMPACTION
@@ -500,27 +504,48 @@ class Ledger:
                     call.owed_since = call.clean_since = call.clean_seen = call.stored_since = None
         self._timers = []
         self._open_narrowed.clear()  # their ends may be among the spans lost
+        self._open_narrowed_count = 0
         return owed
 
     def hold_open_narrowed(self, call: CallState, role: str, start_ns: int, due_ns: int, evidence: dict[str, Any],
-                           common: dict[str, Any]) -> None:
-        """A narrowed resume of ``call`` still open (its span so far): judged at ``due_ns`` unless it ends first."""
-        key = (call.scope, call.request_id)
-        held = self._open_narrowed.setdefault(key, [])
-        if not any(h[0] == role and h[1] == start_ns for h in held):  # a span of it so far told again
-            held.append([role, start_ns, due_ns, evidence, common])
-        self._open_narrowed.move_to_end(key)
-        if len(self._open_narrowed) > _MAX_OPEN_NARROWED:
-            self._open_narrowed.popitem(last=False)
-
-    def ended_open_narrowed(self, call: CallState, role: str, start_ns: int) -> None:
-        """The resume ``role`` saw start at ``start_ns`` ended: its end is judged, not its span so far."""
+                           common: dict[str, Any], other_refused: int) -> None:
+        """A narrowed resume of ``call`` still open (its span so far): judged at ``due_ns`` unless it ends first;
+        ``other_refused``: the other side's latest refusal of it then."""
+        if (call.scope, role, start_ns) in self._ended_nameless:  # its end came first, naming no call
+            return
         key = (call.scope, call.request_id)
         held = self._open_narrowed.get(key)
-        if held is not None:
-            held[:] = [h for h in held if h[0] != role or h[1] != start_ns]
-            if not held:
-                del self._open_narrowed[key]
+        if held is None:
+            held = self._open_narrowed[key] = []
+        if any(h[0] == role and h[1] == start_ns for h in held):  # a span of it so far told again
+            return
+        held.append([role, start_ns, due_ns, evidence, common, other_refused])
+        self._open_narrowed_count += 1
+        self._open_narrowed.move_to_end(key)
+        if len(held) > _MAX_OPEN_NARROWED_A_CALL:
+            del held[0]
+            self._open_narrowed_count -= 1
+        while self._open_narrowed_count > _MAX_OPEN_NARROWED:
+            _, oldest = self._open_narrowed.popitem(last=False)
+            self._open_narrowed_count -= len(oldest)
+
+    def ended_open_narrowed(self, scope: str, request_id: str | None, role: str, start_ns: int) -> None:
+        """The resume ``role`` saw start at ``start_ns`` ended: its end is judged, not its span so far. One that
+        names no call (its caller gave up) is looked for among the session's."""
+        if request_id is None:
+            self._ended_nameless[(scope, role, start_ns)] = None
+            if len(self._ended_nameless) > _MAX_OPEN_NARROWED:
+                self._ended_nameless.popitem(last=False)
+        keys = [(scope, request_id)] if request_id is not None else [k for k in self._open_narrowed if k[0] == scope]
+        for key in keys:
+            held = self._open_narrowed.get(key)
+            if held is not None:
+                kept = [h for h in held if h[0] != role or h[1] != start_ns]
+                self._open_narrowed_count -= len(held) - len(kept)
+                if kept:
+                    self._open_narrowed[key] = kept
+                else:
+                    del self._open_narrowed[key]
 
     def due_open_narrowed(self, call: CallState, now_ns: int) -> tuple[list[list[Any]], int | None]:
         """The narrowed resumes of ``call`` still open whose judgement is due, taken; and when the next one is."""
@@ -528,6 +553,7 @@ class Ledger:
         held = self._open_narrowed.pop(key, [])
         due = [h for h in held if h[2] <= now_ns]
         later = [h for h in held if h[2] > now_ns]
+        self._open_narrowed_count -= len(due)
         if later:
             self._open_narrowed[key] = later
         return due, min((h[2] for h in later), default=None)
@@ -844,6 +870,7 @@ class Ledger:
                 call.timers |= self._timer_bit(what)
         self._seq = data["seq"]
         self._open_narrowed = OrderedDict(((scope, rid), held) for scope, rid, held in data.get("open_narrowed", ()))
+        self._open_narrowed_count = sum(len(held) for held in self._open_narrowed.values())
 
     def dump_session(self, scope: str) -> dict[str, Any] | None:
         """One session as JSON-able data (a snapshot row); None if it is gone."""

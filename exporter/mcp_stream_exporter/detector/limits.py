@@ -20,7 +20,7 @@ class IngestLimits:
     decoding_wait_s: float = 5.0  # then 429 with Retry-After
     max_buffered_bytes: int = 32 * 1024 * 1024  # request bodies held at once, received or waiting
     body_timeout_s: float = 30.0  # to receive a whole body; then 408
-    # a body still coming after this long makes way (408) for a new one when the bodies held fill
+    # a body still coming after this long makes way (429, retryable) for a new one when the bodies held fill
     # ``max_buffered_bytes``: slow senders cannot hold the buffer, and every sender with it, for ``body_timeout_s``
     body_grace_s: float = 1.0
 

@@ -468,16 +468,18 @@ class RuleEngine:
                 # token covers first): judged at its end, or a grace from now if it has not ended by then (a resume
                 # the SDK keeps open for no caller, or whose end is never told); not once that end came (spans in
                 # any order): refused, or judged
-                if narrowed and not call.finding(RuleId.NARROWED_RESUME) and not _refused_since(call, at):
+                if narrowed and not call.finding(RuleId.NARROWED_RESUME) and not _refused(call, at):
                     due = now_ns + self._clean_end_grace_ns
                     self.ledger.hold_open_narrowed(call, at.role, at.start_ns, due, _narrowed_evidence(e, call),
-                                                   asdict(at))
+                                                   asdict(at), _other_refused(call, at.role))
                     self.ledger.schedule(due, _NARROWED_OPEN, call)
                 continue
-            self.ledger.ended_open_narrowed(call, at.role, at.start_ns)
+            self.ledger.ended_open_narrowed(call.scope, rid, at.role, at.start_ns)
             if narrowed:
                 self._emit(RuleId.NARROWED_RESUME, call, at, rid, now_ns,
                            lambda: _narrowed_evidence(e, call))  # noqa: B023 (called at once)
+        if not (e.pending_ids or e.request_ids) and e.reason != sc.END_OPEN:  # its caller gave up meanwhile
+            self.ledger.ended_open_narrowed(at.scope, None, at.role, at.start_ns)
         if e.cursor is None or progressed:
             return
         window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
@@ -496,9 +498,10 @@ class RuleEngine:
         """A grace after a narrowed resume's span so far: one that has not ended since, nor been refused, is judged
         on what it showed."""
         due, later = self.ledger.due_open_narrowed(call, now_ns)
-        for _, _, _, evidence, common in due:
+        for _, _, _, evidence, common, *other in due:  # (a hold without the other side's refusal: told by none)
             at = Common(**common)
-            if not call.finding(RuleId.NARROWED_RESUME) and not _refused_since(call, at):
+            other_before = other[0] if other else None
+            if not call.finding(RuleId.NARROWED_RESUME) and not _refused(call, at, other_before):
                 self._emit(RuleId.NARROWED_RESUME, call, at, call.request_id, now_ns,
                            lambda: evidence)  # noqa: B023 (called at once)
         if later is not None:
@@ -709,10 +712,18 @@ def _narrowed_evidence(e: StreamEnd, call: CallState) -> dict[str, Any]:
             "end_reason": e.reason}
 
 
-def _refused_since(call: CallState, at: Common) -> bool:
-    """Whether a resume of ``call`` that ``at``'s side saw start no earlier than ``at`` was refused explicitly."""
+def _refused(call: CallState, at: Common, other_before: int | None = None) -> bool:
+    """Whether the resume ``at`` is a span of was refused explicitly, as far as can be told: a resume of ``call``
+    that ``at``'s side saw start no earlier was; or, told after ``other_before`` (the other side's latest refusal as
+    ``at`` was held), one the other side saw (its clock is not compared with ``at``'s)."""
     refused_client, _, refused_server, _ = call.resumed
-    return (refused_client if at.role == sc.ROLE_CLIENT else refused_server) >= at.start_ns
+    own, other = (refused_client, refused_server) if at.role == sc.ROLE_CLIENT else (refused_server, refused_client)
+    return own >= at.start_ns or (other_before is not None and other > other_before)
+
+
+def _other_refused(call: CallState, role: str) -> int:
+    """The start of the latest resume of ``call`` the side other than ``role`` saw refused (by its clock)."""
+    return call.resumed[2] if role == sc.ROLE_CLIENT else call.resumed[0]
 
 def _gap(token: Token, required: Iterable[str]) -> dict[str, Any]:
     return {"audience_held": list(token.audience), "required": list(required),
