@@ -498,9 +498,8 @@ class RuleEngine:
         """A grace after a narrowed resume's span so far: one that has not ended since, nor been refused, is judged
         on what it showed."""
         due, later = self.ledger.due_open_narrowed(call, now_ns)
-        for _, _, _, evidence, common, *other in due:  # (a hold without the other side's refusal: told by none)
+        for _, _, _, evidence, common, other_before in due:
             at = Common(**common)
-            other_before = other[0] if other else None
             if not call.finding(RuleId.NARROWED_RESUME) and not _refused(call, at, other_before):
                 self._emit(RuleId.NARROWED_RESUME, call, at, call.request_id, now_ns,
                            lambda: evidence)  # noqa: B023 (called at once)
@@ -706,7 +705,6 @@ def _call_key(tool: str, fingerprint: str | None) -> str:
     return f"{tool}#{fingerprint or ''}"
 
 
-
 def _narrowed_evidence(e: StreamEnd, call: CallState) -> dict[str, Any]:
     return {"cursor": e.cursor, **_gap(e.token, e.required or call.required), "events": e.events,
             "end_reason": e.reason}
@@ -724,6 +722,7 @@ def _refused(call: CallState, at: Common, other_before: int | None = None) -> bo
 def _other_refused(call: CallState, role: str) -> int:
     """The start of the latest resume of ``call`` the side other than ``role`` saw refused (by its clock)."""
     return call.resumed[2] if role == sc.ROLE_CLIENT else call.resumed[0]
+
 
 def _gap(token: Token, required: Iterable[str]) -> dict[str, Any]:
     return {"audience_held": list(token.audience), "required": list(required),
