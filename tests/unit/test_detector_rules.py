@@ -154,11 +154,19 @@ def test_a_narrowed_resume_still_open_is_judged_at_its_end_where_an_error_frame_
         for spans in ([so_far, told],
                       [so_far, replay(sc.REPLAY_REFUSED, cursor="6", missing=(FETCH,), guard=sc.GUARD_REFUSE)]):
             assert "narrowed_resume" not in rules(run(spans, after_s=60))
-        # its end names no call (its caller gave up as the error frame came): ended all the same
+        # its end names no call (its caller gave up as the error frame came): ended all the same, whichever side
         nameless = {**narrowed, "pending": (), "ids": ()}
         refused_late = stream(role, "resume", "clean", events=1, error_frames=1, **nameless)  # the same start
-        for spans in ([so_far, refused_late], [refused_late, so_far]):
+        refused_there = stream(other, "resume", "clean", at=1.1, events=1, error_frames=1, **nameless)
+        for spans in ([so_far, refused_late], [refused_late, so_far], [so_far, refused_there]):
             assert "narrowed_resume" not in rules(run(spans, after_s=60))
+        # a resume that carried two calls, one delivered (its token covers it), then refused at the other: its end
+        # names the delivered one no more among those pending
+        both = stream(role, "resume", "open", events=1, ids=("3", "4"), pending=("3", "4"), cursor="6",
+                      audience=(SEARCH,), missing=(FETCH,))
+        ended = stream(role, "resume", "clean", events=2, ids=("3", "4"), pending=("3",), terminal=("4",),
+                       error_frames=1, cursor="6", audience=(SEARCH,), missing=(FETCH,))
+        assert "narrowed_resume" not in rules(run([both, ended], after_s=60))
 
 
 def test_narrowed_resumes_held_open_are_bounded_a_call_and_in_all():

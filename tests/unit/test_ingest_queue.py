@@ -47,5 +47,13 @@ def test_slow_bodies_make_way_only_when_that_makes_room_and_the_fewest_longest_f
         queue.let_go(later)
         queue.release(300)
         assert queue.buffered == 0
+        tiny, small, large = (queue.hold(lambda name=name: woken.append(name)) for name in ("tiny", "small", "large"))
+        assert queue.reserve(10, tiny) and queue.reserve(10, small) and queue.reserve(900, large)
+        assert queue.reserve(500) and woken[1:] == ["large"]  # the one that makes room alone, not the two before it
+        assert not queue.reserve(1, large)  # one that made way has no room made for it
+        for hold in (tiny, small, large):
+            queue.let_go(hold)
+        queue.release(500)
+        assert queue.buffered == 0
     finally:
         queue.close()

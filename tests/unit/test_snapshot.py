@@ -75,10 +75,16 @@ def test_a_call_pending_across_a_restart_is_flagged_when_its_grace_period_runs_o
 
 def test_a_narrowed_resume_still_open_across_a_restart_is_judged_when_its_grace_runs_out(tmp_path):
     narrowed = {"pending": ("3",), "cursor": "6", "audience": (SEARCH,), "missing": (FETCH,)}
+    so_far = stream(C, "resume", "open", events=1, first="7", last="7", **narrowed)
     clock = Clock()
-    before = _fed(clock, [stream(C, "resume", "open", events=1, first="7", last="7", **narrowed)])
-    restarted = _restarted(before, clock, tmp_path / "ledger.db")
+    restarted = _restarted(_fed(clock, [so_far]), clock, tmp_path / "ledger.db")
     assert ("narrowed_resume", "3", (C,)) in _judged(restarted, clock)
+    # its end came first, naming no call (its caller gave up): remembered across the restart too
+    ended = stream(C, "resume", "clean", events=1, error_frames=1, **{**narrowed, "pending": (), "ids": ()})
+    clock = Clock()
+    restarted = _restarted(_fed(clock, [ended]), clock, tmp_path / "again.db")
+    restarted.consume([so_far])
+    assert "narrowed_resume" not in {rule for rule, _, _ in _judged(restarted, clock)}
 
 
 def test_the_detectors_downtime_counts_against_no_grace_what_its_exporters_held_meanwhile_clears_the_call(tmp_path):

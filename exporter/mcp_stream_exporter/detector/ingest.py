@@ -332,6 +332,8 @@ class IngestQueue:
         ``body_grace_s`` make way, the longest first: a few slow senders would otherwise hold the buffer, and turn
         every sender away, until their bodies' timeout."""
         with self._cond:
+            if hold is not None and hold.evicted:  # it made way already: no room made for it
+                return False
             if self._buffered + size > self.limits.max_buffered_bytes and not self._make_room(size, hold):
                 return False
             self._buffered += size
@@ -355,6 +357,10 @@ class IngestQueue:
                 short -= other.reserved
         if short > 0:
             return False
+        for other in sorted(slow, key=lambda h: h.reserved):  # those the others make room without: kept
+            if other.reserved <= -short:
+                slow.remove(other)
+                short += other.reserved
         for other in slow:
             other.evicted = True
             self._buffered -= other.reserved

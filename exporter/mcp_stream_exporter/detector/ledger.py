@@ -529,9 +529,11 @@ class Ledger:
             _, oldest = self._open_narrowed.popitem(last=False)
             self._open_narrowed_count -= len(oldest)
 
-    def ended_open_narrowed(self, scope: str, request_id: str | None, role: str, start_ns: int) -> None:
+    def ended_open_narrowed(self, scope: str, request_id: str | None, role: str, start_ns: int,
+                            refused: bool = False) -> None:
         """The resume ``role`` saw start at ``start_ns`` ended: its end is judged, not its span so far. One that
-        names no call (its caller gave up) is looked for among the session's."""
+        names no call (its caller gave up) is looked for among the session's, and, ``refused`` explicitly, lets go
+        of the other side's too (whose clock is not compared)."""
         if request_id is None:
             self._ended_nameless[(scope, role, start_ns)] = None
             if len(self._ended_nameless) > _MAX_OPEN_NARROWED:
@@ -540,7 +542,8 @@ class Ledger:
         for key in keys:
             held = self._open_narrowed.get(key)
             if held is not None:
-                kept = [h for h in held if h[0] != role or h[1] != start_ns]
+                kept = [h for h in held if (h[0] != role or h[1] != start_ns)
+                        and not (refused and request_id is None and h[0] != role)]
                 self._open_narrowed_count -= len(held) - len(kept)
                 if kept:
                     self._open_narrowed[key] = kept
@@ -871,6 +874,8 @@ class Ledger:
         self._seq = data["seq"]
         self._open_narrowed = OrderedDict(((scope, rid), held) for scope, rid, held in data.get("open_narrowed", ()))
         self._open_narrowed_count = sum(len(held) for held in self._open_narrowed.values())
+        self._ended_nameless = OrderedDict(((scope, role, start), None) for scope, role, start
+                                           in data.get("ended_nameless", ()))
 
     def dump_session(self, scope: str) -> dict[str, Any] | None:
         """One session as JSON-able data (a snapshot row); None if it is gone."""
@@ -914,7 +919,8 @@ class Ledger:
                 "sdk_spans": [[span_id, *call] for span_id, call in self._sdk_spans.items()],
                 "issued": [[origin, key, list(issues)] for (origin, key), issues in self._issued.items()],
                 "timers": list(self._timers), "seq": self._seq, "seen": self.dump_seen(),
-                "open_narrowed": [[scope, rid, held] for (scope, rid), held in self._open_narrowed.items()]}
+                "open_narrowed": [[scope, rid, held] for (scope, rid), held in self._open_narrowed.items()],
+                "ended_nameless": [list(key) for key in self._ended_nameless]}
 
     def dump_seen(self) -> list[int]:
         """The newest of the retry window (``first_sight``): what a batch that comes again after a restart skips."""
@@ -950,6 +956,9 @@ class Ledger:
         call.charged = 0
         if call.in_flight:
             self._in_flight -= 1
+        if self._open_narrowed:
+            held = self._open_narrowed.pop((call.scope, call.request_id), None)
+            self._open_narrowed_count -= len(held) if held is not None else 0
 
 
 def _spent_cursor(session: SessionState, cursors: tuple[str | tuple[str, ...], ...]) -> int:

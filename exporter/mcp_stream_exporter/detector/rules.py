@@ -474,12 +474,15 @@ class RuleEngine:
                                                    asdict(at), _other_refused(call, at.role))
                     self.ledger.schedule(due, _NARROWED_OPEN, call)
                 continue
-            self.ledger.ended_open_narrowed(call.scope, rid, at.role, at.start_ns)
             if narrowed:
                 self._emit(RuleId.NARROWED_RESUME, call, at, rid, now_ns,
                            lambda: _narrowed_evidence(e, call))  # noqa: B023 (called at once)
-        if not (e.pending_ids or e.request_ids) and e.reason != sc.END_OPEN:  # its caller gave up meanwhile
-            self.ledger.ended_open_narrowed(at.scope, None, at.role, at.start_ns)
+        if e.reason != sc.END_OPEN:  # its span so far, held, let go of: every call it named, pending or not by now
+            named = {*e.pending_ids, *e.request_ids, *e.terminal_ids}
+            for rid in named:
+                self.ledger.ended_open_narrowed(at.scope, rid, at.role, at.start_ns)
+            if not named:  # its caller gave up meanwhile
+                self.ledger.ended_open_narrowed(at.scope, None, at.role, at.start_ns, explicit)
         if e.cursor is None or progressed:
             return
         window = self.ledger.resume_window(session, (at.role, e.cursor), self.config.resume_loop_count)
