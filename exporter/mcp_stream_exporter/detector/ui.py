@@ -304,10 +304,13 @@ def _findings_table(rows: list[Finding], total: int, start: int, filters: dict[s
         f"<td>{_e(_gap_line(f))}</td></tr>" for f in rows)
     more = ""
     if total > len(rows):  # pages of the rest: a flood of findings alike must not hide an older one
-        pages = [f"<a href='/ui/?{_e(urlencode(_shown(filters, at)))}' rel='{rel}'>{label}</a>"
-                 for at, rel, label in ((max(0, start - LIST_LIMIT), "prev", "&larr; newer"),
-                                        (start + LIST_LIMIT, "next", "older &rarr;"))
-                 if (rel == "prev" and start) or (rel == "next" and start + LIST_LIMIT < total)]
+        pages = []
+        if start:
+            pages.append(f"<a href='/ui/?{_e(urlencode(_shown(filters, max(0, start - LIST_LIMIT))))}' "
+                         "rel='prev'>&larr; newer</a>")
+        if start + LIST_LIMIT < total:
+            pages.append(f"<a href='/ui/?{_e(urlencode(_shown(filters, start + LIST_LIMIT)))}' "
+                         "rel='next'>older &rarr;</a>")
         more = (f"<p class='muted pages'>Showing {start + 1}&ndash;{start + len(rows)} of {total}, newest first. "
                 + " ".join(pages) + "</p>")
     return ("<table class='findings'><thead><tr><th>When</th><th>Severity</th><th>Rule</th><th>Tool</th>"

@@ -155,17 +155,17 @@ def _refuse_misuse(target: object, event_store: object) -> None:
         raise TypeError(f"event_store must be an EventStore instance, not {what}")
 
 
-def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None]:
+def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None] | None:
     """Whether the SDK sends what a session stores on ``stream_id`` now: its message router, right after the store,
     sends a message on the stream registered for it, and drops it if none is (a resume's replay returned and its
     live tail not registered yet; no stream open). None: not known (pinned by
     tests/integration/test_sdk_contract.py)."""
-    manager = server.session_manager
+    sessions = _sessions(server)
+    if sessions is None:
+        return None
 
     def routes(session_id: str | None, stream_id: object) -> bool | None:
-        sessions = getattr(manager, "_server_instances", None)
-        transport = sessions.get(session_id) if isinstance(sessions, dict) and session_id is not None else None
-        streams = getattr(transport, "_request_streams", None)
+        streams = getattr(sessions.get(session_id) if session_id is not None else None, "_request_streams", None)
         return stream_id in streams if isinstance(streams, dict) else None
 
     return routes
@@ -174,5 +174,11 @@ def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None]:
 def _holds(server: MCPServer) -> Callable[[str], bool] | None:
     """Whether the server's session manager holds a session still: the SDK answers another principal 404 for a
     live session and for one it dropped alike (pinned by tests/integration/test_sdk_contract.py)."""
+    sessions = _sessions(server)
+    return sessions.__contains__ if sessions is not None else None
+
+
+def _sessions(server: MCPServer) -> dict[str, object] | None:
+    """The session manager's transports by session id, where the SDK keeps them (as the contract test pins)."""
     sessions = getattr(server.session_manager, "_server_instances", None)
-    return sessions.__contains__ if isinstance(sessions, dict) else None
+    return sessions if isinstance(sessions, dict) else None
