@@ -1,4 +1,4 @@
-"""Load: the real service under a sustained span rate on loopback for 60 seconds (bounded in time and in
+"""Load: the real service under a sustained span rate on loopback for 30 seconds (bounded in time and in
 count). Memory stays under the chart's limit and flat once the ledger is full, a full queue answers 429
 with Retry-After instead of growing, and every span accepted is in the ledger's accounting."""
 
@@ -21,7 +21,7 @@ from harness import detector_process, wait_for
 
 pytestmark = [pytest.mark.load, pytest.mark.timeout(240)]
 
-SECONDS = 60.0
+SECONDS = 30.0
 MAX_BATCHES = 50_000  # the count cap, whatever the rate
 SPANS_PER_BATCH = 100
 SENDERS = 4
@@ -61,7 +61,7 @@ def _metric(service, name: str) -> float:
                if s.name == name)
 
 
-def test_a_sustained_span_rate_for_60_seconds_is_bounded_backpressured_and_fully_accounted():
+def test_a_sustained_span_rate_for_30_seconds_is_bounded_backpressured_and_fully_accounted():
     template = _template()
     parts = template.split(_SESSION.encode())
     assert len(parts) == SPANS_PER_BATCH + 1
@@ -118,7 +118,7 @@ def test_a_sustained_span_rate_for_60_seconds_is_bounded_backpressured_and_fully
         rejected = _metric(service, "mcp_stream_detector_ingest_requests_rejected_total")
 
     peak = max(rss for _, rss in memory)
-    settled = [rss for at, rss in memory if at >= 20]
+    settled = [rss for at, rss in memory if at >= 10]
     print(f"\nload: {stats['accepted'] / elapsed:,.0f} spans/s accepted for {elapsed:.0f} s "
           f"({stats['accepted']:,} spans, {stats['throttled']} batches throttled with 429), "
           f"peak RSS {peak / 2**20:.0f} MiB, ledger {sessions:,.0f} sessions, {evicted:,.0f} evicted")

@@ -734,7 +734,7 @@ def test_the_ledger_is_bounded_and_counts_what_it_evicts():
 
 
 def test_grace_timers_of_evicted_calls_do_not_pile_up():
-    """Found by the 60 s load test: every clean end's timer outlived its evicted call until due."""
+    """Found by the load test: every clean end's timer outlived its evicted call until due."""
     detector = Detector(DetectorConfig(ledger=LedgerLimits(max_sessions=100)), clock=Clock())
     detector.consume([stream(C, "resume", "clean", pending=("1",), cursor="6", session=f"s{i}") for i in range(20_000)])
     assert detector.ledger.sessions == 100
