@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
+import re
 import time
 import tomllib
 from collections import OrderedDict
@@ -26,27 +28,33 @@ Verification = Literal["verified", "unverified", "failed", "opaque", "absent"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FINGERPRINT_CHARS = 16
+_RECHECK_FAILED_S = 5.0  # a token that failed verification is verified again after this long
+_NO_RESOURCE = re.compile(r"[\x00-\x20\x7f#]")  # what no resource URI holds, and urlsplit would drop
 _PROCESS_SALT = os.environ.get("MCP_STREAM_SUBJECT_SALT", "").encode() or os.urandom(16)
 
 
 def canonical_resource(uri: str) -> str:
     """Canonical form of a resource URI, so that equal resources compare equal.
 
-    Lower-cases scheme and host, drops a default port, the fragment, and one trailing slash of the
-    path (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
+    Lower-cases scheme and host, drops a default port and one trailing slash of the path
+    (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
     servers and clients disagree on that slash, e.g. modelcontextprotocol/python-sdk#1265). Only one slash goes:
-    ``rstrip('/')`` would make ``/tools//`` equal ``/tools``. A URI with an invalid port (``:99999``,
-    ``:abc``) is no resource's canonical form: it is kept as written, equal only to itself.
+    ``rstrip('/')`` would make ``/tools//`` equal ``/tools``. What is no resource is kept as written, equal only
+    to itself: a URI with an invalid port (``:99999``, ``:abc``), and one with a fragment (RFC 8707 forbids it),
+    a space or a control character, which ``urlsplit`` would drop (``"ht\rtps://..."`` read as ``https://...``):
+    a token may not be granted a resource its authorization server never wrote.
     """
+    if _NO_RESOURCE.search(uri):
+        return uri
     try:  # an invalid IPv6 literal (``http://[::1``) or port (``:99999``, ``:abc``) makes urlsplit raise
-        parts = urlsplit(uri.strip())
+        parts = urlsplit(uri)
         host = (parts.hostname or "").lower()
         port = parts.port
     except ValueError:
-        return uri.strip()
+        return uri
     scheme = parts.scheme.lower()
     if not scheme or not parts.netloc:
-        return uri.strip()
+        return uri
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     netloc = host if port is None or _DEFAULT_PORTS.get(scheme) == port else f"{host}:{port}"
@@ -78,7 +86,7 @@ class AuthView:
     subject_hash: str | None = None
     fingerprint: str | None = None
     verification: Verification = "absent"
-    expires_at: float | None = None
+    expires_at: float | None = None  # until when the view holds: the token's ``exp``; a failed one's, seconds
 
     def missing_resources(self, required: Iterable[str]) -> frozenset[str]:
         """The required resource indicators this token's ``aud`` does not grant (canonical form)."""
@@ -206,15 +214,18 @@ class TokenReader:
         except (jwt.InvalidTokenError, RecursionError, ValueError, TypeError):
             return AuthView(fingerprint=fingerprint, verification="opaque")
         verification: Verification = "unverified"
+        expires_at = _expiry(claims.get("exp"))
         if self.verifies:
             verification = "verified" if self._verify(token) else "failed"
+            if verification == "failed":  # checked again soon: a JWKS fetch that failed once, an issuer's clock ahead
+                expires_at = min(expires_at or math.inf, self.clock() + _RECHECK_FAILED_S)
         return AuthView(
             audience=audience,
             scopes=_as_set(claims.get("scope"), split=True) | _as_set(claims.get("scp"), split=True),
             subject_hash=subject_hash,
             fingerprint=fingerprint,
             verification=verification,
-            expires_at=_expiry(claims.get("exp")),
+            expires_at=expires_at,
         )
 
     def _verify(self, token: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 
 import jwt
 import pytest
@@ -12,10 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_stream_exporter.auth import (
+    AuthView,
     Requirement,
     TokenReader,
     ToolPolicy,
     canonical_resource,
+    canonical_resources,
     token_fingerprint,
 )
 from mcp_stream_exporter.lab import TokenIssuer
@@ -30,7 +33,6 @@ from mcp_stream_exporter.lab import TokenIssuer
         ("https://mcp.example.com/", "https://mcp.example.com"),
         ("https://mcp.example.com/tools/fetch/", "https://mcp.example.com/tools/fetch"),
         ("https://mcp.example.com:8443/x", "https://mcp.example.com:8443/x"),
-        ("https://mcp.example.com/x#frag", "https://mcp.example.com/x"),
         ("https://mcp.example.com/Tools", "https://mcp.example.com/Tools"),  # paths keep their case
         ("https://[::1]:443/mcp", "https://[::1]/mcp"),
         ("https://mcp.example.com:99999/tools/fetch", "https://mcp.example.com:99999/tools/fetch"),  # no port
@@ -39,6 +41,19 @@ from mcp_stream_exporter.lab import TokenIssuer
 )
 def test_canonical_resource_normalises_case_default_ports_and_one_trailing_slash(raw, canonical):
     assert canonical_resource(raw) == canonical
+
+
+@pytest.mark.parametrize("raw", [
+    "https://mcp.example.com/tools/fetch#x", "ht\rtps://mcp.example.com/tools/fetch",
+    "https://mcp.exa\nmple.com/tools/fetch", "https://mcp.example.com/tools/\tfetch",
+    "\x01https://mcp.example.com/tools/fetch", " https://mcp.example.com/tools/fetch",
+    "https://mcp.example.com/tools/fetch ", "https://mcp.example.com/tools/fetch\x7f",
+])
+def test_a_value_no_resource_uri_holds_is_equal_only_to_itself_never_to_the_resource_it_resembles(raw):
+    """urlsplit drops tabs and line breaks anywhere and control characters in front; RFC 8707 forbids fragments."""
+    assert canonical_resource(raw) == raw
+    assert not AuthView(audience=canonical_resources([raw])).grants(
+        Requirement(canonical_resources(["https://mcp.example.com/tools/fetch"])))
 
 
 def test_canonical_resource_removes_only_one_trailing_slash():
@@ -250,19 +265,56 @@ def test_any_claims_anyone_can_forge_make_a_view_never_an_error(payload):
     assert view.verification in ("unverified", "opaque")
 
 
+def test_a_failed_verification_is_checked_again_seconds_later_not_held_for_the_tokens_lifetime():
+    """A JWKS fetch that failed once (or an issuer's clock a second ahead) failed the token; cached until its ``exp``,
+    every resume with it was then refused ``token_unverified`` for up to an hour."""
+    issuer = TokenIssuer()
+    body = json.dumps(issuer.jwks()).encode()
+    answers = [503]
+
+    class JWKS(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status = answers.pop(0) if answers else 200
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body if status == 200 else b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), JWKS)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        now = [1_000.0]
+        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks", clock=lambda: now[0])
+        header = f"Bearer {issuer.mint(['https://a.example'], ttl=3600)}"
+        failed = reader.from_authorization(header)
+        assert failed.verification == "failed"
+        assert reader.from_authorization(header) is failed  # a flood of it costs no verification each
+        now[0] += 6.0
+        assert reader.from_authorization(header).verification == "verified"
+    finally:
+        httpd.shutdown()
+
+
 def test_a_verified_tokens_view_is_cached_no_longer_than_its_expiry_whatever_form_pyjwt_reads_it_in():
     """PyJWT verifies an ``exp`` of digits in a string as the number; a view cached without that expiry was served,
-    ``verified``, long after the token had expired. An ``exp`` of no form PyJWT reads is never cached."""
+    ``verified``, long after the token had expired. An ``exp`` of no form PyJWT reads fails, held seconds only."""
     key = "a key of at least thirty-two bytes, for HS256"
-    now = [1_000.0]
+    start = int(time.time())  # PyJWT checks ``exp`` against the real time
+    now = [float(start)]
     reader = TokenReader(key=key, clock=lambda: now[0])
-    expiring = jwt.encode({"aud": "https://a.example", "exp": "1060"}, key, algorithm="HS256")
-    odd = jwt.encode({"aud": "https://a.example", "exp": ["1060"]}, key, algorithm="HS256")
+    expiring = jwt.encode({"aud": "https://a.example", "exp": str(start + 60)}, key, algorithm="HS256")
+    odd = jwt.encode({"aud": "https://a.example", "exp": [str(start + 60)]}, key, algorithm="HS256")
     first = reader.read(expiring)
-    assert first.expires_at == 1_060.0
+    assert first.verification == "verified" and first.expires_at == start + 60
     assert reader.read(expiring) is first
-    now[0] = 1_061.0
+    unread = reader.read(odd)
+    assert unread.verification == "failed" and unread.expires_at == start + 5
+    now[0] = start + 61.0
     assert reader.read(expiring) is not first  # read again: PyJWT then says whether it still verifies
-    assert reader.read(odd) is not reader.read(odd)
-    fraction = jwt.encode({"aud": "https://a.example", "exp": 1_060.9}, key, algorithm="HS256")
-    assert reader.read(fraction).expires_at == 1_060.0  # PyJWT compares the integer part
+    assert reader.read(odd) is not unread
+    fraction = jwt.encode({"aud": "https://a.example", "exp": start + 60.9}, key, algorithm="HS256")
+    assert reader.read(fraction).expires_at == start + 60  # PyJWT compares the integer part

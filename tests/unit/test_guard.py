@@ -606,6 +606,61 @@ def test_a_session_post_too_large_to_read_its_ids_is_refused_and_observe_mode_le
     assert _guarded_post(observing, _tools_call(8))[0] == 200  # reused while in flight, let through
 
 
+def _posted(store: GuardedEventStore, pieces: list[bytes], *, path: str = "/mcp", session: bool = True,
+            stalls: bool = False) -> tuple[int, list[dict]]:
+    """A POST whose body comes in ``pieces`` (and then never ends, when it ``stalls``) through the guard's ASGI layer:
+    (the status the client got, the body messages the app was handed)."""
+    messages = [{"type": "http.request", "body": piece, "more_body": stalls or i < len(pieces) - 1}
+                for i, piece in enumerate(pieces)]
+    sent: list[dict] = []
+    handed: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()  # a client that stopped sending, its connection open
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if not stalls:
+            while not handed or handed[-1].get("more_body", False):
+                handed.append(await receive())
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    headers = [(b"mcp-session-id", b"s1")] if session else []
+    asyncio.run(store.asgi(app)({"type": "http", "path": path, "method": "POST", "headers": headers}, receive, send))
+    return sent[0]["status"], handed
+
+
+def test_a_session_post_whose_body_stops_coming_is_refused_once_the_guard_stops_waiting_for_it():
+    """The guard reads a session POST's body before the SDK, and its authentication, run: a client that never finished
+    its body held what it sent (some 8 MiB a connection), unanswered, for as long as it liked."""
+    store = GuardedEventStore(POLICY, body_timeout_s=0.05)
+    run(store.open_session("s1"))
+    assert _posted(store, [_tools_call(5)[:10]], stalls=True)[0] == 408
+    assert _posted(store, [_tools_call(5)])[0] == 202  # the call's id was never claimed
+    observing = GuardedEventStore(POLICY, mode="observe", body_timeout_s=0.05)
+    run(observing.open_session("s1"))
+    assert _posted(observing, [_tools_call(5)[:10]], stalls=True)[0] == 202  # handed on: the SDK's to wait for
+
+
+def test_a_body_in_many_pieces_is_handed_to_the_app_as_one_message_and_a_sessionless_post_elsewhere_is_not_read():
+    """A body sent a byte at a time cost the guard a message each (some 34 bytes a body byte) until the app read it."""
+    store = GuardedEventStore(POLICY)
+    run(store.open_session("s1"))
+    body = _tools_call(5)
+    pieces = [body[i:i + 1] for i in range(len(body))]
+    status, handed = _posted(store, pieces)
+    assert status == 202 and handed == [{"type": "http.request", "body": body, "more_body": False}]
+    status, handed = _posted(store, pieces, path="/upload", session=False)  # no call of this server's
+    assert status == 202 and len(handed) == len(pieces)
+    assert _posted(store, [body[:10]], path="/upload", session=False, stalls=True)[0] == 202  # the app's to wait for
+
+
 def _bearer(*audience: str, sub: str = "alice") -> list[tuple[bytes, bytes]]:
     claims = {"iss": "https://issuer.example", "sub": sub, "aud": list(audience)}
     token = jwt.encode(claims, "k" * 32, algorithm="HS256")

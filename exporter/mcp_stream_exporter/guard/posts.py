@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Final, NamedTuple
 
+import anyio
 import pydantic_core
 from mcp.shared.dispatcher import as_request_id
 from mcp_types import JSONRPCNotification, JSONRPCRequest, jsonrpc_message_adapter
@@ -28,21 +29,35 @@ class Asked(NamedTuple):
 NOTHING_ASKED: Final = Asked()
 
 
-async def read_post(receive: Receive) -> tuple[list[Message], bytes | None]:
-    """A POST's body messages, read before the app runs, and its body; None past ``MAX_PARSED_BODY``
-    (the messages read until then are handed on as they are, the rest streams)."""
-    read: list[Message] = []
+class Posted(NamedTuple):
+    """A POST's body as the guard read it before the app runs (``read_post``)."""
+
+    messages: list[Message]  # what the app is handed first (``replaying``), the rest streaming after it
+    body: bytes | None  # the whole body; None when it is not read whole (too large, or too slow)
+    late: bool = False  # not whole within the time the guard waits for it
+
+
+async def read_post(receive: Receive, timeout_s: float) -> Posted:
+    """A POST's body, read before the app runs and kept as one message (a body in a thousand one-byte pieces costs
+    its bytes, not a thousand messages), within ``timeout_s``: a client that never finishes its body holds no more
+    than it sent, and no longer. Past ``MAX_PARSED_BODY`` or the time, what was read is handed on, the rest streams."""
     body = bytearray()
-    while True:
-        message = await receive()
-        read.append(message)
-        if message["type"] != "http.request":  # the client went away first: nothing to read
-            return read, b""
-        body += message.get("body", b"")
-        if len(body) > MAX_PARSED_BODY:
-            return read, None
-        if not message.get("more_body", False):
-            return read, bytes(body)
+    with anyio.move_on_after(timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away first: nothing to read
+                return Posted([_part(body, more=True), message] if body else [message], b"")
+            body += message.get("body", b"")
+            if len(body) > MAX_PARSED_BODY:
+                return Posted([_part(body, more=True)], None)
+            if not message.get("more_body", False):
+                whole = bytes(body)
+                return Posted([{"type": "http.request", "body": whole, "more_body": False}], whole)
+    return Posted([_part(body, more=True)], None, late=True)
+
+
+def _part(body: bytearray, *, more: bool) -> Message:
+    return {"type": "http.request", "body": bytes(body), "more_body": more}
 
 
 def as_the_sdk_reads(body: bytes) -> Asked:

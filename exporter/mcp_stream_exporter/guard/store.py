@@ -200,13 +200,16 @@ class GuardedEventStore(EventStore):
     an opaque (non-JWT) token any event that requires something, since its audience cannot be read;
     ``"allow"`` trusts the server's own authentication for them. With a verifying ``token_reader`` only
     verified tokens count. With a ``SharedEventStorage`` (e.g. ``RedisEventStorage``), a resume that reaches a server
-    process which does not hold the session is answered from the storage.
+    process which does not hold the session is answered from the storage. ``body_timeout_s``: how long its ASGI layer
+    waits for a session POST's whole body, which it reads before the SDK (and its authentication) does.
     """
 
     def __init__(self, policy: ToolPolicy, *, mode: Mode = "enforce", policy_mode: Policy = "all_or_nothing",
                  replay: ReplayScope = "stream", storage: EventStorage | None = None,
-                 token_reader: TokenReader | None = None, opaque: Opaque = "refuse") -> None:
+                 token_reader: TokenReader | None = None, opaque: Opaque = "refuse",
+                 body_timeout_s: float = 30.0) -> None:
         self.policy = checked_policy(policy)
+        self.body_timeout_s = body_timeout_s  # a POST's body not whole by then is refused (408): nothing waits on it
         self.mode = mode
         self.policy_mode = policy_mode
         self.replay = replay
@@ -498,7 +501,10 @@ class GuardedEventStore(EventStore):
             # whether the exchange answers them itself: no response, an error status, or JSON (else an SSE stream,
             # whose requests stay in flight until their answers are stored)
             answered_here = True
-            if scope.get("method") == "POST":  # its request ids are checked before the SDK sees them
+            # a session's POST, wherever it goes, and the endpoint's: its request ids are checked before the SDK sees
+            # them (a POST elsewhere without a session carries no call of this server's: it is not read)
+            if scope.get("method") == "POST" and (request.session_id is not None
+                                                  or route_path(scope).rstrip("/") == endpoint):
                 if codings(values(raw_headers, CONTENT_ENCODING)) and self.mode == "enforce":
                     # a body a middleware inside decompresses: its request ids cannot be read, so neither checked
                     # (another call's id taken) nor what they require recorded (fails closed, as a coded GET stream)
@@ -506,7 +512,12 @@ class GuardedEventStore(EventStore):
                     await refuse_request(send, 415, "a compressed request body: the replay guard cannot read its "
                                                     "request ids (decompress outside the guard's ASGI layer)")
                     return
-                read, body = await read_post(receive)
+                posted_body = await read_post(receive, self.body_timeout_s)
+                if posted_body.late and self.mode == "enforce":  # before any check: whoever sent it, nothing held
+                    _current.reset(token)
+                    await refuse_request(send, 408, f"request body not received whole within {self.body_timeout_s:g} s")
+                    return
+                body = posted_body.body
                 asked = as_the_sdk_reads(body) if body else NOTHING_ASKED
                 requests = asked.requests
                 refusal = self._admit(request, body, asked)
@@ -520,7 +531,7 @@ class GuardedEventStore(EventStore):
                         self._in_flight.hold(request.session_id, cancelled)
                         request.holds.append(cancelled)
                 self._record(request, requests)
-                app_receive = replaying(read, receive)
+                app_receive = replaying(posted_body.messages, receive)
             elif scope.get("method") == "DELETE" and request.session_id is not None:
                 refusal = self._may_end(request.auth, request.session_id)
                 if refusal is not None and self.mode == "enforce":
