@@ -1,8 +1,9 @@
 """``McpStreamInstrumentor``: the hooks installed the way OpenTelemetry instrumentations are.
 
 ``opentelemetry-instrument python app.py`` finds it through the ``opentelemetry_instrumentor`` entry point;
-in code, ``McpStreamInstrumentor().instrument()``. Once instrumented, every ``MCPServer`` app built with
-``streamable_http_app()`` (``run(transport="streamable-http")`` included) is served through
+in code, ``McpStreamInstrumentor().instrument()``. Once instrumented, every server app built with
+``streamable_http_app()``, an ``MCPServer``'s (``run(transport="streamable-http")`` included) or a low-level
+``Server``'s, is served through
 ``instrument_server``, and every ``httpx2`` client the SDK's Streamable HTTP transport sends with is tapped
 as by ``instrument_client``. Servers and clients instrumented by hand are left as they are: nothing is
 observed twice. ``uninstrument()`` stops instrumenting what is built afterwards; apps and clients already
@@ -24,7 +25,7 @@ from typing import Any
 import httpx2
 import wrapt
 from mcp.client.streamable_http import StreamableHTTPTransport
-from mcp.server.mcpserver import MCPServer
+from mcp.server.lowlevel import Server
 from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 from opentelemetry.instrumentation.utils import unwrap
@@ -33,7 +34,7 @@ from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.guard.refusals import RefusalResolver
 from mcp_stream_exporter.hooks import ClientInstrumentation, ClientTap, instrument_server
 from mcp_stream_exporter.hooks.client import reads_messages
-from mcp_stream_exporter.hooks.server import builds
+from mcp_stream_exporter.hooks.server import building
 
 # the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
 _instruments = ("mcp >= 2.3, < 3",)
@@ -57,11 +58,12 @@ class McpStreamInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             log.info("mcp-stream-exporter instrumentation disabled by %s", DISABLED_ENV)
             return
         options = _Options(kwargs.get("tracer_provider"), _policy(kwargs.get("policy")), kwargs.get("token_reader"))
-        wrapt.wrap_function_wrapper(MCPServer, "streamable_http_app", options.server_app)
+        # the low-level server's: an MCPServer builds its app with it, so both kinds of server are covered
+        wrapt.wrap_function_wrapper(Server, "streamable_http_app", options.server_app)
         wrapt.wrap_function_wrapper(StreamableHTTPTransport, "post_writer", options.client_transport)
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        unwrap(MCPServer, "streamable_http_app")  # a no-op where the kill switch left it unwrapped
+        unwrap(Server, "streamable_http_app")  # a no-op where the kill switch left it unwrapped
         unwrap(StreamableHTTPTransport, "post_writer")
 
 
@@ -81,12 +83,12 @@ class _Options:
         self.policy = policy
         self.token_reader = token_reader
 
-    def server_app(self, wrapped: Callable[..., Any], instance: MCPServer, args: tuple[Any, ...],
+    def server_app(self, wrapped: Callable[..., Any], instance: Server[Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
-        """``MCPServer.streamable_http_app``: the app ``instrument_server`` builds, unless this is
-        ``instrument_server`` building it (by hand, or for this wrapper). Each app built is instrumented: one
-        built again from the same server is served on its own."""
-        if builds(instance):
+        """``Server.streamable_http_app`` (an ``MCPServer``'s calls it with every option it has): the app
+        ``instrument_server`` builds, unless this is ``instrument_server`` building one (by hand, or for this
+        wrapper). Each app built is instrumented: one built again from the same server is served on its own."""
+        if building():
             return wrapped(*args, **kwargs)
         return instrument_server(instance, policy=self.policy, token_reader=self.token_reader,
                                  tracer_provider=self.tracer_provider, **kwargs)

@@ -14,11 +14,14 @@ from importlib.metadata import entry_points, version
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import pytest
-from mcp import Client
+from mcp import Client, types
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
+from mcp.server.streamable_http import EventStore
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 
@@ -29,8 +32,9 @@ from mcp_stream_exporter.guard import GuardedEventStore, RefusalResolver, resolv
 from mcp_stream_exporter.hooks import ClientTap, ServerInstrumentation
 from mcp_stream_exporter.instrumentation import McpStreamInstrumentor
 from mcp_stream_exporter.lab import serve
+from mcp_stream_exporter.lab.proxy import CutProxy
 
-from harness import ours, span_exporter, spans
+from harness import after_grace, detector, ours, span_exporter, spans
 
 APP = Path(__file__).with_name("sdk_app.py")
 INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")
@@ -93,7 +97,7 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
     instrumentor.instrument()
     try:
         instrumentor.instrument()  # warns and does nothing: still one wrapper
-        assert not hasattr(MCPServer.streamable_http_app.__wrapped__, "__wrapped__")
+        assert not hasattr(Server.streamable_http_app.__wrapped__, "__wrapped__")
         server = _echo_server()
         app = instrument_server(server)  # by hand, while the instrumentor is on
         assert sum(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in server.middleware) == 1
@@ -110,7 +114,7 @@ async def test_instrumenting_twice_or_over_hooks_installed_by_hand_observes_each
         kinds = sorted(s.attributes[sc.STREAM_KIND] for s in streams if s.attributes[sc.ROLE] == role)
         assert kinds == [sc.STREAM_KIND_DELETE, sc.STREAM_KIND_GET], role
 
-    assert not hasattr(MCPServer.streamable_http_app, "__wrapped__")  # uninstrumented: the SDK's own again
+    assert not hasattr(Server.streamable_http_app, "__wrapped__")  # uninstrumented: the SDK's own again
     plain = MCPServer("plain")
     plain.streamable_http_app()
     assert not any(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in plain.middleware)
@@ -243,3 +247,74 @@ async def test_every_transport_of_a_client_with_the_resolver_is_tapped_beneath_i
                     assert not isinstance(transport.inner._inner, ClientTap)
     finally:
         instrumentor.uninstrument()
+
+
+class _ClaimsAndReplaysNothing(EventStore):
+    """An author's store with a bug: a resume's stream is claimed, and none of its events replayed."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, str] = {}
+
+    async def store_event(self, stream_id: str, message: Any) -> str:
+        event_id = str(len(self.streams) + 1)
+        self.streams[event_id] = stream_id
+        return event_id
+
+    async def replay_events_after(self, last_event_id: str, send_callback: Any) -> str | None:
+        return self.streams.get(last_event_id)
+
+
+def _low_level_server() -> Server:
+    """A server on the SDK's low-level ``Server`` (handlers, no decorators), as an author writes one."""
+    async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[types.Tool(name="work", input_schema={"type": "object"})])
+
+    async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
+        meta = ctx.meta or {}
+        token = meta.get("progress_token", meta.get("progressToken")) if isinstance(meta, dict) else getattr(
+            meta, "progress_token", None)
+        for step in (1, 2):
+            await ctx.session.send_progress_notification(token, step, 2, f"step {step}",
+                                                         related_request_id=ctx.request_id)
+        return types.CallToolResult(content=[types.TextContent(type="text", text="done")])
+
+    return Server("low-level", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["by hand", "instrumentor"])
+async def test_a_low_level_servers_result_lost_behind_its_stores_replay_is_found_by_hand_and_under_the_instrumentor(
+        how: str) -> None:
+    """The SDK's low-level ``Server`` builds its app with the same ``streamable_http_app`` as ``MCPServer``, which
+    builds its own with it: ``instrument_server`` refused it, and the instrumentor left its app unobserved, so a
+    result its store never replayed was lost with no finding."""
+    server = _low_level_server()
+    instrumentor = McpStreamInstrumentor()
+    with detector() as (found, clock):
+        if how == "by hand":
+            app = instrument_server(server, event_store=_ClaimsAndReplaysNothing(), retry_interval=100)
+        else:
+            instrumentor.instrument()
+            try:
+                app = server.streamable_http_app(event_store=_ClaimsAndReplaysNothing(), retry_interval=100)
+            finally:
+                instrumentor.uninstrument()
+        async with serve(app) as port:
+            proxy = CutProxy(port)
+            await proxy.start()
+            try:
+                async with (instrument_client() as http,
+                            Client(streamable_http_client(f"http://127.0.0.1:{proxy.port}/mcp", http_client=http),
+                                   mode="legacy") as client):
+                    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+                        pass
+
+                    proxy.arm(b"step 1")
+                    with anyio.move_on_after(2):  # the caller's timeout: the result never comes
+                        await client.call_tool("work", {}, progress_callback=on_progress)
+            finally:
+                await proxy.stop()
+        rules = {finding.rule for finding in after_grace(found, clock)}
+    # the server's own record of what its store replayed (replay_truncated), and the loss: stored while the POST was
+    # gone, or sent onto it before the server saw it go
+    assert proxy.cuts and "replay_truncated" in rules and rules & {"stored_not_delivered", "sent_not_received"}, rules

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import anyio
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventCallback, EventId, EventMessage, EventStore, StreamId
 from mcp_types import (
@@ -894,7 +895,7 @@ class GuardedEventStore(EventStore):
             return SESSION_OWNER_GONE
         return None
 
-    def serve(self, server: MCPServer, **app_options: Any) -> Starlette:
+    def serve(self, server: MCPServer[Any] | Server[Any], **app_options: Any) -> Starlette:
         """Without the hooks: the server's Streamable HTTP app with this store, guarded around its whole middleware
         stack as ``instrument_server`` observes it (``add_middleware``, ``state``, ``routes`` as without the guard)."""
         app = server.streamable_http_app(event_store=self, **app_options)

@@ -18,6 +18,7 @@ from contextvars import ContextVar
 from typing import Any, cast
 
 from mcp.server.context import CallNext, HandlerResult, ServerMiddleware, ServerRequestContext
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from opentelemetry import trace
@@ -81,18 +82,23 @@ class ServerInstrumentation:
         return call_next(ctx)
 
 
-# the server whose app ``instrument_server`` is building now: the instrumentor leaves that build to it
-_building: ContextVar[MCPServer | None] = ContextVar("mcp_stream_building", default=None)
+# the SDK's servers whose Streamable HTTP app ``instrument_server`` builds: an ``MCPServer`` builds its app with its
+# low-level ``Server``'s ``streamable_http_app``, which an author may use directly (``on_call_tool=...``)
+_AnyServer = MCPServer[Any] | Server[Any]
+_SERVERS = (MCPServer, Server)
+# whether ``instrument_server`` is building an app now: the instrumentor leaves that build to it
+_building: ContextVar[bool] = ContextVar("mcp_stream_building", default=False)
 _observed: weakref.WeakSet[Starlette] = weakref.WeakSet()  # the apps it built: observed whole already
 
 
-def builds(server: MCPServer) -> bool:
-    """Whether ``instrument_server`` is building ``server``'s app now (its ``streamable_http_app`` call)."""
-    return _building.get() is server
+def building() -> bool:
+    """Whether ``instrument_server`` is building a server's app now (its ``streamable_http_app`` call, and the
+    low-level server's an ``MCPServer``'s makes in it)."""
+    return _building.get()
 
 
 def instrument_server(
-    target: MCPServer | ASGIApp,
+    target: _AnyServer | ASGIApp,
     *,
     policy: ToolPolicy | None = None,
     event_store: EventStore | None = None,
@@ -103,7 +109,7 @@ def instrument_server(
 ) -> ASGIApp:
     """The one call a server author adds: returns the instrumented ASGI app to serve.
 
-    Given an ``MCPServer``, builds its Streamable HTTP app (``app_options`` go to
+    Given an ``MCPServer`` (or the SDK's low-level ``Server``), builds its Streamable HTTP app (``app_options`` go to
     ``streamable_http_app``) with the event store wrapped and the linking middleware installed, and returns
     that Starlette app, observed around its whole middleware stack (``add_middleware``, ``state``, ``routes``
     and its lifespan are the app's as without the hooks). Given an ASGI app already built, only the wire is
@@ -115,15 +121,15 @@ def instrument_server(
         return target
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   path=streamable_http_path)
-    if not isinstance(target, MCPServer):
+    if not isinstance(target, _SERVERS):
         return instr.asgi(target)
     target.middleware.append(cast(ServerMiddleware[Any], instr.middleware))  # the SDK awaits what it returns
     store = instr.event_store(event_store) if event_store is not None else None
-    building = _building.set(target)
+    build_token = _building.set(True)
     try:
         app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
     finally:
-        _building.reset(building)
+        _building.reset(build_token)
     build = app.build_middleware_stack
 
     def observed_stack() -> ASGIApp:
@@ -144,18 +150,18 @@ def instrument_server(
 def _refuse_misuse(target: object, event_store: object) -> None:
     """What is no server, no ASGI app or no event store, refused at once: taken for one, it would fail at the app's
     first request or first store, where nothing points back to this call."""
-    if inspect.ismethod(target) and isinstance(target.__self__, MCPServer):
-        raise TypeError("instrument_server takes the MCPServer itself, or the app its streamable_http_app() returned, "
+    if inspect.ismethod(target) and isinstance(target.__self__, _SERVERS):
+        raise TypeError("instrument_server takes the server itself, or the app its streamable_http_app() returned, "
                         "not the method")
-    if not isinstance(target, MCPServer) and not callable(target):
-        raise TypeError(f"instrument_server takes an MCPServer or an ASGI app, not {type(target).__name__}")
+    if not isinstance(target, _SERVERS) and not callable(target):
+        raise TypeError(f"instrument_server takes an MCPServer, a Server or an ASGI app, not {type(target).__name__}")
     if event_store is not None and (isinstance(event_store, type) or not all(
             callable(getattr(event_store, method, None)) for method in ("store_event", "replay_events_after"))):
         what = f"the class {event_store.__name__}" if isinstance(event_store, type) else type(event_store).__name__
         raise TypeError(f"event_store must be an EventStore instance, not {what}")
 
 
-def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None] | None:
+def _routes(server: _AnyServer) -> Callable[[str | None, object], bool | None] | None:
     """Whether the SDK sends what a session stores on ``stream_id`` now: its message router, right after the store,
     sends a message on the stream registered for it, and drops it if none is (a resume's replay returned and its
     live tail not registered yet; no stream open). None: not known (pinned by
@@ -171,14 +177,14 @@ def _routes(server: MCPServer) -> Callable[[str | None, object], bool | None] | 
     return routes
 
 
-def _holds(server: MCPServer) -> Callable[[str], bool] | None:
+def _holds(server: _AnyServer) -> Callable[[str], bool] | None:
     """Whether the server's session manager holds a session still: the SDK answers another principal 404 for a
     live session and for one it dropped alike (pinned by tests/integration/test_sdk_contract.py)."""
     sessions = _sessions(server)
     return sessions.__contains__ if sessions is not None else None
 
 
-def _sessions(server: MCPServer) -> dict[str, object] | None:
+def _sessions(server: _AnyServer) -> dict[str, object] | None:
     """The session manager's transports by session id, where the SDK keeps them (as the contract test pins)."""
     sessions = getattr(server.session_manager, "_server_instances", None)
     return sessions if isinstance(sessions, dict) else None
