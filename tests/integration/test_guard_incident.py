@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from mcp_stream_exporter import instrument_server
 from mcp_stream_exporter import semconv as sc
+from mcp_stream_exporter.asgi import Message, Receive, Scope, Send
 from mcp_stream_exporter.auth import TokenReader
-from mcp_stream_exporter.lab import FETCH_RESOURCE, SEARCH_RESOURCE
+from mcp_stream_exporter.guard import CallGuard, GuardedEventStore
+from mcp_stream_exporter.lab import (
+    BASE_RESOURCE,
+    FETCH_RESOURCE,
+    SEARCH_RESOURCE,
+    BearerAuth,
+    TokenIssuer,
+    build_incident_server,
+    incident_policy,
+    serve,
+)
 from mcp_stream_exporter.resume import Action, Refusal, decide_resume
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE
 
@@ -133,3 +148,33 @@ async def test_a_resume_never_replays_another_sessions_result_with_the_same_requ
     replays = ours(found, sc.SPAN_REPLAY, sc.ROLE_SERVER)
     assert replays
     assert all(sc.REPLAY_FOREIGN_EVENT_IDS not in r.attributes for r in replays)
+
+
+async def test_a_client_whose_call_the_call_guard_refused_still_ends_its_session_with_its_delete():
+    """A DELETE ends every call of its session, so the guard refuses one whose token may not see a call the session
+    had; a call the call guard refused never ran, and counted all the same: the client's DELETE was refused (403) and
+    the session held until its idle timeout, with a warning of calls in flight that were none."""
+    policy, issuer = incident_policy(), TokenIssuer()
+    server = build_incident_server(issuer, step_delay=0)
+    server.middleware.append(CallGuard(policy))
+    app = instrument_server(server, policy=policy, event_store=GuardedEventStore(policy))
+    deleted: list[int] = []
+
+    async def watched(scope: Scope, receive: Receive, send: Send) -> None:
+        async def sent(message: Message) -> None:
+            if scope["type"] == "http" and scope["method"] == "DELETE" and message["type"] == "http.response.start":
+                deleted.append(message["status"])
+            await send(message)
+
+        await app(scope, receive, sent)
+
+    async with serve(watched) as port:
+        http = httpx2.AsyncClient(auth=BearerAuth(issuer.mint([BASE_RESOURCE, SEARCH_RESOURCE])))
+        async with http, Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=http),
+                                mode="legacy") as client:
+            with pytest.raises(MCPError) as refused:
+                await client.call_tool("fetch", {"url": "u"})
+            assert refused.value.code == REFUSED_ERROR_CODE
+            assert "search results" in (await client.call_tool("search", {"query": "q"})).content[0].text
+        assert deleted == [200]
+        assert not server.session_manager._server_instances  # ended now, not at the idle timeout

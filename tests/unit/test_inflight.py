@@ -128,3 +128,18 @@ def test_an_id_something_the_sdk_may_still_act_on_names_cannot_be_taken_until_it
     assert table.claim("s1", _owned("5")) is not None  # one still holds it
     table.release("s1", "5")
     assert table.claim("s1", _owned("5")) is None
+
+
+def test_a_call_refused_before_it_ran_is_no_owner_of_its_session_whichever_is_told_first():
+    """The call guard's refusal is all a refused call has: a DELETE ends nothing of it. The SDK's taking of the POST
+    (``accepted``) and the refusal's store race; another call of the same owner that ran still counts."""
+    table: InFlight[str] = InFlight()
+    table.opened("s1", "opener")
+    table.refused("s1", "fetch")  # stored before the POST's response started
+    table.accepted("s1", ["fetch"], [])
+    table.accepted("s1", ["search"], [])
+    table.refused("s1", "search")
+    assert table.owners("s1") == ["opener"]
+    table.accepted("s1", ["fetch", "fetch"], [])  # two that ran, one refused
+    table.refused("s1", "fetch")
+    assert table.owners("s1") == ["opener", "fetch"]

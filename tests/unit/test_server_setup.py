@@ -41,8 +41,9 @@ def _request(app: Any, path: str, headers: tuple[tuple[bytes, bytes], ...] = (),
     return sent
 
 
-@pytest.mark.parametrize("target", ["app.main:app", MCPServer("x").streamable_http_app, Server("x")],
-                         ids=["a string", "the server's method", "a low-level server"])
+@pytest.mark.parametrize("target", ["app.main:app", MCPServer("x").streamable_http_app,
+                                    Server("x").streamable_http_app],
+                         ids=["a string", "the server's method", "a low-level server's method"])
 def test_instrument_server_refuses_what_is_no_server_or_app(target: Any) -> None:
     with pytest.raises(TypeError, match="instrument_server takes"):
         instrument_server(target)

@@ -12,10 +12,14 @@ from typing import Any
 
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.shared.exceptions import MCPError
+from mcp_types import JSONRPCError
 
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.exchange import AUTHORIZATION
 from mcp_stream_exporter.wire import REFUSED_ERROR_CODE, TOOLS_CALL
+
+# what the data of a refusal of ``CallGuard``'s holds (``refused_call``)
+_REFUSAL_DATA = frozenset({"tool", "required_resources", "missing_resources", "missing_scopes"})
 
 
 class CallGuard:
@@ -51,3 +55,9 @@ class CallGuard:
                       "missing_resources": sorted(missing_resources), "missing_scopes": sorted(missing_scopes)},
             )
         return await call_next(ctx)
+
+
+def refused_call(message: object) -> bool:
+    """Whether ``message`` is a ``CallGuard``'s refusal of a call, which it answers before any handler runs."""
+    return (isinstance(message, JSONRPCError) and message.error.code == REFUSED_ERROR_CODE
+            and isinstance(message.error.data, dict) and message.error.data.keys() >= _REFUSAL_DATA)

@@ -35,7 +35,7 @@ class _Known(Generic[Owner]):
 
     def __init__(self) -> None:
         self.asked: dict[str, str | tuple[Owner, ...]] = {}
-        self.owners: dict[Owner, None] = {}
+        self.owners: dict[Owner, int] = {}  # each owner's calls the SDK took, less those refused before they ran
         self.alone: OrderedDict[str, tuple[Owner, ...]] = OrderedDict()
         self.opener: Owner | None = None
 
@@ -96,16 +96,14 @@ class InFlight(Generic[Owner]):
         the guard knows of the session, nor makes room in it by evicting another session's past."""
         known = self._known_of(session_id)
         for owner in owners:
-            if len(known.owners) < self._max_per_session:
-                known.owners[owner] = None
+            if owner in known.owners or len(known.owners) < self._max_per_session:
+                _count(known.owners, owner, 1)
         for server_request_id in answers:
             known.asked.pop(self._key(server_request_id), None)
 
     def opened(self, session_id: str, opener: Owner) -> None:
         """The session was opened by ``opener`` (its initialize, which the SDK took): whose the session is."""
-        known = self._known_of(session_id)
-        known.opener = opener
-        known.owners[opener] = None
+        self._known_of(session_id).opener = opener
 
     def opener(self, session_id: str) -> Owner | None:
         """Who opened the session; None when not known (opened elsewhere, or not among the ``max_sessions`` most
@@ -129,9 +127,18 @@ class InFlight(Generic[Owner]):
         """Whose the session's calls have been, in flight or not (its stored results outlive them): those the SDK
         took, and those it is still deciding on."""
         known = self._known.get(session_id)
-        owners = dict.fromkeys(known.owners) if known is not None else {}
+        owners: dict[Owner, None] = {}
+        if known is not None:
+            if known.opener is not None:
+                owners[known.opener] = None
+            owners.update(dict.fromkeys(owner for owner, calls in known.owners.items() if calls > 0))
         owners.update(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
         return list(owners)
+
+    def refused(self, session_id: str, owner: Owner) -> None:
+        """A call of ``owner`` was refused before it ran (the call guard's answer is all it has): ending the session
+        ends nothing of it. Told before the SDK's taking of its POST (``accepted``) or after, as the two race."""
+        _count(self._known_of(session_id).owners, owner, -1)
 
     def hold(self, session_id: str, request_id: str) -> None:
         """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is
@@ -252,3 +259,11 @@ class InFlight(Generic[Owner]):
         the call's events there, and would not hand a resume its live tail."""
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call is not None and not call[0] & _ENDED
+
+
+def _count(counts: dict[Owner, int], owner: Owner, by: int) -> None:
+    left = counts.get(owner, 0) + by
+    if left:
+        counts[owner] = left
+    else:
+        counts.pop(owner, None)

@@ -86,6 +86,7 @@ from mcp_stream_exporter.exchange import (
     content_of,
     requirement_of,
 )
+from mcp_stream_exporter.guard.calls import refused_call
 from mcp_stream_exporter.guard.error_frame import (
     AMBIGUOUS_REQUEST,
     AUDIENCE_UNKNOWN,
@@ -259,10 +260,12 @@ class GuardedEventStore(EventStore):
                 # a call's events are the principal's that posted it: the SDK's message router stores them in the
                 # context of the request that opened the session, which may be another principal's (a gateway that
                 # authenticates for the SDK, or a verifier that names no subject, lets another user post into it)
-                owner = (self._in_flight.owner(request.session_id, stream_id)
-                         or self._in_flight.past(request.session_id, stream_id))
+                in_flight = self._in_flight.owner(request.session_id, stream_id)
+                owner = in_flight or self._in_flight.past(request.session_id, stream_id)
                 if owner is not None:
                     requirement, subject = owner
+                if in_flight is not None and refused_call(message):  # it never ran: a DELETE ends nothing of it
+                    self._in_flight.refused(request.session_id, in_flight)
             if self._unopened:
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
