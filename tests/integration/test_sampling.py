@@ -4,6 +4,11 @@ unsampled run gives, and no `not_reissued` for a call that was re-issued."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from mcp.shared.exceptions import MCPError
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
@@ -78,3 +83,14 @@ async def test_a_call_the_sdk_fails_itself_is_over_at_once_whatever_the_sampler(
     assert ended == [sc.OUTCOME_NO_TERMINAL] and in_flight == 0
     if sampler is ALWAYS_OFF:  # recorded for the hooks, neither exported nor counted by the embedded detector
         assert sdk_spans == [] and failed is None
+
+
+def test_a_client_instrumented_before_the_applications_tracer_provider_is_set_still_learns_of_calls_the_sdk_fails():
+    """The hooks learn of a call the SDK fails itself from the SDK's own span, made on the global provider: looked up
+    once, as the client was instrumented, a provider set afterwards (tracing configured in ``main``, the client built
+    at import) was never seen, and such a call stayed in flight, to page as stuck 15 minutes later. A process of its
+    own: a process has one global provider."""
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("late_provider_app.py"))], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout) == {"told": True, "outcomes": [sc.OUTCOME_NO_TERMINAL], "in_flight": 0}

@@ -8,6 +8,8 @@ tracer records those spans whatever the application's sampler decides (``_Record
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import weakref
 from collections.abc import Sequence
@@ -131,10 +133,13 @@ class SdkSpans(SpanProcessor):
             return None
 
     @classmethod
-    def of_global_provider(cls) -> SdkSpans | None:
-        """The index on the global provider (where the SDK's spans are made), installed once."""
+    def of_global_provider(cls, *, told: bool = True) -> SdkSpans | None:
+        """The index on the global provider (where the SDK's spans are made), installed once. None without one:
+        the SDK then makes no spans, and a call it fails itself (its resumes ran out) goes untold (``told`` once)."""
         provider = trace.get_tracer_provider()
         if not isinstance(provider, TracerProvider):
+            if told:
+                _no_global_provider()
             return None
         with _INSTALL_LOCK:
             index = _INDEXES.get(provider)
@@ -143,6 +148,14 @@ class SdkSpans(SpanProcessor):
                 provider.add_span_processor(index)
             _record_sdk_calls(provider)
         return index
+
+
+@functools.cache  # said once a process
+def _no_global_provider() -> None:
+    logging.getLogger("mcp_stream_exporter.hooks").warning(
+        "no OpenTelemetry SDK TracerProvider is set globally (trace.set_tracer_provider): the MCP SDK makes no spans "
+        "of its own, so a call it fails itself (its resumes ran out) stays in flight for the client's hooks until its "
+        "client closes (MCPToolCallsStuckInFlight); set one, with or without exporters, before or after instrumenting")
 
 
 class _RecordingCalls(Sampler):

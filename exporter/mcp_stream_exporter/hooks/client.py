@@ -78,11 +78,18 @@ class ClientInstrumentation:
         self.tokens = token_reader or TokenReader()
         self.tracker = Tracker(DeviationTracer(tracer_provider), sc.ROLE_CLIENT, max_calls=max_calls,
                                broken=BROKEN_IN_PROCESS)
-        self._sdk_spans = SdkSpans.of_global_provider()
-        if self._sdk_spans is not None:
-            self._sdk_spans.watch(self.tracker)
+        self._sdk_spans = self._global_sdk_spans(told=False)
         self._protocol_version: str | None = None
         self._identify: Identify = self._fingerprint  # bound once, not per call
+
+    def _global_sdk_spans(self, *, told: bool = True) -> SdkSpans | None:
+        """The index of the SDK's own spans, on the global provider where the SDK makes them: looked up again at each
+        request until one is set (an application may set its provider after building its clients), ``told`` once
+        if none is by then."""
+        sdk_spans = self._sdk_spans = SdkSpans.of_global_provider(told=told)
+        if sdk_spans is not None:
+            sdk_spans.watch(self.tracker)
+        return sdk_spans
 
     def _request_calls(self, request: httpx2.Request, session_id: str | None,
                        protocol_version: str | None, view: AuthView,
@@ -166,6 +173,8 @@ class ClientInstrumentation:
     async def handle(self, inner: httpx2.AsyncBaseTransport, request: httpx2.Request) -> httpx2.Response:
         early: _Pending | None = None  # a resumable session's pending call, which a look-up may start first
         try:
+            if self._sdk_spans is None:  # before the SDK's span of a call this client's session goes on to make
+                self._global_sdk_spans()
             start = time.time_ns()
             headers = _picked(request.headers, REQUEST_HEADERS)
             session_id = headers.get(SESSION_ID)
