@@ -602,6 +602,22 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_reached_no_caller
     assert rules(run(no_cancel_seen, after_s=6)) == []
 
 
+def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_is_lost_whichever_sides_spans_come_first():
+    """Two exporters, a few seconds apart: the client's resume for no caller came before the server's late cancel,
+    was counted as its client's delivery, and the loss went unpaged (the server's first, it paged)."""
+    cut = [stream(C, "post", "clean", pending=("3",), last="6"), stream(SV, "post", "clean", pending=("3",), last="6")]
+    client_side = [call(C, sc.OUTCOME_CANCELLED, at=3.0),
+                   stream(C, "resume", "closed", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)]
+    server_side = [call(SV, sc.OUTCOME_RESULT, at=1.0, stream_kind=None, terminal_event_id="15"),
+                   cancelled_late(sent=1.0, cancelled=3.0),
+                   stream(SV, "resume", "clean", ids=(), cursor="6", terminal=("3",), last="15", at=4.0)]
+    for spans in ([*cut, *client_side, *server_side], [*cut, *server_side, *client_side],
+                  [*client_side, *cut, *server_side[::-1]]):
+        found = rules(run(spans, after_s=6))
+        assert "clean_end_pending" in found or "stored_not_delivered" in found, found
+    assert rules(run([*cut, *client_side, server_side[0], server_side[2]], after_s=6)) == []  # no cancel: no telling
+
+
 def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_the_call_is_its_end():
     """A server that closes its stream on purpose (polling); its client's caller cancels before resuming, and the
     server, which has no result yet, answers the cancel (a -32800 error): the SDK's resume for no caller gets that."""
