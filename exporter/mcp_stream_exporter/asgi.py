@@ -13,8 +13,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def route_path(scope: Scope) -> str:
-    """The request's path within the app, as Starlette routes it: a ``Mount`` (and a server's ``--root-path``)
-    keeps the whole path in ``path`` and its prefix in ``root_path``."""
+    """The request's path within the app, as Starlette routes it (``starlette._utils.get_route_path``): a ``Mount``
+    (and a server's ``--root-path``) keeps the whole path in ``path`` and its prefix in ``root_path``, which is taken
+    off only where a ``/`` follows it (``/mcp`` under the root ``/m`` is routed as ``/mcp``)."""
     path: str = scope.get("path", "")
     root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path

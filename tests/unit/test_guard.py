@@ -981,6 +981,9 @@ def test_the_endpoint_is_the_path_the_router_routes_under_a_mount():
     assert route_path({"path": "/api/mcp", "root_path": "/api"}) == "/mcp"
     assert route_path({"path": "/mcp", "root_path": "/api"}) == "/mcp"  # an older server: the prefix taken off
     assert route_path({"path": "/mcp"}) == "/mcp"
+    # a root ``/m`` before ``cp`` (a request target with no slash): Starlette routes ``/mcp``, and so does the guard
+    assert route_path({"path": "/mcp", "root_path": "/m"}) == "/mcp"
+    assert route_path({"path": "/api", "root_path": "/api"}) == ""
 
 
 def test_a_stored_message_that_does_not_read_back_is_a_storage_error_the_guard_answers_explicitly():

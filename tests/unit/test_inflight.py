@@ -130,16 +130,25 @@ def test_an_id_something_the_sdk_may_still_act_on_names_cannot_be_taken_until_it
     assert table.claim("s1", _owned("5")) is None
 
 
-def test_a_call_refused_before_it_ran_is_no_owner_of_its_session_whichever_is_told_first():
-    """The call guard's refusal is all a refused call has: a DELETE ends nothing of it. The SDK's taking of the POST
-    (``accepted``) and the refusal's store race; another call of the same owner that ran still counts."""
+def test_a_call_refused_before_it_ran_is_no_owner_of_its_session_in_flight_or_after_whichever_is_told_first():
+    """The call guard's refusal is all a refused call has: a DELETE ends nothing of it, even sent as the refusal is
+    read (the call still in flight, its POST not yet over). The SDK's taking of the POST (``accepted``) and the
+    refusal's store race; a call that stored something before an error shaped as a refusal ran, and still counts."""
     table: InFlight[str] = InFlight()
     table.opened("s1", "opener")
-    table.refused("s1", "fetch")  # stored before the POST's response started
+    assert table.claim("s1", [("1", "fetch"), ("2", "search"), ("3", "relay")]) is None
+    table.refused("s1", "1")  # stored before the POST's response started
     table.accepted("s1", ["fetch"], [])
     table.accepted("s1", ["search"], [])
-    table.refused("s1", "search")
-    assert table.owners("s1") == ["opener"]
+    table.refused("s1", "2")
+    table.accepted("s1", ["relay"], [])
+    table.ran("s1", "3")  # its progress, then a tool's error shaped as the guard's refusal
+    table.refused("s1", "3")
+    assert table.owners("s1") == ["opener", "relay"]  # in flight still, none of the refused ones
+    table.answered("s1", "3")
+    table.ended("s1", ["1", "2", "3"])
+    assert table.owners("s1") == ["opener", "relay"]
+    assert table.claim("s1", [("4", "fetch"), ("5", "fetch")]) is None
     table.accepted("s1", ["fetch", "fetch"], [])  # two that ran, one refused
-    table.refused("s1", "fetch")
-    assert table.owners("s1") == ["opener", "fetch"]
+    table.refused("s1", "5")
+    assert table.owners("s1") == ["opener", "relay", "fetch"]

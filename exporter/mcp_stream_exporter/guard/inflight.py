@@ -23,6 +23,8 @@ Owner = TypeVar("Owner")  # whose a call is: what a POST acting on it must hold 
 _ANSWERED = 1  # its response (or error) was stored
 _ENDED = 2  # the POST that carried it ended: its answer sent, or its stream closed (a server that polls)
 _FREE = _ANSWERED | _ENDED
+_RAN = 4  # something of it other than its answer was stored: its handler ran
+_REFUSED = 8  # its answer is the call guard's refusal, and nothing of it was stored before: it never ran
 
 
 class _Known(Generic[Owner]):
@@ -132,13 +134,30 @@ class InFlight(Generic[Owner]):
             if known.opener is not None:
                 owners[known.opener] = None
             owners.update(dict.fromkeys(owner for owner, calls in known.owners.items() if calls > 0))
-        owners.update(dict.fromkeys(owner for _, owner in self._sessions.get(session_id, {}).values()))
+        owners.update(dict.fromkeys(owner for state, owner in self._sessions.get(session_id, {}).values()
+                                    if not state & _REFUSED))
         return list(owners)
 
-    def refused(self, session_id: str, owner: Owner) -> None:
-        """A call of ``owner`` was refused before it ran (the call guard's answer is all it has): ending the session
-        ends nothing of it. Told before the SDK's taking of its POST (``accepted``) or after, as the two race."""
-        _count(self._known_of(session_id).owners, owner, -1)
+    def ran(self, session_id: str, request_id: str) -> None:
+        """Something of the call in flight under ``request_id`` other than its answer was stored: its handler ran."""
+        held = self._sessions.get(session_id, {})
+        key = self._key(request_id)
+        call = held.get(key)
+        if call is not None and not call[0] & _RAN:
+            held[key] = (call[0] | _RAN, call[1])
+
+    def refused(self, session_id: str, request_id: str) -> None:
+        """The answer of the call in flight under ``request_id`` is the call guard's refusal: unless something of
+        it was stored before (``ran``: a tool's own error shaped as one), it never ran, and ending the session ends
+        nothing of it, in flight or past. Told before the SDK's taking of its POST (``accepted``) or after, as the
+        two race."""
+        held = self._sessions.get(session_id, {})
+        key = self._key(request_id)
+        call = held.get(key)
+        if call is None or call[0] & (_RAN | _REFUSED):
+            return
+        held[key] = (call[0] | _REFUSED, call[1])
+        _count(self._known_of(session_id).owners, call[1], -1)
 
     def hold(self, session_id: str, request_id: str) -> None:
         """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is
@@ -231,8 +250,9 @@ class InFlight(Generic[Owner]):
             call = held.get(key)
             if call is None:
                 continue
-            if call[0] | done != _FREE:
-                held[key] = (call[0] | done, call[1])
+            state = call[0] | done
+            if state & _FREE != _FREE:
+                held[key] = (state, call[1])
                 continue
             del held[key]
             self._past[(session_id, key)] = call[1]

@@ -265,7 +265,9 @@ class GuardedEventStore(EventStore):
                 if owner is not None:
                     requirement, subject = owner
                 if in_flight is not None and refused_call(message):  # it never ran: a DELETE ends nothing of it
-                    self._in_flight.refused(request.session_id, in_flight)
+                    self._in_flight.refused(request.session_id, stream_id)
+                elif in_flight is not None and message is not None and not _terminal(message):
+                    self._in_flight.ran(request.session_id, stream_id)
             if self._unopened:
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
