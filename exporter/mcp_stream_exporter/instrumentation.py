@@ -32,9 +32,9 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from mcp_stream_exporter.auth import TokenReader, ToolPolicy, checked_policy
 from mcp_stream_exporter.guard.refusals import RefusalResolver
-from mcp_stream_exporter.hooks import ClientInstrumentation, ClientTap, instrument_server
+from mcp_stream_exporter.hooks import ClientInstrumentation, ClientTap
 from mcp_stream_exporter.hooks.client import reads_messages
-from mcp_stream_exporter.hooks.server import building
+from mcp_stream_exporter.hooks.server import builds, instrumented_app
 
 # the MCP SDK versions the hooks are written against (tests/integration/test_sdk_contract.py pins them)
 _instruments = ("mcp >= 2.3, < 3",)
@@ -86,12 +86,13 @@ class _Options:
     def server_app(self, wrapped: Callable[..., Any], instance: Server[Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         """``Server.streamable_http_app`` (an ``MCPServer``'s calls it with every option it has): the app
-        ``instrument_server`` builds, unless this is ``instrument_server`` building one (by hand, or for this
-        wrapper). Each app built is instrumented: one built again from the same server is served on its own."""
-        if building():
+        ``instrument_server`` makes, built with the SDK's own method (once, under a subclass's override that calls
+        it), unless this is ``instrument_server`` building this server's app (by hand, or for this wrapper). Each
+        app built is instrumented: one built again from the same server is served on its own."""
+        if builds(instance):
             return wrapped(*args, **kwargs)
-        return instrument_server(instance, policy=self.policy, token_reader=self.token_reader,
-                                 tracer_provider=self.tracer_provider, **kwargs)
+        return instrumented_app(instance, wrapped, policy=self.policy, token_reader=self.token_reader,
+                                tracer_provider=self.tracer_provider, **kwargs)
 
     def client_transport(self, wrapped: Callable[..., Any], instance: StreamableHTTPTransport,
                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

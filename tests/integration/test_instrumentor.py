@@ -24,6 +24,8 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import EventStore
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import PlainTextResponse
+from starlette.routing import Mount, Route
 
 from mcp_stream_exporter import instrument_client, instrument_server
 from mcp_stream_exporter import semconv as sc
@@ -318,3 +320,39 @@ async def test_a_low_level_servers_result_lost_behind_its_stores_replay_is_found
     # the server's own record of what its store replayed (replay_truncated), and the loss: stored while the POST was
     # gone, or sent onto it before the server saw it go
     assert proxy.cuts and "replay_truncated" in rules and rules & {"stored_not_delivered", "sent_not_received"}, rules
+
+
+def _hooks_on(server: MCPServer | Server) -> int:
+    return sum(isinstance(getattr(m, "__self__", None), ServerInstrumentation) for m in server.middleware)
+
+
+def test_a_servers_app_built_while_instrument_server_builds_another_is_instrumented_once_and_an_override_runs_once():
+    """Under the instrumentor, ``instrument_server`` building one server's app left any other built meanwhile (a
+    gateway that mounts another team's server) unobserved; and a low-level server whose ``streamable_http_app``
+    override calls the SDK's ran it twice, nested (a route it adds, added twice)."""
+    inner = MCPServer("inner")
+    built: list[str] = []
+
+    class Gateway(MCPServer):
+        def streamable_http_app(self, **options: Any) -> Starlette:
+            app = super().streamable_http_app(**options)
+            app.router.routes.append(Mount("/inner", app=inner.streamable_http_app()))
+            return app
+
+    class Health(Server):
+        def streamable_http_app(self, **options: Any) -> Starlette:
+            built.append("app")
+            app = super().streamable_http_app(**options)
+            app.router.routes.append(Route("/health", lambda request: PlainTextResponse("ok")))
+            return app
+
+    instrumentor = McpStreamInstrumentor()
+    instrumentor.instrument()
+    try:
+        outer = Gateway("outer")
+        instrument_server(outer)  # by hand, the instrumentor on
+        health = Health("health").streamable_http_app()
+    finally:
+        instrumentor.uninstrument()
+    assert (_hooks_on(outer), _hooks_on(inner)) == (1, 1)
+    assert built == ["app"] and sum(getattr(r, "path", None) == "/health" for r in health.router.routes) == 1

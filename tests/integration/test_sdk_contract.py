@@ -9,6 +9,7 @@ import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import GET_STREAM_KEY, EventStore
 from mcp_types import JSONRPCNotification, JSONRPCResponse
@@ -66,6 +67,9 @@ def test_mcpserver_exposes_a_mutable_middleware_list_and_accepts_an_event_store(
     # the sessions it holds, by id: the server's hooks ask whether a 404's session is gone (``hooks.server._holds``)
     assert server.session_manager._server_instances == {}
     assert "self._server_instances.pop(session_id, None)" in inspect.getsource(type(server.session_manager))
+    # it builds its app with its low-level server's, which the instrumentor wraps (``hooks.server.builds``)
+    assert "return self._lowlevel_server.streamable_http_app(" in inspect.getsource(MCPServer.streamable_http_app)
+    assert isinstance(server._lowlevel_server, Server) and server.middleware is server._lowlevel_server.middleware
 
 
 def test_the_server_runner_awaits_whatever_a_middleware_returns():

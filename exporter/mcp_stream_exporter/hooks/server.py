@@ -86,15 +86,16 @@ class ServerInstrumentation:
 # low-level ``Server``'s ``streamable_http_app``, which an author may use directly (``on_call_tool=...``)
 _AnyServer = MCPServer[Any] | Server[Any]
 _SERVERS = (MCPServer, Server)
-# whether ``instrument_server`` is building an app now: the instrumentor leaves that build to it
-_building: ContextVar[bool] = ContextVar("mcp_stream_building", default=False)
+# the servers ``instrument_server`` is building an app of now (an ``MCPServer`` and its low-level server): the
+# instrumentor leaves those builds to it, and instruments any other made meanwhile (a gateway that mounts another's)
+_building: ContextVar[tuple[object, ...]] = ContextVar("mcp_stream_building", default=())
 _observed: weakref.WeakSet[Starlette] = weakref.WeakSet()  # the apps it built: observed whole already
 
 
-def building() -> bool:
-    """Whether ``instrument_server`` is building a server's app now (its ``streamable_http_app`` call, and the
+def builds(server: object) -> bool:
+    """Whether ``instrument_server`` is building ``server``'s app now (its ``streamable_http_app`` call, and the
     low-level server's an ``MCPServer``'s makes in it)."""
-    return _building.get()
+    return any(building is server for building in _building.get())
 
 
 def instrument_server(
@@ -119,22 +120,43 @@ def instrument_server(
     _refuse_misuse(target, event_store)
     if isinstance(target, Starlette) and target in _observed:  # (any other app may be unhashable: a dataclass's)
         return target
+    if not isinstance(target, _SERVERS):
+        return ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
+                                     path=streamable_http_path).asgi(target)
+    return instrumented_app(target, target.streamable_http_app, policy=policy, event_store=event_store,
+                            token_reader=token_reader, tracer_provider=tracer_provider,
+                            streamable_http_path=streamable_http_path, **app_options)
+
+
+def instrumented_app(
+    server: _AnyServer,
+    build: Callable[..., Starlette],
+    *,
+    policy: ToolPolicy | None = None,
+    event_store: EventStore | None = None,
+    token_reader: TokenReader | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    streamable_http_path: str = "/mcp",
+    **app_options: Any,
+) -> Starlette:
+    """``server``'s app as ``instrument_server`` makes it, built with ``build``: its ``streamable_http_app``; the
+    instrumentor's, the SDK's own (a subclass that overrides it calls it once, with what it builds around it)."""
+    _refuse_misuse(server, event_store)
     instr = ServerInstrumentation(policy=policy, token_reader=token_reader, tracer_provider=tracer_provider,
                                   path=streamable_http_path)
-    if not isinstance(target, _SERVERS):
-        return instr.asgi(target)
-    target.middleware.append(cast(ServerMiddleware[Any], instr.middleware))  # the SDK awaits what it returns
+    server.middleware.append(cast(ServerMiddleware[Any], instr.middleware))  # the SDK awaits what it returns
     store = instr.event_store(event_store) if event_store is not None else None
-    build_token = _building.set(True)
+    low_level = getattr(server, "_lowlevel_server", None)  # an MCPServer's, which builds its app (test_sdk_contract)
+    build_token = _building.set((*_building.get(), server, low_level))
     try:
-        app = target.streamable_http_app(event_store=store, streamable_http_path=streamable_http_path, **app_options)
+        app = build(event_store=store, streamable_http_path=streamable_http_path, **app_options)
     finally:
         _building.reset(build_token)
-    build = app.build_middleware_stack
+    build_stack = app.build_middleware_stack
 
     def observed_stack() -> ASGIApp:
         """What Starlette serves, built at the app's first call (after any ``add_middleware``), observed whole."""
-        stack: ASGIApp = build()
+        stack: ASGIApp = build_stack()
         if isinstance(event_store, request_scope.ExchangeAware):
             # e.g. the guard: inside the observer, so the wire we see is theirs
             stack = event_store.asgi(stack, streamable_http_path)
@@ -142,8 +164,8 @@ def instrument_server(
 
     app.build_middleware_stack = observed_stack  # type: ignore[method-assign]  # as OTel's FastAPI instrumentor
     _observed.add(app)
-    instr.observer.holds = _holds(target)
-    instr.recorder.routes = _routes(target)
+    instr.observer.holds = _holds(server)
+    instr.recorder.routes = _routes(server)
     return app
 
 
