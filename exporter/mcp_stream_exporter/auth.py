@@ -28,8 +28,10 @@ Verification = Literal["verified", "unverified", "failed", "opaque", "absent"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FINGERPRINT_CHARS = 16
-_RECHECK_FAILED_S = 5.0  # a token that failed verification is verified again after this long
-_NO_RESOURCE = re.compile(r"[\x00-\x20\x7f#]")  # what no resource URI holds, and urlsplit would drop
+_RECHECK_FAILED_S = 5.0  # a token that failed verification is verified again after this long; a failed JWKS fetch too
+_JWKS_TIMEOUT_S = 5.0  # a JWKS fetch blocks the event loop: PyJWT's default 30 s is too long to stall a server
+# what no resource URI holds (RFC 3986: printable ASCII; RFC 8707: no fragment), which urlsplit would drop or fold
+_NO_RESOURCE = re.compile(r"[^!-~]|#")
 _PROCESS_SALT = os.environ.get("MCP_STREAM_SUBJECT_SALT", "").encode() or os.urandom(16)
 
 
@@ -40,9 +42,10 @@ def canonical_resource(uri: str) -> str:
     (``https://a.example/`` and ``https://a.example`` name the same resource; authorization
     servers and clients disagree on that slash, e.g. modelcontextprotocol/python-sdk#1265). Only one slash goes:
     ``rstrip('/')`` would make ``/tools//`` equal ``/tools``. What is no resource is kept as written, equal only
-    to itself: a URI with an invalid port (``:99999``, ``:abc``), and one with a fragment (RFC 8707 forbids it),
-    a space or a control character, which ``urlsplit`` would drop (``"ht\rtps://..."`` read as ``https://...``):
-    a token may not be granted a resource its authorization server never wrote.
+    to itself: a URI with an invalid port (``:99999``, ``:abc``), and one with a fragment (RFC 8707 forbids it), a
+    space, a control character or any character but printable ASCII, which ``urlsplit`` would drop or fold (a
+    carriage return in the scheme, a Kelvin sign in the host): a token may not be granted a resource its
+    authorization server never wrote.
     """
     if _NO_RESOURCE.search(uri):
         return uri
@@ -156,11 +159,11 @@ class TokenReader:
     # The last header read and its view: a client sends one header on every request, and comparing it
     # spares hashing a fresh copy of the whole token (hundreds of bytes) on each. Private like ``_by_header``.
     _last: tuple[str, AuthView] | None = field(default=None, init=False, repr=False)
-    _jwks: jwt.PyJWKClient | None = field(default=None, init=False, repr=False)
+    _jwks: _JWKS | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.jwks_url:
-            self._jwks = jwt.PyJWKClient(self.jwks_url, cache_keys=True)
+            self._jwks = _JWKS(self.jwks_url, lambda: self.clock())
 
     @property
     def verifies(self) -> bool:
@@ -253,6 +256,26 @@ class TokenReader:
         return hmac.new(self.subject_salt, principal.encode(), hashlib.sha256).hexdigest()[:_FINGERPRINT_CHARS]
 
 
+class _JWKS(jwt.PyJWKClient):
+    """The issuer's keys, fetched as PyJWT does, but once its endpoint failed not tried again for a few seconds: a
+    fetch blocks whoever reads a token (the guard's and the hooks' ASGI layers, on the event loop), and while it fails
+    every token not verified yet would try it again, each of them every ``_RECHECK_FAILED_S``."""
+
+    def __init__(self, uri: str, clock: Callable[[], float]) -> None:
+        super().__init__(uri, cache_keys=True, timeout=_JWKS_TIMEOUT_S)
+        self._clock = clock
+        self._failing_until = 0.0
+
+    def fetch_data(self) -> Any:
+        if self._clock() < self._failing_until:
+            raise jwt.PyJWKClientConnectionError("the JWKS endpoint failed a moment ago: not tried again yet")
+        try:
+            return super().fetch_data()
+        except jwt.PyJWKClientConnectionError:
+            self._failing_until = self._clock() + _RECHECK_FAILED_S
+            raise
+
+
 @dataclass(frozen=True, slots=True)
 class Requirement:
     """What one tool call needs from the token: resource indicators (canonical) and scopes."""
@@ -292,14 +315,17 @@ class ToolPolicy:
         out: dict[str, Requirement] = {}
         for name, spec in tools.items():
             if isinstance(spec, str | list):
-                out[str(name)] = Requirement.of(_as_set(spec, split=False))
+                resources, scopes = _as_set(spec, split=False), frozenset[str]()
             elif isinstance(spec, Mapping):
-                out[str(name)] = Requirement.of(
-                    _as_set(spec.get("resources", spec.get("resource", [])), split=False),
-                    _as_set(spec.get("scopes", []), split=True),
-                )
+                resources = _as_set(spec.get("resources", spec.get("resource", [])), split=False)
+                scopes = _as_set(spec.get("scopes", []), split=True)
             else:
                 raise ValueError(f"tool policy: requirement of {name!r} must be a mapping or a list")
+            for resource in resources:  # else no token would ever be granted it, and every call of the tool refused
+                if _NO_RESOURCE.search(resource):
+                    raise ValueError(f"tool policy: resource {resource!r} of {name!r} is no URI (a space, a control "
+                                     "character, a character but printable ASCII, or a fragment)")
+            out[str(name)] = Requirement.of(resources, scopes)
         return cls(out)
 
     @classmethod

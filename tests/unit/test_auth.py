@@ -56,6 +56,14 @@ def test_a_value_no_resource_uri_holds_is_equal_only_to_itself_never_to_the_reso
         Requirement(canonical_resources(["https://mcp.example.com/tools/fetch"])))
 
 
+def test_a_host_with_a_character_that_lower_cases_to_ascii_is_no_resource_and_a_policy_with_one_is_refused():
+    """The Kelvin sign (U+212A) lower-cases to ``k``: its host read as another resource's; a policy resource that is
+    no URI (a trailing newline) would never be granted, every call of its tool refused: refused as the policy loads."""
+    assert canonical_resource("https://\u212aey.example/tools") != canonical_resource("https://key.example/tools")
+    with pytest.raises(ValueError, match="is no URI"):
+        ToolPolicy.from_mapping({"tools": {"fetch": {"resources": ["https://mcp.example.com/tools/fetch\n"]}}})
+
+
 def test_canonical_resource_removes_only_one_trailing_slash():
     assert canonical_resource("https://a.example/tools//") == "https://a.example/tools/"
     assert canonical_resource("https://a.example/tools//") != canonical_resource("https://a.example/tools")
@@ -295,6 +303,36 @@ def test_a_failed_verification_is_checked_again_seconds_later_not_held_for_the_t
         assert reader.from_authorization(header) is failed  # a flood of it costs no verification each
         now[0] += 6.0
         assert reader.from_authorization(header).verification == "verified"
+    finally:
+        httpd.shutdown()
+
+
+def test_a_failing_jwks_endpoint_is_tried_again_only_seconds_later_whatever_the_tokens_that_need_it():
+    """A JWKS fetch blocks the event loop the guard and the hooks read tokens on: while the endpoint failed, every
+    token not verified yet (rechecked each 5 s, and any new one) fetched again, each a stall of up to 30 s."""
+    issuer = TokenIssuer()
+    fetches: list[str] = []
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            fetches.append(self.path)
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        now = [1_000.0]
+        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks", clock=lambda: now[0])
+        views = [reader.read(issuer.mint(["https://a.example"], ttl=3600 + n)) for n in range(10)]
+        assert {view.verification for view in views} == {"failed"} and len(fetches) == 1
+        now[0] += 6.0
+        assert reader.read(issuer.mint(["https://a.example"], ttl=7200)).verification == "failed"
+        assert len(fetches) == 2
     finally:
         httpd.shutdown()
 

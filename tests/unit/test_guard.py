@@ -646,6 +646,9 @@ def test_a_session_post_whose_body_stops_coming_is_refused_once_the_guard_stops_
     observing = GuardedEventStore(POLICY, mode="observe", body_timeout_s=0.05)
     run(observing.open_session("s1"))
     assert _posted(observing, [_tools_call(5)[:10]], stalls=True)[0] == 202  # handed on: the SDK's to wait for
+    for timeout in (0, -1, float("nan"), float("inf"), None):  # a 500, or a 408, on every POST; or no bound at all
+        with pytest.raises(ValueError, match="body_timeout_s"):
+            GuardedEventStore(POLICY, body_timeout_s=timeout)  # type: ignore[arg-type]
 
 
 def test_a_body_in_many_pieces_is_handed_to_the_app_as_one_message_and_a_sessionless_post_elsewhere_is_not_read():

@@ -40,6 +40,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import operator
 import time
 from collections.abc import Iterable, Sequence
@@ -211,6 +212,8 @@ class GuardedEventStore(EventStore):
                  token_reader: TokenReader | None = None, opaque: Opaque = "refuse",
                  body_timeout_s: float = 30.0) -> None:
         self.policy = checked_policy(policy)
+        if not (isinstance(body_timeout_s, int | float) and 0 < body_timeout_s < math.inf):
+            raise ValueError(f"body_timeout_s must be a positive number of seconds, not {body_timeout_s!r}")
         self.body_timeout_s = body_timeout_s  # a POST's body not whole by then is refused (408): nothing waits on it
         self.mode = mode
         self.policy_mode = policy_mode
@@ -519,10 +522,14 @@ class GuardedEventStore(EventStore):
                                                     "request ids (decompress outside the guard's ASGI layer)")
                     return
                 posted_body = await read_post(receive, self.body_timeout_s)
-                if posted_body.late and self.mode == "enforce":  # before any check: whoever sent it, nothing held
-                    _current.reset(token)
-                    await refuse_request(send, 408, f"request body not received whole within {self.body_timeout_s:g} s")
-                    return
+                if posted_body.late:  # before any check: whoever sent it, nothing held
+                    _log.warning("a POST's body was not whole within %g s: %s", self.body_timeout_s,
+                                 "refused" if self.mode == "enforce" else "let through (observe mode)")
+                    if self.mode == "enforce":
+                        _current.reset(token)
+                        await refuse_request(send, 408,
+                                             f"request body not received whole within {self.body_timeout_s:g} s")
+                        return
                 body = posted_body.body
                 asked = as_the_sdk_reads(body) if body else NOTHING_ASKED
                 requests = asked.requests
