@@ -89,7 +89,8 @@ class AuthView:
     subject_hash: str | None = None
     fingerprint: str | None = None
     verification: Verification = "absent"
-    expires_at: float | None = None  # until when the view holds: the token's ``exp``; a failed one's, seconds
+    # until when the view holds: the token's ``exp``; for one that failed verification, seconds (``_RECHECK_FAILED_S``)
+    expires_at: float | None = None
 
     def missing_resources(self, required: Iterable[str]) -> frozenset[str]:
         """The required resource indicators this token's ``aud`` does not grant (canonical form)."""

@@ -46,18 +46,18 @@ async def read_post(receive: Receive, timeout_s: float) -> Posted:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away first: nothing to read
-                return Posted([_part(body, more=True), message] if body else [message], b"")
+                return Posted([_unfinished(body), message] if body else [message], b"")
             body += message.get("body", b"")
             if len(body) > MAX_PARSED_BODY:
-                return Posted([_part(body, more=True)], None)
+                return Posted([_unfinished(body)], None)
             if not message.get("more_body", False):
                 whole = bytes(body)
                 return Posted([{"type": "http.request", "body": whole, "more_body": False}], whole)
-    return Posted([_part(body, more=True)], None, late=True)
+    return Posted([_unfinished(body)], None, late=True)
 
 
-def _part(body: bytearray, *, more: bool) -> Message:
-    return {"type": "http.request", "body": bytes(body), "more_body": more}
+def _unfinished(body: bytearray) -> Message:
+    return {"type": "http.request", "body": bytes(body), "more_body": True}
 
 
 def as_the_sdk_reads(body: bytes) -> Asked:
