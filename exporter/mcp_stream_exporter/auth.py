@@ -272,7 +272,7 @@ class _JWKS(jwt.PyJWKClient):
             raise jwt.PyJWKClientConnectionError("the JWKS endpoint failed a moment ago: not tried again yet")
         try:
             return super().fetch_data()
-        except jwt.PyJWKClientConnectionError:
+        except Exception:  # unreachable, or no key set in its answer (a proxy's error page, ``{}``)
             self._failing_until = self._clock() + _RECHECK_FAILED_S
             raise
 

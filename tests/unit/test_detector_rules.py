@@ -616,6 +616,11 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_is_lost_whichever
         found = rules(run(spans, after_s=6))
         assert "clean_end_pending" in found or "stored_not_delivered" in found, found
     assert rules(run([*cut, *client_side, server_side[0], server_side[2]], after_s=6)) == []  # no cancel: no telling
+    # a client process resuming from the cursor its predecessor saved, after the page: it reached a caller
+    late = run([*cut, server_side[0]], after_s=40)
+    late.consume(client_side[1:])
+    (loss,) = [f for f in late.findings if f.rule in ("clean_end_pending", "stored_not_delivered")]
+    assert "delivered_after" in loss.evidence
 
 
 def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_the_call_is_its_end():
@@ -889,10 +894,12 @@ def test_a_retry_one_side_saw_after_a_refusal_is_judged_again_whatever_the_other
 
 
 def test_a_copy_of_a_result_its_side_saw_delivered_on_the_healthy_path_is_a_duplicate_delivery():
-    """The first delivery left no span (the healthy path): the copy's stream says its side saw it before."""
-    copied = stream(C, "get", "closed", ids=(), terminal=("3",), repeated=("3",), tool=None, at=2.0)
-    (finding,) = run([copied], after_s=60).findings
-    assert (finding.rule, finding.request_id, finding.evidence["deliveries"]) == ("duplicate_terminal", "3", 2)
+    """The first delivery left no span (the healthy path): the copy's stream says its side saw it before; the
+    standalone stream's too once its client reconnected it (a resume, from its last event)."""
+    for kind, cursor in (("get", None), ("resume", "4")):
+        copied = stream(C, kind, "closed", ids=(), terminal=("3",), repeated=("3",), tool=None, at=2.0, cursor=cursor)
+        (finding,) = run([copied], after_s=60).findings
+        assert (finding.rule, finding.request_id, finding.evidence["deliveries"]) == ("duplicate_terminal", "3", 2)
     assert rules(run([stream(C, "get", "closed", ids=(), terminal=("3",), tool=None)], after_s=60)) == []
     (named,) = run([stream(C, "get", "closed", ids=(), terminal=("3",), repeated=("3",), tool="search")]).findings
     assert (named.rule, named.tool) == ("duplicate_terminal", "search")  # the copy's span names the call's tool

@@ -72,7 +72,7 @@ def test_a_refused_post_changes_nothing_the_table_knows_of_its_session():
     another session's past by naming made-up sessions."""
     table: InFlight[str] = InFlight(max_sessions=3)
     assert table.claim("victim", [("5", "alice")]) is None
-    table.accepted("victim", ["alice"], [])
+    table.accepted("victim", [("5", "alice")], [])
     table.asked("victim", "0", "5")
     table.answered("victim", "5")
     table.ended("victim", ["5"])
@@ -99,7 +99,7 @@ def test_the_owners_of_a_sessions_calls_outlive_them_until_the_session_ends():
     table: InFlight[str] = InFlight()
     assert table.claim("s1", [("5", "broad")]) is None
     assert table.owners("s1") == ["broad"]  # in flight, the SDK yet to take it
-    table.accepted("s1", ["broad"], [])
+    table.accepted("s1", [("5", "broad")], [])
     table.answered("s1", "5")
     table.ended("s1", ["5"])
     assert table.owner("s1", "5") is None and table.owners("s1") == ["broad"]
@@ -133,22 +133,24 @@ def test_an_id_something_the_sdk_may_still_act_on_names_cannot_be_taken_until_it
 def test_a_call_refused_before_it_ran_is_no_owner_of_its_session_in_flight_or_after_whichever_is_told_first():
     """The call guard's refusal is all a refused call has: a DELETE ends nothing of it, even sent as the refusal is
     read (the call still in flight, its POST not yet over). The SDK's taking of the POST (``accepted``) and the
-    refusal's store race; a call that stored something before an error shaped as a refusal ran, and still counts."""
+    refusal's store race: a refusal told first took back another call's count of the same owner, whose result a
+    DELETE then ended. A call that stored something before an error shaped as a refusal ran, and still counts."""
     table: InFlight[str] = InFlight()
     table.opened("s1", "opener")
-    assert table.claim("s1", [("1", "fetch"), ("2", "search"), ("3", "relay")]) is None
-    table.refused("s1", "1")  # stored before the POST's response started
-    table.accepted("s1", ["fetch"], [])
-    table.accepted("s1", ["search"], [])
-    table.refused("s1", "2")
-    table.accepted("s1", ["relay"], [])
-    table.ran("s1", "3")  # its progress, then a tool's error shaped as the guard's refusal
-    table.refused("s1", "3")
-    assert table.owners("s1") == ["opener", "relay"]  # in flight still, none of the refused ones
+    assert table.claim("s1", [("1", "fetch")]) is None
+    table.accepted("s1", [("1", "fetch")], [])
+    table.answered("s1", "1")
+    table.ended("s1", ["1"])  # a broad token's fetch, its result stored
+    assert table.claim("s1", [("2", "fetch"), ("3", "search"), ("4", "relay")]) is None
+    table.refused("s1", "2")  # a narrower token's fetch, refused: told before its POST's response started
+    assert table.owners("s1") == ["opener", "fetch", "search", "relay"]  # the broad fetch's count kept
+    table.accepted("s1", [("2", "fetch"), ("3", "search"), ("4", "relay")], [])
+    table.refused("s1", "3")  # told after
+    table.ran("s1", "4")  # its progress, then a tool's error shaped as the guard's refusal
+    table.refused("s1", "4")
+    assert table.owners("s1") == ["opener", "fetch", "relay"]
+    table.answered("s1", "2")
     table.answered("s1", "3")
-    table.ended("s1", ["1", "2", "3"])
-    assert table.owners("s1") == ["opener", "relay"]
-    assert table.claim("s1", [("4", "fetch"), ("5", "fetch")]) is None
-    table.accepted("s1", ["fetch", "fetch"], [])  # two that ran, one refused
-    table.refused("s1", "5")
-    assert table.owners("s1") == ["opener", "relay", "fetch"]
+    table.answered("s1", "4")
+    table.ended("s1", ["2", "3", "4"])
+    assert table.owners("s1") == ["opener", "fetch", "relay"]  # the broad fetch's result and the relay's

@@ -177,8 +177,8 @@ class RuleEngine:
             if rid in calls:
                 if rid in e.repeated_ids:  # its side saw it answered before, on a stream that left no span
                     calls[rid].delivered_to(at.role)
-                self._delivered(calls[rid], at.role, e, now_ns,
-                                uncalled=not e.request_ids and e.kind == sc.STREAM_KIND_RESUME)
+                self._delivered(calls[rid], at.role, e, now_ns, uncalled=(
+                    not e.request_ids and e.kind == sc.STREAM_KIND_RESUME and rid not in e.repeated_ids))
         foreign = [t for t in e.terminal_ids if t not in calls] if e.terminal_ids else ()
         # its own result came first (a list short of full is in the order they came; a full one, its own first):
         # the SDK client took that and read no further, and another call's after it reached no caller
@@ -333,14 +333,14 @@ class RuleEngine:
         return known is None or known.late_cancel != CANCEL_LATE
 
     def _delivered(self, call: CallState, role: str, e: StreamEnd, now_ns: int, *, uncalled: bool = False) -> None:
-        """``uncalled``: on a resume its hooks tie to no call (``_awaited``), which delivers the call's end unless the
-        server saw its client cancel the call well after the result was out (the SDK resuming on for no caller), a span
-        that may come after it: so it is no delivery its client saw (``CallState.reached_caller`` weighs it as the
-        server's, once the spans are in), contradicts no page and repeats none."""
+        """``uncalled``: the first delivery of the call's end on a resume its hooks tie to no call (``_awaited``),
+        which reached a caller unless the server saw its client cancel the call well after the result was out (the
+        SDK resuming on for no caller), a span that may come after it: so it is no delivery its client saw
+        (``CallState.reached_caller`` weighs it as the server's, once the spans are in)."""
         self.ledger.delivered(call)
+        self._delivered_late(call, role, now_ns)  # a caller that gave up (``timed_out``) contradicts no page
         if uncalled and role == sc.ROLE_CLIENT:
             return
-        self._delivered_late(call, role, now_ns)
         # the server replaying to a resume what it had sent before is the recovery, not a duplicate: that send
         # reached no one (a connection its client lost), or the client would not resume; the client's spans tell one
         if role == sc.ROLE_SERVER and e.kind == sc.STREAM_KIND_RESUME:

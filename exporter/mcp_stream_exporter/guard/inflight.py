@@ -25,6 +25,7 @@ _ENDED = 2  # the POST that carried it ended: its answer sent, or its stream clo
 _FREE = _ANSWERED | _ENDED
 _RAN = 4  # something of it other than its answer was stored: its handler ran
 _REFUSED = 8  # its answer is the call guard's refusal, and nothing of it was stored before: it never ran
+_COUNTED = 16  # counted among its session's owners (``accepted``)
 
 
 class _Known(Generic[Owner]):
@@ -91,15 +92,23 @@ class InFlight(Generic[Owner]):
         held.update(taken)
         return None
 
-    def accepted(self, session_id: str, owners: Sequence[Owner], answers: Collection[str]) -> None:
+    def accepted(self, session_id: str, calls: Sequence[tuple[str, Owner]], answers: Collection[str]) -> None:
         """The SDK took a POST (it answered below 400: authenticated, its session this credential's): its calls'
-        owners are the session's from now on, and the server's requests it answers await nothing more. Never
-        before: a POST the SDK refuses (no token, another user's, a session it does not hold) changes nothing
-        the guard knows of the session, nor makes room in it by evicting another session's past."""
+        owners are the session's from now on (not one refused already, ``refused``), and the server's requests it
+        answers await nothing more. Never before: a POST the SDK refuses (no token, another user's, a session it
+        does not hold) changes nothing the guard knows of the session, nor makes room in it by evicting another
+        session's past."""
         known = self._known_of(session_id)
-        for owner in owners:
+        held = self._sessions.get(session_id, {})
+        for request_id, owner in calls:
+            key = self._key(request_id)
+            call = held.get(key)
+            if call is not None and call[1] == owner:  # its own (observe mode lets a POST reuse another's id)
+                if call[0] & (_REFUSED | _COUNTED):
+                    continue
+                held[key] = (call[0] | _COUNTED, owner)
             if owner in known.owners or len(known.owners) < self._max_per_session:
-                _count(known.owners, owner, 1)
+                known.owners[owner] = known.owners.get(owner, 0) + 1
         for server_request_id in answers:
             known.asked.pop(self._key(server_request_id), None)
 
@@ -133,7 +142,7 @@ class InFlight(Generic[Owner]):
         if known is not None:
             if known.opener is not None:
                 owners[known.opener] = None
-            owners.update(dict.fromkeys(owner for owner, calls in known.owners.items() if calls > 0))
+            owners.update(dict.fromkeys(known.owners))
         owners.update(dict.fromkeys(owner for state, owner in self._sessions.get(session_id, {}).values()
                                     if not state & _REFUSED))
         return list(owners)
@@ -149,15 +158,21 @@ class InFlight(Generic[Owner]):
     def refused(self, session_id: str, request_id: str) -> None:
         """The answer of the call in flight under ``request_id`` is the call guard's refusal: unless something of
         it was stored before (``ran``: a tool's own error shaped as one), it never ran, and ending the session ends
-        nothing of it, in flight or past. Told before the SDK's taking of its POST (``accepted``) or after, as the
-        two race."""
+        nothing of it, in flight or past. Told before the SDK's taking of its POST (``accepted``, which then leaves it
+        out) or after (which takes back what that counted), as the two race."""
         held = self._sessions.get(session_id, {})
         key = self._key(request_id)
         call = held.get(key)
         if call is None or call[0] & (_RAN | _REFUSED):
             return
         held[key] = (call[0] | _REFUSED, call[1])
-        _count(self._known_of(session_id).owners, call[1], -1)
+        known = self._known.get(session_id)
+        if call[0] & _COUNTED and known is not None and call[1] in known.owners:  # only what ``accepted`` counted
+            left = known.owners[call[1]] - 1
+            if left:
+                known.owners[call[1]] = left
+            else:
+                del known.owners[call[1]]
 
     def hold(self, session_id: str, request_id: str) -> None:
         """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is
@@ -280,10 +295,3 @@ class InFlight(Generic[Owner]):
         call = self._sessions.get(session_id, {}).get(self._key(request_id))
         return call is not None and not call[0] & _ENDED
 
-
-def _count(counts: dict[Owner, int], owner: Owner, by: int) -> None:
-    left = counts.get(owner, 0) + by
-    if left:
-        counts[owner] = left
-    else:
-        counts.pop(owner, None)

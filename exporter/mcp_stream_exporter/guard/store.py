@@ -583,8 +583,9 @@ class GuardedEventStore(EventStore):
                 if (message["type"] == "http.response.start" and scope.get("method") == "POST"
                         and request.session_id is not None and message["status"] < 400):
                     await self._flush(request)  # the SDK took it: now what it asks counts
-                    self._in_flight.accepted(request.session_id, [self._owner(request, msg) for msg in asked.requests
-                                                                  if msg.id is not None], asked.answers)
+                    self._in_flight.accepted(request.session_id, [(msg.id, self._owner(request, msg))
+                                                                  for msg in asked.requests if msg.id is not None],
+                                             asked.answers)
                 elif (message["type"] == "http.response.start" and request.session_id is None
                       and scope.get("method") == "POST" and message["status"] < 400):
                     # the SDK names a session in its refusals too (the one it made for the request and dropped)

@@ -153,9 +153,10 @@ class SdkSpans(SpanProcessor):
 @functools.cache  # said once a process
 def _no_global_provider() -> None:
     logging.getLogger("mcp_stream_exporter.hooks").warning(
-        "no OpenTelemetry SDK TracerProvider is set globally (trace.set_tracer_provider): the MCP SDK makes no spans "
-        "of its own, so a call it fails itself (its resumes ran out) stays in flight for the client's hooks until its "
-        "client closes (MCPToolCallsStuckInFlight); set one, with or without exporters, before or after instrumenting")
+        "no OpenTelemetry SDK TracerProvider is set globally (trace.set_tracer_provider) as an instrumented MCP client "
+        "sends: the MCP SDK makes no spans of its own, so a call it fails itself (its resumes ran out) stays in flight "
+        "for the client's hooks until its client closes (MCPToolCallsStuckInFlight); set one, with or without "
+        "exporters, before the client's first request")
 
 
 class _RecordingCalls(Sampler):
