@@ -17,6 +17,7 @@ import time
 import tomllib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FINGERPRINT_CHARS = 16
 _RECHECK_FAILED_S = 5.0  # a token that failed verification is verified again after this long; a failed JWKS fetch too
 _JWKS_TIMEOUT_S = 5.0  # a JWKS fetch blocks the event loop: PyJWT's default 30 s is too long to stall a server
+_JWKS_FETCHES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcp-stream-jwks")  # one fetch at a time
 # what no resource URI holds (RFC 3986: printable ASCII; RFC 8707: no fragment), which urlsplit would drop or fold
 _NO_RESOURCE = re.compile(r"[^!-~]|#")
 _PROCESS_SALT = os.environ.get("MCP_STREAM_SUBJECT_SALT", "").encode() or os.urandom(16)
@@ -258,9 +260,11 @@ class TokenReader:
 
 
 class _JWKS(jwt.PyJWKClient):
-    """The issuer's keys, fetched as PyJWT does, but once its endpoint failed not tried again for a few seconds: a
-    fetch blocks whoever reads a token (the guard's and the hooks' ASGI layers, on the event loop), and while it fails
-    every token not verified yet would try it again, each of them every ``_RECHECK_FAILED_S``."""
+    """The issuer's keys, fetched as PyJWT does, but waited for ``_JWKS_TIMEOUT_S`` at most (PyJWT's timeout bounds
+    each read, and an endpoint that drips its answer holds a fetch as long as it likes), and once a fetch failed not
+    tried again for a few seconds: a fetch blocks whoever reads a token (the guard's and the hooks' ASGI layers, on
+    the event loop), and while it fails every token not verified yet would try it again, each every
+    ``_RECHECK_FAILED_S``."""
 
     def __init__(self, uri: str, clock: Callable[[], float]) -> None:
         super().__init__(uri, cache_keys=True, timeout=_JWKS_TIMEOUT_S)
@@ -270,9 +274,9 @@ class _JWKS(jwt.PyJWKClient):
     def fetch_data(self) -> Any:
         if self._clock() < self._failing_until:
             raise jwt.PyJWKClientConnectionError("the JWKS endpoint failed a moment ago: not tried again yet")
-        try:
-            return super().fetch_data()
-        except Exception:  # unreachable, or no key set in its answer (a proxy's error page, ``{}``)
+        try:  # on a thread of its own, so that the wait is bounded whatever the endpoint does (the fetch runs on)
+            return _JWKS_FETCHES.submit(super().fetch_data).result(timeout=_JWKS_TIMEOUT_S)
+        except Exception:  # unreachable, too slow, or no key set in its answer (a proxy's error page, ``{}``)
             self._failing_until = self._clock() + _RECHECK_FAILED_S
             raise
 

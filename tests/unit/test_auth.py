@@ -337,6 +337,41 @@ def test_a_failing_jwks_endpoint_is_tried_again_only_seconds_later_whatever_the_
         httpd.shutdown()
 
 
+def test_a_jwks_endpoint_that_drips_its_answer_is_waited_for_no_longer_than_the_fetchs_bound(monkeypatch):
+    """PyJWT's timeout bounds each read: an endpoint that sent its answer a piece at a time, each within it, held the
+    event loop the guard and the hooks read tokens on for as long as it liked."""
+    import time as clock
+
+    from mcp_stream_exporter import auth
+
+    monkeypatch.setattr(auth, "_JWKS_TIMEOUT_S", 0.5)
+    issuer = TokenIssuer()
+    body = json.dumps(issuer.jwks()).encode()
+
+    class Dripping(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            for i in range(0, len(body), len(body) // 4 + 1):  # each piece well within a read's timeout
+                self.wfile.write(body[i:i + len(body) // 4 + 1])
+                self.wfile.flush()
+                clock.sleep(0.3)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Dripping)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks")
+        assert reader.read(issuer.mint(["https://a.example"])).verification == "failed"  # given up on, not waited out
+    finally:
+        httpd.shutdown()
+
+
 def test_a_verified_tokens_view_is_cached_no_longer_than_its_expiry_whatever_form_pyjwt_reads_it_in():
     """PyJWT verifies an ``exp`` of digits in a string as the number; a view cached without that expiry was served,
     ``verified``, long after the token had expired. An ``exp`` of no form PyJWT reads fails, held seconds only."""

@@ -616,11 +616,13 @@ def test_a_result_the_sdk_resumed_for_after_its_caller_gave_up_is_lost_whichever
         found = rules(run(spans, after_s=6))
         assert "clean_end_pending" in found or "stored_not_delivered" in found, found
     assert rules(run([*cut, *client_side, server_side[0], server_side[2]], after_s=6)) == []  # no cancel: no telling
-    # a client process resuming from the cursor its predecessor saved, after the page: it reached a caller
+    # after the page, the resume for no caller, then the cancels that say its caller was gone: the page was right,
+    # and nothing said otherwise as the resume came (a client process resuming from a saved cursor looks the same)
     late = run([*cut, server_side[0]], after_s=40)
-    late.consume(client_side[1:])
+    for span in (client_side[1], client_side[0], server_side[1]):
+        late.consume([span])
     (loss,) = [f for f in late.findings if f.rule in ("clean_end_pending", "stored_not_delivered")]
-    assert "delivered_after" in loss.evidence
+    assert "delivered_after" not in loss.evidence
 
 
 def test_the_answer_to_a_cancel_the_sdk_resumes_for_after_its_caller_withdrew_the_call_is_its_end():

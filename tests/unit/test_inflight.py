@@ -154,3 +154,23 @@ def test_a_call_refused_before_it_ran_is_no_owner_of_its_session_in_flight_or_af
     table.answered("s1", "4")
     table.ended("s1", ["2", "3", "4"])
     assert table.owners("s1") == ["opener", "fetch", "relay"]  # the broad fetch's result and the relay's
+
+
+def test_a_refused_call_takes_back_only_a_count_it_made_when_the_sessions_owners_are_at_their_bound():
+    """At ``max_per_session`` owners a call is not counted; marked counted all the same, its refusal took back the
+    count another call of its owner made once room was made, and that call's stored result lost its owner."""
+    table: InFlight[str] = InFlight(max_per_session=3)
+    assert table.claim("s1", [("1", "a"), ("2", "b"), ("3", "c")]) is None
+    table.accepted("s1", [("1", "a"), ("2", "b"), ("3", "c")], [])  # the bound reached
+    for request_id in "12":
+        table.answered("s1", request_id)
+    table.ended("s1", ["1", "2"])
+    assert table.claim("s1", [("4", "fetch")]) is None
+    table.accepted("s1", [("4", "fetch")], [])  # past the bound: not counted
+    table.refused("s1", "3")  # room made
+    assert table.claim("s1", [("5", "fetch")]) is None
+    table.accepted("s1", [("5", "fetch")], [])
+    table.answered("s1", "5")
+    table.ended("s1", ["5"])  # a broad fetch's result, stored
+    table.refused("s1", "4")
+    assert "fetch" in table.owners("s1")

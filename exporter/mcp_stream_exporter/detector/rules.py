@@ -336,11 +336,12 @@ class RuleEngine:
         """``uncalled``: the first delivery of the call's end on a resume its hooks tie to no call (``_awaited``),
         which reached a caller unless the server saw its client cancel the call well after the result was out (the
         SDK resuming on for no caller), a span that may come after it: so it is no delivery its client saw
-        (``CallState.reached_caller`` weighs it as the server's, once the spans are in)."""
+        (``CallState.reached_caller`` weighs it as the server's, once the spans are in), and says no page was wrong
+        (the cancels that would say its caller was gone may come after it)."""
         self.ledger.delivered(call)
-        self._delivered_late(call, role, now_ns)  # a caller that gave up (``timed_out``) contradicts no page
         if uncalled and role == sc.ROLE_CLIENT:
             return
+        self._delivered_late(call, role, now_ns)
         # the server replaying to a resume what it had sent before is the recovery, not a duplicate: that send
         # reached no one (a connection its client lost), or the client would not resume; the client's spans tell one
         if role == sc.ROLE_SERVER and e.kind == sc.STREAM_KIND_RESUME:

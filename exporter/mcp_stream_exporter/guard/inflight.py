@@ -103,12 +103,13 @@ class InFlight(Generic[Owner]):
         for request_id, owner in calls:
             key = self._key(request_id)
             call = held.get(key)
-            if call is not None and call[1] == owner:  # its own (observe mode lets a POST reuse another's id)
-                if call[0] & (_REFUSED | _COUNTED):
-                    continue
-                held[key] = (call[0] | _COUNTED, owner)
+            own = call is not None and call[1] == owner  # not another's (observe mode lets a POST reuse its id)
+            if call is not None and own and call[0] & (_REFUSED | _COUNTED):
+                continue
             if owner in known.owners or len(known.owners) < self._max_per_session:
                 known.owners[owner] = known.owners.get(owner, 0) + 1
+                if call is not None and own:
+                    held[key] = (call[0] | _COUNTED, owner)
         for server_request_id in answers:
             known.asked.pop(self._key(server_request_id), None)
 
