@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jwt
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mcp_stream_exporter import auth
 from mcp_stream_exporter.auth import (
     AuthView,
     Requirement,
@@ -22,6 +26,40 @@ from mcp_stream_exporter.auth import (
     token_fingerprint,
 )
 from mcp_stream_exporter.lab import TokenIssuer
+
+
+@contextlib.contextmanager
+def _jwks_served(answer: Callable[[http.server.BaseHTTPRequestHandler], None]) -> Iterator[str]:
+    """A JWKS endpoint on loopback that answers each GET with ``answer``: its URL."""
+
+    class Endpoint(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            answer(self)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/jwks"
+    finally:
+        httpd.shutdown()
+
+
+def _json(handler: http.server.BaseHTTPRequestHandler, body: bytes, status: int = 200, *, pieces: int = 1) -> None:
+    """Answer ``body``, in ``pieces`` 0.3 s apart (an endpoint that drips its answer)."""
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    size = len(body) // pieces + 1
+    for i in range(0, len(body), size):
+        if i:
+            time.sleep(0.3)
+        handler.wfile.write(body[i:i + size])
+        handler.wfile.flush()
+
 
 
 @pytest.mark.parametrize(
@@ -185,26 +223,10 @@ def test_expired_token_fails_verification_but_keeps_its_claims_for_observation()
 def test_signature_verified_against_a_jwks_url_on_loopback():
     issuer, other = TokenIssuer(), TokenIssuer(kid="lab-1")
     body = json.dumps(issuer.jwks()).encode()
-
-    class JWKS(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), JWKS)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks")
+    with _jwks_served(lambda handler: _json(handler, body)) as url:
+        reader = TokenReader(jwks_url=url)
         assert reader.read(issuer.mint(["https://a.example"])).verification == "verified"
         assert reader.read(other.mint(["https://a.example"])).verification == "failed"
-    finally:
-        httpd.shutdown()
 
 
 def test_tool_policy_from_mapping_json_and_toml(tmp_path):
@@ -278,33 +300,16 @@ def test_a_failed_verification_is_checked_again_seconds_later_not_held_for_the_t
     every resume with it was then refused ``token_unverified`` for up to an hour."""
     issuer = TokenIssuer()
     body = json.dumps(issuer.jwks()).encode()
-    answers = [503]
-
-    class JWKS(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            status = answers.pop(0) if answers else 200
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(body if status == 200 else b"{}")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), JWKS)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
+    statuses = [503]
+    with _jwks_served(lambda handler: _json(handler, body, statuses.pop(0) if statuses else 200)) as url:
         now = [1_000.0]
-        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks", clock=lambda: now[0])
+        reader = TokenReader(jwks_url=url, clock=lambda: now[0])
         header = f"Bearer {issuer.mint(['https://a.example'], ttl=3600)}"
         failed = reader.from_authorization(header)
         assert failed.verification == "failed"
         assert reader.from_authorization(header) is failed  # a flood of it costs no verification each
         now[0] += 6.0
         assert reader.from_authorization(header).verification == "verified"
-    finally:
-        httpd.shutdown()
 
 
 def test_a_failing_jwks_endpoint_is_tried_again_only_seconds_later_whatever_the_tokens_that_need_it():
@@ -313,63 +318,30 @@ def test_a_failing_jwks_endpoint_is_tried_again_only_seconds_later_whatever_the_
     issuer = TokenIssuer()
     fetches: list[str] = []
 
-    class Failing(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            fetches.append(self.path)
-            self.send_response(503)
-            self.end_headers()
+    def failing(handler: http.server.BaseHTTPRequestHandler) -> None:
+        fetches.append(handler.path)
+        _json(handler, b"{}", 503)
 
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Failing)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with _jwks_served(failing) as url:
         now = [1_000.0]
-        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks", clock=lambda: now[0])
+        reader = TokenReader(jwks_url=url, clock=lambda: now[0])
         views = [reader.read(issuer.mint(["https://a.example"], ttl=3600 + n)) for n in range(10)]
         assert {view.verification for view in views} == {"failed"} and len(fetches) == 1
         now[0] += 6.0
         assert reader.read(issuer.mint(["https://a.example"], ttl=7200)).verification == "failed"
         assert len(fetches) == 2
-    finally:
-        httpd.shutdown()
 
 
 def test_a_jwks_endpoint_that_drips_its_answer_is_waited_for_no_longer_than_the_fetchs_bound(monkeypatch):
     """PyJWT's timeout bounds each read: an endpoint that sent its answer a piece at a time, each within it, held the
     event loop the guard and the hooks read tokens on for as long as it liked."""
-    import time as clock
-
-    from mcp_stream_exporter import auth
-
     monkeypatch.setattr(auth, "_JWKS_TIMEOUT_S", 0.5)
     issuer = TokenIssuer()
     body = json.dumps(issuer.jwks()).encode()
 
-    class Dripping(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            for i in range(0, len(body), len(body) // 4 + 1):  # each piece well within a read's timeout
-                self.wfile.write(body[i:i + len(body) // 4 + 1])
-                self.wfile.flush()
-                clock.sleep(0.3)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Dripping)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        reader = TokenReader(jwks_url=f"http://127.0.0.1:{httpd.server_address[1]}/jwks")
+    with _jwks_served(lambda handler: _json(handler, body, pieces=4)) as url:  # each piece within a read's timeout
+        reader = TokenReader(jwks_url=url)
         assert reader.read(issuer.mint(["https://a.example"])).verification == "failed"  # given up on, not waited out
-    finally:
-        httpd.shutdown()
 
 
 def test_a_verified_tokens_view_is_cached_no_longer_than_its_expiry_whatever_form_pyjwt_reads_it_in():
