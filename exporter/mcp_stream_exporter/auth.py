@@ -31,7 +31,6 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FINGERPRINT_CHARS = 16
 _RECHECK_FAILED_S = 5.0  # a token that failed verification is verified again after this long; a failed JWKS fetch too
 _JWKS_TIMEOUT_S = 5.0  # a JWKS fetch blocks the event loop: PyJWT's default 30 s is too long to stall a server
-_JWKS_FETCHES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcp-stream-jwks")  # one fetch at a time
 # what no resource URI holds (RFC 3986: printable ASCII; RFC 8707: no fragment), which urlsplit would drop or fold
 _NO_RESOURCE = re.compile(r"[^!-~]|#")
 _PROCESS_SALT = os.environ.get("MCP_STREAM_SUBJECT_SALT", "").encode() or os.urandom(16)
@@ -68,6 +67,20 @@ def canonical_resource(uri: str) -> str:
         netloc = f"{userinfo}@{netloc}"
     path = parts.path[:-1] if parts.path.endswith("/") else parts.path
     return urlunsplit((scheme, netloc, path, parts.query, ""))
+
+
+def _not_a_resource(uri: str) -> str | None:
+    """Why ``uri`` is no resource indicator; None when it is one."""
+    if _NO_RESOURCE.search(uri):
+        return "it holds a space, a control character, a character but printable ASCII, or a fragment ('#')"
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018  # raises for an invalid one
+    except ValueError:
+        return "its port (or IPv6 host) is invalid"
+    if not parts.scheme or not parts.netloc:
+        return "it has no scheme and host (https://...)"
+    return None
 
 
 def canonical_resources(uris: Iterable[str]) -> frozenset[str]:
@@ -270,12 +283,14 @@ class _JWKS(jwt.PyJWKClient):
         super().__init__(uri, cache_keys=True, timeout=_JWKS_TIMEOUT_S)
         self._clock = clock
         self._failing_until = 0.0
+        # one fetch at a time, an endpoint's own: a slow one holds up no other issuer's (its thread made at first use)
+        self._fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcp-stream-jwks")
 
     def fetch_data(self) -> Any:
         if self._clock() < self._failing_until:
             raise jwt.PyJWKClientConnectionError("the JWKS endpoint failed a moment ago: not tried again yet")
         try:  # on a thread of its own, so that the wait is bounded whatever the endpoint does (the fetch runs on)
-            return _JWKS_FETCHES.submit(super().fetch_data).result(timeout=_JWKS_TIMEOUT_S)
+            return self._fetches.submit(super().fetch_data).result(timeout=_JWKS_TIMEOUT_S)
         except Exception:  # unreachable, too slow, or no key set in its answer (a proxy's error page, ``{}``)
             self._failing_until = self._clock() + _RECHECK_FAILED_S
             raise
@@ -326,10 +341,12 @@ class ToolPolicy:
                 scopes = _as_set(spec.get("scopes", []), split=True)
             else:
                 raise ValueError(f"tool policy: requirement of {name!r} must be a mapping or a list")
+            resources = frozenset(resource.strip() for resource in resources)  # an operator's, as written
             for resource in resources:  # else no token would ever be granted it, and every call of the tool refused
-                if _NO_RESOURCE.search(resource):
-                    raise ValueError(f"tool policy: resource {resource!r} of {name!r} is no URI (a space, a control "
-                                     "character, a character but printable ASCII, or a fragment)")
+                problem = _not_a_resource(resource)
+                if problem is not None:
+                    raise ValueError(f"tool policy: resource {resource!a} of {name!r} is no resource URI: "
+                                     f"{problem} (RFC 8707: an absolute URI of printable ASCII, with no fragment)")
             out[str(name)] = Requirement.of(resources, scopes)
         return cls(out)
 

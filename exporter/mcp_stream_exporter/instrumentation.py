@@ -68,10 +68,19 @@ class McpStreamInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
 
 def _policy(given: ToolPolicy | None) -> ToolPolicy | None:
+    """The policy given, else the file ``MCP_STREAM_POLICY`` names. A file that does not load is said (an error) and
+    the hooks go on without it: raised, it would stop ``opentelemetry-instrument`` setting up every instrumentation."""
     if given is not None:
         return checked_policy(given)
     path = os.environ.get(POLICY_ENV)
-    return ToolPolicy.from_file(path) if path else None
+    if not path:
+        return None
+    try:
+        return ToolPolicy.from_file(path)
+    except (OSError, ValueError) as refused:  # tomllib's and json's errors are ValueErrors
+        log.error("%s=%s not loaded, the hooks run without a policy (no call's requirement, no audience gap): %s",
+                  POLICY_ENV, path, refused)
+        return None
 
 
 class _Options:

@@ -83,6 +83,19 @@ def test_opentelemetry_instrument_instruments_an_sdk_server_and_client_that_neve
     assert {(s["version"], s["schema_url"]) for s in mine} == {(version("mcp-stream-exporter"), sc.SCHEMA_URL)}
 
 
+def test_a_policy_file_that_does_not_load_leaves_the_hooks_on_without_it_and_says_so(tmp_path):
+    """Raised from the instrumentor, the policy's error stopped ``opentelemetry-instrument`` setting up every
+    instrumentation, ours and the others: the application ran on with no tracing at all."""
+    bad = tmp_path / "tool-policy.toml"
+    bad.write_text('[tools.fetch]\nresources = ["https://mcp.example.com/tools/fetch#x"]\n')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "MCP_STREAM_"))}
+    run = subprocess.run([str(INSTRUMENT), sys.executable, str(APP)], env={**clean, "MCP_STREAM_POLICY": str(bad)},
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _ours(json.loads(run.stdout)), "the hooks still on"
+    assert "MCP_STREAM_POLICY" in run.stderr and "is no resource URI" in run.stderr
+
+
 @pytest.mark.parametrize("switch", [{"MCP_STREAM_EXPORTER_DISABLED": "true"},
                                     {"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "mcp_stream_exporter"}],
                          ids=["MCP_STREAM_EXPORTER_DISABLED", "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"])

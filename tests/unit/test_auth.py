@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -95,11 +96,17 @@ def test_a_value_no_resource_uri_holds_is_equal_only_to_itself_never_to_the_reso
 
 
 def test_a_host_with_a_character_that_lower_cases_to_ascii_is_no_resource_and_a_policy_with_one_is_refused():
-    """The Kelvin sign (U+212A) lower-cases to ``k``: its host read as another resource's; a policy resource that is
-    no URI (a trailing newline) would never be granted, every call of its tool refused: refused as the policy loads."""
+    """The Kelvin sign (U+212A) lower-cases to ``k``: its host read as another resource's. A policy resource that is
+    no resource URI would never be granted, every call of its tool refused: refused as the policy loads, saying why."""
     assert canonical_resource("https://\u212aey.example/tools") != canonical_resource("https://key.example/tools")
-    with pytest.raises(ValueError, match="is no URI"):
-        ToolPolicy.from_mapping({"tools": {"fetch": {"resources": ["https://mcp.example.com/tools/fetch\n"]}}})
+    for resource, problem in (("https://\u212aey.example/tools", "printable ASCII"), ("https://a.example/t#x", "'#'"),
+                              ("mcp.example.com/tools/fetch", "no scheme"), ("https://a.example:99999/t", "port")):
+        with pytest.raises(ValueError, match="is no resource URI: .*" + re.escape(problem)) as refused:
+            ToolPolicy.from_mapping({"tools": {"fetch": {"resources": [resource]}}})
+        assert resource.encode("ascii", "backslashreplace").decode() in str(refused.value)  # shown as it is
+    # an operator's spaces around it, as written before: taken off
+    loaded = ToolPolicy.from_mapping({"tools": {"fetch": {"resource": " https://mcp.example.com/tools/fetch\n"}}})
+    assert loaded.requirement("fetch") == Requirement.of(["https://mcp.example.com/tools/fetch"])
 
 
 def test_canonical_resource_removes_only_one_trailing_slash():

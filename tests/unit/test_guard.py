@@ -646,7 +646,8 @@ def test_a_session_post_whose_body_stops_coming_is_refused_once_the_guard_stops_
     observing = GuardedEventStore(POLICY, mode="observe", body_timeout_s=0.05)
     run(observing.open_session("s1"))
     assert _posted(observing, [_tools_call(5)[:10]], stalls=True)[0] == 202  # handed on: the SDK's to wait for
-    for timeout in (0, -1, float("nan"), float("inf"), None):  # a 500, or a 408, on every POST; or no bound at all
+    # a 500, or a 408, on every POST; no bound at all; a flag for a number
+    for timeout in (0, -1, float("nan"), float("inf"), None, True):
         with pytest.raises(ValueError, match="body_timeout_s"):
             GuardedEventStore(POLICY, body_timeout_s=timeout)  # type: ignore[arg-type]
 

@@ -126,6 +126,9 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"service": {"grpcPort": 70000}},
     {"ingestToken": {"token": "typo for value"}},
     {"toolPolicy": {"tools": {"fetch": {"resources": ["not a uri"]}}}},
+    {"toolPolicy": {"tools": {"fetch": {"resource": "https://mcp.example.com/tools/fetch#x"}}}},
+    {"toolPolicy": {"tools": {"fetch": ["https://mcp.\u212aey.example/tools/fetch"]}}},
+    {"toolPolicy": {"fetch": {"resources": ["https://mcp.example.com/tools/ fetch"]}}},
     {"probes": {"startup": {"failureThreshold": 0}}},
     {"probes": {"liveness": {"timeout": 5}}},
     {"detector": {"extraArgs": ["--api-token=s3cret"]}},
@@ -135,6 +138,7 @@ def test_the_merged_values_satisfy_the_schema(values):
     {"serviceMonitor": {"tlsConfig": {"caFile": "/etc/prometheus/ca.crt"}}},
     {"prometheusRule": {"runbookBaseUrl": 'https://wiki.example.com/"runbooks"'}},
 ], ids=["latest-tag", "bad-duration", "zero-ledger", "zero-memory", "bad-port", "unknown-key", "bad-resource",
+        "fragment-in-resource", "non-ascii-in-a-list", "space-in-a-bare-map",
         "zero-startup-budget", "unknown-probe-key", "secret-in-extra-args", "password-in-extra-args",
         "tls-in-extra-args", "bad-secret-name", "unsafe-tls-config", "quote-in-runbook-base"])
 def test_the_schema_refuses_wrong_values(override):

@@ -212,7 +212,8 @@ class GuardedEventStore(EventStore):
                  token_reader: TokenReader | None = None, opaque: Opaque = "refuse",
                  body_timeout_s: float = 30.0) -> None:
         self.policy = checked_policy(policy)
-        if not (isinstance(body_timeout_s, int | float) and 0 < body_timeout_s < math.inf):
+        if isinstance(body_timeout_s, bool) or not (isinstance(body_timeout_s, int | float)
+                                                    and 0 < body_timeout_s < math.inf):
             raise ValueError(f"body_timeout_s must be a positive number of seconds, not {body_timeout_s!r}")
         self.body_timeout_s = body_timeout_s  # a POST's body not whole by then is refused (408): nothing waits on it
         self.mode = mode
