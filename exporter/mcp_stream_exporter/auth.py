@@ -70,7 +70,7 @@ def canonical_resource(uri: str) -> str:
 
 
 def _not_a_resource(uri: str) -> str | None:
-    """Why ``uri`` is no resource indicator; None when it is one."""
+    """Why ``uri`` is no resource indicator (RFC 8707: an absolute URI, no fragment); None when it is one."""
     if _NO_RESOURCE.search(uri):
         return "it holds a space, a control character, a character but printable ASCII, or a fragment ('#')"
     try:
@@ -78,8 +78,8 @@ def _not_a_resource(uri: str) -> str | None:
         parts.port  # noqa: B018  # raises for an invalid one
     except ValueError:
         return "its port (or IPv6 host) is invalid"
-    if not parts.scheme or not parts.netloc:
-        return "it has no scheme and host (https://...)"
+    if not parts.scheme:
+        return "it has no scheme (https://..., api://..., urn:...)"
     return None
 
 
@@ -179,7 +179,7 @@ class TokenReader:
 
     def __post_init__(self) -> None:
         if self.jwks_url:
-            self._jwks = _JWKS(self.jwks_url, lambda: self.clock())
+            self._jwks = _JWKS(self.jwks_url, self.clock)  # not the reader: no cycle keeps its fetch thread
 
     @property
     def verifies(self) -> bool:
@@ -341,11 +341,12 @@ class ToolPolicy:
                 scopes = _as_set(spec.get("scopes", []), split=True)
             else:
                 raise ValueError(f"tool policy: requirement of {name!r} must be a mapping or a list")
-            resources = frozenset(resource.strip() for resource in resources)  # an operator's, as written
+            # an operator's, as written: spaces around it taken off, an empty one dropped (as ``canonical_resources``)
+            resources = frozenset(stripped for resource in resources if (stripped := resource.strip()))
             for resource in resources:  # else no token would ever be granted it, and every call of the tool refused
                 problem = _not_a_resource(resource)
                 if problem is not None:
-                    raise ValueError(f"tool policy: resource {resource!a} of {name!r} is no resource URI: "
+                    raise ValueError(f"tool policy: resource {resource!a} of {name!r} is no resource indicator: "
                                      f"{problem} (RFC 8707: an absolute URI of printable ASCII, with no fragment)")
             out[str(name)] = Requirement.of(resources, scopes)
         return cls(out)

@@ -77,7 +77,7 @@ def _policy(given: ToolPolicy | None) -> ToolPolicy | None:
         return None
     try:
         return ToolPolicy.from_file(path)
-    except (OSError, ValueError) as refused:  # tomllib's and json's errors are ValueErrors
+    except (OSError, ValueError, RecursionError) as refused:  # tomllib's and json's errors are ValueErrors
         log.error("%s=%s not loaded, the hooks run without a policy (no call's requirement, no audience gap): %s",
                   POLICY_ENV, path, refused)
         return None

@@ -93,7 +93,7 @@ def test_a_policy_file_that_does_not_load_leaves_the_hooks_on_without_it_and_say
                          capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert _ours(json.loads(run.stdout)), "the hooks still on"
-    assert "MCP_STREAM_POLICY" in run.stderr and "is no resource URI" in run.stderr
+    assert "MCP_STREAM_POLICY" in run.stderr and "is no resource indicator" in run.stderr
 
 
 @pytest.mark.parametrize("switch", [{"MCP_STREAM_EXPORTER_DISABLED": "true"},

@@ -101,12 +101,16 @@ def test_a_host_with_a_character_that_lower_cases_to_ascii_is_no_resource_and_a_
     assert canonical_resource("https://\u212aey.example/tools") != canonical_resource("https://key.example/tools")
     for resource, problem in (("https://\u212aey.example/tools", "printable ASCII"), ("https://a.example/t#x", "'#'"),
                               ("mcp.example.com/tools/fetch", "no scheme"), ("https://a.example:99999/t", "port")):
-        with pytest.raises(ValueError, match="is no resource URI: .*" + re.escape(problem)) as refused:
+        with pytest.raises(ValueError, match="is no resource indicator: .*" + re.escape(problem)) as refused:
             ToolPolicy.from_mapping({"tools": {"fetch": {"resources": [resource]}}})
         assert resource.encode("ascii", "backslashreplace").decode() in str(refused.value)  # shown as it is
-    # an operator's spaces around it, as written before: taken off
-    loaded = ToolPolicy.from_mapping({"tools": {"fetch": {"resource": " https://mcp.example.com/tools/fetch\n"}}})
+    # an operator's spaces around it, as written before: taken off; an empty one dropped; any absolute URI taken
+    loaded = ToolPolicy.from_mapping({"tools": {"fetch": {"resource": " https://mcp.example.com/tools/fetch\n"},
+                                                "search": {"resource": "", "scopes": "read"},
+                                                "other": ["api://0f9c", "urn:example:mcp", "HTTPS://[::1]:8443/mcp"]}})
     assert loaded.requirement("fetch") == Requirement.of(["https://mcp.example.com/tools/fetch"])
+    assert loaded.requirement("search") == Requirement.of([], ["read"])
+    assert loaded.requirement("other") == Requirement.of(["api://0f9c", "urn:example:mcp", "https://[::1]:8443/mcp"])
 
 
 def test_canonical_resource_removes_only_one_trailing_slash():

@@ -30,6 +30,7 @@ from promtool import check_rules
 from yamllint import linter
 from yamllint.config import YamlLintConfig
 
+from mcp_stream_exporter.auth import ToolPolicy
 from mcp_stream_exporter.detector.settings import ServiceConfig, load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,6 +145,18 @@ def test_the_merged_values_satisfy_the_schema(values):
 def test_the_schema_refuses_wrong_values(override):
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(_validator(schema).iter_errors(_merge(_values(), override)))
+
+
+@pytest.mark.parametrize("resource", ["api://0f9c4e2a", "urn:example:mcp-server", "HTTPS://mcp.example.com/tools",
+                                      "https://[::1]:8443/mcp?tenant=a", " https://mcp.example.com/tools/fetch ", ""])
+def test_the_schema_takes_every_resource_indicator_the_policy_loader_takes(resource):
+    """The loader takes any absolute URI of printable ASCII with no fragment (spaces around it, or an empty one,
+    dropped): the chart refusing one of them would fail an upgrade of values that load."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for policy in ({"tools": {"fetch": [resource]}}, {"tools": {"fetch": {"resource": resource}}},
+                   {"fetch": {"resources": [resource]}}):
+        assert not list(_validator(schema).iter_errors(_merge(_values(), {"toolPolicy": policy})))
+        ToolPolicy.from_mapping(policy)
 
 
 def test_the_memory_budget_defaults_agree_and_leave_half_the_pods_memory_limit_to_the_runtime():

@@ -166,7 +166,7 @@ class ServiceConfig(BaseSettings):
         if self.policy is not None:
             try:
                 self._tools = tuple(sorted(ToolPolicy.from_file(self.policy).tools))
-            except (OSError, ValueError, TypeError, KeyError) as exc:
+            except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
                 raise ValueError(f"--policy {self.policy}: {_reason(exc)}") from None
         return self
 
