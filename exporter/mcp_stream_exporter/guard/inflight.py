@@ -150,23 +150,16 @@ class InFlight(Generic[Owner]):
 
     def ran(self, session_id: str, request_id: str) -> None:
         """Something of the call in flight under ``request_id`` other than its answer was stored: its handler ran."""
-        held = self._sessions.get(session_id, {})
-        key = self._key(request_id)
-        call = held.get(key)
-        if call is not None and not call[0] & _RAN:
-            held[key] = (call[0] | _RAN, call[1])
+        self._mark(session_id, request_id, _RAN, unless=_RAN)
 
     def refused(self, session_id: str, request_id: str) -> None:
         """The answer of the call in flight under ``request_id`` is the call guard's refusal: unless something of
         it was stored before (``ran``: a tool's own error shaped as one), it never ran, and ending the session ends
         nothing of it, in flight or past. Told before the SDK's taking of its POST (``accepted``, which then leaves it
         out) or after (which takes back what that counted), as the two race."""
-        held = self._sessions.get(session_id, {})
-        key = self._key(request_id)
-        call = held.get(key)
-        if call is None or call[0] & (_RAN | _REFUSED):
+        call = self._mark(session_id, request_id, _REFUSED, unless=_RAN | _REFUSED)
+        if call is None:
             return
-        held[key] = (call[0] | _REFUSED, call[1])
         known = self._known.get(session_id)
         if call[0] & _COUNTED and known is not None and call[1] in known.owners:  # only what ``accepted`` counted
             left = known.owners[call[1]] - 1
@@ -174,6 +167,17 @@ class InFlight(Generic[Owner]):
                 known.owners[call[1]] = left
             else:
                 del known.owners[call[1]]
+
+    def _mark(self, session_id: str, request_id: str, flag: int, *, unless: int) -> tuple[int, Owner] | None:
+        """Set ``flag`` on the call in flight under ``request_id``, unless it has any of ``unless``: the call as it
+        was, or None when nothing was marked."""
+        held = self._sessions.get(session_id, {})
+        key = self._key(request_id)
+        call = held.get(key)
+        if call is None or call[0] & unless:
+            return None
+        held[key] = (call[0] | flag, call[1])
+        return call
 
     def hold(self, session_id: str, request_id: str) -> None:
         """Something the SDK may still act on names the id (a resume takes its stream's live tail, a cancel is

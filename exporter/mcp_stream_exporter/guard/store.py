@@ -268,10 +268,11 @@ class GuardedEventStore(EventStore):
                 owner = in_flight or self._in_flight.past(request.session_id, stream_id)
                 if owner is not None:
                     requirement, subject = owner
-                if in_flight is not None and refused_call(message):  # it never ran: a DELETE ends nothing of it
-                    self._in_flight.refused(request.session_id, stream_id)
-                elif in_flight is not None and message is not None and not _terminal(message):
-                    self._in_flight.ran(request.session_id, stream_id)
+                if in_flight is not None:
+                    if refused_call(message):  # it never ran: a DELETE ends nothing of it
+                        self._in_flight.refused(request.session_id, stream_id)
+                    elif message is not None and not _terminal(message):
+                        self._in_flight.ran(request.session_id, stream_id)
             if self._unopened:
                 await self._reopen(request.session_id)
             unrecorded = self._unrecorded.pop((request.session_id, stream_id), None)
